@@ -1,0 +1,44 @@
+# The README's two commands: `make demo` and `make test`. Everything they need is set up here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BUILD_DIR := build/py
+TORCH_VERSION ?= 2.14.1
+export MIRAGE_CUDA_ARCHS ?= 80;86;89;90a
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+export CCACHE_DIR ?= $(CURDIR)/build/ccache
+TORCHSCRIPT_MODULE := $(CURDIR)/$(BUILD_DIR)/scripted_group_norm.pt
+
+.PHONY: demo test install system-deps clean
+
+$(VENV)/.ready:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=0.10" pytest numpy expecttest
+	touch $@
+
+# Debian's Catch2 (v2) for the C++ tests and ccache for rebuilds; installed when missing.
+system-deps:
+	@if [ ! -f /usr/include/catch2/catch.hpp ] || ! command -v ccache >/dev/null || ! command -v ninja >/dev/null; then \
+	  echo "mirage: installing catch2, ccache and ninja with apt-get"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq catch2 ccache ninja-build >/dev/null; \
+	fi
+
+# Builds (incrementally, in $(BUILD_DIR)) and installs the package into the venv, C++ tests too.
+install: $(VENV)/.ready system-deps
+	@echo "mirage: building for CUDA archs '$(MIRAGE_CUDA_ARCHS)' (the first build takes minutes)"
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e . \
+	  -C build-dir=$(BUILD_DIR) -C cmake.define.MIRAGE_BUILD_TESTS=ON
+
+demo: install
+	$(PY) -m mirage info
+	$(PY) -m mirage demo
+
+test: install
+	MIRAGE_TORCHSCRIPT_MODULE=$(TORCHSCRIPT_MODULE) $(PY) -m pytest -q tests/python
+	MIRAGE_TORCHSCRIPT_MODULE=$(TORCHSCRIPT_MODULE) ctest --test-dir $(BUILD_DIR) --output-on-failure
+
+clean:
+	rm -rf build

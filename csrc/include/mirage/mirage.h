@@ -1,0 +1,46 @@
+// mirage's public C++ API for LibTorch users. Every function calls the registered operator
+// through the dispatcher, so autograd, autocast and device dispatch behave as from Python.
+// Link against libmirage (CMake target mirage::mirage); loading the library registers the ops,
+// so TorchScript modules that call torch.ops.mirage.* run from C++ too.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include <ATen/Tensor.h>
+
+namespace mirage {
+
+struct BuildInfo {
+  std::string version;         // mirage's version
+  std::string torch_version;   // the torch it was built against
+  std::string cuda_version;    // the CUDA toolkit it was built with, "" when CPU-only
+  std::vector<std::string> cuda_archs;  // compiled GPU architectures, e.g. "90a"
+};
+
+BuildInfo build_info();
+
+// GroupNorm over (N, C, *) input, NCHW or channels-last, output in the input's layout;
+// activation is "none" or "silu" (applied after the affine).
+at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,
+                      const std::optional<at::Tensor>& weight = std::nullopt,
+                      const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
+                      std::string_view activation = "none");
+
+// LayerNorm over the last dimension.
+at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight = std::nullopt,
+                      const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+
+// Pre-norm residual step: returns (layer_norm(x + residual), x + residual).
+std::tuple<at::Tensor, at::Tensor> add_layer_norm(
+    const at::Tensor& x, const at::Tensor& residual,
+    const std::optional<at::Tensor>& weight = std::nullopt,
+    const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+
+// a * gelu(b) with [a, b] = x.chunk(2, -1); approximate is "none" or "tanh".
+at::Tensor geglu(const at::Tensor& x, std::string_view approximate = "none");
+
+}  // namespace mirage

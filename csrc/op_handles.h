@@ -1,0 +1,40 @@
+// Typed dispatcher handles of the mirage ops, for C++ code that calls them (the public API and
+// the autograd and autocast kernels, which re-dispatch below their own key).
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace mirage::handles {
+
+using GroupNormSig = at::Tensor(const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, double, c10::string_view);
+using LayerNormSig = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, double);
+using AddLayerNormSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                           const std::optional<at::Tensor>&,
+                                                           const std::optional<at::Tensor>&,
+                                                           double);
+using GegluSig = at::Tensor(const at::Tensor&, c10::string_view);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> lookup(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// One lookup per op; a handle stays valid while the library is loaded.
+#define MIRAGE_OP_HANDLE(NAME, SIG)                                  \
+  inline const c10::TypedOperatorHandle<SIG>& NAME() {               \
+    static const auto handle = lookup<SIG>("mirage::" #NAME);        \
+    return handle;                                                   \
+  }
+MIRAGE_OP_HANDLE(group_norm, GroupNormSig)
+MIRAGE_OP_HANDLE(layer_norm, LayerNormSig)
+MIRAGE_OP_HANDLE(add_layer_norm, AddLayerNormSig)
+MIRAGE_OP_HANDLE(geglu, GegluSig)
+#undef MIRAGE_OP_HANDLE
+
+}  // namespace mirage::handles

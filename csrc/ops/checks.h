@@ -1,0 +1,30 @@
+// Argument checks shared by the ops. Every failure is a TORCH_CHECK whose message names the op,
+// the argument, what was expected and what was given (ARCHITECTURE.md rule 4).
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace mirage::ops {
+
+// Activations: float32/float16/bfloat16 everywhere; float64 too on the CPU (gradcheck).
+void check_activation_dtype(std::string_view op, std::string_view arg, const at::Tensor& t);
+
+// `other` must live on x's device.
+void check_same_device(std::string_view op, std::string_view arg, const at::Tensor& other,
+                       const at::Tensor& x);
+
+// weight / bias: 1-D of `size` elements on x's device, in x's dtype or float32.
+void check_param(std::string_view op, std::string_view arg, const std::optional<at::Tensor>& p,
+                 const at::Tensor& x, int64_t size);
+
+// The dtype weight and bias share (x's when both are absent); they must agree.
+at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& x);
+
+// The parameter as a contiguous tensor, or undefined when absent.
+at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p);
+
+}  // namespace mirage::ops

@@ -1,0 +1,29 @@
+// Shared by the *_cuda.cpp files: dtype mapping and the launch-status check.
+#pragma once
+
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "../../cuda/common.cuh"
+
+namespace mirage::ops {
+
+inline cuda::DType to_kernel_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: return cuda::DType::kFloat16;
+    case at::kBFloat16: return cuda::DType::kBFloat16;
+    default: return cuda::DType::kFloat32;  // checks admit only float32 besides these on CUDA
+  }
+}
+
+inline const void* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr() : nullptr;
+}
+
+inline void check_launch(std::string_view op, cudaError_t status) {
+  TORCH_CHECK(status == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(status));
+}
+
+}  // namespace mirage::ops

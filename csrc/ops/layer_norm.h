@@ -1,0 +1,22 @@
+// mirage::layer_norm and mirage::add_layer_norm: checks shared by the CPU, Meta and CUDA kernels.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace mirage::ops {
+
+inline constexpr std::string_view kLayerNorm = "mirage::layer_norm";
+inline constexpr std::string_view kAddLayerNorm = "mirage::add_layer_norm";
+
+// Checks x (normalized over its last dimension), the affine and eps; returns that dimension.
+int64_t check_layer_norm(std::string_view op, const at::Tensor& x,
+                         const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias, double eps);
+
+// residual must match x in shape, dtype and device.
+void check_residual(const at::Tensor& x, const at::Tensor& residual);
+
+}  // namespace mirage::ops

@@ -1,0 +1,24 @@
+// mirage._C: what Python needs from the C++ library that is not a tensor op. Importing it loads
+// libmirage, which registers the torch.ops.mirage operators.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "mirage/mirage.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mirage's compiled core";
+  m.def(
+      "build_info",
+      [] {
+        const mirage::BuildInfo info = mirage::build_info();
+        py::dict d;
+        d["version"] = info.version;
+        d["torch_version"] = info.torch_version;
+        d["cuda_version"] = info.cuda_version;
+        d["cuda_archs"] = info.cuda_archs;
+        return d;
+      },
+      "What the library was built with: version, torch and CUDA versions, GPU architectures.");
+}

@@ -1,0 +1,471 @@
+// GroupNorm with a fused activation, for NCHW and channels-last input, in the input's layout.
+//
+// Three paths, chosen by make_plan:
+//  - fused: one block per (sample, group) holds the whole group in registers; exact two-pass
+//    statistics, then normalize. Small groups (the deep U-Net levels).
+//  - nhwc: channels-last. Blocks own a tile of whole groups' channels over a chunk of pixels, so
+//    each thread keeps a fixed channel vector and reads full rows; the stats kernel writes per-chunk
+//    moments, the apply kernel merges them and normalizes (the re-read mostly hits L2).
+//  - groups: like nhwc, but chunks of each group's own span. NCHW (where a group is contiguous),
+//    and channels-last groups too wide for a tile.
+#include <algorithm>
+#include <numeric>
+
+#include "group_norm.cuh"
+#include "kernel_utils.cuh"
+
+namespace mirage::cuda {
+namespace {
+
+constexpr int kFusedThreads = 512;
+constexpr int kFusedMaxPerThread = 8;  // vectors per thread in registers
+constexpr int kSplitThreads = 256;
+constexpr int kUnroll = 4;             // independent loads in flight per thread
+constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
+
+enum class Path { kFused, kNhwc, kGroups };
+
+// A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
+// NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
+struct GroupView {
+  int64_t rows, row_vecs, row_stride, group_vecs;
+};
+
+struct Args {
+  const void* x;
+  const void* weight;
+  const void* bias;
+  void* y;
+  int64_t channels, spatial, groups, cpg;
+  GroupView view;
+  float eps;
+  bool channels_last;
+  Activation activation;
+  DType param_dtype;
+  int chunks;          // split paths: chunks per group
+  int64_t chunk_size;  // groups path: vectors per chunk; nhwc path: pixels per chunk
+  int tiles;           // nhwc path: column tiles per sample
+  int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
+  Moments* partial;    // split paths: [N * G, chunks]
+};
+
+__device__ __forceinline__ int64_t group_offset(const Args& a, int64_t n, int64_t g) {
+  return n * a.channels * a.spatial + g * a.cpg * (a.channels_last ? 1 : a.spatial);
+}
+
+__device__ __forceinline__ float activate(const Args& a, float v) {
+  return a.activation == Activation::kSilu ? silu(v) : v;
+}
+
+// Normalizes, applies the affine and the activation to the vector at (row, col) of group g.
+template <int V>
+__device__ __forceinline__ void normalize(const Args& a, float (&v)[V], int64_t g, int64_t row,
+                                          int64_t col, float mean, float rstd) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int64_t ch = g * a.cpg + (a.channels_last ? col * V + i : row);
+    const float scale = rstd * load_param(a.weight, a.param_dtype, ch, 1.0f);
+    const float shift = load_param(a.bias, a.param_dtype, ch, 0.0f) - mean * scale;
+    v[i] = activate(a, v[i] * scale + shift);
+  }
+}
+
+// Exact moments of up to kUnroll loaded vectors (`valid` of them).
+template <int V>
+__device__ __forceinline__ Moments batch_moments(const float (&vals)[kUnroll][V], int valid) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+    for (int i = 0; i < V; ++i) sum += u < valid ? vals[u][i] : 0.0f;
+  const float count = static_cast<float>(valid * V);
+  const float mean = sum / count;
+  float m2 = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float d = vals[u][i] - mean;
+      m2 += u < valid ? d * d : 0.0f;
+    }
+  return {count, mean, m2};
+}
+
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a) {
+  __shared__ float scratch[32];
+  const int64_t ng = blockIdx.x, n = ng / a.groups, g = ng % a.groups;
+  const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
+  T* y = static_cast<T*>(a.y) + group_offset(a, n, g);
+  const GroupView& gv = a.view;
+
+  float vals[K][V];
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (v < gv.group_vecs) {
+      const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+      load_packed<T, V>(x + row * gv.row_stride + col * V, vals[k]);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum += vals[k][i];
+    }
+  }
+  const float count = static_cast<float>(gv.group_vecs * V);
+  const float mean = block_sum(sum, scratch) / count;
+  float m2 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float d = vals[k][i] - mean;
+      m2 += v < gv.group_vecs ? d * d : 0.0f;
+    }
+  }
+  const float rstd = rsqrtf(block_sum(m2, scratch) / count + a.eps);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (v < gv.group_vecs) {
+      const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+      normalize<V>(a, vals[k], g, row, col, mean, rstd);
+      store_packed<T, V>(y + row * gv.row_stride + col * V, vals[k]);
+    }
+  }
+}
+
+// groups path, pass 1: moments of chunk (blockIdx.x % chunks) of group (blockIdx.x / chunks).
+template <typename T, int V>
+__global__ void __launch_bounds__(kSplitThreads) group_norm_groups_stats_kernel(Args a) {
+  __shared__ Moments scratch[32];
+  const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
+  const int64_t begin = (blockIdx.x % a.chunks) * a.chunk_size;
+  const int64_t end = std::min(begin + a.chunk_size, a.view.group_vecs);
+  const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
+  const GroupView& gv = a.view;
+
+  Moments m{0.0f, 0.0f, 0.0f};
+  for (int64_t v0 = begin + threadIdx.x; v0 < end; v0 += kUnroll * blockDim.x) {
+    float vals[kUnroll][V];
+    int valid = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + u * blockDim.x;
+      if (v < end) {
+        const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+        load_packed<T, V>(x + row * gv.row_stride + col * V, vals[u]);
+        valid = u + 1;
+      }
+    }
+    m = merge(m, batch_moments<V>(vals, valid));
+  }
+  m = block_merge(m, scratch);
+  if (threadIdx.x == 0) a.partial[blockIdx.x] = m;
+}
+
+// groups path, pass 2: merge the group's chunk moments, normalize this block's chunk.
+template <typename T, int V>
+__global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(Args a) {
+  __shared__ float stats[2];
+  const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
+  const int64_t begin = (blockIdx.x % a.chunks) * a.chunk_size;
+  const int64_t end = std::min(begin + a.chunk_size, a.view.group_vecs);
+  const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
+  T* y = static_cast<T*>(a.y) + group_offset(a, n, g);
+  const GroupView& gv = a.view;
+
+  if (threadIdx.x < 32) {
+    Moments m{0.0f, 0.0f, 0.0f};
+    for (int c = threadIdx.x; c < a.chunks; c += 32) m = merge(m, a.partial[ng * a.chunks + c]);
+    m = warp_merge(m);
+    if (threadIdx.x == 0) {
+      stats[0] = m.mean;
+      stats[1] = rsqrtf(m.m2 / m.count + a.eps);
+    }
+  }
+  __syncthreads();
+  const float mean = stats[0], rstd = stats[1];
+
+  for (int64_t v0 = begin + threadIdx.x; v0 < end; v0 += kUnroll * blockDim.x) {
+    float vals[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + u * blockDim.x;
+      if (v < end) {
+        const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+        load_packed<T, V>(x + row * gv.row_stride + col * V, vals[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + u * blockDim.x;
+      if (v < end) {
+        const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+        normalize<V>(a, vals[u], g, row, col, mean, rstd);
+        store_packed<T, V>(y + row * gv.row_stride + col * V, vals[u]);
+      }
+    }
+  }
+}
+
+// nhwc path: block (tile, chunk, n) covers column vectors [tile * tile_vecs, +tile_vecs) (whole
+// groups) of pixels [chunk * chunk_size, +chunk_size) of sample n; threadIdx.x picks the column.
+struct NhwcBlock {
+  int64_t n, chunk, tile, col, pixel_begin, pixel_end, first_group;
+  int groups_in_tile;
+  bool active;  // this thread's column exists (the last tile may be partial)
+};
+
+template <int V>
+__device__ __forceinline__ NhwcBlock nhwc_block(const Args& a) {
+  NhwcBlock b;
+  b.tile = blockIdx.x % a.tiles;
+  b.chunk = (blockIdx.x / a.tiles) % a.chunks;
+  b.n = blockIdx.x / (static_cast<int64_t>(a.tiles) * a.chunks);
+  b.col = b.tile * a.tile_vecs + threadIdx.x;
+  b.pixel_begin = b.chunk * a.chunk_size;
+  b.pixel_end = std::min(b.pixel_begin + a.chunk_size, a.spatial);
+  const int64_t first_channel = b.tile * a.tile_vecs * V;
+  b.first_group = first_channel / a.cpg;
+  b.groups_in_tile = static_cast<int>(
+      (std::min(first_channel + a.tile_vecs * V, a.channels) - first_channel) / a.cpg);
+  b.active = b.col * V < a.channels;
+  return b;
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Args a) {
+  extern __shared__ Moments channel_moments[];  // [blockDim.y][tile_vecs * V]
+  const NhwcBlock b = nhwc_block<V>(a);
+  const T* x = static_cast<const T*>(a.x) + b.n * a.spatial * a.channels + b.col * V;
+  const int tile_channels = a.tile_vecs * V;
+
+  Moments m[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) m[i] = {0.0f, 0.0f, 0.0f};
+  if (b.active) {
+    for (int64_t p0 = b.pixel_begin + threadIdx.y; p0 < b.pixel_end; p0 += kUnroll * blockDim.y) {
+      float vals[kUnroll][V];
+      int valid = 0;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t p = p0 + u * blockDim.y;
+        if (p < b.pixel_end) {
+          load_packed<T, V>(x + p * a.channels, vals[u]);
+          valid = u + 1;
+        }
+      }
+      // Per channel: the batch's exact moments, merged into the running ones.
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) sum += u < valid ? vals[u][i] : 0.0f;
+        const float mean = sum / valid;
+        float m2 = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const float d = vals[u][i] - mean;
+          m2 += u < valid ? d * d : 0.0f;
+        }
+        m[i] = merge(m[i], {static_cast<float>(valid), mean, m2});
+      }
+    }
+  }
+  Moments* mine = channel_moments + threadIdx.y * tile_channels + threadIdx.x * V;
+#pragma unroll
+  for (int i = 0; i < V; ++i) mine[i] = m[i];
+  __syncthreads();
+  // Tree over the pixel rows of the block.
+  int span = 1;
+  while (span < static_cast<int>(blockDim.y)) span <<= 1;
+  for (span >>= 1; span > 0; span >>= 1) {
+    if (threadIdx.y < span && threadIdx.y + span < blockDim.y) {
+      const Moments* other = mine + span * tile_channels;
+#pragma unroll
+      for (int i = 0; i < V; ++i) mine[i] = merge(mine[i], other[i]);
+    }
+    __syncthreads();
+  }
+  // Channels into groups.
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int gi = tid; gi < b.groups_in_tile; gi += blockDim.x * blockDim.y) {
+    Moments acc{0.0f, 0.0f, 0.0f};
+    for (int64_t c = 0; c < a.cpg; ++c) acc = merge(acc, channel_moments[gi * a.cpg + c]);
+    const int64_t ng = b.n * a.groups + b.first_group + gi;
+    a.partial[ng * a.chunks + b.chunk] = acc;
+  }
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Args a) {
+  extern __shared__ float2 group_stats[];  // [groups in tile]: mean, rstd
+  const NhwcBlock b = nhwc_block<V>(a);
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int gi = tid; gi < b.groups_in_tile; gi += blockDim.x * blockDim.y) {
+    const Moments* parts = a.partial + (b.n * a.groups + b.first_group + gi) * a.chunks;
+    Moments m{0.0f, 0.0f, 0.0f};
+    for (int c = 0; c < a.chunks; ++c) m = merge(m, parts[c]);
+    group_stats[gi] = make_float2(m.mean, rsqrtf(m.m2 / m.count + a.eps));
+  }
+  __syncthreads();
+  if (!b.active) return;
+
+  float scale[V], shift[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int64_t ch = b.col * V + i;
+    const float2 s = group_stats[ch / a.cpg - b.first_group];
+    scale[i] = s.y * load_param(a.weight, a.param_dtype, ch, 1.0f);
+    shift[i] = load_param(a.bias, a.param_dtype, ch, 0.0f) - s.x * scale[i];
+  }
+  const int64_t base = b.n * a.spatial * a.channels + b.col * V;
+  const T* x = static_cast<const T*>(a.x) + base;
+  T* y = static_cast<T*>(a.y) + base;
+  for (int64_t p0 = b.pixel_begin + threadIdx.y; p0 < b.pixel_end; p0 += kUnroll * blockDim.y) {
+    float vals[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * blockDim.y;
+      if (p < b.pixel_end) load_packed<T, V>(x + p * a.channels, vals[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * blockDim.y;
+      if (p < b.pixel_end) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) vals[u][i] = activate(a, vals[u][i] * scale[i] + shift[i]);
+        store_packed<T, V>(y + p * a.channels, vals[u]);
+      }
+    }
+  }
+}
+
+struct Plan {
+  Path path;
+  int vec;         // elements per access
+  int per_thread;  // fused: vectors per thread (a power of two)
+  dim3 grid, block;
+  size_t shared_bytes;
+  Args args;
+};
+
+Plan make_plan(const GroupNormParams& p) {
+  Plan plan{};
+  Args& a = plan.args;
+  a.x = p.x;
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.y = p.y;
+  a.channels = p.channels;
+  a.spatial = p.spatial;
+  a.groups = p.groups;
+  a.cpg = p.channels / p.groups;
+  a.eps = p.eps;
+  a.channels_last = p.channels_last;
+  a.activation = p.activation;
+  a.param_dtype = p.param_dtype;
+
+  const int elem = dtype_size(p.dtype);
+  const int pack = 16 / elem;
+  const bool aligned = is_aligned(p.x, 16) && is_aligned(p.y, 16);
+  // Rows of the group view: NCHW rows are channels (HW long), channels-last rows are pixels.
+  const int64_t rows = p.channels_last ? p.spatial : a.cpg;
+  const int64_t row_len = p.channels_last ? a.cpg : p.spatial;
+  const int64_t row_stride = p.channels_last ? p.channels : p.spatial;
+  const int64_t target_blocks = 4LL * sm_count();
+  const int64_t ng = p.batch * p.groups;
+
+  // nhwc path: tiles of whole groups; the vector needs only C % pack (tiles align to lcm(cpg, pack)).
+  const int nhwc_vec = (aligned && p.channels % pack == 0) ? pack : 1;
+  const int64_t lcm_vecs = std::lcm<int64_t>(a.cpg, nhwc_vec) / nhwc_vec;
+  const int group_vec = (aligned && row_len % pack == 0 && row_stride % pack == 0) ? pack : 1;
+  const int64_t group_vecs = rows * row_len / group_vec;
+
+  if (group_vecs <= kFusedThreads * kFusedMaxPerThread) {
+    plan.path = Path::kFused;
+    plan.vec = group_vec;
+    plan.per_thread = 1;
+    while (plan.per_thread * kFusedThreads < group_vecs) plan.per_thread *= 2;
+    const int64_t threads = ceil_div(ceil_div(group_vecs, plan.per_thread), 32) * 32;
+    plan.grid = dim3(static_cast<unsigned>(ng));
+    plan.block = dim3(static_cast<unsigned>(threads));
+  } else if (p.channels_last && lcm_vecs <= kMaxTileVecs) {
+    plan.path = Path::kNhwc;
+    plan.vec = nhwc_vec;
+    const int64_t col_vecs = p.channels / nhwc_vec;
+    a.tile_vecs = static_cast<int>(std::min(col_vecs, kMaxTileVecs / lcm_vecs * lcm_vecs));
+    a.tiles = static_cast<int>(ceil_div(col_vecs, a.tile_vecs));
+    const int block_y = std::max(1, kSplitThreads / a.tile_vecs);
+    const int64_t min_chunk = static_cast<int64_t>(block_y) * 2;  // >= 2 pixels per thread
+    const int64_t wanted = std::max<int64_t>(1, ceil_div(target_blocks, p.batch * a.tiles));
+    a.chunk_size = std::max(min_chunk, ceil_div(p.spatial, wanted));
+    a.chunks = static_cast<int>(ceil_div(p.spatial, a.chunk_size));
+    plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks * a.tiles));
+    plan.block = dim3(a.tile_vecs, block_y);
+    plan.shared_bytes = static_cast<size_t>(block_y) * a.tile_vecs * nhwc_vec * sizeof(Moments);
+  } else {
+    plan.path = Path::kGroups;
+    plan.vec = group_vec;
+    const int64_t min_chunk = kSplitThreads * 2;
+    const int64_t wanted = std::max<int64_t>(1, ceil_div(target_blocks, ng));
+    a.chunk_size = std::max(min_chunk, ceil_div(group_vecs, wanted));
+    a.chunks = static_cast<int>(ceil_div(group_vecs, a.chunk_size));
+    plan.grid = dim3(static_cast<unsigned>(ng * a.chunks));
+    plan.block = dim3(kSplitThreads);
+  }
+  a.view = {rows, row_len / plan.vec, row_stride, rows * row_len / plan.vec};
+  return plan;
+}
+
+template <typename T, int V>
+cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
+  const Args& a = plan.args;
+  switch (plan.path) {
+    case Path::kFused:
+      switch (plan.per_thread) {
+        case 1: group_norm_fused_kernel<T, V, 1><<<plan.grid, plan.block, 0, stream>>>(a); break;
+        case 2: group_norm_fused_kernel<T, V, 2><<<plan.grid, plan.block, 0, stream>>>(a); break;
+        case 4: group_norm_fused_kernel<T, V, 4><<<plan.grid, plan.block, 0, stream>>>(a); break;
+        default: group_norm_fused_kernel<T, V, 8><<<plan.grid, plan.block, 0, stream>>>(a); break;
+      }
+      break;
+    case Path::kNhwc: {
+      group_norm_nhwc_stats_kernel<T, V><<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
+      // One (mean, rstd) per group of a tile: at most one per channel of the tile.
+      const size_t stats_bytes = static_cast<size_t>(a.tile_vecs) * V * sizeof(float2);
+      group_norm_nhwc_apply_kernel<T, V><<<plan.grid, plan.block, stats_bytes, stream>>>(a);
+      break;
+    }
+    case Path::kGroups:
+      group_norm_groups_stats_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
+      group_norm_groups_apply_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t group_norm_workspace_bytes(const GroupNormParams& params) {
+  if (params.batch * params.channels * params.spatial == 0) return 0;
+  const Plan plan = make_plan(params);
+  if (plan.path == Path::kFused) return 0;
+  return static_cast<size_t>(params.batch * params.groups * plan.args.chunks) * sizeof(Moments);
+}
+
+cudaError_t launch_group_norm(const GroupNormParams& params, void* workspace, cudaStream_t stream) {
+  if (params.batch * params.channels * params.spatial == 0) return cudaSuccess;
+  Plan plan = make_plan(params);
+  plan.args.partial = static_cast<Moments*>(workspace);
+  cudaError_t status = cudaSuccess;
+  MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
+    constexpr int kPack = kPackWidth<scalar_t>;
+    status = plan.vec == kPack ? launch_with<scalar_t, kPack>(plan, stream)
+                               : launch_with<scalar_t, 1>(plan, stream);
+  });
+  return status;
+}
+
+}  // namespace mirage::cuda

@@ -1,0 +1,158 @@
+// Device helpers shared by the kernel families: dtype dispatch, conversions, vector access,
+// reductions. Included by .cu files only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+
+// Runs BODY with scalar_t bound to the C++ type of DTYPE. The one dispatch macro of cuda/.
+#define MIRAGE_DISPATCH_FLOAT(DTYPE, ...)                  \
+  switch (DTYPE) {                                         \
+    case ::mirage::cuda::DType::kFloat32: {                \
+      using scalar_t = float;                              \
+      __VA_ARGS__();                                       \
+      break;                                               \
+    }                                                      \
+    case ::mirage::cuda::DType::kFloat16: {                \
+      using scalar_t = __half;                             \
+      __VA_ARGS__();                                       \
+      break;                                               \
+    }                                                      \
+    case ::mirage::cuda::DType::kBFloat16: {               \
+      using scalar_t = __nv_bfloat16;                      \
+      __VA_ARGS__();                                       \
+      break;                                               \
+    }                                                      \
+  }
+
+namespace mirage::cuda {
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// V elements of T moved as one access: 16 bytes when V * sizeof(T) == 16.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Packed {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void load_packed(const T* p, float (&out)[V]) {
+  const Packed<T, V> packed = *reinterpret_cast<const Packed<T, V>*>(p);
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = to_float(packed.v[i]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_packed(T* p, const float (&in)[V]) {
+  Packed<T, V> packed;
+#pragma unroll
+  for (int i = 0; i < V; ++i) packed.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Packed<T, V>*>(p) = packed;
+}
+
+// The widest vector (16 bytes) for T; kernels fall back to 1 when pointers or sizes do not allow it.
+template <typename T>
+constexpr int kPackWidth = 16 / sizeof(T);
+
+inline bool is_aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Multiprocessors of the current device: grids are sized to fill them.
+inline int sm_count() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+// Affine parameters (weight, bias) may be stored in the activation dtype or in float32
+// (mixed-precision models keep them in float32); a null pointer means "absent".
+__device__ __forceinline__ float load_param(const void* p, DType dtype, int64_t i, float absent) {
+  if (p == nullptr) return absent;
+  switch (dtype) {
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over all threads of a 1-D block whose size is a multiple of 32. scratch: >= 32 floats.
+// Every thread gets the result; scratch may be reused right after.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();
+  return v;
+}
+
+// Count, mean and sum of squared deviations of a set of values: merged exactly (Chan et al.),
+// so partial statistics of chunks combine without the cancellation of sum / sum-of-squares.
+struct Moments {
+  float count, mean, m2;
+};
+
+__device__ __forceinline__ Moments merge(Moments a, Moments b) {
+  const float count = a.count + b.count;
+  if (count == 0.0f) return a;
+  const float delta = b.mean - a.mean;
+  const float share_b = b.count / count;
+  return {count, a.mean + delta * share_b, a.m2 + b.m2 + delta * delta * a.count * share_b};
+}
+
+__device__ __forceinline__ Moments warp_merge(Moments m) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Moments other{__shfl_xor_sync(0xffffffffu, m.count, offset),
+                        __shfl_xor_sync(0xffffffffu, m.mean, offset),
+                        __shfl_xor_sync(0xffffffffu, m.m2, offset)};
+    m = merge(m, other);
+  }
+  return m;
+}
+
+// Merge over a 1-D block (size a multiple of 32). scratch: >= 32 Moments. Every thread gets it.
+__device__ __forceinline__ Moments block_merge(Moments m, Moments* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  m = warp_merge(m);
+  if (lane == 0) scratch[warp] = m;
+  __syncthreads();
+  m = lane < warps ? scratch[lane] : Moments{0.0f, 0.0f, 0.0f};
+  m = warp_merge(m);
+  __syncthreads();
+  return m;
+}
+
+}  // namespace mirage::cuda

@@ -1,0 +1,34 @@
+"""mirage: fused CUDA kernels and drop-in modules that make existing PyTorch models fast.
+
+Importing mirage loads its compiled library, which registers the ``torch.ops.mirage.*``
+operators. ``mirage.ops`` has typed wrappers for them and ``mirage.nn`` the fused modules.
+"""
+
+import torch
+
+from . import _build_info
+
+__version__ = "0.1.0"
+
+
+def _check_torch_version(built: str, running: str) -> None:
+    """Refuse a torch other than the one mirage was compiled against.
+
+    A C++ extension built against one torch fails with undefined symbols (or worse, runs with a
+    mismatched ABI) under another; this turns that into an actionable message.
+    """
+    if built != running:
+        raise ImportError(
+            f"mirage was built against torch {built}, but torch {running} is installed. "
+            "Rebuild mirage for this torch: `pip install --no-build-isolation --no-deps "
+            "--force-reinstall mirage-ops` (from a checkout: `pip install --no-build-isolation -e .`)."
+        )
+
+
+_check_torch_version(_build_info.TORCH_VERSION, torch.__version__)
+
+from . import _C  # noqa: E402  (loads libmirage: registers torch.ops.mirage)
+from . import nn, ops  # noqa: E402
+from .info import build_info, info  # noqa: E402
+
+__all__ = ["build_info", "info", "nn", "ops", "__version__"]

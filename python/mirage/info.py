@@ -1,0 +1,37 @@
+"""What mirage was built with and what it runs on (``python -m mirage info``)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+
+def build_info() -> dict:
+    """The compiled library's facts: version, torch and CUDA versions, GPU architectures."""
+    return dict(_C.build_info())
+
+
+def registered_ops() -> list[str]:
+    """Every operator in the ``mirage`` namespace, as the dispatcher knows it."""
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("mirage::"))
+
+
+def info() -> str:
+    """A readable report of the build, the running torch, the GPU and the registered ops."""
+    built = build_info()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu = f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)"
+    else:
+        gpu = "none"
+    lines = [
+        f"mirage {built['version']}",
+        f"built against: torch {built['torch_version']}, CUDA {built['cuda_version'] or 'none (CPU-only build)'}",
+        f"running:       torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}",
+        f"compiled GPU architectures: {', '.join('sm_' + a for a in built['cuda_archs']) or 'none'}",
+        f"GPU: {gpu}",
+        "ops:",
+    ]
+    lines += [f"  {name}" for name in registered_ops()]
+    return "\n".join(lines)

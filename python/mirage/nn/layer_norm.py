@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+
+
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm`` over the last dimension; ``forward(x, residual)`` also fuses the
+    pre-norm residual add and returns ``(normed, x + residual)``."""
+
+    def __init__(
+        self,
+        normalized_shape: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = normalized_shape
+        self.eps = eps
+        factory = dict(device=device, dtype=dtype)
+        self.weight: Optional[nn.Parameter] = (
+            nn.Parameter(torch.ones(normalized_shape, **factory)) if elementwise_affine else None
+        )
+        self.bias: Optional[nn.Parameter] = (
+            nn.Parameter(torch.zeros(normalized_shape, **factory)) if elementwise_affine and bias else None
+        )
+
+    @classmethod
+    def from_torch(cls, module: nn.LayerNorm) -> "LayerNorm":
+        """The fused module for ``module`` (sharing its parameters)."""
+        if not isinstance(module, nn.LayerNorm):
+            raise TypeError(f"mirage.nn.LayerNorm.from_torch: expected nn.LayerNorm, got {type(module).__name__}")
+        if len(module.normalized_shape) != 1:
+            raise ValueError(
+                "mirage.nn.LayerNorm.from_torch: only normalization over the last dimension is fused, "
+                f"got normalized_shape={tuple(module.normalized_shape)}"
+            )
+        fused = cls(module.normalized_shape[0], module.eps, elementwise_affine=False)
+        fused.weight, fused.bias = module.weight, module.bias
+        return fused
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, affine={self.weight is not None}"

@@ -1,0 +1,80 @@
+// mirage's C++ API through LibTorch, and a TorchScript module that calls torch.ops.mirage
+// loaded and run from C++. References are PyTorch's own composites.
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <torch/script.h>
+
+#include "catch_compat.h"
+#include "mirage/mirage.h"
+
+namespace {
+
+void require_close(const at::Tensor& got, const at::Tensor& want, double tol) {
+  INFO("max abs error " << (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>());
+  REQUIRE(got.sizes() == want.sizes());
+  REQUIRE(got.scalar_type() == want.scalar_type());
+  REQUIRE(at::allclose(got.to(at::kDouble), want.to(at::kDouble), tol, tol));
+}
+
+std::string error_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("build_info names the version and the torch built against", "[api]") {
+  const mirage::BuildInfo info = mirage::build_info();
+  REQUIRE_FALSE(info.version.empty());
+  REQUIRE(info.torch_version.find('.') != std::string::npos);
+}
+
+TEST_CASE("group_norm matches at::group_norm + silu on CPU tensors", "[api]") {
+  const at::Tensor x = at::randn({2, 12, 5, 7}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor w = at::randn({12}), b = at::randn({12});
+  const at::Tensor y = mirage::group_norm(x, 3, w, b, 1e-5, "silu");
+  require_close(y, at::silu(at::group_norm(x, 3, w, b, 1e-5)), 1e-5);
+  REQUIRE(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+TEST_CASE("layer_norm, add_layer_norm and geglu match PyTorch on CPU tensors", "[api]") {
+  const at::Tensor x = at::randn({3, 4, 10}), r = at::randn({3, 4, 10});
+  const at::Tensor w = at::randn({10}), b = at::randn({10});
+  require_close(mirage::layer_norm(x, w, b), at::layer_norm(x, {10}, w, b), 1e-5);
+  const auto [out, sum] = mirage::add_layer_norm(x, r, w, b);
+  require_close(sum, x + r, 1e-6);
+  require_close(out, at::layer_norm(x + r, {10}, w, b), 1e-5);
+  const auto halves = x.chunk(2, -1);
+  require_close(mirage::geglu(x, "tanh"), halves[0] * at::gelu(halves[1], "tanh"), 1e-5);
+}
+
+TEST_CASE("bad input raises c10::Error naming the op and the argument", "[api]") {
+  const at::Tensor x = at::randn({2, 30, 4, 4});
+  REQUIRE(error_of([&] { mirage::group_norm(x, 32); }).find(
+              "mirage::group_norm: x must have C divisible by num_groups (C=30, num_groups=32)") !=
+          std::string::npos);
+  REQUIRE(error_of([&] { mirage::geglu(at::randn({2, 3})); }).find("mirage::geglu: x's last dimension must be even") !=
+          std::string::npos);
+}
+
+TEST_CASE("a scripted module calling torch.ops.mirage runs from C++", "[torchscript]") {
+  // tests/python/test_torchscript.py saves it; `make test` runs pytest first and sets this path.
+  const char* path = std::getenv("MIRAGE_TORCHSCRIPT_MODULE");
+  if (path == nullptr) MIRAGE_SKIP("MIRAGE_TORCHSCRIPT_MODULE is not set (run through `make test`)");
+  INFO("module: " << path);
+  REQUIRE(std::ifstream(path).good());
+  torch::jit::Module module = torch::jit::load(path);
+  const at::Tensor weight = module.attr("weight").toTensor(), bias = module.attr("bias").toTensor();
+  const int64_t groups = module.attr("num_groups").toInt();
+  const double eps = module.attr("eps").toDouble();
+  const at::Tensor x = at::randn({2, weight.size(0), 6, 5}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor y = module.forward({x}).toTensor();
+  require_close(y, at::silu(at::group_norm(x, groups, weight, bias, eps)), 1e-5);
+}
