@@ -1,0 +1,53 @@
+"""Shared by the op tests: devices, dtypes, input makers and the reference comparison."""
+
+import pytest
+import torch
+
+from tolerances import REDUCTION_ERROR_FACTOR, tolerance
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", mean=0.3, std=1.7):
+    """Random values away from zero mean and unit scale, so offsets and scales are exercised."""
+    return (torch.randn(*shape, dtype=torch.float64) * std + mean).to(dtype=dtype, device=device)
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values as x as a non-contiguous view: every other element, along the last
+    dimension longer than 1, of a tensor twice as wide (the gaps hold NaN)."""
+    dims = [d for d in range(x.dim()) if x.shape[d] > 1]
+    if not dims:
+        return x
+    d = dims[-1]
+    shape = list(x.shape)
+    shape[d] *= 2
+    wide = torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
+    view = wide.narrow(d, 0, shape[d] - 1)[(slice(None),) * d + (slice(None, None, 2),)]
+    view.copy_(x)
+    assert not view.is_contiguous()
+    return view
+
+
+def cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().to(dtype)
+    return value
+
+
+def assert_matches(got, composite, args, dtype, reduction=False):
+    """got == composite(*args) within the dtype's tolerance of the float64 result.
+
+    For reductions also: got's max error <= REDUCTION_ERROR_FACTOR x PyTorch's own same-dtype
+    error (composite run with every floating argument in dtype) + atol.
+    """
+    ref = composite(*[cast(a, torch.float64) for a in args])
+    tol = tolerance(dtype)
+    assert got.dtype == dtype
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got.double().cpu(), ref.to(dtype).double().cpu(), **tol)
+    if reduction and dtype != torch.float64:
+        ours = (got.double() - ref).abs().max().item()
+        theirs = (composite(*[cast(a, dtype) for a in args]).double() - ref).abs().max().item()
+        assert ours <= REDUCTION_ERROR_FACTOR * theirs + tol["atol"], (ours, theirs)

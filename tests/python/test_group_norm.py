@@ -1,0 +1,203 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirage
+from common import DEVICES, DTYPES, assert_matches, randn, strided
+
+# (N, C, spatial, groups): C = 3 * groups, H*W of 1, 7 and 769, wide and narrow groups.
+SHAPES = [
+    ((2, 6, 1, 1), 2),
+    ((3, 6, 7, 1), 2),
+    ((1, 9, 769, 1), 3),
+    ((2, 32, 8, 8), 8),
+    ((2, 64, 24, 24), 32),
+    ((1, 40, 64, 72), 4),
+]
+LAYOUTS = ["nchw", "channels_last", "strided"]
+
+
+def composite(x, num_groups, weight, bias, eps, activation):
+    y = F.group_norm(x, num_groups, weight, bias, eps)
+    return F.silu(y) if activation == "silu" else y
+
+
+def make_input(shape, layout, dtype, device):
+    x = randn(*shape, dtype=dtype, device=device)
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "strided":
+        return strided(x)
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape,groups", SHAPES)
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_matches_composite(device, dtype, layout, shape, groups, activation):
+    x = make_input(shape, layout, dtype, device)
+    c = shape[1]
+    weight = randn(c, device=device, mean=1.0, std=0.5)  # float32 parameters beside any dtype
+    bias = randn(c, device=device, mean=0.0, std=0.5)
+    y = mirage.ops.group_norm(x, groups, weight, bias, 1e-5, activation)
+    assert_matches(y, composite, (x, groups, weight, bias, 1e-5, activation),
+                   dtype, reduction=True)
+    if layout == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    elif layout == "nchw":
+        assert y.is_contiguous()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_affine_and_with_params_in_x_dtype(device, dtype):
+    x = randn(2, 12, 5, 5, dtype=dtype, device=device)
+    assert_matches(mirage.ops.group_norm(x, 4), composite, (x, 4, None, None, 1e-5, "none"), dtype,
+                   reduction=True)
+    w = randn(12, dtype=dtype, device=device)
+    b = randn(12, dtype=dtype, device=device)
+    assert_matches(mirage.ops.group_norm(x, 4, w, b, 1e-3, "silu"), composite,
+                   (x, 4, w, b, 1e-3, "silu"), dtype, reduction=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 8, 8), (2, 960, 64, 64)])
+def test_cuda_unet_shapes(dtype, layout, shape):
+    x = make_input(shape, layout, dtype, "cuda")
+    w = randn(shape[1], device="cuda", dtype=dtype)
+    b = randn(shape[1], device="cuda", dtype=dtype)
+    y = mirage.ops.group_norm(x, 32, w, b, 1e-5, "silu")
+    assert_matches(y, composite, (x, 32, w, b, 1e-5, "silu"), dtype, reduction=True)
+
+
+@pytest.mark.cuda
+def test_cuda_agrees_with_cpu_reference():
+    x = randn(2, 48, 9, 11).contiguous(memory_format=torch.channels_last)
+    w, b = randn(48), randn(48)
+    cpu = mirage.ops.group_norm(x, 6, w, b, 1e-5, "silu")
+    gpu = mirage.ops.group_norm(x.cuda(), 6, w.cuda(), b.cuda(), 1e-5, "silu")
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_offset_keeps_precision(device):
+    # mean >> std: sum-of-squares variance would cancel catastrophically in float32.
+    x = randn(2, 32, 40, 40, device=device, mean=1000.0, std=0.1).contiguous(memory_format=torch.channels_last)
+    assert_matches(mirage.ops.group_norm(x, 8), composite, (x, 8, None, None, 1e-5, "none"),
+                   torch.float32, reduction=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_nan(device):
+    empty = torch.empty(0, 8, 4, 4, device=device)
+    assert mirage.ops.group_norm(empty, 4).shape == empty.shape
+    no_pixels = torch.empty(2, 8, 0, 3, device=device)
+    assert mirage.ops.group_norm(no_pixels, 4).shape == no_pixels.shape
+    x = randn(2, 8, 4, 4, device=device)
+    x[1, 0, 2, 2] = float("nan")
+    y = mirage.ops.group_norm(x, 4, activation="silu")
+    assert torch.isnan(y[1, :2]).all()  # the poisoned group
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[1, 2:]).all()
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda d: mirage.ops.group_norm(torch.randn(8, device=d), 2),
+         "mirage::group_norm: x must have shape (N, C, *), got 1 dimension(s)"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 30, 4, 4, device=d), 32),
+         "mirage::group_norm: x must have C divisible by num_groups (C=30, num_groups=32)"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 0),
+         "mirage::group_norm: num_groups must be positive, got 0"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, torch.ones(4, device=d)),
+         "mirage::group_norm: weight must have shape [8], got [4]"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, None, torch.ones(8, 1, device=d)),
+         "mirage::group_norm: bias must have shape [8], got [8, 1]"),
+        (lambda d: mirage.ops.group_norm(torch.ones(2, 8, 4, dtype=torch.int32, device=d), 2),
+         "mirage::group_norm: x must be float32, float16 or bfloat16"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d, dtype=torch.half), 2,
+                                         torch.ones(8, device=d, dtype=torch.bfloat16)),
+         "mirage::group_norm: weight must have x's dtype (Half) or float32, got BFloat16"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, torch.ones(8, device=d),
+                                         torch.ones(8, device=d, dtype=torch.half)),
+         "mirage::group_norm: bias must have x's dtype (Float) or float32, got Half"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, activation="gelu"),
+         "mirage::group_norm: activation must be \"none\" or \"silu\", got \"gelu\""),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, eps=-1.0),
+         "mirage::group_norm: eps must be finite and >= 0, got -1"),
+    ],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(call, message, device):
+    with pytest.raises(RuntimeError) as error:
+        call(device)
+    assert message in str(error.value)
+
+
+@pytest.mark.cuda
+def test_cuda_rejects_mixed_devices_and_float64():
+    x = torch.randn(2, 8, 4, device="cuda")
+    with pytest.raises(RuntimeError, match=r"mirage::group_norm: weight must be on the same device as x \(x on cuda:0, weight on cpu\)"):
+        mirage.ops.group_norm(x, 2, torch.ones(8))
+    with pytest.raises(RuntimeError, match="mirage::group_norm: x must be float32, float16 or bfloat16"):
+        mirage.ops.group_norm(x.double(), 2)
+
+
+SAMPLES = [
+    ((2, 6, 3, 3), 3, True, "silu", "channels_last"),
+    ((2, 4, 5), 2, False, "none", "nchw"),
+    ((1, 6, 2, 2), 2, True, "none", "strided"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,groups,affine,activation,layout", SAMPLES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, shape, groups, affine, activation, layout, requires_grad):
+    x = make_input(shape, layout, torch.float32, device).requires_grad_(requires_grad)
+    w = randn(shape[1], device=device).requires_grad_(requires_grad) if affine else None
+    b = randn(shape[1], device=device).requires_grad_(requires_grad) if affine else None
+    torch.library.opcheck(torch.ops.mirage.group_norm.default, (x, groups, w, b, 1e-5, activation))
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_gradcheck(activation, layout):
+    x = make_input((2, 6, 3, 2), layout, torch.float64, "cpu").requires_grad_()
+    w = randn(6, dtype=torch.float64).requires_grad_()
+    b = randn(6, dtype=torch.float64).requires_grad_()
+    fn = lambda x, w, b: mirage.ops.group_norm(x, 3, w, b, 1e-5, activation)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    assert torch.autograd.gradgradcheck(fn, (x, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_params_get_float32_grads(device):
+    x = randn(2, 8, 4, 4, dtype=torch.bfloat16, device=device).requires_grad_()
+    w = randn(8, device=device).requires_grad_()
+    mirage.ops.group_norm(x, 2, w, None, 1e-5, "silu").sum().backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    x = randn(2, 8, 4, 4)
+    w = randn(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.group_norm(x, 2, w, None, 1e-5, "silu")
+    assert y.dtype == torch.bfloat16
+    xb = x.to(torch.bfloat16)
+    assert_matches(y, composite, (xb, 2, w, None, 1e-5, "silu"), torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_runs_in_the_autocast_dtype():
+    x = randn(2, 64, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = randn(64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = mirage.ops.group_norm(x, 32, w, None, 1e-5, "silu")
+    assert y.dtype == torch.float16
+    assert_matches(y, composite, (x.half(), 32, w, None, 1e-5, "silu"), torch.float16)

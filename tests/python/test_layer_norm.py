@@ -1,0 +1,140 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirage
+from common import DEVICES, DTYPES, assert_matches, randn, strided
+
+SHAPES = [(1, 1), (3, 7), (5, 769), (2, 4, 320), (2, 16, 1280), (3, 2, 3000)]
+
+
+def composite(x, weight, bias, eps):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def add_composite(total, weight, bias, eps):
+    # `total` is x + residual rounded to the dtype: the sum the fused op normalizes and returns.
+    return composite(total, weight, bias, eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("is_strided", [False, True])
+def test_matches_composite(device, dtype, shape, is_strided):
+    x = randn(*shape, dtype=dtype, device=device)
+    if is_strided:
+        x = strided(x)
+    weight = randn(shape[-1], device=device, mean=1.0, std=0.5)
+    bias = randn(shape[-1], device=device, mean=0.0, std=0.5)
+    y = mirage.ops.layer_norm(x, weight, bias, 1e-5)
+    assert_matches(y, composite, (x, weight, bias, 1e-5), dtype, reduction=True)
+    assert mirage.ops.layer_norm(x).shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_residual_matches_composite(device, dtype, shape):
+    x = randn(*shape, dtype=dtype, device=device)
+    residual = strided(randn(*shape, dtype=dtype, device=device))
+    weight = randn(shape[-1], dtype=dtype, device=device)
+    out, total = mirage.ops.layer_norm(x, weight, None, 1e-6, residual=residual)
+    torch.testing.assert_close(total, x + residual, atol=0, rtol=0)
+    assert_matches(out, add_composite, (x + residual, weight, None, 1e-6), dtype, reduction=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 4096, 320), (2, 1024, 640), (2, 256, 1280), (4, 16384), (3, 12289)])
+def test_cuda_transformer_shapes(dtype, shape):
+    x = randn(*shape, dtype=dtype, device="cuda")
+    w = randn(shape[-1], dtype=dtype, device="cuda")
+    b = randn(shape[-1], dtype=dtype, device="cuda")
+    assert_matches(mirage.ops.layer_norm(x, w, b), composite, (x, w, b, 1e-5), dtype, reduction=True)
+
+
+@pytest.mark.cuda
+def test_cuda_rejects_rows_longer_than_registers_hold():
+    with pytest.raises(RuntimeError, match="mirage::layer_norm: x's last dimension must be at most 16384 on CUDA"):
+        mirage.ops.layer_norm(torch.randn(2, 16385, device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_nan(device):
+    assert mirage.ops.layer_norm(torch.empty(0, 5, device=device)).shape == (0, 5)
+    assert mirage.ops.layer_norm(torch.empty(3, 0, device=device)).shape == (3, 0)
+    x = randn(4, 9, device=device)
+    x[2, 3] = float("nan")
+    y = mirage.ops.layer_norm(x)
+    assert torch.isnan(y[2]).all()
+    assert torch.isfinite(y[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda d: mirage.ops.layer_norm(torch.tensor(1.0, device=d)),
+         "mirage::layer_norm: x must have at least one dimension, got a scalar"),
+        (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d), torch.ones(7, device=d)),
+         "mirage::layer_norm: weight must have shape [8], got [7]"),
+        (lambda d: mirage.ops.layer_norm(torch.ones(2, 8, dtype=torch.int64, device=d)),
+         "mirage::layer_norm: x must be float32, float16 or bfloat16"),
+        (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d), torch.ones(8, device=d),
+                                         torch.ones(8, device=d, dtype=torch.float64)),
+         "mirage::layer_norm: bias must have x's dtype (Float) or float32, got Double"),
+        (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d), residual=torch.randn(2, 7, device=d)),
+         "mirage::add_layer_norm: residual must have x's shape [2, 8], got [2, 7]"),
+        (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d),
+                                         residual=torch.randn(2, 8, device=d, dtype=torch.half)),
+         "mirage::add_layer_norm: residual must have x's dtype (Float), got Half"),
+        (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d), eps=float("inf")),
+         "mirage::layer_norm: eps must be finite and >= 0, got inf"),
+    ],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(call, message, device):
+    with pytest.raises(RuntimeError) as error:
+        call(device)
+    assert message in str(error.value)
+
+
+@pytest.mark.cuda
+def test_cuda_rejects_mixed_devices():
+    with pytest.raises(RuntimeError, match="mirage::add_layer_norm: residual must be on the same device as x"):
+        mirage.ops.layer_norm(torch.randn(2, 8, device="cuda"), residual=torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+def test_opcheck(device, requires_grad, affine):
+    x = randn(3, 5, 6, device=device).requires_grad_(requires_grad)
+    r = randn(3, 5, 6, device=device).requires_grad_(requires_grad)
+    w = randn(6, device=device).requires_grad_(requires_grad) if affine else None
+    b = randn(6, device=device).requires_grad_(requires_grad) if affine else None
+    torch.library.opcheck(torch.ops.mirage.layer_norm.default, (x, w, b, 1e-5))
+    torch.library.opcheck(torch.ops.mirage.add_layer_norm.default, (x, r, w, b, 1e-5))
+
+
+def test_gradcheck():
+    x = randn(3, 7, dtype=torch.float64).requires_grad_()
+    r = randn(3, 7, dtype=torch.float64).requires_grad_()
+    w = randn(7, dtype=torch.float64).requires_grad_()
+    b = randn(7, dtype=torch.float64).requires_grad_()
+    norm = lambda x, w, b: mirage.ops.layer_norm(x, w, b)  # noqa: E731
+    add_norm = lambda x, r, w, b: mirage.ops.layer_norm(x, w, b, residual=r)  # noqa: E731
+    assert torch.autograd.gradcheck(norm, (x, w, b))
+    assert torch.autograd.gradgradcheck(norm, (x, w, b))
+    assert torch.autograd.gradcheck(add_norm, (x, r, w, b))
+    assert torch.autograd.gradgradcheck(add_norm, (x, r, w, b))
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    x, r, w = randn(4, 10), randn(4, 10), randn(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, total = mirage.ops.layer_norm(x, w, None, residual=r)
+    assert out.dtype == total.dtype == torch.bfloat16
+    expected_total = x.bfloat16() + r.bfloat16()
+    torch.testing.assert_close(total, expected_total, atol=0, rtol=0)
+    assert_matches(out, add_composite, (expected_total, w, None, 1e-5), torch.bfloat16)

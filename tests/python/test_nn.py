@@ -1,0 +1,74 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirage
+from common import DEVICES, randn
+
+
+class DiffusersStyleGEGLU(nn.Module):
+    """The shape of diffusers' GEGLU (diffusers is not needed to test the swap)."""
+
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def forward(self, x, *args, **kwargs):
+        a, gate = self.proj(x).chunk(2, dim=-1)
+        return a * F.gelu(gate)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_norm_from_torch(device):
+    gn = nn.GroupNorm(4, 12, eps=1e-4).to(device)
+    with torch.no_grad():
+        gn.weight.copy_(randn(12)), gn.bias.copy_(randn(12))
+    fused = mirage.nn.GroupNorm.from_torch(gn, activation="silu")
+    assert fused.weight is gn.weight and fused.bias is gn.bias
+    x = randn(2, 12, 5, 5, device=device).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(fused(x), F.silu(gn(x)), atol=2e-5, rtol=2e-5)
+    plain = mirage.nn.GroupNorm.from_torch(nn.GroupNorm(3, 12, affine=False).to(device))
+    torch.testing.assert_close(plain(x), F.group_norm(x, 3), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_from_torch(device):
+    ln = nn.LayerNorm(10).to(device)
+    with torch.no_grad():
+        ln.weight.copy_(randn(10)), ln.bias.copy_(randn(10))
+    fused = mirage.nn.LayerNorm.from_torch(ln)
+    x, r = randn(3, 4, 10, device=device), randn(3, 4, 10, device=device)
+    torch.testing.assert_close(fused(x), ln(x), atol=2e-5, rtol=2e-5)
+    out, total = fused(x, r)
+    torch.testing.assert_close(out, ln(x + r), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(total, x + r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_geglu_from_torch(device):
+    module = DiffusersStyleGEGLU(8, 6).to(device)
+    fused = mirage.nn.GEGLU.from_torch(module)
+    assert fused.proj is module.proj
+    x = randn(2, 5, 8, device=device)
+    torch.testing.assert_close(fused(x), module(x), atol=2e-5, rtol=2e-5)
+
+
+def test_fresh_modules_match_torch_defaults():
+    x = randn(2, 8, 3, 3)
+    torch.testing.assert_close(mirage.nn.GroupNorm(2, 8)(x), nn.GroupNorm(2, 8)(x), atol=2e-5, rtol=2e-5)
+    t = randn(4, 8)
+    torch.testing.assert_close(mirage.nn.LayerNorm(8)(t), nn.LayerNorm(8)(t), atol=2e-5, rtol=2e-5)
+
+
+def test_from_torch_refuses_what_it_cannot_replace():
+    with pytest.raises(ValueError, match="only normalization over the last dimension"):
+        mirage.nn.LayerNorm.from_torch(nn.LayerNorm((4, 5)))
+    with pytest.raises(TypeError, match="expected nn.GroupNorm, got LayerNorm"):
+        mirage.nn.GroupNorm.from_torch(nn.LayerNorm(4))
+    with pytest.raises(TypeError, match="whose `proj` is an nn.Linear"):
+        mirage.nn.GEGLU.from_torch(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="num_channels \\(10\\) must be divisible by num_groups \\(4\\)"):
+        mirage.nn.GroupNorm(4, 10)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        mirage.nn.GroupNorm(2, 4, activation="relu")
