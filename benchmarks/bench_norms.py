@@ -1,0 +1,132 @@
+"""GroupNorm+SiLU, LayerNorm (plain and with the residual add) and GEGLU at the SD-1.5 U-Net's
+shapes, fp16: mirage against PyTorch eager and torch.compile of the same composite, in one run.
+
+Every variant is timed as 100 back-to-back calls inside one CUDA graph (no launch overhead),
+cycling through enough input sets that no call finds its input in L2. GB/s counts the fewest
+bytes an op must move (inputs read once, outputs written once); "% copy" is that over the
+measured device-to-device copy bandwidth.
+
+    python benchmarks/bench_norms.py [--json results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import mirage
+from harness import copy_bandwidth_gbs, device_facts, print_table, rotation_count, time_in_graph, write_json
+
+GROUP_NORM_SHAPES = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8),
+                     (2, 2560, 8, 8), (2, 960, 64, 64)]
+TOKEN_SHAPES = [(2 * 4096, 320), (2 * 1024, 640), (2 * 256, 1280)]  # (tokens, dim)
+
+
+def group_norm_silu(x, w, b):
+    return F.silu(F.group_norm(x, 32, w, b, 1e-5))
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def add_layer_norm(x, r, w, b):
+    s = x + r
+    return F.layer_norm(s, (s.shape[-1],), w, b, 1e-5), s
+
+
+def geglu(x):
+    a, g = x.chunk(2, dim=-1)
+    return a * F.gelu(g)
+
+
+def cases(quick: bool):
+    """(op, shape label, layout, make_inputs, eager fn, mirage fn, bytes moved)."""
+    half = torch.float16
+    for shape in GROUP_NORM_SHAPES[:2] if quick else GROUP_NORM_SHAPES:
+        for layout in ("channels_last", "nchw"):
+            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+
+            def make(shape=shape, fmt=fmt):
+                x = torch.randn(shape, device="cuda", dtype=half).contiguous(memory_format=fmt)
+                return (x, torch.randn(shape[1], device="cuda", dtype=half),
+                        torch.randn(shape[1], device="cuda", dtype=half))
+
+            nbytes = 2 * 2 * torch.Size(shape).numel()
+            yield ("group_norm+silu", "x".join(map(str, shape)), layout, make, group_norm_silu,
+                   lambda x, w, b: mirage.ops.group_norm(x, 32, w, b, 1e-5, "silu"), nbytes)
+    for tokens, dim in TOKEN_SHAPES[:1] if quick else TOKEN_SHAPES:
+        label = f"{tokens}x{dim}"
+
+        def make_ln(tokens=tokens, dim=dim):
+            return (torch.randn(tokens, dim, device="cuda", dtype=half),
+                    torch.randn(dim, device="cuda", dtype=half), torch.randn(dim, device="cuda", dtype=half))
+
+        yield ("layer_norm", label, "", make_ln, layer_norm,
+               lambda x, w, b: mirage.ops.layer_norm(x, w, b, 1e-5), 2 * 2 * tokens * dim)
+
+        def make_add(tokens=tokens, dim=dim):
+            return (torch.randn(tokens, dim, device="cuda", dtype=half), torch.randn(tokens, dim, device="cuda", dtype=half),
+                    torch.randn(dim, device="cuda", dtype=half), torch.randn(dim, device="cuda", dtype=half))
+
+        yield ("add_layer_norm", label, "", make_add, add_layer_norm,
+               lambda x, r, w, b: mirage.ops.layer_norm(x, w, b, 1e-5, residual=r), 4 * 2 * tokens * dim)
+
+        inner = 4 * dim  # diffusers FeedForward: GEGLU projects to 2 x (4 x dim)
+
+        def make_geglu(tokens=tokens, inner=inner):
+            return (torch.randn(tokens, 2 * inner, device="cuda", dtype=half),)
+
+        yield ("geglu", f"{tokens}x{2 * inner}", "", make_geglu, geglu, lambda x: mirage.ops.geglu(x),
+               3 * 2 * tokens * inner)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="two shapes per op")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_norms needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    facts = device_facts()
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{facts['gpu']}, torch {facts['torch']}, CUDA {facts['cuda']}, {facts['date']}")
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+
+    rows = []
+    for op, label, layout, make, eager_fn, mirage_fn, nbytes in cases(args.quick):
+        sets = [make() for _ in range(rotation_count(nbytes))]
+        compiled_fn = torch.compile(eager_fn, dynamic=False)
+        ref, got = eager_fn(*sets[0]), mirage_fn(*sets[0])
+        ref, got = (ref[0], got[0]) if isinstance(ref, tuple) else (ref, got)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        eager_us = time_in_graph(eager_fn, sets)
+        compile_us = time_in_graph(compiled_fn, sets)
+        mirage_us = time_in_graph(mirage_fn, sets)
+        gbs = nbytes / (mirage_us * 1e-6) / 1e9
+        row = dict(op=op, shape=label, layout=layout, mb=nbytes / 1e6, eager_us=eager_us,
+                   compile_us=compile_us, mirage_us=mirage_us, gbs=gbs, copy_pct=100 * gbs / copy_gbs,
+                   vs_eager=eager_us / mirage_us, vs_compile=compile_us / mirage_us, rel_err=err)
+        rows.append(row)
+        print(f"  {op} {label} {layout}: mirage {mirage_us:.1f} us, eager {eager_us:.1f}, compile {compile_us:.1f}",
+              flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+    print()
+    print_table(rows, [("op", "op", ""), ("shape", "shape", ""), ("layout", "layout", ""), ("mb", "MB moved", ".1f"),
+                       ("eager_us", "eager us", ".1f"), ("compile_us", "compile us", ".1f"),
+                       ("mirage_us", "mirage us", ".1f"), ("gbs", "mirage GB/s", ".0f"),
+                       ("copy_pct", "% copy", ".0f"), ("vs_eager", "x eager", ".2f"),
+                       ("vs_compile", "x compile", ".2f"), ("rel_err", "rel err", ".1e")])
+    write_json(args.json, {"facts": facts, "copy_gbs": copy_gbs, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

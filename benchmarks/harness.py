@@ -1,0 +1,85 @@
+"""Shared benchmark machinery: CUDA-graph timing, input rotation, the copy-bandwidth ceiling,
+and the table/JSON report. Every subject runs its peers side by side through these."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+
+import torch
+
+
+def device_facts() -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def rotation_count(bytes_per_set: int) -> int:
+    """Input sets to cycle through so that consecutive calls never find their input in L2."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(2, math.ceil(3 * l2 / max(bytes_per_set, 1)))
+
+
+def time_in_graph(fn, input_sets, calls: int = 100, repeats: int = 15) -> float:
+    """Median microseconds per call of fn(*inputs), measured as `calls` back-to-back calls
+    (cycling through input_sets) captured in one CUDA graph, timed with CUDA events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for inputs in input_sets[:3]:
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*input_sets[i % len(input_sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(size_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(size_bytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = time_in_graph(lambda: dst.copy_(src), [()], calls=10, repeats=10)
+    del src, dst
+    return 2 * size_bytes / (us * 1e-6) / 1e9
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format)."""
+    headers = [h for _, h, _ in columns]
+    cells = [[("" if r.get(k) is None else format(r[k], f)) for k, _, f in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for c in cells:
+        print(" | ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
