@@ -2,7 +2,7 @@
 # its config demands a CUDA toolkit matching torch's, which a CPU-only build need not have.
 #   torch_from_python       c10 + torch_cpu + torch (headers, libraries, ABI flag)
 #   torch_cuda_from_python  c10_cuda + torch_cuda
-# Sets TORCH_VERSION, TORCH_CUDA_VERSION ("" for a CPU build), TORCH_LIBRARY_DIR.
+# Sets TORCH_VERSION, TORCH_CUDA_VERSION ("" for a CPU build), TORCH_LIBRARY_DIR, TORCH_CXX_STANDARD.
 execute_process(
   COMMAND ${Python_EXECUTABLE} -c "import os, torch
 print(torch.__version__)
@@ -20,7 +20,15 @@ list(GET torch_facts 1 TORCH_CUDA_VERSION)
 list(GET torch_facts 2 torch_root)
 list(GET torch_facts 3 torch_cxx11_abi)
 set(TORCH_LIBRARY_DIR ${torch_root}/lib)
-message(STATUS "mirage: torch ${TORCH_VERSION} (CUDA '${TORCH_CUDA_VERSION}') at ${torch_root}")
+
+# Build with the C++ standard torch was built with (17 up to torch 2.12, 20 from 2.13): the
+# exception and string types that cross into torch must have the layout torch expects.
+set(TORCH_CXX_STANDARD 17)
+file(STRINGS ${torch_root}/share/cmake/Torch/TorchConfig.cmake torch_std_line REGEX "CXX_STANDARD [0-9]+")
+if(torch_std_line MATCHES "CXX_STANDARD ([0-9]+)")
+  set(TORCH_CXX_STANDARD ${CMAKE_MATCH_1})
+endif()
+message(STATUS "mirage: torch ${TORCH_VERSION} (CUDA '${TORCH_CUDA_VERSION}', C++${TORCH_CXX_STANDARD}) at ${torch_root}")
 
 add_library(torch_from_python INTERFACE)
 target_include_directories(torch_from_python SYSTEM INTERFACE

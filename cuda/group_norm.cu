@@ -10,6 +10,7 @@
 //    and channels-last groups too wide for a tile.
 #include <algorithm>
 #include <numeric>
+#include <type_traits>
 
 #include "group_norm.cuh"
 #include "kernel_utils.cuh"
@@ -22,6 +23,7 @@ constexpr int kFusedMaxPerThread = 8;  // vectors per thread in registers
 constexpr int kSplitThreads = 256;
 constexpr int kUnroll = 4;             // independent loads in flight per thread
 constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
+constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift live in shared memory
 
 enum class Path { kFused, kNhwc, kGroups };
 
@@ -41,7 +43,6 @@ struct Args {
   float eps;
   bool channels_last;
   Activation activation;
-  DType param_dtype;
   int chunks;          // split paths: chunks per group
   int64_t chunk_size;  // groups path: vectors per chunk; nhwc path: pixels per chunk
   int tiles;           // nhwc path: column tiles per sample
@@ -57,16 +58,23 @@ __device__ __forceinline__ float activate(const Args& a, float v) {
   return a.activation == Activation::kSilu ? silu(v) : v;
 }
 
-// Normalizes, applies the affine and the activation to the vector at (row, col) of group g.
-template <int V>
-__device__ __forceinline__ void normalize(const Args& a, float (&v)[V], int64_t g, int64_t row,
-                                          int64_t col, float mean, float rstd) {
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    const int64_t ch = g * a.cpg + (a.channels_last ? col * V + i : row);
-    const float scale = rstd * load_param(a.weight, a.param_dtype, ch, 1.0f);
-    const float shift = load_param(a.bias, a.param_dtype, ch, 0.0f) - mean * scale;
-    v[i] = activate(a, v[i] * scale + shift);
+// weight[ch] (1 when absent) and bias[ch] (0 when absent), P being the parameters' type.
+template <typename P>
+__device__ __forceinline__ float2 affine_at(const Args& a, int64_t ch) {
+  const float w = a.weight ? to_float(__ldg(static_cast<const P*>(a.weight) + ch)) : 1.0f;
+  const float b = a.bias ? to_float(__ldg(static_cast<const P*>(a.bias) + ch)) : 0.0f;
+  return make_float2(w, b);
+}
+
+// Splits a vector index of the group view into (row, column); 32-bit division when it fits.
+__device__ __forceinline__ void split(const GroupView& gv, int64_t v, int64_t& row, int64_t& col) {
+  if (gv.group_vecs <= 0xffffffffLL) {
+    const uint32_t r = static_cast<uint32_t>(v) / static_cast<uint32_t>(gv.row_vecs);
+    row = r;
+    col = static_cast<uint32_t>(v) - r * static_cast<uint32_t>(gv.row_vecs);
+  } else {
+    row = v / gv.row_vecs;
+    col = v - row * gv.row_vecs;
   }
 }
 
@@ -91,9 +99,10 @@ __device__ __forceinline__ Moments batch_moments(const float (&vals)[kUnroll][V]
   return {count, mean, m2};
 }
 
-template <typename T, int V, int K>
+template <typename T, typename P, int V, int K>
 __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a) {
   __shared__ float scratch[32];
+  extern __shared__ float2 affine[];  // [cpg]: scale, shift of the group's channels
   const int64_t ng = blockIdx.x, n = ng / a.groups, g = ng % a.groups;
   const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
   T* y = static_cast<T*>(a.y) + group_offset(a, n, g);
@@ -105,7 +114,8 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
   for (int k = 0; k < K; ++k) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     if (v < gv.group_vecs) {
-      const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+      int64_t row, col;
+      split(gv, v, row, col);
       load_packed<T, V>(x + row * gv.row_stride + col * V, vals[k]);
 #pragma unroll
       for (int i = 0; i < V; ++i) sum += vals[k][i];
@@ -124,12 +134,22 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
     }
   }
   const float rstd = rsqrtf(block_sum(m2, scratch) / count + a.eps);
+  for (int64_t c = threadIdx.x; c < a.cpg; c += blockDim.x) {
+    const float2 wb = affine_at<P>(a, g * a.cpg + c);
+    affine[c] = make_float2(rstd * wb.x, wb.y - mean * rstd * wb.x);
+  }
+  __syncthreads();
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     if (v < gv.group_vecs) {
-      const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
-      normalize<V>(a, vals[k], g, row, col, mean, rstd);
+      int64_t row, col;
+      split(gv, v, row, col);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float2 ss = affine[a.channels_last ? col * V + i : row];
+        vals[k][i] = activate(a, vals[k][i] * ss.x + ss.y);
+      }
       store_packed<T, V>(y + row * gv.row_stride + col * V, vals[k]);
     }
   }
@@ -153,7 +173,8 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_stats_kernel(
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t v = v0 + u * blockDim.x;
       if (v < end) {
-        const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
+        int64_t row, col;
+        split(gv, v, row, col);
         load_packed<T, V>(x + row * gv.row_stride + col * V, vals[u]);
         valid = u + 1;
       }
@@ -164,10 +185,18 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_stats_kernel(
   if (threadIdx.x == 0) a.partial[blockIdx.x] = m;
 }
 
+// Merges `count` chunk moments (one warp, all lanes get it) into (mean, rstd).
+__device__ __forceinline__ float2 warp_finalize(const Moments* parts, int count, float eps) {
+  Moments m{0.0f, 0.0f, 0.0f};
+  for (int c = threadIdx.x % 32; c < count; c += 32) m = merge(m, parts[c]);
+  m = warp_merge(m);
+  return make_float2(m.mean, rsqrtf(m.m2 / m.count + eps));
+}
+
 // groups path, pass 2: merge the group's chunk moments, normalize this block's chunk.
-template <typename T, int V>
+template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(Args a) {
-  __shared__ float stats[2];
+  __shared__ float2 stats;
   const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
   const int64_t begin = (blockIdx.x % a.chunks) * a.chunk_size;
   const int64_t end = std::min(begin + a.chunk_size, a.view.group_vecs);
@@ -176,34 +205,43 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(
   const GroupView& gv = a.view;
 
   if (threadIdx.x < 32) {
-    Moments m{0.0f, 0.0f, 0.0f};
-    for (int c = threadIdx.x; c < a.chunks; c += 32) m = merge(m, a.partial[ng * a.chunks + c]);
-    m = warp_merge(m);
-    if (threadIdx.x == 0) {
-      stats[0] = m.mean;
-      stats[1] = rsqrtf(m.m2 / m.count + a.eps);
-    }
+    const float2 s = warp_finalize(a.partial + ng * a.chunks, a.chunks, a.eps);
+    if (threadIdx.x == 0) stats = s;
   }
   __syncthreads();
-  const float mean = stats[0], rstd = stats[1];
+  const float mean = stats.x, rstd = stats.y;
 
   for (int64_t v0 = begin + threadIdx.x; v0 < end; v0 += kUnroll * blockDim.x) {
     float vals[kUnroll][V];
+    float2 wb[kUnroll][V];  // loaded with x, before any store can alias them
+    int64_t offset[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t v = v0 + u * blockDim.x;
       if (v < end) {
-        const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
-        load_packed<T, V>(x + row * gv.row_stride + col * V, vals[u]);
+        int64_t row, col;
+        split(gv, v, row, col);
+        offset[u] = row * gv.row_stride + col * V;
+        load_packed<T, V>(x + offset[u], vals[u]);
+        if (a.channels_last) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) wb[u][i] = affine_at<P>(a, g * a.cpg + col * V + i);
+        } else {
+          const float2 same = affine_at<P>(a, g * a.cpg + row);
+#pragma unroll
+          for (int i = 0; i < V; ++i) wb[u][i] = same;
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = v0 + u * blockDim.x;
-      if (v < end) {
-        const int64_t row = v / gv.row_vecs, col = v - row * gv.row_vecs;
-        normalize<V>(a, vals[u], g, row, col, mean, rstd);
-        store_packed<T, V>(y + row * gv.row_stride + col * V, vals[u]);
+      if (v0 + u * blockDim.x < end) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float scale = rstd * wb[u][i].x;
+          vals[u][i] = activate(a, vals[u][i] * scale + (wb[u][i].y - mean * scale));
+        }
+        store_packed<T, V>(y + offset[u], vals[u]);
       }
     }
   }
@@ -298,16 +336,18 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
   }
 }
 
-template <typename T, int V>
+template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Args a) {
   extern __shared__ float2 group_stats[];  // [groups in tile]: mean, rstd
   const NhwcBlock b = nhwc_block<V>(a);
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  for (int gi = tid; gi < b.groups_in_tile; gi += blockDim.x * blockDim.y) {
-    const Moments* parts = a.partial + (b.n * a.groups + b.first_group + gi) * a.chunks;
-    Moments m{0.0f, 0.0f, 0.0f};
-    for (int c = 0; c < a.chunks; ++c) m = merge(m, parts[c]);
-    group_stats[gi] = make_float2(m.mean, rsqrtf(m.m2 / m.count + a.eps));
+  const int warps = (blockDim.x * blockDim.y) / 32;  // whole warps only: the block may end ragged
+  if (tid < warps * 32) {
+    for (int gi = tid / 32; gi < b.groups_in_tile; gi += warps) {
+      const Moments* parts = a.partial + (b.n * a.groups + b.first_group + gi) * a.chunks;
+      const float2 s = warp_finalize(parts, a.chunks, a.eps);
+      if (tid % 32 == 0) group_stats[gi] = s;
+    }
   }
   __syncthreads();
   if (!b.active) return;
@@ -317,8 +357,9 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   for (int i = 0; i < V; ++i) {
     const int64_t ch = b.col * V + i;
     const float2 s = group_stats[ch / a.cpg - b.first_group];
-    scale[i] = s.y * load_param(a.weight, a.param_dtype, ch, 1.0f);
-    shift[i] = load_param(a.bias, a.param_dtype, ch, 0.0f) - s.x * scale[i];
+    const float2 wb = affine_at<P>(a, ch);
+    scale[i] = s.y * wb.x;
+    shift[i] = wb.y - s.x * scale[i];
   }
   const int64_t base = b.n * a.spatial * a.channels + b.col * V;
   const T* x = static_cast<const T*>(a.x) + base;
@@ -365,7 +406,6 @@ Plan make_plan(const GroupNormParams& p) {
   a.eps = p.eps;
   a.channels_last = p.channels_last;
   a.activation = p.activation;
-  a.param_dtype = p.param_dtype;
 
   const int elem = dtype_size(p.dtype);
   const int pack = 16 / elem;
@@ -374,8 +414,8 @@ Plan make_plan(const GroupNormParams& p) {
   const int64_t rows = p.channels_last ? p.spatial : a.cpg;
   const int64_t row_len = p.channels_last ? a.cpg : p.spatial;
   const int64_t row_stride = p.channels_last ? p.channels : p.spatial;
-  const int64_t target_blocks = 4LL * sm_count();
   const int64_t ng = p.batch * p.groups;
+  const int sms = sm_count();
 
   // nhwc path: tiles of whole groups; the vector needs only C % pack (tiles align to lcm(cpg, pack)).
   const int nhwc_vec = (aligned && p.channels % pack == 0) ? pack : 1;
@@ -383,7 +423,7 @@ Plan make_plan(const GroupNormParams& p) {
   const int group_vec = (aligned && row_len % pack == 0 && row_stride % pack == 0) ? pack : 1;
   const int64_t group_vecs = rows * row_len / group_vec;
 
-  if (group_vecs <= kFusedThreads * kFusedMaxPerThread) {
+  if (group_vecs <= kFusedThreads * kFusedMaxPerThread && a.cpg <= kMaxFusedChannels) {
     plan.path = Path::kFused;
     plan.vec = group_vec;
     plan.per_thread = 1;
@@ -391,6 +431,7 @@ Plan make_plan(const GroupNormParams& p) {
     const int64_t threads = ceil_div(ceil_div(group_vecs, plan.per_thread), 32) * 32;
     plan.grid = dim3(static_cast<unsigned>(ng));
     plan.block = dim3(static_cast<unsigned>(threads));
+    plan.shared_bytes = static_cast<size_t>(a.cpg) * sizeof(float2);
   } else if (p.channels_last && lcm_vecs <= kMaxTileVecs) {
     plan.path = Path::kNhwc;
     plan.vec = nhwc_vec;
@@ -398,8 +439,10 @@ Plan make_plan(const GroupNormParams& p) {
     a.tile_vecs = static_cast<int>(std::min(col_vecs, kMaxTileVecs / lcm_vecs * lcm_vecs));
     a.tiles = static_cast<int>(ceil_div(col_vecs, a.tile_vecs));
     const int block_y = std::max(1, kSplitThreads / a.tile_vecs);
-    const int64_t min_chunk = static_cast<int64_t>(block_y) * 2;  // >= 2 pixels per thread
-    const int64_t wanted = std::max<int64_t>(1, ceil_div(target_blocks, p.batch * a.tiles));
+    // Two blocks a multiprocessor, at least one unrolled batch of pixels a thread: more chunks
+    // would only lengthen the merge every apply block does.
+    const int64_t min_chunk = static_cast<int64_t>(block_y) * kUnroll;
+    const int64_t wanted = std::max<int64_t>(1, ceil_div(2LL * sms, p.batch * a.tiles));
     a.chunk_size = std::max(min_chunk, ceil_div(p.spatial, wanted));
     a.chunks = static_cast<int>(ceil_div(p.spatial, a.chunk_size));
     plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks * a.tiles));
@@ -409,7 +452,7 @@ Plan make_plan(const GroupNormParams& p) {
     plan.path = Path::kGroups;
     plan.vec = group_vec;
     const int64_t min_chunk = kSplitThreads * 2;
-    const int64_t wanted = std::max<int64_t>(1, ceil_div(target_blocks, ng));
+    const int64_t wanted = std::max<int64_t>(1, ceil_div(4LL * sms, ng));
     a.chunk_size = std::max(min_chunk, ceil_div(group_vecs, wanted));
     a.chunks = static_cast<int>(ceil_div(group_vecs, a.chunk_size));
     plan.grid = dim3(static_cast<unsigned>(ng * a.chunks));
@@ -419,31 +462,42 @@ Plan make_plan(const GroupNormParams& p) {
   return plan;
 }
 
-template <typename T, int V>
+template <typename T, typename P, int V>
 cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
   const Args& a = plan.args;
   switch (plan.path) {
-    case Path::kFused:
-      switch (plan.per_thread) {
-        case 1: group_norm_fused_kernel<T, V, 1><<<plan.grid, plan.block, 0, stream>>>(a); break;
-        case 2: group_norm_fused_kernel<T, V, 2><<<plan.grid, plan.block, 0, stream>>>(a); break;
-        case 4: group_norm_fused_kernel<T, V, 4><<<plan.grid, plan.block, 0, stream>>>(a); break;
-        default: group_norm_fused_kernel<T, V, 8><<<plan.grid, plan.block, 0, stream>>>(a); break;
-      }
+    case Path::kFused: {
+      const auto kernel = plan.per_thread == 1   ? group_norm_fused_kernel<T, P, V, 1>
+                          : plan.per_thread == 2 ? group_norm_fused_kernel<T, P, V, 2>
+                          : plan.per_thread == 4 ? group_norm_fused_kernel<T, P, V, 4>
+                                                 : group_norm_fused_kernel<T, P, V, 8>;
+      kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
+    }
     case Path::kNhwc: {
       group_norm_nhwc_stats_kernel<T, V><<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       // One (mean, rstd) per group of a tile: at most one per channel of the tile.
       const size_t stats_bytes = static_cast<size_t>(a.tile_vecs) * V * sizeof(float2);
-      group_norm_nhwc_apply_kernel<T, V><<<plan.grid, plan.block, stats_bytes, stream>>>(a);
+      group_norm_nhwc_apply_kernel<T, P, V><<<plan.grid, plan.block, stats_bytes, stream>>>(a);
       break;
     }
     case Path::kGroups:
       group_norm_groups_stats_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
-      group_norm_groups_apply_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
+      group_norm_groups_apply_kernel<T, P, V><<<plan.grid, plan.block, 0, stream>>>(a);
       break;
   }
   return cudaGetLastError();
+}
+
+// Parameters come in x's dtype or in float32.
+template <typename T, int V>
+cudaError_t launch_with_params(const Plan& plan, DType param_dtype, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return launch_with<T, float, V>(plan, stream);
+  } else {
+    return param_dtype == DType::kFloat32 ? launch_with<T, float, V>(plan, stream)
+                                          : launch_with<T, T, V>(plan, stream);
+  }
 }
 
 }  // namespace
@@ -462,8 +516,9 @@ cudaError_t launch_group_norm(const GroupNormParams& params, void* workspace, cu
   cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int kPack = kPackWidth<scalar_t>;
-    status = plan.vec == kPack ? launch_with<scalar_t, kPack>(plan, stream)
-                               : launch_with<scalar_t, 1>(plan, stream);
+    status = plan.vec == kPack
+                 ? launch_with_params<scalar_t, kPack>(plan, params.param_dtype, stream)
+                 : launch_with_params<scalar_t, 1>(plan, params.param_dtype, stream);
   });
   return status;
 }

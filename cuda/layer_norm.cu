@@ -1,5 +1,7 @@
 // LayerNorm: a team of threads (a warp, or more for long rows) owns one row, keeps it in
 // registers, and computes exact two-pass statistics before writing; x is read once.
+#include <type_traits>
+
 #include "kernel_utils.cuh"
 #include "layer_norm.cuh"
 
@@ -29,7 +31,20 @@ __device__ __forceinline__ float team_sum(float v, float* scratch) {
   return v;
 }
 
-template <typename T, int V, int K>
+// Loads the affine parameters of `v` (ones and zeros when absent) as raw P values.
+template <typename P, int V>
+__device__ __forceinline__ void load_affine(const LayerNormParams& p, int64_t v, Packed<P, V>& w,
+                                            Packed<P, V>& b) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    w.v[i] = from_float<P>(1.0f);
+    b.v[i] = from_float<P>(0.0f);
+  }
+  if (p.weight != nullptr) w = reinterpret_cast<const Packed<P, V>*>(p.weight)[v];
+  if (p.bias != nullptr) b = reinterpret_cast<const Packed<P, V>*>(p.bias)[v];
+}
+
+template <typename T, typename P, int V, int K>
 __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
   __shared__ float scratch[32 * 32];
   const LayerNormParams& p = a.p;
@@ -39,12 +54,14 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
   const int64_t offset = row * p.dim;
 
   float vals[K][V];
+  Packed<P, V> w[K], b[K];  // fetched with x, so their latency hides behind the reductions
   float sum = 0.0f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     if (v < row_vecs) {
       load_packed<T, V>(static_cast<const T*>(p.x) + offset + v * V, vals[k]);
+      load_affine<P, V>(p, v, w[k], b[k]);
       if (p.residual != nullptr) {
         float r[V];
         load_packed<T, V>(static_cast<const T*>(p.residual) + offset + v * V, r);
@@ -74,17 +91,14 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     if (v < row_vecs) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const int64_t col = v * V + i;
-        vals[k][i] = (vals[k][i] - mean) * rstd * load_param(p.weight, p.param_dtype, col, 1.0f) +
-                     load_param(p.bias, p.param_dtype, col, 0.0f);
-      }
+      for (int i = 0; i < V; ++i)
+        vals[k][i] = (vals[k][i] - mean) * rstd * to_float(w[k].v[i]) + to_float(b[k].v[i]);
       store_packed<T, V>(static_cast<T*>(p.y) + offset + v * V, vals[k]);
     }
   }
 }
 
-template <typename T, int V>
+template <typename T, typename P, int V>
 cudaError_t launch_with(const Args& a, cudaStream_t stream) {
   // Smallest team, then fewest vectors per thread, that hold the row.
   int team = 32;
@@ -95,10 +109,10 @@ cudaError_t launch_with(const Args& a, cudaStream_t stream) {
   const dim3 block(team, rows_per_block);
   const dim3 grid(static_cast<unsigned>((a.p.rows + rows_per_block - 1) / rows_per_block));
   switch (per_thread) {
-#define MIRAGE_LAYER_NORM_CASE(K)                                                 \
-  case K:                                                                         \
-    if constexpr (K * V <= kMaxValuesPerThread)                                   \
-      layer_norm_kernel<T, V, K><<<grid, block, 0, stream>>>(a);                  \
+#define MIRAGE_LAYER_NORM_CASE(K)                                \
+  case K:                                                        \
+    if constexpr (K * V <= kMaxValuesPerThread)                  \
+      layer_norm_kernel<T, P, V, K><<<grid, block, 0, stream>>>(a); \
     break;
     MIRAGE_LAYER_NORM_CASE(1)
     MIRAGE_LAYER_NORM_CASE(2)
@@ -109,6 +123,17 @@ cudaError_t launch_with(const Args& a, cudaStream_t stream) {
 #undef MIRAGE_LAYER_NORM_CASE
   }
   return cudaGetLastError();
+}
+
+// Parameters come in x's dtype or in float32.
+template <typename T, int V>
+cudaError_t launch_with_params(const Args& a, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return launch_with<T, float, V>(a, stream);
+  } else {
+    return a.p.param_dtype == DType::kFloat32 ? launch_with<T, float, V>(a, stream)
+                                              : launch_with<T, T, V>(a, stream);
+  }
 }
 
 }  // namespace
@@ -124,13 +149,17 @@ cudaError_t launch_layer_norm(const LayerNormParams& params, cudaStream_t stream
   cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int kPack = kPackWidth<scalar_t>;
+    // Parameters are read packed too: kPack of them need not be 16 bytes, but must be aligned so.
+    const int param_pack_bytes = kPack * dtype_size(params.param_dtype);
     const bool packed = params.dim % kPack == 0 && is_aligned(params.x, 16) &&
                         is_aligned(params.y, 16) &&
                         (params.residual == nullptr ||
-                         (is_aligned(params.residual, 16) && is_aligned(params.sum, 16)));
+                         (is_aligned(params.residual, 16) && is_aligned(params.sum, 16))) &&
+                        is_aligned(params.weight, param_pack_bytes) &&
+                        is_aligned(params.bias, param_pack_bytes);
     const Args args{params, params.dim / (packed ? kPack : 1)};
-    status = packed ? launch_with<scalar_t, kPack>(args, stream)
-                    : launch_with<scalar_t, 1>(args, stream);
+    status = packed ? launch_with_params<scalar_t, kPack>(args, stream)
+                    : launch_with_params<scalar_t, 1>(args, stream);
   });
   return status;
 }
