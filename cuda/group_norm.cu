@@ -185,10 +185,10 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_stats_kernel(
   if (threadIdx.x == 0) a.partial[blockIdx.x] = m;
 }
 
-// Merges `count` chunk moments (one warp, all lanes get it) into (mean, rstd).
-__device__ __forceinline__ float2 warp_finalize(const Moments* parts, int count, float eps) {
+// Merges `count` chunk moments (one whole warp; every lane gets it) into (mean, rstd).
+__device__ __forceinline__ float2 warp_finalize(const Moments* parts, int count, float eps, int lane) {
   Moments m{0.0f, 0.0f, 0.0f};
-  for (int c = threadIdx.x % 32; c < count; c += 32) m = merge(m, parts[c]);
+  for (int c = lane; c < count; c += 32) m = merge(m, parts[c]);
   m = warp_merge(m);
   return make_float2(m.mean, rsqrtf(m.m2 / m.count + eps));
 }
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(
   const GroupView& gv = a.view;
 
   if (threadIdx.x < 32) {
-    const float2 s = warp_finalize(a.partial + ng * a.chunks, a.chunks, a.eps);
+    const float2 s = warp_finalize(a.partial + ng * a.chunks, a.chunks, a.eps, threadIdx.x);
     if (threadIdx.x == 0) stats = s;
   }
   __syncthreads();
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   if (tid < warps * 32) {
     for (int gi = tid / 32; gi < b.groups_in_tile; gi += warps) {
       const Moments* parts = a.partial + (b.n * a.groups + b.first_group + gi) * a.chunks;
-      const float2 s = warp_finalize(parts, a.chunks, a.eps);
+      const float2 s = warp_finalize(parts, a.chunks, a.eps, tid % 32);
       if (tid % 32 == 0) group_stats[gi] = s;
     }
   }
