@@ -1,13 +1,16 @@
 // GroupNorm with a fused activation, for NCHW and channels-last input, in the input's layout.
 //
-// Three paths, chosen by make_plan:
+// Two schemes, chosen by make_plan:
 //  - fused: one block per (sample, group) holds the whole group in registers; exact two-pass
 //    statistics, then normalize. Small groups (the deep U-Net levels).
-//  - nhwc: channels-last. Blocks own a tile of whole groups' channels over a chunk of pixels, so
-//    each thread keeps a fixed channel vector and reads full rows; the stats kernel writes per-chunk
-//    moments, the apply kernel merges them and normalizes (the re-read mostly hits L2).
-//  - groups: like nhwc, but chunks of each group's own span. NCHW (where a group is contiguous),
-//    and channels-last groups too wide for a tile.
+//  - split: a stats kernel writes the moments of chunks of each group; each apply block merges
+//    the moments of the groups it touches into (mean, rstd) and normalizes (its re-read of x
+//    mostly hits L2).
+//    Each stats/apply thread handles one unrolled batch, so the whole tensor is in flight at once.
+//    Channels-last ("nhwc" layout of the split kernels): blocks own a tile of whole groups'
+//    channels over a chunk of pixels, so a thread keeps one channel vector and reads full rows.
+//    NCHW, and channels-last groups too wide for a tile ("groups" layout): chunks of each
+//    group's own span.
 #include <algorithm>
 #include <numeric>
 #include <type_traits>
@@ -26,6 +29,7 @@ constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
 constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift live in shared memory
 
 enum class Path { kFused, kNhwc, kGroups };
+constexpr int kMaxChunks = 512;  // split: chunks per group (bounds the merge in every apply block)
 
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
@@ -185,27 +189,41 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_stats_kernel(
   if (threadIdx.x == 0) a.partial[blockIdx.x] = m;
 }
 
-// Merges `count` chunk moments (one whole warp; every lane gets it) into (mean, rstd).
-__device__ __forceinline__ float2 warp_finalize(const Moments* parts, int count, float eps, int lane) {
-  Moments m{0.0f, 0.0f, 0.0f};
-  for (int c = lane; c < count; c += 32) m = merge(m, parts[c]);
-  m = warp_merge(m);
-  return make_float2(m.mean, rsqrtf(m.m2 / m.count + eps));
+// Merges a group's chunk moments into (mean, rstd), by one whole warp (every lane gets it). Two
+// passes with no division per chunk: the mean (relative to the first chunk's, for precision),
+// then the m2 of each chunk plus its spread around that mean.
+__device__ __forceinline__ float2 finalize_group(const Args& a, int64_t ng, int lane) {
+  const Moments* parts = a.partial + ng * a.chunks;
+  const float base = parts[0].mean;
+  float count = 0.0f, offset = 0.0f;
+  for (int c = lane; c < a.chunks; c += 32) {
+    const Moments p = parts[c];
+    count += p.count;
+    offset += p.count * (p.mean - base);
+  }
+  count = warp_sum(count);
+  const float mean = base + warp_sum(offset) / count;
+  float m2 = 0.0f;
+  for (int c = lane; c < a.chunks; c += 32) {
+    const Moments p = parts[c];
+    const float d = p.mean - mean;
+    m2 += p.m2 + p.count * d * d;
+  }
+  return make_float2(mean, rsqrtf(warp_sum(m2) / count + a.eps));
 }
 
-// groups path, pass 2: merge the group's chunk moments, normalize this block's chunk.
+// groups scheme, pass 2: normalize chunk (blockIdx.x % chunks) of group (blockIdx.x / chunks).
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(Args a) {
-  __shared__ float2 stats;
   const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
   const int64_t begin = (blockIdx.x % a.chunks) * a.chunk_size;
   const int64_t end = std::min(begin + a.chunk_size, a.view.group_vecs);
   const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
   T* y = static_cast<T*>(a.y) + group_offset(a, n, g);
   const GroupView& gv = a.view;
-
+  __shared__ float2 stats;
   if (threadIdx.x < 32) {
-    const float2 s = warp_finalize(a.partial + ng * a.chunks, a.chunks, a.eps, threadIdx.x);
+    const float2 s = finalize_group(a, ng, threadIdx.x);
     if (threadIdx.x == 0) stats = s;
   }
   __syncthreads();
@@ -213,35 +231,30 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(
 
   for (int64_t v0 = begin + threadIdx.x; v0 < end; v0 += kUnroll * blockDim.x) {
     float vals[kUnroll][V];
-    float2 wb[kUnroll][V];  // loaded with x, before any store can alias them
-    int64_t offset[kUnroll];
+    float2 row_affine[kUnroll];  // NCHW: a vector is one channel; fetched with x
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t v = v0 + u * blockDim.x;
       if (v < end) {
         int64_t row, col;
         split(gv, v, row, col);
-        offset[u] = row * gv.row_stride + col * V;
-        load_packed<T, V>(x + offset[u], vals[u]);
-        if (a.channels_last) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) wb[u][i] = affine_at<P>(a, g * a.cpg + col * V + i);
-        } else {
-          const float2 same = affine_at<P>(a, g * a.cpg + row);
-#pragma unroll
-          for (int i = 0; i < V; ++i) wb[u][i] = same;
-        }
+        load_packed<T, V>(x + row * gv.row_stride + col * V, vals[u]);
+        if (!a.channels_last) row_affine[u] = affine_at<P>(a, g * a.cpg + row);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (v0 + u * blockDim.x < end) {
+      const int64_t v = v0 + u * blockDim.x;
+      if (v < end) {
+        int64_t row, col;
+        split(gv, v, row, col);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          const float scale = rstd * wb[u][i].x;
-          vals[u][i] = activate(a, vals[u][i] * scale + (wb[u][i].y - mean * scale));
+          const float2 wb = a.channels_last ? affine_at<P>(a, g * a.cpg + col * V + i) : row_affine[u];
+          const float scale = rstd * wb.x;
+          vals[u][i] = activate(a, vals[u][i] * scale + (wb.y - mean * scale));
         }
-        store_packed<T, V>(y + offset[u], vals[u]);
+        store_packed<T, V>(y + row * gv.row_stride + col * V, vals[u]);
       }
     }
   }
@@ -272,67 +285,80 @@ __device__ __forceinline__ NhwcBlock nhwc_block(const Args& a) {
   return b;
 }
 
+// nhwc scheme, pass 1. Per channel, sums of (x - shift) and its square over the block's pixels,
+// the shift being the channel's value at the chunk's first pixel: sums add across threads with no
+// division, and stay accurate while values sit near their shift (they are samples of the channel).
 template <typename T, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Args a) {
-  extern __shared__ Moments channel_moments[];  // [blockDim.y][tile_vecs * V]
+  extern __shared__ float2 channel_sums[];  // [blockDim.y][tile channels]; then the shifts
   const NhwcBlock b = nhwc_block<V>(a);
   const T* x = static_cast<const T*>(a.x) + b.n * a.spatial * a.channels + b.col * V;
   const int tile_channels = a.tile_vecs * V;
+  float* shifts = reinterpret_cast<float*>(channel_sums + blockDim.y * tile_channels);
 
-  Moments m[V];
+  float shift[V], s1[V], s2[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) m[i] = {0.0f, 0.0f, 0.0f};
+  for (int i = 0; i < V; ++i) shift[i] = s1[i] = s2[i] = 0.0f;
   if (b.active) {
+    load_packed<T, V>(x + b.pixel_begin * a.channels, shift);
     for (int64_t p0 = b.pixel_begin + threadIdx.y; p0 < b.pixel_end; p0 += kUnroll * blockDim.y) {
       float vals[kUnroll][V];
-      int valid = 0;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t p = p0 + u * blockDim.y;
-        if (p < b.pixel_end) {
-          load_packed<T, V>(x + p * a.channels, vals[u]);
-          valid = u + 1;
-        }
+        if (p < b.pixel_end) load_packed<T, V>(x + p * a.channels, vals[u]);
       }
-      // Per channel: the batch's exact moments, merged into the running ones.
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        float sum = 0.0f;
+      for (int u = 0; u < kUnroll; ++u) {
+        if (p0 + u * blockDim.y < b.pixel_end) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) sum += u < valid ? vals[u][i] : 0.0f;
-        const float mean = sum / valid;
-        float m2 = 0.0f;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const float d = vals[u][i] - mean;
-          m2 += u < valid ? d * d : 0.0f;
+          for (int i = 0; i < V; ++i) {
+            const float d = vals[u][i] - shift[i];
+            s1[i] += d;
+            s2[i] += d * d;
+          }
         }
-        m[i] = merge(m[i], {static_cast<float>(valid), mean, m2});
       }
     }
   }
-  Moments* mine = channel_moments + threadIdx.y * tile_channels + threadIdx.x * V;
+  float2* mine = channel_sums + threadIdx.y * tile_channels + threadIdx.x * V;
 #pragma unroll
-  for (int i = 0; i < V; ++i) mine[i] = m[i];
+  for (int i = 0; i < V; ++i) mine[i] = make_float2(s1[i], s2[i]);
+  if (threadIdx.y == 0) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) shifts[threadIdx.x * V + i] = shift[i];
+  }
   __syncthreads();
-  // Tree over the pixel rows of the block.
+  // Sum over the block's pixel rows.
   int span = 1;
   while (span < static_cast<int>(blockDim.y)) span <<= 1;
   for (span >>= 1; span > 0; span >>= 1) {
     if (threadIdx.y < span && threadIdx.y + span < blockDim.y) {
-      const Moments* other = mine + span * tile_channels;
+      const float2* other = mine + span * tile_channels;
 #pragma unroll
-      for (int i = 0; i < V; ++i) mine[i] = merge(mine[i], other[i]);
+      for (int i = 0; i < V; ++i) mine[i] = make_float2(mine[i].x + other[i].x, mine[i].y + other[i].y);
     }
     __syncthreads();
   }
-  // Channels into groups.
+  // Channels into groups. All channels saw the same pixels, so the group's mean is the mean of
+  // the channel means (taken relative to the first, for precision) and its m2 adds the spread.
+  const float pixels = static_cast<float>(b.pixel_end - b.pixel_begin);
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   for (int gi = tid; gi < b.groups_in_tile; gi += blockDim.x * blockDim.y) {
-    Moments acc{0.0f, 0.0f, 0.0f};
-    for (int64_t c = 0; c < a.cpg; ++c) acc = merge(acc, channel_moments[gi * a.cpg + c]);
+    const int c0 = gi * static_cast<int>(a.cpg);
+    const auto channel_mean = [&](int c) { return shifts[c] + channel_sums[c].x / pixels; };
+    const float base = channel_mean(c0);
+    float offset = 0.0f;
+    for (int c = c0; c < c0 + a.cpg; ++c) offset += channel_mean(c) - base;
+    const float mean = base + offset / a.cpg;
+    float m2 = 0.0f;
+    for (int c = c0; c < c0 + a.cpg; ++c) {
+      const float2 sums = channel_sums[c];
+      const float d = channel_mean(c) - mean;
+      m2 += (sums.y - sums.x * sums.x / pixels) + pixels * d * d;
+    }
     const int64_t ng = b.n * a.groups + b.first_group + gi;
-    a.partial[ng * a.chunks + b.chunk] = acc;
+    a.partial[ng * a.chunks + b.chunk] = {pixels * a.cpg, mean, m2};
   }
 }
 
@@ -342,12 +368,9 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   const NhwcBlock b = nhwc_block<V>(a);
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   const int warps = (blockDim.x * blockDim.y) / 32;  // whole warps only: the block may end ragged
-  if (tid < warps * 32) {
-    for (int gi = tid / 32; gi < b.groups_in_tile; gi += warps) {
-      const Moments* parts = a.partial + (b.n * a.groups + b.first_group + gi) * a.chunks;
-      const float2 s = warp_finalize(parts, a.chunks, a.eps, tid % 32);
-      if (tid % 32 == 0) group_stats[gi] = s;
-    }
+  for (int gi = tid / 32; gi < b.groups_in_tile && tid < warps * 32; gi += warps) {
+    const float2 s = finalize_group(a, b.n * a.groups + b.first_group + gi, tid % 32);
+    if (tid % 32 == 0) group_stats[gi] = s;
   }
   __syncthreads();
   if (!b.active) return;
@@ -415,7 +438,6 @@ Plan make_plan(const GroupNormParams& p) {
   const int64_t row_len = p.channels_last ? a.cpg : p.spatial;
   const int64_t row_stride = p.channels_last ? p.channels : p.spatial;
   const int64_t ng = p.batch * p.groups;
-  const int sms = sm_count();
 
   // nhwc path: tiles of whole groups; the vector needs only C % pack (tiles align to lcm(cpg, pack)).
   const int nhwc_vec = (aligned && p.channels % pack == 0) ? pack : 1;
@@ -439,21 +461,16 @@ Plan make_plan(const GroupNormParams& p) {
     a.tile_vecs = static_cast<int>(std::min(col_vecs, kMaxTileVecs / lcm_vecs * lcm_vecs));
     a.tiles = static_cast<int>(ceil_div(col_vecs, a.tile_vecs));
     const int block_y = std::max(1, kSplitThreads / a.tile_vecs);
-    // Two blocks a multiprocessor, at least one unrolled batch of pixels a thread: more chunks
-    // would only lengthen the merge every apply block does.
-    const int64_t min_chunk = static_cast<int64_t>(block_y) * kUnroll;
-    const int64_t wanted = std::max<int64_t>(1, ceil_div(2LL * sms, p.batch * a.tiles));
-    a.chunk_size = std::max(min_chunk, ceil_div(p.spatial, wanted));
+    // One unrolled batch of pixels a thread: all loads in flight at once.
+    a.chunk_size = std::max<int64_t>(static_cast<int64_t>(block_y) * kUnroll, ceil_div(p.spatial, kMaxChunks));
     a.chunks = static_cast<int>(ceil_div(p.spatial, a.chunk_size));
     plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks * a.tiles));
     plan.block = dim3(a.tile_vecs, block_y);
-    plan.shared_bytes = static_cast<size_t>(block_y) * a.tile_vecs * nhwc_vec * sizeof(Moments);
+    plan.shared_bytes = static_cast<size_t>(block_y + 1) * a.tile_vecs * nhwc_vec * sizeof(float2);
   } else {
     plan.path = Path::kGroups;
     plan.vec = group_vec;
-    const int64_t min_chunk = kSplitThreads * 2;
-    const int64_t wanted = std::max<int64_t>(1, ceil_div(4LL * sms, ng));
-    a.chunk_size = std::max(min_chunk, ceil_div(group_vecs, wanted));
+    a.chunk_size = std::max<int64_t>(kSplitThreads * kUnroll, ceil_div(group_vecs, kMaxChunks));
     a.chunks = static_cast<int>(ceil_div(group_vecs, a.chunk_size));
     plan.grid = dim3(static_cast<unsigned>(ng * a.chunks));
     plan.block = dim3(kSplitThreads);
@@ -474,13 +491,12 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }
-    case Path::kNhwc: {
+    case Path::kNhwc:
       group_norm_nhwc_stats_kernel<T, V><<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       // One (mean, rstd) per group of a tile: at most one per channel of the tile.
-      const size_t stats_bytes = static_cast<size_t>(a.tile_vecs) * V * sizeof(float2);
-      group_norm_nhwc_apply_kernel<T, P, V><<<plan.grid, plan.block, stats_bytes, stream>>>(a);
+      group_norm_nhwc_apply_kernel<T, P, V>
+          <<<plan.grid, plan.block, a.tile_vecs * V * sizeof(float2), stream>>>(a);
       break;
-    }
     case Path::kGroups:
       group_norm_groups_stats_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
       group_norm_groups_apply_kernel<T, P, V><<<plan.grid, plan.block, 0, stream>>>(a);

@@ -97,7 +97,8 @@ __device__ __forceinline__ float load_param(const void* p, DType dtype, int64_t 
   }
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// v * sigmoid(v); the reciprocal of +inf is 0, so very negative v gives -0 rather than NaN.
+__device__ __forceinline__ float silu(float v) { return v * __frcp_rn(1.0f + __expf(-v)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -2,20 +2,22 @@
 
 #include <c10/util/Exception.h>
 
+#include "message.h"
+
 namespace mirage::ops {
 
 void check_activation_dtype(std::string_view op, std::string_view arg, const at::Tensor& t) {
   const auto dtype = t.scalar_type();
   const bool supported = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
                          (dtype == at::kDouble && !t.is_cuda());
-  TORCH_CHECK(supported, op, ": ", arg,
+  MIRAGE_CHECK(supported, op, ": ", arg,
               " must be float32, float16 or bfloat16 (float64 off the GPU), got ", dtype, " on ",
               t.device());
 }
 
 void check_same_device(std::string_view op, std::string_view arg, const at::Tensor& other,
                        const at::Tensor& x) {
-  TORCH_CHECK(other.device() == x.device(), op, ": ", arg, " must be on the same device as x (x on ",
+  MIRAGE_CHECK(other.device() == x.device(), op, ": ", arg, " must be on the same device as x (x on ",
               x.device(), ", ", arg, " on ", other.device(), ")");
 }
 
@@ -23,9 +25,9 @@ void check_param(std::string_view op, std::string_view arg, const std::optional<
                  const at::Tensor& x, int64_t size) {
   if (!p.has_value() || !p->defined()) return;
   check_same_device(op, arg, *p, x);
-  TORCH_CHECK(p->dim() == 1 && p->size(0) == size, op, ": ", arg, " must have shape [", size,
+  MIRAGE_CHECK(p->dim() == 1 && p->size(0) == size, op, ": ", arg, " must have shape [", size,
               "], got ", p->sizes());
-  TORCH_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat, op, ": ", arg,
+  MIRAGE_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat, op, ": ", arg,
               " must have x's dtype (", x.scalar_type(), ") or float32, got ", p->scalar_type());
 }
 
@@ -34,7 +36,7 @@ at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>&
   const bool has_weight = weight.has_value() && weight->defined();
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_weight && has_bias) {
-    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), op,
+    MIRAGE_CHECK(weight->scalar_type() == bias->scalar_type(), op,
                 ": weight and bias must have the same dtype, got ", weight->scalar_type(), " and ",
                 bias->scalar_type());
   }

@@ -1,4 +1,4 @@
-// Argument checks shared by the ops. Every failure is a TORCH_CHECK whose message names the op,
+// Argument checks shared by the ops. Every failure is a MIRAGE_CHECK whose message names the op,
 // the argument, what was expected and what was given (ARCHITECTURE.md rule 4).
 #pragma once
 

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "../../cuda/common.cuh"
+#include "message.h"
 
 namespace mirage::ops {
 
@@ -23,7 +24,7 @@ inline const void* data_or_null(const at::Tensor& t) {
 }
 
 inline void check_launch(std::string_view op, cudaError_t status) {
-  TORCH_CHECK(status == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(status));
+  MIRAGE_CHECK(status == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(status));
 }
 
 }  // namespace mirage::ops

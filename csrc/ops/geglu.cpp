@@ -7,14 +7,15 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "message.h"
 
 namespace mirage::ops {
 
 std::vector<int64_t> check_geglu(const at::Tensor& x, std::string_view approximate) {
   check_activation_dtype(kGeglu, "x", x);
-  TORCH_CHECK(x.dim() >= 1, kGeglu, ": x must have at least one dimension, got a scalar");
-  TORCH_CHECK(x.size(-1) % 2 == 0, kGeglu, ": x's last dimension must be even, got ", x.size(-1));
-  TORCH_CHECK(approximate == "none" || approximate == "tanh", kGeglu,
+  MIRAGE_CHECK(x.dim() >= 1, kGeglu, ": x must have at least one dimension, got a scalar");
+  MIRAGE_CHECK(x.size(-1) % 2 == 0, kGeglu, ": x's last dimension must be even, got ", x.size(-1));
+  MIRAGE_CHECK(approximate == "none" || approximate == "tanh", kGeglu,
               ": approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() /= 2;

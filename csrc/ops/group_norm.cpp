@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "message.h"
 
 namespace mirage::ops {
 
@@ -16,18 +17,18 @@ GroupNormShape check_group_norm(const at::Tensor& x, int64_t num_groups,
                                 const std::optional<at::Tensor>& bias, double eps,
                                 std::string_view activation) {
   check_activation_dtype(kGroupNorm, "x", x);
-  TORCH_CHECK(x.dim() >= 2, kGroupNorm, ": x must have shape (N, C, *), got ", x.dim(),
+  MIRAGE_CHECK(x.dim() >= 2, kGroupNorm, ": x must have shape (N, C, *), got ", x.dim(),
               " dimension(s) ", x.sizes());
   const int64_t channels = x.size(1);
-  TORCH_CHECK(num_groups > 0, kGroupNorm, ": num_groups must be positive, got ", num_groups);
-  TORCH_CHECK(channels % num_groups == 0, kGroupNorm,
+  MIRAGE_CHECK(num_groups > 0, kGroupNorm, ": num_groups must be positive, got ", num_groups);
+  MIRAGE_CHECK(channels % num_groups == 0, kGroupNorm,
               ": x must have C divisible by num_groups (C=", channels,
               ", num_groups=", num_groups, ")");
   check_param(kGroupNorm, "weight", weight, x, channels);
   check_param(kGroupNorm, "bias", bias, x, channels);
   param_dtype(kGroupNorm, weight, bias, x);
-  TORCH_CHECK(eps >= 0 && std::isfinite(eps), kGroupNorm, ": eps must be finite and >= 0, got ", eps);
-  TORCH_CHECK(activation == "none" || activation == "silu", kGroupNorm,
+  MIRAGE_CHECK(eps >= 0 && std::isfinite(eps), kGroupNorm, ": eps must be finite and >= 0, got ", eps);
+  MIRAGE_CHECK(activation == "none" || activation == "silu", kGroupNorm,
               ": activation must be \"none\" or \"silu\", got \"", activation, "\"");
   const bool spatial_4d_5d = x.dim() == 4 || x.dim() == 5;
   return {x.size(0), channels, x.dim() == 2 ? 1 : c10::multiply_integers(x.sizes().slice(2)),

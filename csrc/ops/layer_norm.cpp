@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "message.h"
 
 namespace mirage::ops {
 
@@ -14,20 +15,20 @@ int64_t check_layer_norm(std::string_view op, const at::Tensor& x,
                          const std::optional<at::Tensor>& weight,
                          const std::optional<at::Tensor>& bias, double eps) {
   check_activation_dtype(op, "x", x);
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
+  MIRAGE_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
   const int64_t dim = x.size(-1);
   check_param(op, "weight", weight, x, dim);
   check_param(op, "bias", bias, x, dim);
   param_dtype(op, weight, bias, x);
-  TORCH_CHECK(eps >= 0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
+  MIRAGE_CHECK(eps >= 0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
   return dim;
 }
 
 void check_residual(const at::Tensor& x, const at::Tensor& residual) {
   check_same_device(kAddLayerNorm, "residual", residual, x);
-  TORCH_CHECK(residual.sizes() == x.sizes(), kAddLayerNorm,
+  MIRAGE_CHECK(residual.sizes() == x.sizes(), kAddLayerNorm,
               ": residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), kAddLayerNorm,
+  MIRAGE_CHECK(residual.scalar_type() == x.scalar_type(), kAddLayerNorm,
               ": residual must have x's dtype (", x.scalar_type(), "), got ",
               residual.scalar_type());
 }

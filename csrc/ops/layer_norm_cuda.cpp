@@ -8,6 +8,7 @@
 #include "checks.h"
 #include "cuda_utils.h"
 #include "layer_norm.h"
+#include "message.h"
 
 namespace mirage::ops {
 namespace {
@@ -17,7 +18,7 @@ void run_layer_norm(std::string_view op, const at::Tensor& x, const at::Tensor& 
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     double eps, int64_t dim, at::Tensor& y, at::Tensor& sum) {
   const auto kernel_dtype = to_kernel_dtype(x.scalar_type());
-  TORCH_CHECK(dim <= cuda::layer_norm_max_dim(kernel_dtype), op,
+  MIRAGE_CHECK(dim <= cuda::layer_norm_max_dim(kernel_dtype), op,
               ": x's last dimension must be at most ", cuda::layer_norm_max_dim(kernel_dtype),
               " on CUDA (a row is held in registers), got ", dim);
   const at::Tensor w = contiguous_or_undefined(weight);
