@@ -3,9 +3,10 @@
 // Two schemes, chosen by make_plan:
 //  - fused: one block per (sample, group) holds the whole group in registers; exact two-pass
 //    statistics, then normalize. Small groups (the deep U-Net levels).
-//  - split: a stats kernel writes the moments of chunks of each group; each apply block merges
-//    the moments of the groups it touches into (mean, rstd) and normalizes (its re-read of x
-//    mostly hits L2).
+//  - split: a stats kernel writes the moments of chunks of each group, a finalize kernel merges
+//    them into (mean, rstd) per group, an apply kernel normalizes (its re-read of x mostly hits
+//    L2). Merging once, rather than in every apply block, keeps the merge work independent of
+//    the number of blocks.
 //    Each stats/apply thread handles one unrolled batch, so the whole tensor is in flight at once.
 //    Channels-last ("nhwc" layout of the split kernels): blocks own a tile of whole groups'
 //    channels over a chunk of pixels, so a thread keeps one channel vector and reads full rows.
@@ -22,14 +23,17 @@ namespace mirage::cuda {
 namespace {
 
 constexpr int kFusedThreads = 512;
-constexpr int kFusedMaxPerThread = 8;  // vectors per thread in registers
+constexpr int kFusedMaxPerThread = 2;  // vectors per thread in registers
+// Larger groups go split: one block per group would leave most multiprocessors idle.
+constexpr int kFusedMaxVecs = kFusedThreads * kFusedMaxPerThread;
 constexpr int kSplitThreads = 256;
 constexpr int kUnroll = 4;             // independent loads in flight per thread
 constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
 constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift live in shared memory
 
 enum class Path { kFused, kNhwc, kGroups };
-constexpr int kMaxChunks = 512;  // split: chunks per group (bounds the merge in every apply block)
+constexpr int kMaxChunks = 1024;  // split: chunks per group (bounds the finalize work)
+constexpr int kFinalizeWarps = 8;
 
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
@@ -52,6 +56,7 @@ struct Args {
   int tiles;           // nhwc path: column tiles per sample
   int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
   Moments* partial;    // split paths: [N * G, chunks]
+  float2* stats;       // split paths: [N * G] (mean, rstd)
 };
 
 __device__ __forceinline__ int64_t group_offset(const Args& a, int64_t n, int64_t g) {
@@ -212,7 +217,15 @@ __device__ __forceinline__ float2 finalize_group(const Args& a, int64_t ng, int 
   return make_float2(mean, rsqrtf(warp_sum(m2) / count + a.eps));
 }
 
-// groups scheme, pass 2: normalize chunk (blockIdx.x % chunks) of group (blockIdx.x / chunks).
+// Split schemes, pass 2: one warp per group.
+__global__ void __launch_bounds__(kFinalizeWarps * 32) group_norm_finalize_kernel(Args a, int64_t groups_total) {
+  const int64_t ng = static_cast<int64_t>(blockIdx.x) * kFinalizeWarps + threadIdx.x / 32;
+  if (ng >= groups_total) return;  // whole warps leave together
+  const float2 s = finalize_group(a, ng, threadIdx.x % 32);
+  if (threadIdx.x % 32 == 0) a.stats[ng] = s;
+}
+
+// groups scheme, pass 3: normalize chunk (blockIdx.x % chunks) of group (blockIdx.x / chunks).
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(Args a) {
   const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
@@ -221,12 +234,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(
   const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
   T* y = static_cast<T*>(a.y) + group_offset(a, n, g);
   const GroupView& gv = a.view;
-  __shared__ float2 stats;
-  if (threadIdx.x < 32) {
-    const float2 s = finalize_group(a, ng, threadIdx.x);
-    if (threadIdx.x == 0) stats = s;
-  }
-  __syncthreads();
+  const float2 stats = a.stats[ng];
   const float mean = stats.x, rstd = stats.y;
 
   for (int64_t v0 = begin + threadIdx.x; v0 < end; v0 += kUnroll * blockDim.x) {
@@ -364,22 +372,14 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
 
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Args a) {
-  extern __shared__ float2 group_stats[];  // [groups in tile]: mean, rstd
   const NhwcBlock b = nhwc_block<V>(a);
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int warps = (blockDim.x * blockDim.y) / 32;  // whole warps only: the block may end ragged
-  for (int gi = tid / 32; gi < b.groups_in_tile && tid < warps * 32; gi += warps) {
-    const float2 s = finalize_group(a, b.n * a.groups + b.first_group + gi, tid % 32);
-    if (tid % 32 == 0) group_stats[gi] = s;
-  }
-  __syncthreads();
   if (!b.active) return;
 
   float scale[V], shift[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int64_t ch = b.col * V + i;
-    const float2 s = group_stats[ch / a.cpg - b.first_group];
+    const float2 s = a.stats[b.n * a.groups + ch / a.cpg];
     const float2 wb = affine_at<P>(a, ch);
     scale[i] = s.y * wb.x;
     shift[i] = wb.y - s.x * scale[i];
@@ -410,6 +410,7 @@ struct Plan {
   Path path;
   int vec;         // elements per access
   int per_thread;  // fused: vectors per thread (a power of two)
+  int64_t groups_total;  // N * G
   dim3 grid, block;
   size_t shared_bytes;
   Args args;
@@ -417,6 +418,7 @@ struct Plan {
 
 Plan make_plan(const GroupNormParams& p) {
   Plan plan{};
+  plan.groups_total = p.batch * p.groups;
   Args& a = plan.args;
   a.x = p.x;
   a.weight = p.weight;
@@ -445,7 +447,7 @@ Plan make_plan(const GroupNormParams& p) {
   const int group_vec = (aligned && row_len % pack == 0 && row_stride % pack == 0) ? pack : 1;
   const int64_t group_vecs = rows * row_len / group_vec;
 
-  if (group_vecs <= kFusedThreads * kFusedMaxPerThread && a.cpg <= kMaxFusedChannels) {
+  if (group_vecs <= kFusedMaxVecs && a.cpg <= kMaxFusedChannels) {
     plan.path = Path::kFused;
     plan.vec = group_vec;
     plan.per_thread = 1;
@@ -479,26 +481,30 @@ Plan make_plan(const GroupNormParams& p) {
   return plan;
 }
 
+void finalize(const Plan& plan, cudaStream_t stream) {
+  group_norm_finalize_kernel<<<static_cast<unsigned>(ceil_div(plan.groups_total, kFinalizeWarps)),
+                               kFinalizeWarps * 32, 0, stream>>>(plan.args, plan.groups_total);
+}
+
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
   const Args& a = plan.args;
   switch (plan.path) {
     case Path::kFused: {
-      const auto kernel = plan.per_thread == 1   ? group_norm_fused_kernel<T, P, V, 1>
-                          : plan.per_thread == 2 ? group_norm_fused_kernel<T, P, V, 2>
-                          : plan.per_thread == 4 ? group_norm_fused_kernel<T, P, V, 4>
-                                                 : group_norm_fused_kernel<T, P, V, 8>;
+      static_assert(kFusedMaxPerThread == 2, "one kernel per vectors-per-thread count");
+      const auto kernel = plan.per_thread == 1 ? group_norm_fused_kernel<T, P, V, 1>
+                                               : group_norm_fused_kernel<T, P, V, 2>;
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }
     case Path::kNhwc:
       group_norm_nhwc_stats_kernel<T, V><<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
-      // One (mean, rstd) per group of a tile: at most one per channel of the tile.
-      group_norm_nhwc_apply_kernel<T, P, V>
-          <<<plan.grid, plan.block, a.tile_vecs * V * sizeof(float2), stream>>>(a);
+      finalize(plan, stream);
+      group_norm_nhwc_apply_kernel<T, P, V><<<plan.grid, plan.block, 0, stream>>>(a);
       break;
     case Path::kGroups:
       group_norm_groups_stats_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
+      finalize(plan, stream);
       group_norm_groups_apply_kernel<T, P, V><<<plan.grid, plan.block, 0, stream>>>(a);
       break;
   }
@@ -516,19 +522,26 @@ cudaError_t launch_with_params(const Plan& plan, DType param_dtype, cudaStream_t
   }
 }
 
+int64_t padded_moments(const Plan& plan) {
+  const int64_t moments = plan.groups_total * plan.args.chunks;
+  return moments + moments % 2;
+}
+
 }  // namespace
 
 size_t group_norm_workspace_bytes(const GroupNormParams& params) {
   if (params.batch * params.channels * params.spatial == 0) return 0;
   const Plan plan = make_plan(params);
   if (plan.path == Path::kFused) return 0;
-  return static_cast<size_t>(params.batch * params.groups * plan.args.chunks) * sizeof(Moments);
+  return padded_moments(plan) * sizeof(Moments) + plan.groups_total * sizeof(float2);
 }
 
 cudaError_t launch_group_norm(const GroupNormParams& params, void* workspace, cudaStream_t stream) {
   if (params.batch * params.channels * params.spatial == 0) return cudaSuccess;
   Plan plan = make_plan(params);
   plan.args.partial = static_cast<Moments*>(workspace);
+  // The (mean, rstd) array follows the moments, 8-byte aligned (Moments are 12 bytes).
+  plan.args.stats = reinterpret_cast<float2*>(plan.args.partial + padded_moments(plan));
   cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int kPack = kPackWidth<scalar_t>;
