@@ -23,8 +23,9 @@ namespace mirage::cuda {
 namespace {
 
 constexpr int kFusedThreads = 512;
-constexpr int kFusedMaxPerThread = 2;  // vectors per thread in registers
-// Larger groups go split: one block per group would leave most multiprocessors idle.
+constexpr int kFusedMaxPerThread = 8;  // vectors per thread in registers
+// Larger groups go split. Measured on an H200 (docs/perf/norms.md): up to this size one kernel
+// with a block per group beats three kernels over the whole chip, idle multiprocessors and all.
 constexpr int kFusedMaxVecs = kFusedThreads * kFusedMaxPerThread;
 constexpr int kSplitThreads = 256;
 constexpr int kUnroll = 4;             // independent loads in flight per thread
@@ -491,9 +492,11 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
   const Args& a = plan.args;
   switch (plan.path) {
     case Path::kFused: {
-      static_assert(kFusedMaxPerThread == 2, "one kernel per vectors-per-thread count");
-      const auto kernel = plan.per_thread == 1 ? group_norm_fused_kernel<T, P, V, 1>
-                                               : group_norm_fused_kernel<T, P, V, 2>;
+      static_assert(kFusedMaxPerThread == 8, "one kernel per vectors-per-thread count");
+      const auto kernel = plan.per_thread == 1   ? group_norm_fused_kernel<T, P, V, 1>
+                          : plan.per_thread == 2 ? group_norm_fused_kernel<T, P, V, 2>
+                          : plan.per_thread == 4 ? group_norm_fused_kernel<T, P, V, 4>
+                                                 : group_norm_fused_kernel<T, P, V, 8>;
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }
