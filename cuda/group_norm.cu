@@ -16,6 +16,8 @@
 #include <numeric>
 #include <type_traits>
 
+#include <cooperative_groups.h>
+
 #include "group_norm.cuh"
 #include "kernel_utils.cuh"
 
@@ -32,9 +34,12 @@ constexpr int kUnroll = 4;             // independent loads in flight per thread
 constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
 constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift live in shared memory
 
-enum class Path { kFused, kNhwc, kGroups };
+enum class Path { kFused, kCluster, kNhwc, kGroups };
 constexpr int kMaxChunks = 1024;  // split: chunks per group (bounds the finalize work)
 constexpr int kFinalizeWarps = 8;
+constexpr int kClusterThreads = 512;
+constexpr int kClusterMaxPerThread = 16;  // pixel vectors a thread keeps, packed in its input dtype
+constexpr int kMaxClusterBlocks = 8;      // the portable cluster size
 
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
@@ -55,7 +60,7 @@ struct Args {
   int chunks;          // split paths: chunks per group
   int64_t chunk_size;  // groups path: vectors per chunk; nhwc path: pixels per chunk
   int tiles;           // nhwc path: column tiles per sample
-  int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
+  int tile_vecs;       // nhwc and cluster paths: column vectors per tile (whole groups)
   Moments* partial;    // split paths: [N * G, chunks]
   float2* stats;       // split paths: [N * G] (mean, rstd)
 };
@@ -407,15 +412,189 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   }
 }
 
+// cluster path (Hopper, channels-last): one thread-block cluster per (sample, tile of whole
+// groups); its blocks split the pixels, each thread keeps its pixels' vectors of one channel
+// vector in registers. Group sums are exchanged through distributed shared memory, so x is read
+// once and y written once, by one kernel. Blocks: (tile_vecs, rows); grid: N * tiles * CS.
+template <typename T, typename P, int V, int K>
+__global__ void __launch_bounds__(kClusterThreads) group_norm_cluster_kernel(Args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int blocks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t cluster_id = blockIdx.x / blocks;
+  const int64_t tile = cluster_id % a.tiles, n = cluster_id / a.tiles;
+  const int tile_channels = a.tile_vecs * V;
+  const int64_t first_channel = tile * tile_channels;
+  const int groups_in_tile = static_cast<int>(
+      (std::min<int64_t>(first_channel + tile_channels, a.channels) - first_channel) / a.cpg);
+  const int64_t col = tile * a.tile_vecs + threadIdx.x;  // this thread's channel vector
+  const bool active = col * V < a.channels;
+  const int64_t pixels_per_block = ceil_div(a.spatial, blocks);
+  const int64_t pixel_begin = rank * pixels_per_block;
+  const int64_t pixel_end = std::min(pixel_begin + pixels_per_block, a.spatial);
+  const T* x = static_cast<const T*>(a.x) + n * a.spatial * a.channels + col * V;
+  T* y = static_cast<T*>(a.y) + n * a.spatial * a.channels + col * V;
+
+  extern __shared__ float smem[];
+  float* rows = smem;                                     // [blockDim.y][tile channels]
+  float* shifts = rows + blockDim.y * tile_channels;      // [groups in tile]
+  float* group_sum = shifts + tile_channels;              // [groups in tile], read by the cluster
+  float* group_m2 = group_sum + tile_channels;            // [groups in tile], read by the cluster
+  float* group_mean = group_m2 + tile_channels;           // [groups in tile]
+  float* group_rstd = group_mean + tile_channels;         // [groups in tile]
+
+  Packed<T, V> held[K];
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  // Sums are taken relative to each group's first value, which keeps them small (precision).
+  for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y)
+    shifts[gi] = to_float(static_cast<const T*>(a.x)[n * a.spatial * a.channels + first_channel + gi * a.cpg]);
+  __syncthreads();
+  float shift[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) shift[i] = active ? shifts[(threadIdx.x * V + i) / a.cpg] : 0.0f;
+
+  // Reduces per-channel values v[V] of every thread to per-group sums of this block in out[].
+  const auto block_group_sums = [&](const float (&v)[V], float* out) {
+    float* mine = rows + threadIdx.y * tile_channels + threadIdx.x * V;
+#pragma unroll
+    for (int i = 0; i < V; ++i) mine[i] = v[i];
+    __syncthreads();
+    int span = 1;
+    while (span < static_cast<int>(blockDim.y)) span <<= 1;
+    for (span >>= 1; span > 0; span >>= 1) {
+      if (threadIdx.y < span && threadIdx.y + span < blockDim.y) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) mine[i] += mine[span * tile_channels + i];
+      }
+      __syncthreads();
+    }
+    for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y) {
+      float total = 0.0f;
+      for (int64_t c = gi * a.cpg; c < (gi + 1) * a.cpg; ++c) total += rows[c];
+      out[gi] = total;
+    }
+  };
+  // Sums out[] over the cluster's blocks into dest[] (after a cluster barrier).
+  const auto cluster_group_sums = [&](float* out, float* dest, bool mean) {
+    cluster.sync();
+    for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y) {
+      float total = 0.0f;
+      for (int r = 0; r < blocks; ++r) total += cluster.map_shared_rank(out, r)[gi];
+      const float count = static_cast<float>(a.spatial * a.cpg);
+      dest[gi] = mean ? shifts[gi] + total / count : rsqrtf(total / count + a.eps);
+    }
+    __syncthreads();
+  };
+
+  float acc[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t p = pixel_begin + threadIdx.y + static_cast<int64_t>(k) * blockDim.y;
+    if (active && p < pixel_end) {
+      held[k] = *reinterpret_cast<const Packed<T, V>*>(x + p * a.channels);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += to_float(held[k].v[i]) - shift[i];
+    }
+  }
+  block_group_sums(acc, group_sum);
+  cluster_group_sums(group_sum, group_mean, true);
+
+  float mean[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    mean[i] = active ? group_mean[(threadIdx.x * V + i) / a.cpg] : 0.0f;
+    acc[i] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t p = pixel_begin + threadIdx.y + static_cast<int64_t>(k) * blockDim.y;
+    if (active && p < pixel_end) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float d = to_float(held[k].v[i]) - mean[i];
+        acc[i] += d * d;
+      }
+    }
+  }
+  block_group_sums(acc, group_m2);
+  cluster_group_sums(group_m2, group_rstd, false);
+
+  if (active) {
+    float scale[V], shift_out[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float2 wb = affine_at<P>(a, col * V + i);
+      scale[i] = group_rstd[(threadIdx.x * V + i) / a.cpg] * wb.x;
+      shift_out[i] = wb.y - mean[i] * scale[i];
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t p = pixel_begin + threadIdx.y + static_cast<int64_t>(k) * blockDim.y;
+      if (p < pixel_end) {
+        float out[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = activate(a, to_float(held[k].v[i]) * scale[i] + shift_out[i]);
+        store_packed<T, V>(y + p * a.channels, out);
+      }
+    }
+  }
+  cluster.sync();  // no block may leave while the others still read its shared memory
+#endif
+}
+
 struct Plan {
   Path path;
   int vec;         // elements per access
-  int per_thread;  // fused: vectors per thread (a power of two)
+  int per_thread;  // fused: vectors per thread; cluster: pixel vectors per thread (powers of two)
+  int cluster_blocks;    // cluster: blocks per cluster
   int64_t groups_total;  // N * G
   dim3 grid, block;
   size_t shared_bytes;
   Args args;
 };
+
+// Whether this device runs the cluster kernel: Hopper or newer, and this library holds sm_90+
+// code for it (built for older archs only, its body would be empty there).
+bool cluster_supported() {
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaFuncAttributes attributes{};
+  return major >= 9 &&
+         cudaFuncGetAttributes(&attributes, group_norm_cluster_kernel<__half, __half, 8, 1>) == cudaSuccess &&
+         attributes.binaryVersion >= 90;
+}
+
+// Sizes the cluster path: tiles of one lcm(cpg, pack) unit, the smallest cluster that gives
+// every multiprocessor a block and lets each thread hold its pixels. False when it cannot.
+bool cluster_plan(const GroupNormParams& p, int64_t tile_vecs, Plan& plan) {
+  if (!cluster_supported()) return false;
+  Args& a = plan.args;
+  const int block_y = static_cast<int>(kClusterThreads / tile_vecs);
+  a.tile_vecs = static_cast<int>(tile_vecs);
+  a.tiles = static_cast<int>(p.channels / (tile_vecs * 16 / dtype_size(p.dtype)));
+  const int sms = sm_count();
+  for (int blocks = 1; blocks <= kMaxClusterBlocks; blocks *= 2) {
+    const int64_t rows = ceil_div(ceil_div(p.spatial, blocks), block_y);
+    const bool fits = rows <= kClusterMaxPerThread;
+    const bool fills = p.batch * a.tiles * blocks >= sms || blocks == kMaxClusterBlocks;
+    if (fits && fills) {
+      plan.cluster_blocks = blocks;
+      plan.per_thread = 1;
+      while (plan.per_thread < rows) plan.per_thread *= 2;
+      plan.grid = dim3(static_cast<unsigned>(p.batch * a.tiles * blocks));
+      plan.block = dim3(a.tile_vecs, block_y);
+      const size_t tile_channels = static_cast<size_t>(tile_vecs) * 16 / dtype_size(p.dtype);
+      plan.shared_bytes = (static_cast<size_t>(block_y) + 5) * tile_channels * sizeof(float);
+      return true;
+    }
+  }
+  return false;
+}
 
 Plan make_plan(const GroupNormParams& p) {
   Plan plan{};
@@ -457,6 +636,10 @@ Plan make_plan(const GroupNormParams& p) {
     plan.grid = dim3(static_cast<unsigned>(ng));
     plan.block = dim3(static_cast<unsigned>(threads));
     plan.shared_bytes = static_cast<size_t>(a.cpg) * sizeof(float2);
+  } else if (p.channels_last && nhwc_vec == pack && lcm_vecs <= kClusterThreads &&
+             cluster_plan(p, lcm_vecs, plan)) {
+    plan.path = Path::kCluster;
+    plan.vec = pack;
   } else if (p.channels_last && lcm_vecs <= kMaxTileVecs) {
     plan.path = Path::kNhwc;
     plan.vec = nhwc_vec;
@@ -500,6 +683,30 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }
+    case Path::kCluster:
+      if constexpr (V > 1) {  // the plan picks this path only for full-width vectors
+      static_assert(kClusterMaxPerThread == 16, "one kernel per pixels-per-thread count");
+      const auto kernel = plan.per_thread == 1   ? group_norm_cluster_kernel<T, P, V, 1>
+                          : plan.per_thread == 2 ? group_norm_cluster_kernel<T, P, V, 2>
+                          : plan.per_thread == 4 ? group_norm_cluster_kernel<T, P, V, 4>
+                          : plan.per_thread == 8 ? group_norm_cluster_kernel<T, P, V, 8>
+                                                 : group_norm_cluster_kernel<T, P, V, 16>;
+      cudaLaunchConfig_t config{};
+      config.gridDim = plan.grid;
+      config.blockDim = plan.block;
+      config.dynamicSmemBytes = plan.shared_bytes;
+      config.stream = stream;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = plan.cluster_blocks;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      const cudaError_t status = cudaLaunchKernelEx(&config, kernel, a);
+      if (status != cudaSuccess) return status;
+      }
+      break;
     case Path::kNhwc:
       group_norm_nhwc_stats_kernel<T, V><<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       finalize(plan, stream);
@@ -535,7 +742,7 @@ int64_t padded_moments(const Plan& plan) {
 size_t group_norm_workspace_bytes(const GroupNormParams& params) {
   if (params.batch * params.channels * params.spatial == 0) return 0;
   const Plan plan = make_plan(params);
-  if (plan.path == Path::kFused) return 0;
+  if (plan.path == Path::kFused || plan.path == Path::kCluster) return 0;
   return padded_moments(plan) * sizeof(Moments) + plan.groups_total * sizeof(float2);
 }
 
