@@ -37,7 +37,7 @@ constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift l
 enum class Path { kFused, kCluster, kNhwc, kGroups };
 constexpr int kMaxChunks = 1024;  // split: chunks per group (bounds the finalize work)
 constexpr int kFinalizeWarps = 8;
-constexpr int kClusterThreads = 512;
+constexpr int kClusterThreads = 256;  // two blocks a multiprocessor: clusters fit into GPCs easily
 constexpr int kClusterMaxPerThread = 16;  // pixel vectors a thread keeps, packed in its input dtype
 constexpr int kMaxClusterBlocks = 8;      // the portable cluster size
 
@@ -451,9 +451,13 @@ __global__ void __launch_bounds__(kClusterThreads) group_norm_cluster_kernel(Arg
   for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y)
     shifts[gi] = to_float(static_cast<const T*>(a.x)[n * a.spatial * a.channels + first_channel + gi * a.cpg]);
   __syncthreads();
+  int group_of[V];  // the group (within the tile) of each of this thread's channels
   float shift[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) shift[i] = active ? shifts[(threadIdx.x * V + i) / a.cpg] : 0.0f;
+  for (int i = 0; i < V; ++i) {
+    group_of[i] = static_cast<int>(threadIdx.x * V + i) / static_cast<int>(a.cpg);
+    shift[i] = active ? shifts[group_of[i]] : 0.0f;
+  }
 
   // Reduces per-channel values v[V] of every thread to per-group sums of this block in out[].
   const auto block_group_sums = [&](const float (&v)[V], float* out) {
@@ -470,9 +474,10 @@ __global__ void __launch_bounds__(kClusterThreads) group_norm_cluster_kernel(Arg
       }
       __syncthreads();
     }
+    const int cpg = static_cast<int>(a.cpg);
     for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y) {
       float total = 0.0f;
-      for (int64_t c = gi * a.cpg; c < (gi + 1) * a.cpg; ++c) total += rows[c];
+      for (int c = gi * cpg; c < (gi + 1) * cpg; ++c) total += rows[c];
       out[gi] = total;
     }
   };
@@ -506,7 +511,7 @@ __global__ void __launch_bounds__(kClusterThreads) group_norm_cluster_kernel(Arg
   float mean[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    mean[i] = active ? group_mean[(threadIdx.x * V + i) / a.cpg] : 0.0f;
+    mean[i] = active ? group_mean[group_of[i]] : 0.0f;
     acc[i] = 0.0f;
   }
 #pragma unroll
@@ -528,7 +533,7 @@ __global__ void __launch_bounds__(kClusterThreads) group_norm_cluster_kernel(Arg
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float2 wb = affine_at<P>(a, col * V + i);
-      scale[i] = group_rstd[(threadIdx.x * V + i) / a.cpg] * wb.x;
+      scale[i] = group_rstd[group_of[i]] * wb.x;
       shift_out[i] = wb.y - mean[i] * scale[i];
     }
 #pragma unroll
