@@ -136,6 +136,7 @@ TEST_CASE("launch_group_norm matches the host reference", "[group_norm]") {
       {2, 32, 49, 8, false, silu},    {2, 32, 49, 8, true, none},     {3, 6, 1, 3, true, silu},
       {1, 320, 4096, 32, false, silu}, {1, 320, 4096, 32, true, silu}, {2, 96, 769, 32, true, none},
       {2, 2048, 300, 1, true, silu},   {1, 12, 20001, 4, false, none},
+      {1, 64, 8192, 8, true, silu},    // the Hopper cluster path where there is one
   };
   for (const auto& k : cases) {
     INFO("N=" << k.n << " C=" << k.c << " HW=" << k.spatial << " G=" << k.groups
