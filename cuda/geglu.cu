@@ -17,44 +17,27 @@ __device__ __forceinline__ float gelu(float v, GeluApprox approximate) {
   return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));  // 1/sqrt(2)
 }
 
-constexpr int kUnroll = 2;  // independent vector pairs in flight per thread
-
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) geglu_kernel(GegluParams p, int64_t row_vecs) {
   const int64_t total = p.rows * row_vecs;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  for (int64_t i0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i0 < total;
-       i0 += kUnroll * stride) {
-    float value[kUnroll][V], gate[kUnroll][V];
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / row_vecs, col = (i - row * row_vecs) * V;
+    float value[V], gate[V];
+    load_packed<T, V>(x + row * 2 * p.half_dim + col, value);
+    load_packed<T, V>(x + row * 2 * p.half_dim + p.half_dim + col, gate);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * stride;
-      if (i < total) {
-        const int64_t row = i / row_vecs, col = (i - row * row_vecs) * V;
-        load_packed<T, V>(x + row * 2 * p.half_dim + col, value[u]);
-        load_packed<T, V>(x + row * 2 * p.half_dim + p.half_dim + col, gate[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * stride;
-      if (i < total) {
-        const int64_t row = i / row_vecs, col = (i - row * row_vecs) * V;
-#pragma unroll
-        for (int j = 0; j < V; ++j) value[u][j] *= gelu(gate[u][j], p.approximate);
-        store_packed<T, V>(y + row * p.half_dim + col, value[u]);
-      }
-    }
+    for (int j = 0; j < V; ++j) value[j] *= gelu(gate[j], p.approximate);
+    store_packed<T, V>(y + row * p.half_dim + col, value);
   }
 }
 
 template <typename T, int V>
 cudaError_t launch_with(const GegluParams& p, cudaStream_t stream) {
   const int64_t row_vecs = p.half_dim / V;
-  const int64_t blocks =
-      std::min<int64_t>(ceil_div(p.rows * row_vecs, kThreads * kUnroll), 8LL * sm_count());
+  const int64_t blocks = std::min<int64_t>(ceil_div(p.rows * row_vecs, kThreads), 8LL * sm_count());
   geglu_kernel<T, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, row_vecs);
   return cudaGetLastError();
 }

@@ -41,8 +41,7 @@ constexpr int kClusterThreads = 256;  // two blocks a multiprocessor: clusters f
 // Pixel vectors a thread keeps, packed in its input dtype. Measured on an H200: with 16 the
 // kernel ran 3x slower than with 4 (2x320x64x64 vs 2x640x32x32), so larger cases go split.
 constexpr int kClusterMaxPerThread = 8;
-constexpr int kPortableClusterBlocks = 8;
-constexpr int kMaxClusterBlocks = 16;  // Hopper's largest (non-portable) cluster
+constexpr int kMaxClusterBlocks = 8;      // the portable cluster size
 
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
@@ -577,31 +576,6 @@ bool cluster_supported() {
          attributes.binaryVersion >= 90;
 }
 
-// Allows clusters beyond the portable size for `kernel` (every cluster launch sets it).
-template <typename Kernel>
-void allow_large_clusters(Kernel kernel) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-}
-
-// Whether clusters of `blocks` blocks of this shape can run on this device at all.
-bool cluster_fits(int blocks, dim3 block, size_t shared_bytes) {
-  if (blocks <= kPortableClusterBlocks) return true;
-  const auto kernel = group_norm_cluster_kernel<float, float, 4, 8>;  // the most registers
-  allow_large_clusters(kernel);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(blocks);
-  config.blockDim = block;
-  config.dynamicSmemBytes = shared_bytes;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = blocks;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  int active = 0;
-  return cudaOccupancyMaxActiveClusters(&active, kernel, &config) == cudaSuccess && active > 0;
-}
-
 // Sizes the cluster path: tiles of one lcm(cpg, pack) unit, the smallest cluster that gives
 // every multiprocessor a block and lets each thread hold its pixels. False when it cannot.
 bool cluster_plan(const GroupNormParams& p, int64_t tile_vecs, Plan& plan) {
@@ -615,15 +589,14 @@ bool cluster_plan(const GroupNormParams& p, int64_t tile_vecs, Plan& plan) {
     const int64_t rows = ceil_div(ceil_div(p.spatial, blocks), block_y);
     const bool fits = rows <= kClusterMaxPerThread;
     const bool fills = p.batch * a.tiles * blocks >= sms || blocks == kMaxClusterBlocks;
-    const size_t tile_channels = static_cast<size_t>(tile_vecs) * 16 / dtype_size(p.dtype);
-    const size_t shared_bytes = (static_cast<size_t>(block_y) + 5) * tile_channels * sizeof(float);
-    if (fits && fills && cluster_fits(blocks, dim3(a.tile_vecs, block_y), shared_bytes)) {
+    if (fits && fills) {
       plan.cluster_blocks = blocks;
       plan.per_thread = 1;
       while (plan.per_thread < rows) plan.per_thread *= 2;
       plan.grid = dim3(static_cast<unsigned>(p.batch * a.tiles * blocks));
       plan.block = dim3(a.tile_vecs, block_y);
-      plan.shared_bytes = shared_bytes;
+      const size_t tile_channels = static_cast<size_t>(tile_vecs) * 16 / dtype_size(p.dtype);
+      plan.shared_bytes = (static_cast<size_t>(block_y) + 5) * tile_channels * sizeof(float);
       return true;
     }
   }
@@ -736,7 +709,6 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
       cluster.val.clusterDim.z = 1;
       config.attrs = &cluster;
       config.numAttrs = 1;
-      if (plan.cluster_blocks > kPortableClusterBlocks) allow_large_clusters(kernel);
       const cudaError_t status = cudaLaunchKernelEx(&config, kernel, a);
       if (status != cudaSuccess) return status;
       }
