@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     rows = []
     for op, label, layout, make, eager_fn, mirage_fn, nbytes in cases(args.quick):
         sets = [make() for _ in range(rotation_count(nbytes))]
+        # A fresh dynamo cache per case: past its recompile limit (8 shapes of one function)
+        # torch.compile silently runs the function eagerly, which would time eager as "compile".
+        torch._dynamo.reset()
         compiled_fn = torch.compile(eager_fn, dynamic=False)
         ref, got = eager_fn(*sets[0]), mirage_fn(*sets[0])
         ref, got = (ref[0], got[0]) if isinstance(ref, tuple) else (ref, got)
