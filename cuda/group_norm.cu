@@ -284,6 +284,17 @@ struct NhwcBlock {
   bool active;  // this thread's column exists (the last tile may be partial)
 };
 
+// Loads the thread's channel vector at pixels p0 + u * blockDim.y (u < kUnroll) below `end`.
+template <typename T, int V>
+__device__ __forceinline__ void load_pixels(const T* x, int64_t channels, int64_t p0, int64_t end,
+                                            float (&vals)[kUnroll][V]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t p = p0 + u * blockDim.y;
+    if (p < end) load_packed<T, V>(x + p * channels, vals[u]);
+  }
+}
+
 template <int V>
 __device__ __forceinline__ NhwcBlock nhwc_block(const Args& a) {
   NhwcBlock b;
@@ -319,11 +330,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
     load_packed<T, V>(x + b.pixel_begin * a.channels, shift);
     for (int64_t p0 = b.pixel_begin + threadIdx.y; p0 < b.pixel_end; p0 += kUnroll * blockDim.y) {
       float vals[kUnroll][V];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t p = p0 + u * blockDim.y;
-        if (p < b.pixel_end) load_packed<T, V>(x + p * a.channels, vals[u]);
-      }
+      load_pixels<T, V>(x, a.channels, p0, b.pixel_end, vals);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (p0 + u * blockDim.y < b.pixel_end) {
@@ -397,11 +404,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   T* y = static_cast<T*>(a.y) + base;
   for (int64_t p0 = b.pixel_begin + threadIdx.y; p0 < b.pixel_end; p0 += kUnroll * blockDim.y) {
     float vals[kUnroll][V];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t p = p0 + u * blockDim.y;
-      if (p < b.pixel_end) load_packed<T, V>(x + p * a.channels, vals[u]);
-    }
+    load_pixels<T, V>(x, a.channels, p0, b.pixel_end, vals);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t p = p0 + u * blockDim.y;

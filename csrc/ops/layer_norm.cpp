@@ -24,13 +24,17 @@ int64_t check_layer_norm(std::string_view op, const at::Tensor& x,
   return dim;
 }
 
-void check_residual(const at::Tensor& x, const at::Tensor& residual) {
+int64_t check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                             const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, double eps) {
+  const int64_t dim = check_layer_norm(kAddLayerNorm, x, weight, bias, eps);
   check_same_device(kAddLayerNorm, "residual", residual, x);
   MIRAGE_CHECK(residual.sizes() == x.sizes(), kAddLayerNorm,
               ": residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
   MIRAGE_CHECK(residual.scalar_type() == x.scalar_type(), kAddLayerNorm,
               ": residual must have x's dtype (", x.scalar_type(), "), got ",
               residual.scalar_type());
+  return dim;
 }
 
 namespace {
@@ -74,8 +78,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_cpu(const at::Tensor& x,
                                                       const std::optional<at::Tensor>& weight,
                                                       const std::optional<at::Tensor>& bias,
                                                       double eps) {
-  const int64_t dim = check_layer_norm(kAddLayerNorm, x, weight, bias, eps);
-  check_residual(x, residual);
+  const int64_t dim = check_add_layer_norm(x, residual, weight, bias, eps);
   // The sum is rounded to x's dtype before it is normalized, as the unfused code does.
   at::Tensor sum = (x.to(at::kDouble) + residual.to(at::kDouble)).to(x.scalar_type()).contiguous();
   return {layer_norm_reference(sum, weight, bias, eps, dim), sum};
@@ -92,8 +95,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_meta(const at::Tensor& x,
                                                        const std::optional<at::Tensor>& weight,
                                                        const std::optional<at::Tensor>& bias,
                                                        double eps) {
-  check_layer_norm(kAddLayerNorm, x, weight, bias, eps);
-  check_residual(x, residual);
+  check_add_layer_norm(x, residual, weight, bias, eps);
   return {at::empty(x.sizes(), x.options()), at::empty(x.sizes(), x.options())};
 }
 

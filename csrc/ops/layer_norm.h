@@ -16,7 +16,9 @@ int64_t check_layer_norm(std::string_view op, const at::Tensor& x,
                          const std::optional<at::Tensor>& weight,
                          const std::optional<at::Tensor>& bias, double eps);
 
-// residual must match x in shape, dtype and device.
-void check_residual(const at::Tensor& x, const at::Tensor& residual);
+// check_layer_norm for add_layer_norm, plus: residual must match x in shape, dtype and device.
+int64_t check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                             const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, double eps);
 
 }  // namespace mirage::ops

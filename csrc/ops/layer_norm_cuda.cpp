@@ -54,8 +54,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_cuda(const at::Tensor& x,
                                                        const std::optional<at::Tensor>& weight,
                                                        const std::optional<at::Tensor>& bias,
                                                        double eps) {
-  const int64_t dim = check_layer_norm(kAddLayerNorm, x, weight, bias, eps);
-  check_residual(x, residual);
+  const int64_t dim = check_add_layer_norm(x, residual, weight, bias, eps);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor input = x.contiguous();
   const at::Tensor res = residual.contiguous();

@@ -30,6 +30,13 @@ def strided(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def assert_error(call, device, message):
+    """call(device) raises a RuntimeError whose text contains message."""
+    with pytest.raises(RuntimeError) as error:
+        call(device)
+    assert message in str(error.value)
+
+
 def cast(value, dtype):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.detach().to(dtype)

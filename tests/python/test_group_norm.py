@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_matches, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, randn, strided
 
 # (N, C, spatial, groups): C = 3 * groups, H*W of 1, 7 and 769, wide and narrow groups.
 SHAPES = [
@@ -133,9 +133,7 @@ def test_empty_and_nan(device):
 )
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_input(call, message, device):
-    with pytest.raises(RuntimeError) as error:
-        call(device)
-    assert message in str(error.value)
+    assert_error(call, device, message)
 
 
 @pytest.mark.cuda
