@@ -317,11 +317,11 @@ __device__ __forceinline__ NhwcBlock nhwc_block(const Args& a) {
 // division, and stay accurate while values sit near their shift (they are samples of the channel).
 template <typename T, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Args a) {
-  extern __shared__ float2 channel_sums[];  // [blockDim.y][tile channels]; then the shifts
+  extern __shared__ float2 channel_sums[];  // [tile channels][blockDim.y | 1]; then the shifts
   const NhwcBlock b = nhwc_block<V>(a);
   const T* x = static_cast<const T*>(a.x) + b.n * a.spatial * a.channels + b.col * V;
   const int tile_channels = a.tile_vecs * V;
-  float* shifts = reinterpret_cast<float*>(channel_sums + blockDim.y * tile_channels);
+  float* shifts = reinterpret_cast<float*>(channel_sums + (blockDim.y | 1) * tile_channels);
 
   float shift[V], s1[V], s2[V];
 #pragma unroll
@@ -344,9 +344,12 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
       }
     }
   }
-  float2* mine = channel_sums + threadIdx.y * tile_channels + threadIdx.x * V;
+  // Sums of channel c (= column vector * V + i) at pixel row r sit at slot(c, r): lanes of a
+  // warp hit distinct banks (an odd row stride, and i outermost), unlike a [row][channel] array.
+  const int stride = static_cast<int>(blockDim.y) | 1;
+  const auto slot = [&](int c, int r) { return ((c % V) * a.tile_vecs + c / V) * stride + r; };
 #pragma unroll
-  for (int i = 0; i < V; ++i) mine[i] = make_float2(s1[i], s2[i]);
+  for (int i = 0; i < V; ++i) channel_sums[slot(threadIdx.x * V + i, threadIdx.y)] = make_float2(s1[i], s2[i]);
   if (threadIdx.y == 0) {
 #pragma unroll
     for (int i = 0; i < V; ++i) shifts[threadIdx.x * V + i] = shift[i];
@@ -357,9 +360,12 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
   while (span < static_cast<int>(blockDim.y)) span <<= 1;
   for (span >>= 1; span > 0; span >>= 1) {
     if (threadIdx.y < span && threadIdx.y + span < blockDim.y) {
-      const float2* other = mine + span * tile_channels;
 #pragma unroll
-      for (int i = 0; i < V; ++i) mine[i] = make_float2(mine[i].x + other[i].x, mine[i].y + other[i].y);
+      for (int i = 0; i < V; ++i) {
+        float2& mine = channel_sums[slot(threadIdx.x * V + i, threadIdx.y)];
+        const float2 other = channel_sums[slot(threadIdx.x * V + i, threadIdx.y + span)];
+        mine = make_float2(mine.x + other.x, mine.y + other.y);
+      }
     }
     __syncthreads();
   }
@@ -369,14 +375,14 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   for (int gi = tid; gi < b.groups_in_tile; gi += blockDim.x * blockDim.y) {
     const int c0 = gi * static_cast<int>(a.cpg);
-    const auto channel_mean = [&](int c) { return shifts[c] + channel_sums[c].x / pixels; };
+    const auto channel_mean = [&](int c) { return shifts[c] + channel_sums[slot(c, 0)].x / pixels; };
     const float base = channel_mean(c0);
     float offset = 0.0f;
     for (int c = c0; c < c0 + a.cpg; ++c) offset += channel_mean(c) - base;
     const float mean = base + offset / a.cpg;
     float m2 = 0.0f;
     for (int c = c0; c < c0 + a.cpg; ++c) {
-      const float2 sums = channel_sums[c];
+      const float2 sums = channel_sums[slot(c, 0)];
       const float d = channel_mean(c) - mean;
       m2 += (sums.y - sums.x * sums.x / pixels) + pixels * d * d;
     }
@@ -662,7 +668,7 @@ Plan make_plan(const GroupNormParams& p) {
     a.chunks = static_cast<int>(ceil_div(p.spatial, a.chunk_size));
     plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks * a.tiles));
     plan.block = dim3(a.tile_vecs, block_y);
-    plan.shared_bytes = static_cast<size_t>(block_y + 1) * a.tile_vecs * nhwc_vec * sizeof(float2);
+    plan.shared_bytes = static_cast<size_t>((block_y | 1) + 1) * a.tile_vecs * nhwc_vec * sizeof(float2);
   } else {
     plan.path = Path::kGroups;
     plan.vec = group_vec;
