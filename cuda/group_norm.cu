@@ -1,8 +1,11 @@
 // GroupNorm with a fused activation, for NCHW and channels-last input, in the input's layout.
 //
-// Two schemes, chosen by make_plan:
+// Three schemes, chosen by make_plan:
 //  - fused: one block per (sample, group) holds the whole group in registers; exact two-pass
 //    statistics, then normalize. Small groups (the deep U-Net levels).
+//  - cluster (Hopper, channels-last, mid-sized samples): one kernel; a thread-block cluster per
+//    (sample, tile of groups) keeps its pixels in registers and exchanges group sums through
+//    distributed shared memory. Only where the device and this build's code are sm_90+.
 //  - split: a stats kernel writes the moments of chunks of each group, a finalize kernel merges
 //    them into (mean, rstd) per group, an apply kernel normalizes (its re-read of x mostly hits
 //    L2). Merging once, rather than in every apply block, keeps the merge work independent of
