@@ -14,7 +14,6 @@ TORCHSCRIPT_MODULE := $(CURDIR)/$(BUILD_DIR)/scripted_group_norm.pt
 
 $(VENV)/.ready:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=0.10" pytest numpy expecttest
 	touch $@
 
