@@ -13,8 +13,8 @@ namespace mirage {
 
 BuildInfo build_info() {
   BuildInfo info{MIRAGE_VERSION, MIRAGE_TORCH_VERSION, MIRAGE_CUDA_VERSION, {}};
-  std::istringstream archs(MIRAGE_CUDA_ARCHS);  // ";"-separated, "" when CPU-only
-  for (std::string arch; std::getline(archs, arch, ';');)
+  std::istringstream archs(MIRAGE_CUDA_ARCHS);  // ","-separated, "" when CPU-only
+  for (std::string arch; std::getline(archs, arch, ',');)
     if (!arch.empty()) info.cuda_archs.push_back(arch);
   return info;
 }

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -19,6 +20,12 @@ def test_build_info_matches_running_torch():
     info = mirage.build_info()
     assert info["torch_version"] == torch.__version__
     assert info["version"] == mirage.__version__
+
+
+@pytest.mark.skipif(not mirage._build_info.WITH_CUDA or not os.environ.get("MIRAGE_CUDA_ARCHS"),
+                    reason="a CUDA build made with MIRAGE_CUDA_ARCHS set")
+def test_build_info_lists_the_requested_archs():
+    assert mirage.build_info()["cuda_archs"] == os.environ["MIRAGE_CUDA_ARCHS"].split(";")
 
 
 def test_mismatched_torch_is_refused_with_rebuild_advice():
