@@ -387,7 +387,8 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
     for (int c = c0; c < c0 + a.cpg; ++c) {
       const float2 sums = channel_sums[slot(c, 0)];
       const float d = channel_mean(c) - mean;
-      m2 += (sums.y - sums.x * sums.x / pixels) + pixels * d * d;
+      // Rounding can take a near-constant channel's s2 - s1^2/n just below zero.
+      m2 += fmaxf(sums.y - sums.x * sums.x / pixels, 0.0f) + pixels * d * d;
     }
     const int64_t ng = b.n * a.groups + b.first_group + gi;
     a.partial[ng * a.chunks + b.chunk] = {pixels * a.cpg, mean, m2};

@@ -126,8 +126,10 @@ struct Moments {
 };
 
 __device__ __forceinline__ Moments merge(Moments a, Moments b) {
+  // An empty side must not reach delta * delta * 0: with |mean| near FLT_MAX that is inf * 0.
+  if (b.count == 0.0f) return a;
+  if (a.count == 0.0f) return b;
   const float count = a.count + b.count;
-  if (count == 0.0f) return a;
   const float delta = b.mean - a.mean;
   const float share_b = b.count / count;
   return {count, a.mean + delta * share_b, a.m2 + b.m2 + delta * delta * a.count * share_b};
