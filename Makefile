@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BUILD_DIR := build/py
 TORCH_VERSION ?= 2.14.1
+# diffusers: the U-Net models optimize() is tested on (tiny configs on the CPU).
+DIFFUSERS_VERSION ?= 0.42.1
 export MIRAGE_CUDA_ARCHS ?= 80;86;89;90a
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 export CCACHE_DIR ?= $(CURDIR)/build/ccache
@@ -12,9 +14,11 @@ TORCHSCRIPT_MODULE := $(CURDIR)/$(BUILD_DIR)/scripted_group_norm.pt
 
 .PHONY: demo test install system-deps clean
 
-$(VENV)/.ready:
+# Re-run when this file changes (a new pinned dependency); pip skips what is installed.
+$(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=0.10" pytest numpy expecttest
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=0.10" pytest numpy expecttest \
+	  diffusers==$(DIFFUSERS_VERSION)
 	touch $@
 
 # Debian's Catch2 (v2) for the C++ tests and ccache for rebuilds; installed when missing.
