@@ -1,11 +1,14 @@
 // GroupNorm with a fused activation, for NCHW and channels-last input, in the input's layout.
 //
-// Three schemes, chosen by make_plan:
+// Four schemes, chosen by make_plan:
 //  - fused: one block per (sample, group) holds the whole group in registers; exact two-pass
 //    statistics, then normalize. Small groups (the deep U-Net levels).
-//  - cluster (Hopper, channels-last, mid-sized samples): one kernel; a thread-block cluster per
-//    (sample, tile of groups) keeps its pixels in registers and exchanges group sums through
-//    distributed shared memory. Only where the device and this build's code are sm_90+.
+//  - resident (channels-last, tensors that fit in the shared memory of the whole GPU): one
+//    cooperative kernel, one block per multiprocessor; each block copies its rows of pixels into
+//    shared memory, writes its groups' moments, waits at a grid barrier, merges the moments of its
+//    sample and normalizes from shared memory. x is read once and y written once.
+//    It replaced a Hopper thread-block-cluster kernel (pixels in registers, group sums through
+//    distributed shared memory) that was no faster at 2x640x32x32 and slower at larger sizes.
 //  - split: a stats kernel writes the moments of chunks of each group, a finalize kernel merges
 //    them into (mean, rstd) per group, an apply kernel normalizes (its re-read of x mostly hits
 //    L2). Merging once, rather than in every apply block, keeps the merge work independent of
@@ -20,6 +23,7 @@
 #include <type_traits>
 
 #include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 
 #include "group_norm.cuh"
 #include "kernel_utils.cuh"
@@ -37,14 +41,11 @@ constexpr int kUnroll = 4;             // independent loads in flight per thread
 constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
 constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift live in shared memory
 
-enum class Path { kFused, kCluster, kNhwc, kGroups };
+enum class Path { kFused, kResident, kNhwc, kGroups };
 constexpr int kMaxChunks = 1024;  // split: chunks per group (bounds the finalize work)
 constexpr int kFinalizeWarps = 8;
-constexpr int kClusterThreads = 256;  // two blocks a multiprocessor: clusters fit into GPCs easily
-// Pixel vectors a thread keeps, packed in its input dtype. Measured on an H200: with 16 the
-// kernel ran 3x slower than with 4 (2x320x64x64 vs 2x640x32x32), so larger cases go split.
-constexpr int kClusterMaxPerThread = 8;
-constexpr int kMaxClusterBlocks = 8;      // the portable cluster size
+// resident: one block of this many threads per multiprocessor (64 registers a thread at most).
+constexpr int kResidentThreads = 1024;
 
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
@@ -65,7 +66,8 @@ struct Args {
   int chunks;          // split paths: chunks per group
   int64_t chunk_size;  // groups path: vectors per chunk; nhwc path: pixels per chunk
   int tiles;           // nhwc path: column tiles per sample
-  int tile_vecs;       // nhwc and cluster paths: column vectors per tile (whole groups)
+  int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
+  int64_t resident_rows;  // resident path: pixel rows per block (chunks = blocks per sample)
   Moments* partial;    // split paths: [N * G, chunks]
   float2* stats;       // split paths: [N * G] (mean, rstd)
 };
@@ -427,193 +429,152 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   }
 }
 
-// cluster path (Hopper, channels-last): one thread-block cluster per (sample, tile of whole
-// groups); its blocks split the pixels, each thread keeps its pixels' vectors of one channel
-// vector in registers. Group sums are exchanged through distributed shared memory, so x is read
-// once and y written once, by one kernel. Blocks: (tile_vecs, rows); grid: N * tiles * CS.
-template <typename T, typename P, int V, int K>
-__global__ void __launch_bounds__(kClusterThreads) group_norm_cluster_kernel(Args a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int blocks = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t cluster_id = blockIdx.x / blocks;
-  const int64_t tile = cluster_id % a.tiles, n = cluster_id / a.tiles;
-  const int tile_channels = a.tile_vecs * V;
-  const int64_t first_channel = tile * tile_channels;
-  const int groups_in_tile = static_cast<int>(
-      (std::min<int64_t>(first_channel + tile_channels, a.channels) - first_channel) / a.cpg);
-  const int64_t col = tile * a.tile_vecs + threadIdx.x;  // this thread's channel vector
-  const bool active = col * V < a.channels;
-  const int64_t pixels_per_block = ceil_div(a.spatial, blocks);
-  const int64_t pixel_begin = rank * pixels_per_block;
-  const int64_t pixel_end = std::min(pixel_begin + pixels_per_block, a.spatial);
-  const T* x = static_cast<const T*>(a.x) + n * a.spatial * a.channels + col * V;
-  T* y = static_cast<T*>(a.y) + n * a.spatial * a.channels + col * V;
+// resident path (channels-last). Block b of sample n = b / chunks owns pixel rows
+// [(b % chunks) * resident_rows, +resident_rows) of that sample: a contiguous span of x. Threads
+// are (row lane, column vector) pairs, so a thread always sees the same V channels.
+// Shared memory: the tile [rows][C] in T; per-thread sums [V][row lanes * column vectors]
+// (i outermost: lanes store to distinct banks); per-channel (weight, bias), later (scale, shift)
+// [C]; the sample's (mean, rstd) [G]; per-channel sums [C]; the block's group means and m2 [2][G].
+// Measured on an H200: the reductions, not the bytes, set this kernel's time, so they avoid
+// integer division in loops and the merge reuses the division-free finalize_group.
+template <typename T, typename P, int V>
+__global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_kernel(Args a) {
+  extern __shared__ __align__(16) unsigned char resident_smem[];
+  const int channels = static_cast<int>(a.channels), groups = static_cast<int>(a.groups);
+  const int cpg = static_cast<int>(a.cpg), col_vecs = channels / V;
+  const int row_lanes = blockDim.x / col_vecs, lanes = row_lanes * col_vecs;
+  const int row_lane = threadIdx.x / col_vecs, col = threadIdx.x % col_vecs;
+  const bool active = threadIdx.x < lanes;
+  const int64_t n = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
+  const int64_t first_row = chunk * a.resident_rows;
+  const int rows = static_cast<int>(std::min(a.resident_rows, a.spatial - first_row));  // >= 1
+  const int64_t offset = (n * a.spatial + first_row) * channels;
 
-  extern __shared__ float smem[];
-  float* rows = smem;                                     // [blockDim.y][tile channels]
-  float* shifts = rows + blockDim.y * tile_channels;      // [groups in tile]
-  float* group_sum = shifts + tile_channels;              // [groups in tile], read by the cluster
-  float* group_m2 = group_sum + tile_channels;            // [groups in tile], read by the cluster
-  float* group_mean = group_m2 + tile_channels;           // [groups in tile]
-  float* group_rstd = group_mean + tile_channels;         // [groups in tile]
+  T* tile = reinterpret_cast<T*>(resident_smem);
+  float* lane_sums = reinterpret_cast<float*>(tile + a.resident_rows * channels);
+  float2* affine = reinterpret_cast<float2*>(lane_sums + V * lanes);
+  float2* sample_stats = affine + channels;
+  float* channel_sums = reinterpret_cast<float*>(sample_stats + groups);
+  float* group_mean = channel_sums + channels;
+  float* group_m2 = group_mean + groups;
 
-  Packed<T, V> held[K];
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  // Sums are taken relative to each group's first value, which keeps them small (precision).
-  for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y)
-    shifts[gi] = to_float(static_cast<const T*>(a.x)[n * a.spatial * a.channels + first_channel + gi * a.cpg]);
+  // Global to shared memory without a stop in registers: every load of the block in flight at once.
+  const T* x = static_cast<const T*>(a.x) + offset;
+  for (int v = threadIdx.x; v < rows * col_vecs; v += blockDim.x)
+    __pipeline_memcpy_async(tile + v * V, x + v * V, sizeof(T) * V);
+  __pipeline_commit();
+  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) affine[ch] = affine_at<P>(a, ch);
+  __pipeline_wait_prior(0);
   __syncthreads();
-  int group_of[V];  // the group (within the tile) of each of this thread's channels
-  float shift[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    group_of[i] = static_cast<int>(threadIdx.x * V + i) / static_cast<int>(a.cpg);
-    shift[i] = active ? shifts[group_of[i]] : 0.0f;
-  }
 
-  // Reduces per-channel values v[V] of every thread to per-group sums of this block in out[].
-  const auto block_group_sums = [&](const float (&v)[V], float* out) {
-    float* mine = rows + threadIdx.y * tile_channels + threadIdx.x * V;
+  // Per-group sums of the threads' acc[V] into out[g] (times `scale`): rows, then channels.
+  const auto group_sums = [&](const float (&acc)[V], float* out, float scale) {
+    if (active) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) mine[i] = v[i];
+      for (int i = 0; i < V; ++i) lane_sums[i * lanes + threadIdx.x] = acc[i];
+    }
     __syncthreads();
-    int span = 1;
-    while (span < static_cast<int>(blockDim.y)) span <<= 1;
-    for (span >>= 1; span > 0; span >>= 1) {
-      if (threadIdx.y < span && threadIdx.y + span < blockDim.y) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) mine[i] += mine[span * tile_channels + i];
-      }
-      __syncthreads();
-    }
-    const int cpg = static_cast<int>(a.cpg);
-    for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y) {
+    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+      const float* sums = lane_sums + (ch % V) * lanes + ch / V;
       float total = 0.0f;
-      for (int c = gi * cpg; c < (gi + 1) * cpg; ++c) total += rows[c];
-      out[gi] = total;
+      for (int r = 0; r < row_lanes; ++r) total += sums[r * col_vecs];
+      channel_sums[ch] = total;
     }
-  };
-  // Sums out[] over the cluster's blocks into dest[] (after a cluster barrier).
-  const auto cluster_group_sums = [&](float* out, float* dest, bool mean) {
-    cluster.sync();
-    for (int gi = tid; gi < groups_in_tile; gi += blockDim.x * blockDim.y) {
+    __syncthreads();
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
       float total = 0.0f;
-      for (int r = 0; r < blocks; ++r) total += cluster.map_shared_rank(out, r)[gi];
-      const float count = static_cast<float>(a.spatial * a.cpg);
-      dest[gi] = mean ? shifts[gi] + total / count : rsqrtf(total / count + a.eps);
+      for (int c = g * cpg; c < (g + 1) * cpg; ++c) total += channel_sums[c];
+      out[g] = total * scale;
     }
     __syncthreads();
   };
+  // The thread's V channels over its rows: sum(f(value, i)).
+  const auto row_sums = [&](auto f, float (&acc)[V]) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+    if (!active) return;
+    for (int r = row_lane; r < rows; r += row_lanes) {
+      float vals[V];
+      load_packed<T, V>(tile + (r * col_vecs + col) * V, vals);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += f(vals[i], i);
+    }
+  };
 
+  // This block's moments per group, exactly: two passes over shared memory.
+  const float count = static_cast<float>(rows) * cpg;
   float acc[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) acc[i] = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int64_t p = pixel_begin + threadIdx.y + static_cast<int64_t>(k) * blockDim.y;
-    if (active && p < pixel_end) {
-      held[k] = *reinterpret_cast<const Packed<T, V>*>(x + p * a.channels);
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += to_float(held[k].v[i]) - shift[i];
-    }
-  }
-  block_group_sums(acc, group_sum);
-  cluster_group_sums(group_sum, group_mean, true);
-
+  row_sums([](float v, int) { return v; }, acc);
+  group_sums(acc, group_mean, 1.0f / count);
   float mean[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    mean[i] = active ? group_mean[group_of[i]] : 0.0f;
-    acc[i] = 0.0f;
-  }
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int64_t p = pixel_begin + threadIdx.y + static_cast<int64_t>(k) * blockDim.y;
-    if (active && p < pixel_end) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float d = to_float(held[k].v[i]) - mean[i];
-        acc[i] += d * d;
-      }
-    }
-  }
-  block_group_sums(acc, group_m2);
-  cluster_group_sums(group_m2, group_rstd, false);
+  for (int i = 0; i < V; ++i) mean[i] = active ? group_mean[(col * V + i) / cpg] : 0.0f;
+  row_sums([&](float v, int i) { return (v - mean[i]) * (v - mean[i]); }, acc);
+  group_sums(acc, group_m2, 1.0f);
+  for (int g = threadIdx.x; g < groups; g += blockDim.x)
+    a.partial[(n * groups + g) * a.chunks + chunk] = {count, group_mean[g], group_m2[g]};
 
-  if (active) {
-    float scale[V], shift_out[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float2 wb = affine_at<P>(a, col * V + i);
-      scale[i] = group_rstd[group_of[i]] * wb.x;
-      shift_out[i] = wb.y - mean[i] * scale[i];
-    }
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t p = pixel_begin + threadIdx.y + static_cast<int64_t>(k) * blockDim.y;
-      if (p < pixel_end) {
-        float out[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = activate(a, to_float(held[k].v[i]) * scale[i] + shift_out[i]);
-        store_packed<T, V>(y + p * a.channels, out);
-      }
-    }
+  cooperative_groups::this_grid().sync();
+
+  // The sample's statistics: one warp per group merges the moments of the sample's blocks.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int g = warp; g < groups; g += warps) {
+    const float2 s = finalize_group(a, n * groups + g, lane);
+    if (lane == 0) sample_stats[g] = s;
   }
-  cluster.sync();  // no block may leave while the others still read its shared memory
-#endif
+  __syncthreads();
+  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+    const float2 s = sample_stats[ch / cpg], wb = affine[ch];
+    affine[ch] = make_float2(s.y * wb.x, wb.y - s.x * s.y * wb.x);
+  }
+  __syncthreads();
+  if (!active) return;
+  float2 ss[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) ss[i] = affine[col * V + i];
+  T* y = static_cast<T*>(a.y) + offset;
+  for (int r = row_lane; r < rows; r += row_lanes) {
+    float vals[V];
+    load_packed<T, V>(tile + (r * col_vecs + col) * V, vals);
+#pragma unroll
+    for (int i = 0; i < V; ++i) vals[i] = activate(a, vals[i] * ss[i].x + ss[i].y);
+    store_packed<T, V>(y + (r * col_vecs + col) * V, vals);
+  }
 }
 
 struct Plan {
   Path path;
   int vec;         // elements per access
-  int per_thread;  // fused: vectors per thread; cluster: pixel vectors per thread (powers of two)
-  int cluster_blocks;    // cluster: blocks per cluster
+  int per_thread;  // fused: vectors per thread (a power of two)
   int64_t groups_total;  // N * G
   dim3 grid, block;
   size_t shared_bytes;
   Args args;
 };
 
-// Whether this device runs the cluster kernel: Hopper or newer, and this library holds sm_90+
-// code for it (built for older archs only, its body would be empty there).
-bool cluster_supported() {
-  int device = 0, major = 0;
+// Sizes the resident path: as many blocks per sample as multiprocessors allow, rows split evenly.
+// False when the device cannot launch cooperatively or the tiles do not fit in shared memory.
+bool resident_plan(const GroupNormParams& p, Plan& plan) {
+  int device = 0, cooperative = 0, shared_optin = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaFuncAttributes attributes{};
-  return major >= 9 &&
-         cudaFuncGetAttributes(&attributes, group_norm_cluster_kernel<__half, __half, 8, 1>) == cudaSuccess &&
-         attributes.binaryVersion >= 90;
-}
-
-// Sizes the cluster path: tiles of one lcm(cpg, pack) unit, the smallest cluster that gives
-// every multiprocessor a block and lets each thread hold its pixels. False when it cannot.
-bool cluster_plan(const GroupNormParams& p, int64_t tile_vecs, Plan& plan) {
-  if (!cluster_supported()) return false;
-  Args& a = plan.args;
-  const int block_y = static_cast<int>(kClusterThreads / tile_vecs);
-  a.tile_vecs = static_cast<int>(tile_vecs);
-  a.tiles = static_cast<int>(p.channels / (tile_vecs * 16 / dtype_size(p.dtype)));
+  cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+  cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   const int sms = sm_count();
-  for (int blocks = 1; blocks <= kMaxClusterBlocks; blocks *= 2) {
-    const int64_t rows = ceil_div(ceil_div(p.spatial, blocks), block_y);
-    const bool fits = rows <= kClusterMaxPerThread;
-    const bool fills = p.batch * a.tiles * blocks >= sms || blocks == kMaxClusterBlocks;
-    if (fits && fills) {
-      plan.cluster_blocks = blocks;
-      plan.per_thread = 1;
-      while (plan.per_thread < rows) plan.per_thread *= 2;
-      plan.grid = dim3(static_cast<unsigned>(p.batch * a.tiles * blocks));
-      plan.block = dim3(a.tile_vecs, block_y);
-      const size_t tile_channels = static_cast<size_t>(tile_vecs) * 16 / dtype_size(p.dtype);
-      plan.shared_bytes = (static_cast<size_t>(block_y) + 5) * tile_channels * sizeof(float);
-      return true;
-    }
-  }
-  return false;
+  const int elem = dtype_size(p.dtype), vec = 16 / elem;
+  const int64_t col_vecs = p.channels / vec;
+  if (!cooperative || p.batch > sms || col_vecs > kResidentThreads) return false;
+  Args& a = plan.args;
+  a.resident_rows = ceil_div(p.spatial, sms / p.batch);
+  a.chunks = static_cast<int>(ceil_div(p.spatial, a.resident_rows));
+  const int64_t lanes = kResidentThreads / col_vecs * col_vecs;
+  const int64_t bytes = a.resident_rows * p.channels * elem + vec * lanes * sizeof(float) +
+                        p.channels * (sizeof(float2) + sizeof(float)) +
+                        p.groups * (2 * sizeof(float) + sizeof(float2));
+  if (bytes > shared_optin) return false;
+  plan.shared_bytes = static_cast<size_t>(bytes);
+  plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks));
+  plan.block = dim3(kResidentThreads);
+  return true;
 }
 
 Plan make_plan(const GroupNormParams& p) {
@@ -656,9 +617,8 @@ Plan make_plan(const GroupNormParams& p) {
     plan.grid = dim3(static_cast<unsigned>(ng));
     plan.block = dim3(static_cast<unsigned>(threads));
     plan.shared_bytes = static_cast<size_t>(a.cpg) * sizeof(float2);
-  } else if (p.channels_last && nhwc_vec == pack && lcm_vecs <= kClusterThreads &&
-             cluster_plan(p, lcm_vecs, plan)) {
-    plan.path = Path::kCluster;
+  } else if (p.channels_last && nhwc_vec == pack && resident_plan(p, plan)) {
+    plan.path = Path::kResident;
     plan.vec = pack;
   } else if (p.channels_last && lcm_vecs <= kMaxTileVecs) {
     plan.path = Path::kNhwc;
@@ -703,26 +663,23 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }
-    case Path::kCluster:
+    case Path::kResident:
       if constexpr (V > 1) {  // the plan picks this path only for full-width vectors
-      static_assert(kClusterMaxPerThread == 8, "one kernel per pixels-per-thread count");
-      const auto kernel = plan.per_thread == 1   ? group_norm_cluster_kernel<T, P, V, 1>
-                          : plan.per_thread == 2 ? group_norm_cluster_kernel<T, P, V, 2>
-                          : plan.per_thread == 4 ? group_norm_cluster_kernel<T, P, V, 4>
-                                                 : group_norm_cluster_kernel<T, P, V, 8>;
+      const auto kernel = group_norm_resident_kernel<T, P, V>;
+      cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(plan.shared_bytes));
+      if (status != cudaSuccess) return status;
       cudaLaunchConfig_t config{};
       config.gridDim = plan.grid;
       config.blockDim = plan.block;
       config.dynamicSmemBytes = plan.shared_bytes;
       config.stream = stream;
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = plan.cluster_blocks;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
+      cudaLaunchAttribute cooperative{};
+      cooperative.id = cudaLaunchAttributeCooperative;
+      cooperative.val.cooperative = 1;
+      config.attrs = &cooperative;
       config.numAttrs = 1;
-      const cudaError_t status = cudaLaunchKernelEx(&config, kernel, a);
+      status = cudaLaunchKernelEx(&config, kernel, a);
       if (status != cudaSuccess) return status;
       }
       break;
@@ -761,7 +718,7 @@ int64_t padded_moments(const Plan& plan) {
 size_t group_norm_workspace_bytes(const GroupNormParams& params) {
   if (params.batch * params.channels * params.spatial == 0) return 0;
   const Plan plan = make_plan(params);
-  if (plan.path == Path::kFused || plan.path == Path::kCluster) return 0;
+  if (plan.path == Path::kFused) return 0;
   return padded_moments(plan) * sizeof(Moments) + plan.groups_total * sizeof(float2);
 }
 
