@@ -3,10 +3,11 @@
 // Four schemes, chosen by make_plan:
 //  - fused: one block per (sample, group) holds the whole group in registers; exact two-pass
 //    statistics, then normalize. Small groups (the deep U-Net levels).
-//  - resident (channels-last, tensors that fit in the shared memory of the whole GPU): one
-//    cooperative kernel, one block per multiprocessor; each block copies its rows of pixels into
-//    shared memory, writes its groups' moments, waits at a grid barrier, merges the moments of its
-//    sample and normalizes from shared memory. x is read once and y written once.
+//  - resident (tensors that fit in the shared memory of the whole GPU): one cooperative kernel,
+//    one block per multiprocessor; each block copies its part of x into shared memory, writes the
+//    moments of its groups there, waits at a grid barrier, merges the moments of the blocks that
+//    share its groups and normalizes from shared memory. x is read once and y written once.
+//    Channels-last blocks own rows of pixels (all groups); NCHW blocks own spans of one group.
 //    It replaced a Hopper thread-block-cluster kernel (pixels in registers, group sums through
 //    distributed shared memory) that was no faster at 2x640x32x32 and slower at larger sizes.
 //  - split: a stats kernel writes the moments of chunks of each group, a finalize kernel merges
@@ -41,7 +42,7 @@ constexpr int kUnroll = 4;             // independent loads in flight per thread
 constexpr int kMaxTileVecs = 128;      // nhwc: column vectors per block
 constexpr int kMaxFusedChannels = 4096;  // fused: the group's scale and shift live in shared memory
 
-enum class Path { kFused, kResident, kNhwc, kGroups };
+enum class Path { kFused, kResidentPixels, kResidentSpans, kNhwc, kGroups };
 constexpr int kMaxChunks = 1024;  // split: chunks per group (bounds the finalize work)
 constexpr int kFinalizeWarps = 8;
 // resident: one block of this many threads per multiprocessor (64 registers a thread at most).
@@ -429,7 +430,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   }
 }
 
-// resident path (channels-last). Block b of sample n = b / chunks owns pixel rows
+// resident path, channels-last. Block b of sample n = b / chunks owns pixel rows
 // [(b % chunks) * resident_rows, +resident_rows) of that sample: a contiguous span of x. Threads
 // are (row lane, column vector) pairs, so a thread always sees the same V channels.
 // Shared memory: the tile [rows][C] in T; per-thread sums [V][row lanes * column vectors]
@@ -438,7 +439,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
 // Measured on an H200: the reductions, not the bytes, set this kernel's time, so they avoid
 // integer division in loops and the merge reuses the division-free finalize_group.
 template <typename T, typename P, int V>
-__global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_kernel(Args a) {
+__global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixels_kernel(Args a) {
   extern __shared__ __align__(16) unsigned char resident_smem[];
   const int channels = static_cast<int>(a.channels), groups = static_cast<int>(a.groups);
   const int cpg = static_cast<int>(a.cpg), col_vecs = channels / V;
@@ -542,6 +543,75 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_kerne
   }
 }
 
+// resident path, NCHW: block b owns vectors [(b % chunks) * chunk_size, +chunk_size) of group
+// ng = b / chunks, whose cpg channels are one contiguous span of cpg * HW elements (HW % V == 0,
+// so a vector lies in one channel). Shared memory: the span's tile, then (weight, bias), later
+// (scale, shift), of the group's channels [cpg].
+template <typename T, typename P, int V>
+__global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans_kernel(Args a) {
+  extern __shared__ __align__(16) unsigned char resident_smem[];
+  __shared__ float scratch[32];
+  __shared__ float2 stats;
+  const int64_t ng = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
+  const int64_t n = ng / a.groups, g = ng % a.groups;
+  const int64_t begin = chunk * a.chunk_size;
+  const int vecs = static_cast<int>(std::min(a.chunk_size, a.view.group_vecs - begin));  // >= 1
+  const int64_t offset = group_offset(a, n, g) + begin * V;
+  T* tile = reinterpret_cast<T*>(resident_smem);
+  float2* affine = reinterpret_cast<float2*>(tile + a.chunk_size * V);
+
+  const T* x = static_cast<const T*>(a.x) + offset;
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x)
+    __pipeline_memcpy_async(tile + v * V, x + v * V, sizeof(T) * V);
+  __pipeline_commit();
+  for (int c = threadIdx.x; c < a.cpg; c += blockDim.x) affine[c] = affine_at<P>(a, g * a.cpg + c);
+  __pipeline_wait_prior(0);
+  __syncthreads();
+
+  // This block's moments, exactly: two passes over shared memory.
+  const float count = static_cast<float>(vecs) * V;
+  float sum = 0.0f;
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    float vals[V];
+    load_packed<T, V>(tile + v * V, vals);
+#pragma unroll
+    for (int i = 0; i < V; ++i) sum += vals[i];
+  }
+  const float mean = block_sum(sum, scratch) / count;
+  float m2 = 0.0f;
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    float vals[V];
+    load_packed<T, V>(tile + v * V, vals);
+#pragma unroll
+    for (int i = 0; i < V; ++i) m2 += (vals[i] - mean) * (vals[i] - mean);
+  }
+  m2 = block_sum(m2, scratch);
+  if (threadIdx.x == 0) a.partial[ng * a.chunks + chunk] = {count, mean, m2};
+
+  cooperative_groups::this_grid().sync();
+
+  if (threadIdx.x < 32) {
+    const float2 s = finalize_group(a, ng, threadIdx.x);
+    if (threadIdx.x == 0) stats = s;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < a.cpg; c += blockDim.x) {
+    const float2 wb = affine[c];
+    affine[c] = make_float2(stats.y * wb.x, wb.y - stats.x * stats.y * wb.x);
+  }
+  __syncthreads();
+  T* y = static_cast<T*>(a.y) + offset;
+  const uint32_t spatial_vecs = static_cast<uint32_t>(a.spatial / V);
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    const float2 ss = affine[static_cast<uint32_t>(begin + v) / spatial_vecs];
+    float vals[V];
+    load_packed<T, V>(tile + v * V, vals);
+#pragma unroll
+    for (int i = 0; i < V; ++i) vals[i] = activate(a, vals[i] * ss.x + ss.y);
+    store_packed<T, V>(y + v * V, vals);
+  }
+}
+
 struct Plan {
   Path path;
   int vec;         // elements per access
@@ -552,17 +622,22 @@ struct Plan {
   Args args;
 };
 
-// Sizes the resident path: as many blocks per sample as multiprocessors allow, rows split evenly.
-// False when the device cannot launch cooperatively or the tiles do not fit in shared memory.
-bool resident_plan(const GroupNormParams& p, Plan& plan) {
+// Whether this device can run the resident path with `bytes` of shared memory a block.
+bool resident_fits(size_t bytes) {
   int device = 0, cooperative = 0, shared_optin = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
   cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return cooperative && bytes <= static_cast<size_t>(shared_optin);
+}
+
+// Sizes the channels-last resident path: as many blocks per sample as multiprocessors allow,
+// rows split evenly. False when it does not fit.
+bool resident_pixels_plan(const GroupNormParams& p, Plan& plan) {
   const int sms = sm_count();
   const int elem = dtype_size(p.dtype), vec = 16 / elem;
   const int64_t col_vecs = p.channels / vec;
-  if (!cooperative || p.batch > sms || col_vecs > kResidentThreads) return false;
+  if (p.batch > sms || col_vecs > kResidentThreads) return false;
   Args& a = plan.args;
   a.resident_rows = ceil_div(p.spatial, sms / p.batch);
   a.chunks = static_cast<int>(ceil_div(p.spatial, a.resident_rows));
@@ -570,9 +645,26 @@ bool resident_plan(const GroupNormParams& p, Plan& plan) {
   const int64_t bytes = a.resident_rows * p.channels * elem + vec * lanes * sizeof(float) +
                         p.channels * (sizeof(float2) + sizeof(float)) +
                         p.groups * (2 * sizeof(float) + sizeof(float2));
-  if (bytes > shared_optin) return false;
+  if (!resident_fits(static_cast<size_t>(bytes))) return false;
   plan.shared_bytes = static_cast<size_t>(bytes);
   plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks));
+  plan.block = dim3(kResidentThreads);
+  return true;
+}
+
+// Sizes the NCHW resident path: each group split into as many equal spans as multiprocessors
+// allow. False when there are more groups than multiprocessors or a span does not fit.
+bool resident_spans_plan(const GroupNormParams& p, int64_t group_vecs, Plan& plan) {
+  const int sms = sm_count();
+  const int64_t ng = p.batch * p.groups;
+  if (ng > sms) return false;
+  Args& a = plan.args;
+  a.chunk_size = ceil_div(group_vecs, sms / ng);
+  a.chunks = static_cast<int>(ceil_div(group_vecs, a.chunk_size));
+  const int64_t bytes = a.chunk_size * 16 + p.channels / p.groups * sizeof(float2);
+  if (!resident_fits(static_cast<size_t>(bytes))) return false;
+  plan.shared_bytes = static_cast<size_t>(bytes);
+  plan.grid = dim3(static_cast<unsigned>(ng * a.chunks));
   plan.block = dim3(kResidentThreads);
   return true;
 }
@@ -617,8 +709,11 @@ Plan make_plan(const GroupNormParams& p) {
     plan.grid = dim3(static_cast<unsigned>(ng));
     plan.block = dim3(static_cast<unsigned>(threads));
     plan.shared_bytes = static_cast<size_t>(a.cpg) * sizeof(float2);
-  } else if (p.channels_last && nhwc_vec == pack && resident_plan(p, plan)) {
-    plan.path = Path::kResident;
+  } else if (p.channels_last && nhwc_vec == pack && resident_pixels_plan(p, plan)) {
+    plan.path = Path::kResidentPixels;
+    plan.vec = pack;
+  } else if (!p.channels_last && group_vec == pack && resident_spans_plan(p, group_vecs, plan)) {
+    plan.path = Path::kResidentSpans;
     plan.vec = pack;
   } else if (p.channels_last && lcm_vecs <= kMaxTileVecs) {
     plan.path = Path::kNhwc;
@@ -650,6 +745,25 @@ void finalize(const Plan& plan, cudaStream_t stream) {
                                kFinalizeWarps * 32, 0, stream>>>(plan.args, plan.groups_total);
 }
 
+// Launches a resident kernel: cooperative (its blocks wait for each other at a grid barrier, so
+// all must be resident at once), with more than the default 48 KiB of shared memory.
+cudaError_t launch_cooperative(void (*kernel)(Args), const Plan& plan, cudaStream_t stream) {
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(plan.shared_bytes));
+  if (status != cudaSuccess) return status;
+  cudaLaunchConfig_t config{};
+  config.gridDim = plan.grid;
+  config.blockDim = plan.block;
+  config.dynamicSmemBytes = plan.shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, plan.args);
+}
+
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
   const Args& a = plan.args;
@@ -663,24 +777,14 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }
-    case Path::kResident:
-      if constexpr (V > 1) {  // the plan picks this path only for full-width vectors
-      const auto kernel = group_norm_resident_kernel<T, P, V>;
-      cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(plan.shared_bytes));
-      if (status != cudaSuccess) return status;
-      cudaLaunchConfig_t config{};
-      config.gridDim = plan.grid;
-      config.blockDim = plan.block;
-      config.dynamicSmemBytes = plan.shared_bytes;
-      config.stream = stream;
-      cudaLaunchAttribute cooperative{};
-      cooperative.id = cudaLaunchAttributeCooperative;
-      cooperative.val.cooperative = 1;
-      config.attrs = &cooperative;
-      config.numAttrs = 1;
-      status = cudaLaunchKernelEx(&config, kernel, a);
-      if (status != cudaSuccess) return status;
+    case Path::kResidentPixels:
+    case Path::kResidentSpans:
+      if constexpr (V > 1) {  // the plan picks these paths only for full-width vectors
+        const cudaError_t status = launch_cooperative(
+            plan.path == Path::kResidentPixels ? group_norm_resident_pixels_kernel<T, P, V>
+                                               : group_norm_resident_spans_kernel<T, P, V>,
+            plan, stream);
+        if (status != cudaSuccess) return status;
       }
       break;
     case Path::kNhwc:
