@@ -30,5 +30,7 @@ _check_torch_version(_build_info.TORCH_VERSION, torch.__version__)
 from . import _C  # noqa: E402  (loads libmirage: registers torch.ops.mirage)
 from . import nn, ops  # noqa: E402
 from .info import build_info, info  # noqa: E402
+from .optimize import OptimizedModule, OptimizeReport, optimize, report  # noqa: E402  (also loads mirage.graphs)
 
-__all__ = ["build_info", "info", "nn", "ops", "__version__"]
+__all__ = ["OptimizeReport", "OptimizedModule", "build_info", "graphs", "info", "nn", "ops", "optimize", "report",
+           "__version__"]

@@ -1,0 +1,375 @@
+"""CUDA-graph capture for any callable: static buffers, a bounded per-signature cache, one pool.
+
+A CUDA graph replays a recorded sequence of kernels with one launch, removing the per-kernel
+CPU and launch overhead that dominates small-batch inference. It reads its inputs from, and
+writes its outputs to, the fixed addresses used at capture ("static buffers"): each call copies
+the new inputs into the static input buffers, replays, and hands the outputs back.
+
+Outputs policy: by default (``copy_outputs=True``) every output tensor is cloned out of its
+static buffer after the replay, so callers may keep outputs across calls. With
+``copy_outputs=False`` the static buffers themselves are returned (no copy); they are
+overwritten by the next replay, and in a :class:`GraphCache` by the next replay of *any* of its
+graphs, because all of its graphs share one memory pool.
+
+Graphs are for inference: the callable runs under ``torch.no_grad()``, and inputs that require
+grad while grad mode is on are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+__all__ = ["CapturedGraph", "GraphCache", "GraphCacheStats", "capture", "signature"]
+
+# Output leaves that are plain values: a graph returns them as they were at capture.
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, for work long enough that a user wonders what happens."""
+    print(f"mirage: {message}", file=sys.stderr, flush=True)
+
+
+def _flatten(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], List[str], pytree.TreeSpec]:
+    """Leaves of ``(args, kwargs)``, their names (``args[0]``, ``kwargs['x'][1]``) and the spec.
+
+    kwargs are sorted by name so that the same arguments in another order share a signature.
+    """
+    with_paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(sorted(kwargs.items()))))
+    names = [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]) for path, _ in with_paths]
+    return [leaf for _, leaf in with_paths], names, spec
+
+
+def _leaf_key(leaf: Any, name: str, who: str) -> Hashable:
+    if isinstance(leaf, Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device)
+    try:
+        hash(leaf)
+    except TypeError:
+        raise ValueError(
+            f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor hashable; "
+            "a graph is chosen by its inputs' shapes and by the values of its other arguments, so pass "
+            "it as a tensor or as a hashable value"
+        ) from None
+    # The type separates values that compare equal (1, 1.0 and True).
+    return ("value", type(leaf), leaf)
+
+
+def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.graphs") -> Hashable:
+    """The key that decides which graph serves a call.
+
+    Tensors contribute their shape, strides (memory layout), dtype and device; every other
+    argument its type and value; the nesting of containers contributes too.
+
+    Args:
+        args, kwargs: the call's arguments.
+        who: the name used in error messages.
+
+    Returns:
+        A hashable key; two calls with equal keys can replay the same graph.
+
+    Raises:
+        ValueError: an argument is neither a tensor nor hashable.
+    """
+    leaves, names, spec = _flatten(args, kwargs)
+    return (spec, tuple(_leaf_key(leaf, name, who) for leaf, name in zip(leaves, names)))
+
+
+def _describe(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+    """A short human-readable signature: tensors as ``name: dtype[shape]``."""
+    leaves, names, _ = _flatten(args, kwargs)
+    parts = [
+        f"{name}: {str(leaf.dtype).replace('torch.', '')}{list(leaf.shape)}"
+        for leaf, name in zip(leaves, names)
+        if isinstance(leaf, Tensor)
+    ]
+    return ", ".join(parts) or "no tensor inputs"
+
+
+def _refuse_grad(leaves: Sequence[Any], names: Sequence[str], who: str) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for leaf, name in zip(leaves, names):
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            raise ValueError(
+                f"{who}: input {name} requires grad while grad mode is on; CUDA graphs here are for "
+                "inference only: call under torch.no_grad() or torch.inference_mode(), or pass "
+                f"{name}.detach()"
+            )
+
+
+def _capture_device(leaves: Sequence[Any], names: Sequence[str], who: str) -> torch.device:
+    device = None
+    for leaf, name in zip(leaves, names):
+        if not isinstance(leaf, Tensor):
+            continue
+        if leaf.device.type != "cuda":
+            raise ValueError(
+                f"{who}: input {name} is on {leaf.device}; a CUDA graph reads its inputs from GPU "
+                f"memory, so move it to the GPU ({name}.cuda())"
+            )
+        if device is not None and leaf.device != device:
+            raise ValueError(f"{who}: inputs are on several GPUs ({device} and {leaf.device} for {name}); "
+                             "one graph runs on one GPU")
+        device = leaf.device
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{who}: CUDA is not available; CUDA graphs need a CUDA GPU")
+    return device if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+class CapturedGraph:
+    """One CUDA graph of ``fn`` for one input signature (see :func:`capture`).
+
+    Calling it copies the inputs into the static input buffers, replays the graph and returns
+    ``fn``'s outputs (cloned, unless ``copy_outputs=False``; see the module's outputs policy).
+
+    Attributes:
+        signature: the :func:`signature` of the inputs it was captured for.
+        capture_seconds: wall time of the warm-up and the capture.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Dict[str, Any],
+        *,
+        pool: Any = None,
+        copy_outputs: bool = True,
+        warmup: int = 3,
+    ) -> None:
+        who = "mirage.graphs.capture"
+        if warmup < 1:
+            # The first calls run lazy initialisation (cuBLAS handles, autotuning) that must not be captured.
+            raise ValueError(f"{who}: warmup must be at least 1, got {warmup}")
+        leaves, names, spec = _flatten(args, kwargs)
+        _refuse_grad(leaves, names, who)
+        self.signature = signature(args, kwargs, who)
+        device = _capture_device(leaves, names, who)
+        self.copy_outputs = copy_outputs
+        self._fn_name = getattr(fn, "__qualname__", type(fn).__name__)
+        self._tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        # preserve_format keeps the caller's strides for dense inputs; expanded (stride 0) inputs
+        # get a dense buffer, which any input of the same shape can be copied into. Normal (not
+        # inference) tensors, so that later calls may copy into them outside torch.inference_mode.
+        with torch.inference_mode(False):
+            self._static_inputs = [torch.empty_like(leaves[i], memory_format=torch.preserve_format)
+                                   for i in self._tensor_slots]
+        static_leaves = list(leaves)
+        for slot, buffer in zip(self._tensor_slots, self._static_inputs):
+            buffer.copy_(leaves[slot])
+            static_leaves[slot] = buffer
+        static_args, static_kwargs = pytree.tree_unflatten(static_leaves, spec)
+
+        start = time.perf_counter()
+        with torch.cuda.device(device), torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    fn(*static_args, **static_kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(self._graph, pool=pool):
+                    outputs = fn(*static_args, **static_kwargs)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"{who}: capturing {self._fn_name} failed: {error}\nA CUDA graph cannot contain host "
+                    "synchronisation (.item(), .cpu(), printing a tensor), CPU tensors or shapes that "
+                    "depend on tensor values; run such code without a graph"
+                ) from error
+            torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - start
+
+        with_paths, self._output_spec = pytree.tree_flatten_with_path(outputs)
+        for path, leaf in with_paths:
+            if not isinstance(leaf, (Tensor,) + _CONSTANT_TYPES):
+                raise ValueError(
+                    f"{who}: {self._fn_name} returned a {type(leaf).__name__} at output{pytree.keystr(path)}; "
+                    "it may hold tensors that every replay overwrites, so only tensors, plain values and "
+                    "containers of them (tuples, lists, dicts, registered pytree nodes) can be returned"
+                )
+        self._static_outputs = [leaf for _, leaf in with_paths]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Replays the graph on new inputs of the captured signature; returns ``fn``'s outputs."""
+        if self._graph is None:
+            raise RuntimeError("mirage.graphs: this CapturedGraph was reset (evicted) and cannot replay; capture again")
+        who = "mirage.graphs.CapturedGraph"
+        leaves, names, _ = _flatten(args, kwargs)
+        _refuse_grad(leaves, names, who)
+        if signature(args, kwargs, who) != self.signature:
+            raise ValueError(
+                f"{who}: called with {_describe(args, kwargs)}, which differs from the captured signature "
+                "(tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
+                "capture a new graph, or use mirage.graphs.GraphCache to do so automatically"
+            )
+        for slot, buffer in zip(self._tensor_slots, self._static_inputs):
+            if leaves[slot] is not buffer:
+                buffer.copy_(leaves[slot])
+        self._graph.replay()
+        outputs = [leaf.clone() if self.copy_outputs and isinstance(leaf, Tensor) else leaf
+                   for leaf in self._static_outputs]
+        return pytree.tree_unflatten(outputs, self._output_spec)
+
+    def reset(self) -> None:
+        """Releases the graph and its static buffers (their memory returns to the allocator)."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+        self._static_inputs = []
+        self._static_outputs = []
+
+
+def capture(
+    fn: Callable[..., Any],
+    *example_inputs: Any,
+    pool: Any = None,
+    copy_outputs: bool = True,
+    warmup: int = 3,
+    **example_kwargs: Any,
+) -> CapturedGraph:
+    """Captures ``fn(*example_inputs, **example_kwargs)`` as one CUDA graph.
+
+    The inputs are copied into static buffers; ``fn`` runs ``warmup`` times on a side stream
+    (lazy initialisation must not land in the graph), then once under capture.
+
+    Args:
+        fn: the callable; it must be capturable (no host synchronisation, no CPU tensors, no
+            shapes that depend on tensor values). It runs under ``torch.no_grad()``.
+        example_inputs, example_kwargs: arguments of the shape, dtype, device and strides of
+            later calls; tensors must be on one CUDA device. Non-tensor arguments are fixed.
+        pool: a memory pool (``torch.cuda.graph_pool_handle()``) to share with other graphs.
+        copy_outputs: clone the outputs after each replay (see the module's outputs policy).
+        warmup: eager calls before the capture. ``pool``, ``copy_outputs`` and ``warmup`` are
+            this function's own keywords, not passed to ``fn``.
+
+    Returns:
+        A :class:`CapturedGraph`; call it with new inputs of the same signature.
+
+    Raises:
+        ValueError: a CPU input, inputs on several GPUs, an input that requires grad under grad
+            mode, an unhashable non-tensor argument, or an output that is not a tensor, a
+            plain value or a container of them.
+        RuntimeError: no CUDA, or ``fn`` cannot be captured.
+    """
+    return CapturedGraph(fn, example_inputs, example_kwargs, pool=pool, copy_outputs=copy_outputs, warmup=warmup)
+
+
+@dataclass(frozen=True)
+class GraphCacheStats:
+    """Counters of a :class:`GraphCache`: calls served by an existing graph (hits), calls that
+    captured a new one (misses), graphs released to stay within ``max_entries`` (evictions), the
+    graphs held now (entries) and the total capture time."""
+
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    max_entries: int
+    capture_seconds: float
+
+    def __str__(self) -> str:
+        return (f"{self.entries}/{self.max_entries} graphs held, {self.hits} hits, {self.misses} captures "
+                f"({self.capture_seconds:.1f} s), {self.evictions} evictions")
+
+
+class GraphCache:
+    """Calls ``fn`` through one CUDA graph per input signature, capturing each on first use.
+
+    The signature (:func:`signature`) covers the tensors' shapes, strides, dtypes and devices and
+    the other arguments' values. At most ``max_entries`` graphs are held; a new signature beyond
+    that evicts the least recently used graph, releasing its graph and buffers. All graphs share
+    one memory pool, so their intermediate tensors occupy the same memory.
+
+    Args:
+        fn: the callable (see :func:`capture`).
+        max_entries: graphs held at most (>= 1).
+        copy_outputs: clone outputs after each replay (see the module's outputs policy).
+        warmup: eager calls before each capture.
+        verbose: print a progress line on stderr for each capture, with its time.
+        capture: builds one graph: ``capture(fn, args, kwargs, pool=, copy_outputs=, warmup=)``
+            returning a callable with ``reset()``. Defaults to :class:`CapturedGraph`; tests pass a
+            CPU stand-in.
+        new_pool: makes the shared pool on the first capture; defaults to
+            ``torch.cuda.graph_pool_handle``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        max_entries: int = 8,
+        *,
+        copy_outputs: bool = True,
+        warmup: int = 3,
+        verbose: bool = True,
+        capture: Callable[..., Any] = CapturedGraph,
+        new_pool: Callable[[], Any] = torch.cuda.graph_pool_handle,
+    ) -> None:
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"mirage.graphs.GraphCache: max_entries must be an int >= 1, got {max_entries!r}")
+        self.fn = fn
+        self.max_entries = max_entries
+        self.copy_outputs = copy_outputs
+        self.warmup = warmup
+        self.verbose = verbose
+        self._capture = capture
+        self._new_pool = new_pool
+        self._pool: Any = None
+        self._entries: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+        self.capture_seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` by replaying the graph for this signature (captured if new)."""
+        key = signature(args, kwargs, "mirage.graphs.GraphCache")
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return entry(*args, **kwargs)
+        self.misses += 1
+        # Evict first, so the new capture can reuse the released memory.
+        while len(self._entries) >= self.max_entries:
+            self._evict_oldest()
+        if self._pool is None:
+            self._pool = self._new_pool()
+        start = time.perf_counter()
+        entry = self._capture(self.fn, args, kwargs, pool=self._pool, copy_outputs=self.copy_outputs,
+                              warmup=self.warmup)
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        self._entries[key] = entry
+        if self.verbose:
+            progress(f"captured CUDA graph {len(self._entries)}/{self.max_entries} for "
+                     f"({_describe(args, kwargs)}) in {seconds:.2f} s")
+        return entry(*args, **kwargs)
+
+    def _evict_oldest(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        entry.reset()
+        self.evictions += 1
+
+    def clear(self) -> None:
+        """Releases every graph (and the pool); the next calls capture again. Counters stay."""
+        while self._entries:
+            _, entry = self._entries.popitem(last=False)
+            entry.reset()
+        self._pool = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> GraphCacheStats:
+        """The cache's counters now."""
+        return GraphCacheStats(self.hits, self.misses, self.evictions, len(self._entries), self.max_entries,
+                               self.capture_seconds)

@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .group_norm import GroupNorm
+
+TIME_EMBEDDING_NORMS = ("default", "scale_shift")
+
+
+class ResnetBlock2D(nn.Module):
+    """diffusers' ``ResnetBlock2D`` (0.42.1) with each GroupNorm → SiLU pair in one kernel.
+
+    Built with :meth:`from_diffusers`; it shares every submodule and parameter of the block it
+    replaces (state-dict keys are unchanged) and computes the same function as diffusers'
+    forward: ``norm1`` → SiLU, optional up/down-sampling, ``conv1``, the time embedding (added,
+    or applied as scale and shift), ``norm2`` → SiLU, ``dropout``, ``conv2``, the shortcut and
+    ``/ output_scale_factor``.
+
+    With ``time_embedding_norm="scale_shift"`` the modulation sits between ``norm2`` and the
+    SiLU, so only ``norm1`` fuses its activation there.
+    """
+
+    def __init__(self) -> None:
+        # Built only by from_diffusers: the block's own submodules are its state.
+        super().__init__()
+
+    @classmethod
+    def from_diffusers(cls, block: nn.Module) -> "ResnetBlock2D":
+        """The fused block for a diffusers ``ResnetBlock2D``, sharing its submodules.
+
+        Args:
+            block: an instance of ``diffusers.models.resnet.ResnetBlock2D``.
+
+        Returns:
+            A ``mirage.nn.ResnetBlock2D`` computing what ``block`` computes.
+
+        Raises:
+            ValueError: the block's configuration cannot be reproduced (the message says why):
+                a nonlinearity other than SiLU, norms that are not ``nn.GroupNorm``, or an unknown
+                ``time_embedding_norm`` together with a time embedding.
+        """
+        nonlinearity = getattr(block, "nonlinearity", None)
+        if type(nonlinearity) is not nn.SiLU:
+            raise ValueError(
+                f"non_linearity is {type(nonlinearity).__name__}; only SiLU fuses into the GroupNorm"
+            )
+        for name in ("norm1", "norm2"):
+            norm = getattr(block, name, None)
+            if type(norm) is not nn.GroupNorm:
+                raise ValueError(f"{name} is {type(norm).__name__}, not nn.GroupNorm")
+        mode = block.time_embedding_norm
+        if block.time_emb_proj is not None and mode not in TIME_EMBEDDING_NORMS:
+            raise ValueError(f"time_embedding_norm={mode!r} is not one of {TIME_EMBEDDING_NORMS}")
+
+        fused = cls()
+        fused.norm1 = GroupNorm.from_torch(block.norm1, activation="silu")
+        # scale_shift modulates between norm2 and the activation: that activation stays separate.
+        fused.norm2 = GroupNorm.from_torch(block.norm2, activation="none" if mode == "scale_shift" else "silu")
+        fused.conv1 = block.conv1
+        fused.conv2 = block.conv2
+        fused.time_emb_proj = block.time_emb_proj
+        fused.dropout = block.dropout
+        fused.nonlinearity = block.nonlinearity
+        fused.conv_shortcut = block.conv_shortcut
+        # Upsample2D/Downsample2D modules, or the plain functions diffusers uses for the
+        # "fir" and "sde_vp" kernels; either is called as it is.
+        fused.upsample = block.upsample
+        fused.downsample = block.downsample
+        for attribute in ("in_channels", "out_channels", "use_conv_shortcut", "use_in_shortcut", "up",
+                          "down", "output_scale_factor", "time_embedding_norm", "skip_time_act", "pre_norm"):
+            setattr(fused, attribute, getattr(block, attribute))
+        return fused
+
+    def forward(self, input_tensor: Tensor, temb: Optional[Tensor], *args, **kwargs) -> Tensor:
+        # diffusers accepts (and ignores) a deprecated `scale` argument here; so does this block.
+        hidden_states = self.norm1(input_tensor)
+
+        if self.upsample is not None:
+            # As diffusers: upsample_nearest_nhwc fails for large batches (diffusers issue 984).
+            if hidden_states.shape[0] >= 64:
+                input_tensor = input_tensor.contiguous()
+                hidden_states = hidden_states.contiguous()
+            input_tensor = self.upsample(input_tensor)
+            hidden_states = self.upsample(hidden_states)
+        elif self.downsample is not None:
+            input_tensor = self.downsample(input_tensor)
+            hidden_states = self.downsample(hidden_states)
+
+        hidden_states = self.conv1(hidden_states)
+
+        if self.time_emb_proj is not None:
+            if not self.skip_time_act:
+                temb = self.nonlinearity(temb)
+            temb = self.time_emb_proj(temb)[:, :, None, None]
+
+        if self.time_embedding_norm == "scale_shift":
+            if temb is None:
+                raise ValueError("mirage.nn.ResnetBlock2D: `temb` must not be None when time_embedding_norm "
+                                 "is 'scale_shift'")
+            time_scale, time_shift = torch.chunk(temb, 2, dim=1)
+            hidden_states = self.norm2(hidden_states)
+            hidden_states = self.nonlinearity(hidden_states * (1 + time_scale) + time_shift)
+        else:
+            if self.time_embedding_norm == "default" and temb is not None:
+                hidden_states = hidden_states + temb
+            hidden_states = self.norm2(hidden_states)
+
+        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.conv2(hidden_states)
+
+        if self.conv_shortcut is not None:
+            # As diffusers: contiguous only in training, where DDP wants matching gradient strides.
+            if self.training:
+                input_tensor = input_tensor.contiguous()
+            input_tensor = self.conv_shortcut(input_tensor)
+
+        return (input_tensor + hidden_states) / self.output_scale_factor
+
+    def extra_repr(self) -> str:
+        return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, "
+                f"time_embedding_norm={self.time_embedding_norm!r}, up={self.up}, down={self.down}")

@@ -1,0 +1,482 @@
+"""``mirage.optimize``: swap fused modules into a model, set its precision and layout, graph it.
+
+Modules are swapped by instance from an explicit registry (exact type → builder); classes,
+torch and diffusers are never edited. Every candidate the registry had to leave alone is
+reported with the reason (:func:`report`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from .graphs import GraphCache, GraphCacheStats, progress
+
+__all__ = ["OptimizeReport", "OptimizedModule", "Swap", "optimize", "report"]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# mirage's CUDA layer_norm normalizes rows of up to this many elements.
+LAYER_NORM_MAX_WIDTH = 16384
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One registry entry: every instance of exactly ``module.name`` becomes ``build(instance)``.
+
+    The class is looked up in ``sys.modules`` and never imported: a model can only hold
+    diffusers' classes if diffusers is already imported, so diffusers stays optional and models
+    without it do not pay for importing it.
+
+    Attributes:
+        module, name: where the class is defined (``"torch.nn"``, ``"GroupNorm"``).
+        kind: the report's name for this swap.
+        replacement: what it becomes, for the report.
+        build: returns the replacement (sharing the instance's parameters) or raises
+            ``ValueError(reason)`` for a configuration it cannot reproduce.
+        opaque: when an instance is left alone, leave everything inside it alone too (its code
+            may depend on the exact types of its children).
+    """
+
+    module: str
+    name: str
+    kind: str
+    replacement: str
+    build: Callable[[nn.Module], nn.Module]
+    opaque: bool = False
+
+    def resolve(self) -> Optional[type]:
+        defining = sys.modules.get(self.module)
+        return getattr(defining, self.name, None) if defining is not None else None
+
+
+def _build_resnet_block(block: nn.Module) -> nn.Module:
+    from .nn.resnet import ResnetBlock2D
+
+    return ResnetBlock2D.from_diffusers(block)
+
+
+def _build_attention(attention: nn.Module) -> nn.Module:
+    from .nn.attention import from_diffusers_attention
+
+    return from_diffusers_attention(attention)
+
+
+def _build_geglu(module: nn.Module) -> nn.Module:
+    from .nn.geglu import GEGLU
+
+    try:
+        # diffusers' GEGLU gates with the exact (erf) GELU.
+        return GEGLU.from_torch(module, approximate="none")
+    except TypeError as error:
+        raise ValueError(str(error)) from None
+
+
+def _build_group_norm(norm: nn.Module) -> nn.Module:
+    from .nn.group_norm import GroupNorm
+
+    return GroupNorm.from_torch(norm)
+
+
+def _build_layer_norm(norm: nn.Module) -> nn.Module:
+    from .nn.layer_norm import LayerNorm
+
+    fused = LayerNorm.from_torch(norm)
+    if fused.normalized_shape > LAYER_NORM_MAX_WIDTH:
+        raise ValueError(f"normalized width {fused.normalized_shape} exceeds the {LAYER_NORM_MAX_WIDTH} "
+                         "mirage's CUDA kernel handles")
+    return fused
+
+
+# Stage 1: whole diffusers blocks. Their forward is known, so norm → activation pairs inside
+# them fuse; this runs before the pattern pass, which cannot trace diffusers' Python control flow.
+BLOCK_SWAPS: Tuple[Swap, ...] = (
+    Swap("diffusers.models.resnet", "ResnetBlock2D", "ResnetBlock2D",
+         "mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)", _build_resnet_block),
+    # Attention's processors test `isinstance(norm_cross, nn.LayerNorm)`: swapping its norms alone
+    # would break it, hence opaque.
+    Swap("diffusers.models.attention_processor", "Attention", "Attention",
+         "mirage fused attention (one QKV GEMM, SDPA)", _build_attention, opaque=True),
+    Swap("diffusers.models.activations", "GEGLU", "GEGLU", "mirage.nn.GEGLU", _build_geglu),
+)
+
+# Stage 3: single torch norms wherever they remain, after the pattern pass has fused the
+# GroupNorm → SiLU pairs it can see.
+NORM_SWAPS: Tuple[Swap, ...] = (
+    Swap("torch.nn", "GroupNorm", "GroupNorm", "mirage.nn.GroupNorm", _build_group_norm),
+    Swap("torch.nn", "LayerNorm", "LayerNorm", "mirage.nn.LayerNorm", _build_layer_norm),
+)
+
+
+def _is_mirage_module(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("mirage.")
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport") -> nn.Module:
+    """Replaces, in place, every instance of a registered type under ``root``; returns the new
+    root (``root`` itself unless it is an instance). Replacements are not searched further."""
+    by_type = {cls: swap for swap in swaps if (cls := swap.resolve()) is not None}
+    if not by_type:
+        return root
+    # A module reachable under two names is swapped once, and both names get the replacement.
+    visited: Dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, name: str) -> nn.Module:
+        if id(module) in visited:
+            return visited[id(module)]
+        replacement = module
+        swap = by_type.get(type(module))
+        if swap is not None:
+            try:
+                replacement = swap.build(module)
+                result.swaps.append((swap.kind, name))
+            except ValueError as reason:
+                result.left_alone.append((name, f"{swap.kind}: {reason}"))
+                if swap.opaque:
+                    visited[id(module)] = module
+                    return module
+        else:
+            base = next((cls for cls in by_type if isinstance(module, cls)), None)
+            if base is not None:
+                result.left_alone.append(
+                    (name, f"{type(module).__name__} subclasses {base.__name__} and may compute differently"))
+        if replacement is module and not _is_mirage_module(module):
+            for child_name, child in list(module.named_children()):
+                new_child = visit(child, _qualified(name, child_name))
+                if new_child is not child:
+                    setattr(module, child_name, new_child)
+        visited[id(module)] = replacement
+        return replacement
+
+    return visit(root, "")
+
+
+def _fuse_patterns(model: nn.Module, result: "OptimizeReport") -> nn.Module:
+    """Stage 2: plain-PyTorch patterns (conv+BN(+act), GroupNorm→SiLU, q/k/v attention) via FX."""
+    from .patterns import fuse
+
+    fused = fuse(model)
+    result.swaps.extend(fused.swaps)
+    result.left_alone.extend(fused.skipped)
+    return fused.module
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+@dataclass
+class OptimizeReport:
+    """What :func:`optimize` did to a model (``str()`` gives a readable summary).
+
+    Attributes:
+        model: the class name of the model passed in.
+        swaps: ``(kind, qualified name)`` of every swap.
+        left_alone: ``(qualified name, reason)`` of every candidate that was not swapped.
+        dtype: the weights' dtype set by optimize, or None when they were kept.
+        autocast_dtype: the dtype the forward autocasts to, or None.
+        channels_last: 4-D weights and inputs converted to channels_last.
+        cuda_graph: forwards run through CUDA graphs.
+        cuda_graph_note: why graphs are off, when they are.
+        max_graphs: graphs held at most.
+        graphs: graph-cache counters at the time :func:`report` was called (None without graphs).
+        seconds: time optimize took.
+    """
+
+    model: str
+    swaps: List[Tuple[str, str]] = field(default_factory=list)
+    left_alone: List[Tuple[str, str]] = field(default_factory=list)
+    dtype: Optional[torch.dtype] = None
+    autocast_dtype: Optional[torch.dtype] = None
+    channels_last: bool = False
+    cuda_graph: bool = False
+    cuda_graph_note: str = ""
+    max_graphs: int = 0
+    graphs: Optional[GraphCacheStats] = None
+    seconds: float = 0.0
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """Swaps by kind."""
+        return dict(Counter(kind for kind, _ in self.swaps))
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing recognisable: no swap and no candidate; the model was returned as it was."""
+        return not self.swaps and not self.left_alone
+
+    def __str__(self) -> str:
+        head = f"mirage.optimize({self.model})"
+        if self.untouched:
+            return (f"{head}: nothing recognised (no module or pattern mirage can swap); the model was returned "
+                    "untouched (in eval mode): no precision, layout or CUDA-graph change")
+        lines = [f"{head}: {len(self.swaps)} swapped, {len(self.left_alone)} left alone, {self.seconds:.1f} s"]
+        if self.swaps:
+            lines.append("  swapped:")
+            lines += [f"    {count:5d}  {kind} -> {_replacement(kind)}"
+                      for kind, count in self.counts.items()]
+        if self.left_alone:
+            lines.append("  left alone:")
+            lines += [f"    {name or '(model)'}: {reason}" for name, reason in self.left_alone]
+        if self.dtype is not None:
+            precision = f"{_dtype_name(self.dtype)} weights and buffers"
+        else:
+            precision = f"weights kept, forward under torch.autocast({_dtype_name(self.autocast_dtype)})"
+        lines.append(f"  precision: {precision} (mirage norms keep float32 statistics)")
+        lines.append(f"  channels_last: {'4-D weights and 4-D inputs' if self.channels_last else 'off'}")
+        if self.cuda_graph:
+            lines.append(f"  CUDA graphs: on, at most {self.max_graphs}"
+                         + (f"; {self.graphs}" if self.graphs is not None else ""))
+        else:
+            lines.append(f"  CUDA graphs: off ({self.cuda_graph_note})")
+        return "\n".join(lines)
+
+
+_REPLACEMENTS = {
+    **{swap.kind: swap.replacement for swap in BLOCK_SWAPS + NORM_SWAPS},
+    # The kinds mirage.patterns reports.
+    "group_norm_silu": "mirage.nn.GroupNorm(activation='silu')",
+    "attention": "one QKV nn.Linear + scaled_dot_product_attention",
+}
+
+
+def _replacement(kind: str) -> str:
+    if kind.startswith("conv_bn"):  # conv_bn, conv_bn_silu, conv_bn_gelu, ...
+        return "mirage.nn.Conv2dAct (BatchNorm folded into the conv)"
+    return _REPLACEMENTS.get(kind, "fused")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# What optimize returned → its report. Weak, so a report never keeps a model alive.
+_REPORTS: "weakref.WeakKeyDictionary[nn.Module, OptimizeReport]" = weakref.WeakKeyDictionary()
+
+
+def report(model: nn.Module) -> OptimizeReport:
+    """The report of :func:`optimize` for ``model``.
+
+    Args:
+        model: a model returned by :func:`optimize`.
+
+    Returns:
+        An :class:`OptimizeReport`, with the graph cache's counters as of now.
+
+    Raises:
+        ValueError: ``model`` did not come from :func:`optimize`.
+    """
+    found = _REPORTS.get(model) if isinstance(model, nn.Module) else None
+    if found is None:
+        raise ValueError(f"mirage.report: this {type(model).__name__} was not returned by mirage.optimize")
+    if isinstance(model, OptimizedModule) and model.graphs is not None:
+        return replace(found, graphs=model.graphs.stats())
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# The wrapper
+
+
+def _channels_last_4d(tensor: Tensor) -> Tensor:
+    return tensor.contiguous(memory_format=torch.channels_last) if tensor.dim() == 4 else tensor
+
+
+class OptimizedModule(nn.Module):
+    """What :func:`optimize` returns: the swapped model, run with its input layout, autocast and
+    CUDA-graph settings. Same call signature and outputs as the model.
+
+    Attributes it does not have itself are read from the inner model, so code that reads
+    ``unet.config``, ``unet.dtype`` or calls ``vae.decode`` keeps working (such methods run the
+    swapped modules eagerly: only ``forward`` goes through the graphs). Its state dict has the
+    inner model's keys under ``module.``.
+
+    Attributes:
+        module: the swapped model.
+        graphs: the :class:`mirage.graphs.GraphCache` running ``forward``, or None.
+    """
+
+    def __init__(self, module: nn.Module, *, autocast_dtype: Optional[torch.dtype] = None,
+                 channels_last: bool = False, max_graphs: int = 0, verbose: bool = True) -> None:
+        super().__init__()
+        self.module = module
+        self.autocast_dtype = autocast_dtype
+        self.channels_last = channels_last
+        self.graphs: Optional[GraphCache] = GraphCache(self._run, max_graphs, verbose=verbose) if max_graphs else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.channels_last:
+            args, kwargs = pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs))
+        if self.graphs is not None:
+            return self.graphs(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.autocast_dtype is None:
+            return self.module(*args, **kwargs)
+        device_type = self._device_type(args, kwargs)
+        # The autocast cast cache would hold copies made during a capture; graphs forbid it.
+        with torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=False):
+            return self.module(*args, **kwargs)
+
+    def _device_type(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
+        tensors = tensors or list(self.module.parameters())
+        return tensors[0].device.type if tensors else "cpu"
+
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "OptimizedModule":
+        # A graph reads the parameters at their captured addresses; to(), half(), cuda() replace
+        # those tensors, so the graphs are released and captured again on the next call.
+        if self.graphs is not None:
+            self.graphs.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# optimize
+
+
+def _devices(model: nn.Module) -> set:
+    return {t.device for t in list(model.parameters()) + list(model.buffers())}
+
+
+def _conv_weights_channels_last(model: nn.Module) -> None:
+    # 4-D parameters and buffers are convolution kernels; channels_last lets cuDNN run NHWC end
+    # to end (nn.Module.to(memory_format=) would also reach 5-D tensors and fail on them).
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.dim() == 4:
+            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
+
+
+# Called under torch.inference_mode, the converted and fused weights would be inference tensors,
+# which fail later in any call made outside it; optimize's own work is never inference-mode.
+@torch.inference_mode(False)
+def optimize(
+    model: nn.Module,
+    *,
+    dtype: Optional[torch.dtype] = torch.float16,
+    channels_last: bool = True,
+    cuda_graph: bool = True,
+    strict: bool = False,
+    max_graphs: int = 8,
+    verbose: bool = True,
+) -> nn.Module:
+    """Makes ``model`` faster for inference without editing its code.
+
+    The model is put in ``eval()`` mode and changed in place: module instances are swapped for
+    fused mirage modules that share their parameters (diffusers ``ResnetBlock2D``,
+    ``Attention`` and ``GEGLU``; plain-PyTorch conv+BatchNorm(+activation), GroupNorm→SiLU and
+    q/k/v attention patterns; remaining ``nn.GroupNorm`` and ``nn.LayerNorm``). Each swap
+    computes what it replaces; anything that cannot be reproduced is left alone and reported.
+
+    Args:
+        model: the model, already on its device.
+        dtype: ``torch.float16`` or ``torch.bfloat16`` converts parameters and buffers (mirage
+            norms keep float32 statistics); ``torch.float32`` converts to float32; None keeps
+            the weights and runs the forward under ``torch.autocast(dtype=torch.float16)``.
+            Inputs must then be in the model's dtype, as after ``model.half()``.
+        channels_last: store 4-D weights channels_last and make 4-D inputs channels_last.
+        cuda_graph: run the forward through CUDA graphs, one per input signature
+            (:class:`mirage.graphs.GraphCache`); only for a model on a CUDA device.
+        strict: raise if any candidate had to be left alone.
+        max_graphs: graphs held at most (least recently used evicted beyond).
+        verbose: print progress lines on stderr (start, end, each graph capture).
+
+    Returns:
+        An :class:`OptimizedModule` wrapping the swapped model, or ``model`` itself, untouched
+        but for ``eval()``, when nothing in it is recognised. :func:`report` tells what was done.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: bad arguments, or ``strict=True`` and candidates were left alone (the swaps
+            already made stay: each computes what it replaced).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"mirage.optimize: model must be an nn.Module, got {type(model).__name__}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"mirage.optimize: dtype must be None or one of {DTYPES}, got {dtype}")
+    if not isinstance(max_graphs, int) or max_graphs < 1:
+        raise ValueError(f"mirage.optimize: max_graphs must be an int >= 1, got {max_graphs!r}")
+    start = time.perf_counter()
+    name = type(model).__name__
+    if verbose:
+        progress(f"optimize {name}: swapping modules")
+
+    result = OptimizeReport(model=name)
+    model.eval()
+    model = _apply_swaps(model, BLOCK_SWAPS, result)
+    model = _fuse_patterns(model, result)
+    model = _apply_swaps(model, NORM_SWAPS, result)
+    model.eval()  # modules built by the swaps start in training mode
+
+    if strict and result.left_alone:
+        listing = "\n".join(f"  {where or '(model)'}: {reason}" for where, reason in result.left_alone)
+        raise ValueError(
+            f"mirage.optimize(strict=True): {len(result.left_alone)} candidate(s) of {name} had to be left "
+            f"alone:\n{listing}\nThe swaps already made stay in the model (each computes what it replaced)."
+        )
+    if result.untouched:
+        result.cuda_graph_note = "nothing recognised"
+        result.seconds = time.perf_counter() - start
+        _REPORTS[model] = result
+        if verbose:
+            progress(f"optimize {name}: nothing recognised; returned untouched")
+        return model
+
+    if dtype is not None:
+        # half()/bfloat16()/float() convert floating parameters and buffers like to(dtype), without
+        # diffusers' to() override warning about float32 modules that UNets and VAEs do not have.
+        {torch.float16: model.half, torch.bfloat16: model.bfloat16, torch.float32: model.float}[dtype]()
+        result.dtype = dtype
+    else:
+        result.autocast_dtype = torch.float16
+    if channels_last:
+        _conv_weights_channels_last(model)
+        result.channels_last = True
+
+    devices = _devices(model)
+    if not cuda_graph:
+        result.cuda_graph_note = "cuda_graph=False"
+    elif len(devices) != 1:
+        result.cuda_graph_note = (f"skipped: the model's tensors are on {sorted(map(str, devices))}; "
+                                  "graphs need the whole model on one CUDA device")
+    elif next(iter(devices)).type != "cuda":
+        result.cuda_graph_note = (f"skipped: the model is on {next(iter(devices))}; CUDA graphs need a CUDA "
+                                  "model (move it with .cuda() before mirage.optimize)")
+    else:
+        result.cuda_graph = True
+        result.max_graphs = max_graphs
+
+    wrapper = OptimizedModule(model, autocast_dtype=result.autocast_dtype, channels_last=channels_last,
+                              max_graphs=max_graphs if result.cuda_graph else 0, verbose=verbose)
+    result.seconds = time.perf_counter() - start
+    _REPORTS[wrapper] = result
+    if verbose:
+        progress(f"optimize {name}: {len(result.swaps)} swapped, {len(result.left_alone)} left alone "
+                 f"in {result.seconds:.1f} s")
+    return wrapper

@@ -1,0 +1,275 @@
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirage
+from mirage import graphs
+from common import randn
+
+
+class FakeGraph:
+    """A CPU stand-in for CapturedGraph: runs fn eagerly and records what the cache does to it."""
+
+    live = weakref.WeakSet()
+
+    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
+        self.fn, self.pool, self.copy_outputs, self.warmup = fn, pool, copy_outputs, warmup
+        self.signature = graphs.signature(args, kwargs)
+        self.calls = 0
+        self.released = False
+        # Stands for the static buffers a real graph holds: must be freed on eviction.
+        self.buffers = [torch.empty(1024)]
+        FakeGraph.live.add(self)
+
+    def __call__(self, *args, **kwargs):
+        assert not self.released, "replayed after reset"
+        assert graphs.signature(args, kwargs) == self.signature
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+    def reset(self):
+        self.released = True
+        self.buffers = []
+
+
+def fake_cache(fn, max_entries, **kwargs):
+    pools = []
+
+    def new_pool():
+        pools.append(object())
+        return pools[-1]
+
+    cache = graphs.GraphCache(fn, max_entries, capture=FakeGraph, new_pool=new_pool, verbose=False, **kwargs)
+    return cache, pools
+
+
+def entries(cache):
+    return list(cache._entries.values())
+
+
+def test_signature_keys_on_shape_dtype_device_layout_and_values():
+    x = randn(2, 3, 4, 5)
+    key = graphs.signature((x,), {"t": 1})
+    assert graphs.signature((randn(2, 3, 4, 5),), {"t": 1}) == key  # values do not matter
+    assert graphs.signature((randn(2, 3, 4, 6),), {"t": 1}) != key
+    assert graphs.signature((x.half(),), {"t": 1}) != key
+    assert graphs.signature((x.contiguous(memory_format=torch.channels_last),), {"t": 1}) != key
+    assert graphs.signature((x,), {"t": 2}) != key
+    assert graphs.signature((x,), {"t": 1.0}) != key  # 1 == 1.0, but they are different arguments
+    assert graphs.signature((x,), {"t": True}) != key
+    assert graphs.signature((x,), {}) != key
+    assert graphs.signature(([x],), {"t": 1}) != key  # the nesting counts
+    a, b = randn(3), randn(4)
+    assert graphs.signature((), {"a": a, "b": b}) == graphs.signature((), {"b": b, "a": a})
+
+
+def test_signature_refuses_unhashable_arguments():
+    class Unhashable:
+        __hash__ = None
+
+    with pytest.raises(ValueError, match=r"mirage.graphs: argument kwargs\['option'\] is a Unhashable"):
+        graphs.signature((randn(2),), {"option": Unhashable()})
+
+
+def test_cache_captures_once_per_signature_and_replays():
+    calls = []
+
+    def fn(x, scale=1.0):
+        calls.append(x.shape)
+        return {"y": x * scale, "shape": tuple(x.shape)}
+
+    cache, pools = fake_cache(fn, 4)
+    x = randn(2, 3)
+    out = cache(x, scale=2.0)
+    torch.testing.assert_close(out["y"], x * 2.0)
+    assert out["shape"] == (2, 3)
+    for _ in range(3):
+        x = randn(2, 3)
+        torch.testing.assert_close(cache(x, scale=2.0)["y"], x * 2.0)
+    cache(randn(5, 3), scale=2.0)
+    cache(randn(5, 3), scale=3.0)
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.evictions, stats.entries, stats.max_entries) == (3, 3, 0, 3, 4)
+    assert [entry.calls for entry in entries(cache)] == [4, 1, 1]
+    # One pool, made on the first capture and shared by every graph.
+    assert len(pools) == 1 and all(entry.pool is pools[0] for entry in entries(cache))
+
+
+def test_cache_bound_is_honoured_with_lru_eviction():
+    cache, _ = fake_cache(lambda x: x + 1, 2)
+    a, b, c = randn(1), randn(2), randn(3)
+    cache(a)
+    cache(b)
+    graph_a, graph_b = entries(cache)
+    cache(a)  # a is now the most recently used: b goes first
+    cache(c)
+    assert len(cache) == 2
+    assert graph_b.released and not graph_a.released
+    assert entries(cache)[0] is graph_a
+    cache(b)  # b again: a new capture, evicting a
+    assert graph_a.released
+    assert [entry.signature for entry in entries(cache)] == [graphs.signature((c,), {}), graphs.signature((b,), {})]
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.evictions, stats.entries) == (1, 4, 2, 2)
+
+
+def test_evicted_graphs_are_released_and_not_kept():
+    FakeGraph.live.clear()
+    cache, _ = fake_cache(lambda x: x * 2, 3)
+    for n in range(1, 40):
+        cache(randn(n))
+        # No gc.collect(): released entries must go with their last reference, not with a cycle.
+        assert len(FakeGraph.live) <= 3
+    assert cache.stats().evictions == 36
+    cache.clear()
+    assert len(cache) == 0 and len(FakeGraph.live) == 0
+
+
+def test_cache_forwards_its_settings_and_prints_progress(capsys):
+    cache = graphs.GraphCache(lambda x: x, 1, copy_outputs=False, warmup=5, capture=FakeGraph,
+                              new_pool=object)
+    cache(randn(2, 3, dtype=torch.float16))
+    entry = entries(cache)[0]
+    assert entry.copy_outputs is False and entry.warmup == 5
+    assert "mirage: captured CUDA graph 1/1 for (args[0]: float16[2, 3])" in capsys.readouterr().err
+
+
+def test_cache_refuses_bad_max_entries():
+    with pytest.raises(ValueError, match="mirage.graphs.GraphCache: max_entries must be an int >= 1, got 0"):
+        graphs.GraphCache(lambda x: x, 0)
+
+
+def test_capture_refuses_cpu_inputs_and_grad():
+    x = randn(2, 3)
+    with pytest.raises(ValueError, match=r"mirage.graphs.capture: input args\[0\] is on cpu"):
+        graphs.capture(lambda x: x * 2, x)
+    w = randn(3).requires_grad_()
+    with pytest.raises(ValueError, match=r"input kwargs\['weight'\] requires grad while grad mode is on"):
+        graphs.capture(lambda x, weight: x * weight, x, weight=w)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU
+
+
+class SmallNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.norm = mirage.nn.GroupNorm(4, 16, activation="silu")
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, bias):
+        h = self.norm(self.conv(x))
+        return {"map": h, "pooled": self.proj(h.mean((2, 3))) + bias}
+
+
+def small_net_inputs(batch=2, size=16):
+    return randn(batch, 8, size, size, device="cuda"), randn(16, device="cuda")
+
+
+@pytest.mark.cuda
+def test_captured_graph_replays_new_inputs_like_eager():
+    net = SmallNet().cuda().eval()
+    graph = graphs.capture(net, *small_net_inputs())
+    kept = []
+    with torch.no_grad():
+        for _ in range(4):
+            x, bias = small_net_inputs()
+            out = graph(x, bias)
+            expected = net(x, bias)
+            torch.testing.assert_close(out["map"], expected["map"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out["pooled"], expected["pooled"], atol=1e-5, rtol=1e-5)
+            kept.append((out, expected))
+    # Outputs are copies: earlier ones survive later replays.
+    for out, expected in kept:
+        torch.testing.assert_close(out["map"], expected["map"], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="differs from the captured signature"):
+        graph(*small_net_inputs(batch=3))
+
+
+@pytest.mark.cuda
+def test_graph_captured_under_inference_mode_replays_outside_it():
+    net = SmallNet().cuda().eval()
+    with torch.inference_mode():
+        graph = graphs.capture(net, *small_net_inputs())
+    with torch.no_grad():
+        x, bias = small_net_inputs()
+        torch.testing.assert_close(graph(x, bias)["map"], net(x, bias)["map"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_copy_outputs_false_returns_the_static_buffers():
+    net = SmallNet().cuda().eval()
+    graph = graphs.capture(net, *small_net_inputs(), copy_outputs=False)
+    first = graph(*small_net_inputs())["map"]
+    x, bias = small_net_inputs()
+    second = graph(x, bias)["map"]
+    assert first.data_ptr() == second.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(first, net(x, bias)["map"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cache_captures_a_new_graph_for_a_new_shape():
+    net = SmallNet().cuda().eval()
+    cache = graphs.GraphCache(net, max_entries=2)
+    with torch.no_grad():
+        for batch in (2, 2, 1, 2, 1):
+            x, bias = small_net_inputs(batch)
+            torch.testing.assert_close(cache(x, bias)["map"], net(x, bias)["map"], atol=1e-5, rtol=1e-5)
+    stats = cache.stats()
+    assert (stats.misses, stats.hits, stats.entries) == (2, 3, 2)
+
+
+@pytest.mark.cuda
+def test_memory_is_flat_across_replays_and_evictions():
+    net = SmallNet().cuda().eval()
+    cache = graphs.GraphCache(net, max_entries=2, verbose=False)
+    inputs = small_net_inputs()
+    cache(*inputs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(1000):
+        cache(*inputs)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    # Many shapes through a 2-entry cache: evicted graphs give their memory back.
+    for size in range(8, 40):
+        cache(*small_net_inputs(size=size))
+    cache(*small_net_inputs(size=16))
+    two_graphs_held = torch.cuda.memory_allocated()
+    for size in range(8, 40):
+        cache(*small_net_inputs(size=size))
+    cache(*small_net_inputs(size=16))
+    assert torch.cuda.memory_allocated() <= two_graphs_held
+    assert cache.stats().evictions >= 60
+
+
+@pytest.mark.cuda
+def test_capture_refuses_inputs_on_cpu_next_to_cuda():
+    with pytest.raises(ValueError, match=r"input args\[1\] is on cpu"):
+        graphs.capture(lambda x, y: x + y.cuda(), randn(2, device="cuda"), randn(2))
+
+
+@pytest.mark.cuda
+def test_captured_functional_ops_match_eager():
+    def step(x, w):
+        return F.silu(mirage.ops.group_norm(x, 4, w, w, 1e-5, "none"))
+
+    x, w = randn(2, 8, 5, 5, device="cuda"), randn(8, device="cuda")
+    graph = graphs.capture(step, x, w)
+    for _ in range(3):
+        x = randn(2, 8, 5, 5, device="cuda")
+        torch.testing.assert_close(graph(x, w), step(x, w), atol=0, rtol=0)
+
+
+@pytest.mark.cuda
+def test_capture_reports_uncapturable_code():
+    # Last in the file: a failed capture is the riskiest thing these tests do to the CUDA context.
+    x = randn(4, device="cuda")
+    with pytest.raises(RuntimeError, match="mirage.graphs.capture: capturing .* failed"):
+        graphs.capture(lambda x: x * x.sum().item(), x)

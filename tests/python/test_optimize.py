@@ -1,0 +1,478 @@
+"""mirage.optimize on tiny diffusers models (CPU, float32 unless said) and the SD-1.5 U-Net (GPU)."""
+
+import copy
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import mirage
+from mirage import graphs
+from common import randn
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers import AutoencoderKL, UNet2DConditionModel, UNet2DModel  # noqa: E402
+from diffusers.models.activations import GEGLU  # noqa: E402
+from diffusers.models.attention_processor import Attention  # noqa: E402
+from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
+
+# Whole models compound float32 rounding over tens of layers (the CPU reference kernels
+# accumulate in float64, torch's norms in float32): a looser bound than one op's tolerance.
+MODEL_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def relative_l2(got, expected):
+    got, expected = got.double(), expected.double()
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def expected_counts(model):
+    """Swaps by kind, counted from the model: what optimize should report."""
+    counts, consumed = Counter(), set()
+    for module in model.modules():
+        if type(module) is ResnetBlock2D and type(module.nonlinearity) is nn.SiLU:
+            counts["ResnetBlock2D"] += 1
+            consumed |= {id(module.norm1), id(module.norm2)}
+        elif type(module) is Attention:
+            counts["Attention"] += 1
+            consumed |= {id(inner) for inner in module.modules()}
+        elif type(module) is GEGLU:
+            counts["GEGLU"] += 1
+    for module in model.modules():
+        if id(module) not in consumed and type(module) in (nn.GroupNorm, nn.LayerNorm):
+            counts[type(module).__name__] += 1
+    return dict(counts)
+
+
+def optimized_and_original(model, **options):
+    """(optimize(model), an untouched copy of model); optimize changes the model in place."""
+    model.eval()
+    original = copy.deepcopy(model)
+    options.setdefault("dtype", torch.float32)
+    options.setdefault("verbose", False)
+    return mirage.optimize(model, **options), original
+
+
+def tiny_unet2d_condition(**config):
+    config = dict(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, cross_attention_dim=8,
+                  attention_head_dim=2, sample_size=8, in_channels=4, out_channels=4,
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), **config)
+    return UNet2DConditionModel(**config)
+
+
+def unet2d_condition_inputs(batch=2, device="cpu"):
+    return (randn(batch, 4, 8, 8, device=device), torch.tensor(321.0, device=device),
+            randn(batch, 5, 8, device=device))
+
+
+# ----------------------------------------------------------------------------------------------
+# mirage.nn.ResnetBlock2D
+
+
+RESNET_CONFIGS = {
+    "shortcut": dict(in_channels=8, out_channels=12),
+    "conv_shortcut": dict(in_channels=8, out_channels=12, conv_shortcut=True, conv_shortcut_bias=False),
+    "no_temb": dict(in_channels=8, temb_channels=None),
+    "scale_shift": dict(in_channels=8, time_embedding_norm="scale_shift"),
+    "skip_time_act": dict(in_channels=8, skip_time_act=True, output_scale_factor=2.0),
+    "groups_out": dict(in_channels=8, out_channels=12, groups_out=3, conv_2d_out_channels=6),
+    "up": dict(in_channels=8, up=True),
+    "down": dict(in_channels=8, down=True),
+    "up_fir": dict(in_channels=8, up=True, kernel="fir"),
+    "down_fir": dict(in_channels=8, down=True, kernel="fir"),
+    "up_sde_vp": dict(in_channels=8, up=True, kernel="sde_vp"),
+    "down_sde_vp": dict(in_channels=8, down=True, kernel="sde_vp"),
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("name", list(RESNET_CONFIGS))
+def test_resnet_block_matches_diffusers(name, channels_last):
+    config = {"temb_channels": 10, "groups": 4, "eps": 1e-5, **RESNET_CONFIGS[name]}
+    block = ResnetBlock2D(**config).eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    assert fused.conv1 is block.conv1 and fused.norm1.weight is block.norm1.weight
+    assert fused.state_dict().keys() == block.state_dict().keys()
+    batch = 64 if name == "up" else 2  # diffusers' large-batch upsampling branch
+    x = randn(batch, 8, 6, 6)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    temb = randn(batch, 10) if config["temb_channels"] else None
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, temb), block(x, temb), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("nonlinearity", ["mish", "gelu"])
+def test_resnet_block_refuses_other_nonlinearities(nonlinearity):
+    block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4, non_linearity=nonlinearity)
+    with pytest.raises(ValueError, match="non_linearity is (Mish|GELU); only SiLU fuses into the GroupNorm"):
+        mirage.nn.ResnetBlock2D.from_diffusers(block)
+
+
+def test_resnet_block_refuses_replaced_norms():
+    block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4)
+    block.norm2 = nn.Identity()
+    with pytest.raises(ValueError, match="norm2 is Identity, not nn.GroupNorm"):
+        mirage.nn.ResnetBlock2D.from_diffusers(block)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole diffusers models
+
+
+def test_unet2d_condition_model():
+    optimized, original = optimized_and_original(tiny_unet2d_condition())
+    result = mirage.report(optimized)
+    assert result.counts == expected_counts(original)
+    assert result.counts["ResnetBlock2D"] == 8 and result.counts["Attention"] == 8
+    assert result.left_alone == []
+    sample, timestep, context = unet2d_condition_inputs()
+    with torch.no_grad():
+        got = optimized(sample, timestep, encoder_hidden_states=context)
+        expected = original(sample, timestep, encoder_hidden_states=context)
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.sample, expected.sample, **MODEL_TOLERANCE)
+    # Same call signature: return_dict=False gives the plain tuple.
+    with torch.no_grad():
+        (plain,) = optimized(sample, timestep, context, return_dict=False)
+    torch.testing.assert_close(plain, expected.sample, **MODEL_TOLERANCE)
+
+
+def test_unet2d_condition_model_scale_shift_and_autocast():
+    # dtype=None: float32 weights, forward under autocast(float16) (on the CPU here).
+    optimized, original = optimized_and_original(tiny_unet2d_condition(resnet_time_scale_shift="scale_shift"),
+                                                 dtype=None)
+    assert next(optimized.parameters()).dtype == torch.float32
+    assert mirage.report(optimized).counts == expected_counts(original)
+    sample, timestep, context = unet2d_condition_inputs()
+    with torch.no_grad():
+        got = optimized(sample, timestep, context).sample
+        expected = original(sample, timestep, context).sample
+    assert got.dtype == torch.float16
+    assert relative_l2(got, expected) < 1e-2
+
+
+def test_unet2d_model_with_up_down_resnets_fir_kernels_and_scale_shift():
+    # NCSN++-style blocks: resnets that up/down-sample with FIR kernels, output_scale_factor sqrt(2).
+    model = UNet2DModel(block_out_channels=(32, 32), norm_num_groups=8, layers_per_block=1, sample_size=8,
+                        in_channels=3, out_channels=3, attention_head_dim=4, resnet_time_scale_shift="scale_shift",
+                        down_block_types=("SkipDownBlock2D", "AttnSkipDownBlock2D"),
+                        up_block_types=("AttnSkipUpBlock2D", "SkipUpBlock2D"))
+    optimized, original = optimized_and_original(model)
+    counts = mirage.report(optimized).counts
+    assert counts == expected_counts(original) and counts["ResnetBlock2D"] == 10
+    sample = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(sample, 3).sample, original(sample, 3).sample, **MODEL_TOLERANCE)
+
+
+def test_unet2d_model_bfloat16_converts_weights_and_layout():
+    model = UNet2DModel(block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, sample_size=8,
+                        in_channels=3, out_channels=3, attention_head_dim=4, downsample_type="resnet",
+                        upsample_type="resnet", down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    optimized, original = optimized_and_original(model, dtype=torch.bfloat16)
+    assert mirage.report(optimized).counts == expected_counts(original)
+    assert all(p.dtype == torch.bfloat16 for p in optimized.parameters())
+    conv = optimized.module.conv_in.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    sample = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        got = optimized(sample.bfloat16(), torch.tensor(7)).sample
+        expected = original(sample, torch.tensor(7)).sample
+    assert got.dtype == torch.bfloat16 and relative_l2(got, expected) < 5e-2
+
+
+@pytest.fixture
+def tiny_vae():
+    return AutoencoderKL(block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, latent_channels=4,
+                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+
+
+def test_autoencoder_kl(tiny_vae):
+    optimized, original = optimized_and_original(tiny_vae)
+    assert mirage.report(optimized).counts == expected_counts(original)
+    image = randn(1, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(image).sample, original(image).sample, **MODEL_TOLERANCE)
+        # Other methods fall through to the swapped model (eagerly).
+        latents = randn(1, 4, 8, 8)
+        torch.testing.assert_close(optimized.decode(latents).sample, original.decode(latents).sample,
+                                   **MODEL_TOLERANCE)
+    assert optimized.config.latent_channels == 4 and optimized.dtype == torch.float32
+
+
+@pytest.mark.parametrize("part", ["encoder", "decoder"])
+def test_autoencoder_kl_encoder_and_decoder(tiny_vae, part):
+    optimized, original = optimized_and_original(getattr(tiny_vae, part))
+    assert mirage.report(optimized).counts == expected_counts(original)
+    x = randn(1, 3, 16, 16) if part == "encoder" else randn(1, 4, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), original(x), **MODEL_TOLERANCE)
+
+
+class PlainAttention(nn.Module):
+    """Self-attention over the pixels, written by hand: separate q/k/v, softmax(q k^T) v."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.norm = nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        tokens = self.norm(x.flatten(2).transpose(1, 2))
+        q, k, v = (proj(tokens).view(b, h * w, self.heads, c // self.heads).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        probs = torch.softmax(q @ k.transpose(-2, -1) * self.scale, dim=-1)
+        out = (probs @ v).transpose(1, 2).reshape(b, h * w, c)
+        return x + self.out(out).transpose(1, 2).reshape(b, c, h, w)
+
+
+class PlainNet(nn.Module):
+    """Conv -> BN -> SiLU blocks, GroupNorm -> SiLU, hand-written attention, a lone GroupNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU())
+        self.norm, self.act = nn.GroupNorm(4, 16), nn.SiLU()
+        self.attention = PlainAttention(16, heads=2)
+        self.norm_out = nn.GroupNorm(4, 16)
+        self.head = nn.Conv2d(16, 3, 1)
+
+    def forward(self, x):
+        return self.head(self.norm_out(self.attention(self.act(self.norm(self.stem(x))))))
+
+
+def test_plain_pytorch_net():
+    model = PlainNet()
+    with torch.no_grad():  # running statistics that are not the identity, so folding them matters
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.copy_(randn(16, mean=0.0, std=0.5))
+                module.running_var.copy_(randn(16, mean=1.0, std=0.1).abs())
+    optimized, original = optimized_and_original(model)
+    result = mirage.report(optimized)
+    assert result.counts == {"conv_bn_silu": 2, "group_norm_silu": 1, "attention": 1, "LayerNorm": 1,
+                             "GroupNorm": 1}
+    assert result.left_alone == []
+    image = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(image), original(image), **MODEL_TOLERANCE)
+
+
+# ----------------------------------------------------------------------------------------------
+# What is left alone, strict mode, unknown models
+
+
+def test_unsupported_resnet_blocks_are_left_alone_with_the_reason():
+    optimized, original = optimized_and_original(tiny_unet2d_condition(act_fn="mish"))
+    result = mirage.report(optimized)
+    resnets = [name for name, module in original.named_modules() if type(module) is ResnetBlock2D]
+    assert [name for name, _ in result.left_alone] == resnets
+    assert all(reason == "ResnetBlock2D: non_linearity is Mish; only SiLU fuses into the GroupNorm"
+               for _, reason in result.left_alone)
+    # Their norms are swapped one by one instead.
+    assert "ResnetBlock2D" not in result.counts
+    assert result.counts == expected_counts(original)
+    assert "down_blocks.0.resnets.0: ResnetBlock2D: non_linearity is Mish" in str(result)
+    sample, timestep, context = unet2d_condition_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(sample, timestep, context).sample,
+                                   original(sample, timestep, context).sample, **MODEL_TOLERANCE)
+
+
+def test_strict_raises_listing_every_candidate_left_alone():
+    model = tiny_unet2d_condition(act_fn="mish")
+    resnets = [name for name, module in model.named_modules() if type(module) is ResnetBlock2D]
+    with pytest.raises(ValueError) as error:
+        mirage.optimize(model, dtype=torch.float32, strict=True, verbose=False)
+    message = str(error.value)
+    assert message.startswith(f"mirage.optimize(strict=True): {len(resnets)} candidate(s) of UNet2DConditionModel")
+    assert all(f"  {name}: ResnetBlock2D: non_linearity is Mish" in message for name in resnets)
+
+
+def test_strict_passes_when_everything_is_swapped():
+    optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float32, strict=True, verbose=False)
+    assert mirage.report(optimized).left_alone == []
+
+
+def test_subclasses_of_registered_types_are_left_alone():
+    class CustomGroupNorm(nn.GroupNorm):
+        pass
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), CustomGroupNorm(4, 8), nn.GroupNorm(2, 8))
+    optimized, _ = optimized_and_original(model)
+    result = mirage.report(optimized)
+    assert result.counts == {"GroupNorm": 1}
+    assert result.left_alone == [("1", "CustomGroupNorm subclasses GroupNorm and may compute differently")]
+
+
+def test_unknown_model_passes_through_untouched(capsys):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimized = mirage.optimize(model)  # defaults: float16, channels_last, graphs
+    assert optimized is model
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    result = mirage.report(model)
+    assert result.untouched and result.swaps == [] and result.left_alone == []
+    assert "nothing recognised" in str(result) and "returned untouched" in str(result)
+    assert "nothing recognised; returned untouched" in capsys.readouterr().err
+
+
+def test_mirage_imports_and_optimizes_without_diffusers():
+    script = (
+        "import sys; sys.modules['diffusers'] = None\n"  # any import of diffusers now fails
+        "import torch, mirage\n"
+        "model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), torch.nn.GroupNorm(2, 8))\n"
+        "print(mirage.report(mirage.optimize(model, verbose=False)).counts)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "{'GroupNorm': 1}"
+
+
+def test_report_refuses_models_optimize_did_not_return():
+    with pytest.raises(ValueError, match="mirage.report: this Linear was not returned by mirage.optimize"):
+        mirage.report(nn.Linear(2, 2))
+
+
+def test_report_string_and_settings(capsys):
+    optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float16, cuda_graph=True)
+    text = str(mirage.report(optimized))
+    assert text.startswith("mirage.optimize(UNet2DConditionModel): 37 swapped, 0 left alone")
+    assert "8  ResnetBlock2D -> mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)" in text
+    assert "precision: float16 weights and buffers" in text
+    assert "channels_last: 4-D weights and 4-D inputs" in text
+    assert "CUDA graphs: off (skipped: the model is on cpu" in text
+    err = capsys.readouterr().err
+    assert "mirage: optimize UNet2DConditionModel: swapping modules" in err
+    assert "mirage: optimize UNet2DConditionModel: 37 swapped, 0 left alone" in err
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mirage.optimize: dtype must be None or one of"):
+        mirage.optimize(nn.Linear(2, 2), dtype=torch.int8)
+    with pytest.raises(ValueError, match="mirage.optimize: max_graphs must be an int >= 1, got 0"):
+        mirage.optimize(nn.Linear(2, 2), max_graphs=0)
+    with pytest.raises(TypeError, match="mirage.optimize: model must be an nn.Module, got function"):
+        mirage.optimize(lambda x: x)
+
+
+# ----------------------------------------------------------------------------------------------
+# OptimizedModule
+
+
+class FakeGraph:
+    """A CPU stand-in for a CUDA graph (the cache logic itself is tested in test_graphs.py)."""
+
+    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
+        self.fn = fn
+        self.released = False
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def reset(self):
+        self.released = True
+
+
+def test_optimized_module_runs_forward_through_its_graph_cache():
+    optimized, original = optimized_and_original(tiny_unet2d_condition(), cuda_graph=False)
+    assert optimized.graphs is None
+    seen = []
+    optimized.module.conv_in.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    optimized.graphs = graphs.GraphCache(optimized._run, 2, capture=FakeGraph, new_pool=object, verbose=False)
+    with torch.no_grad():
+        for batch in (2, 2, 1):
+            sample, timestep, context = unet2d_condition_inputs(batch)
+            torch.testing.assert_close(optimized(sample, timestep, context).sample,
+                                       original(sample, timestep, context).sample, **MODEL_TOLERANCE)
+    # 4-D inputs are made channels_last before the graph's signature is taken.
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x in seen)
+    result = mirage.report(optimized)
+    assert (result.graphs.hits, result.graphs.misses, result.graphs.entries) == (1, 2, 2)
+    captured = list(optimized.graphs._entries.values())
+    # Moving or casting the model replaces the tensors the graphs read: they are released.
+    optimized.double()
+    assert len(optimized.graphs) == 0 and all(graph.released for graph in captured)
+
+
+def test_model_optimized_under_inference_mode_runs_outside_it():
+    model = tiny_unet2d_condition()
+    with torch.inference_mode():
+        optimized = mirage.optimize(model, dtype=torch.float32, verbose=False)
+    assert not any(p.is_inference() for p in optimized.parameters())
+    optimized(*unet2d_condition_inputs())  # with grad mode on: no inference tensor may be saved
+
+
+def test_optimized_module_reads_missing_attributes_from_the_model():
+    optimized, original = optimized_and_original(tiny_unet2d_condition())
+    assert optimized.config.cross_attention_dim == 8
+    assert optimized.dtype == torch.float32 and optimized.device == torch.device("cpu")
+    assert optimized.conv_in is optimized.module.conv_in
+    assert optimized.num_parameters() == optimized.module.num_parameters() > 0  # a ModelMixin method
+    assert not hasattr(optimized, "_hf_hook")
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        optimized.no_such_thing
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU
+
+
+def sd15_unet():
+    return UNet2DConditionModel(block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768,
+                                attention_head_dim=8, layers_per_block=2, sample_size=64)
+
+
+def sd15_inputs(batch):
+    return (randn(batch, 4, 64, 64, device="cuda", mean=0.0, std=1.0), torch.tensor(500.0, device="cuda"),
+            randn(batch, 77, 768, device="cuda", mean=0.0, std=1.0))
+
+
+@pytest.mark.cuda
+def test_sd15_unet_float16_graphs_match_float32_eager():
+    torch.manual_seed(0)
+    unet = sd15_unet().cuda().eval()
+    reference = copy.deepcopy(unet)
+    optimized = mirage.optimize(unet)  # float16, channels_last, CUDA graphs
+    result = mirage.report(optimized)
+    assert result.left_alone == [] and result.cuda_graph
+    assert result.counts == expected_counts(reference)
+
+    def half(inputs):
+        return tuple(x.half() if x.is_floating_point() and x.dim() else x for x in inputs)
+
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for _ in range(2):  # new inputs each replay
+            inputs = sd15_inputs(2)
+            got = optimized(*half(inputs)).sample
+            expected = reference(*inputs).sample
+            assert got.dtype == torch.float16
+            assert relative_l2(got, expected) <= 3e-3
+            # The replay equals the same optimized model run eagerly.
+            sample, timestep, context = half(inputs)
+            eager = optimized.module(sample.contiguous(memory_format=torch.channels_last), timestep, context).sample
+            torch.testing.assert_close(got, eager, atol=2e-3, rtol=2e-3)
+        got = optimized(*half(sd15_inputs(1))).sample  # a new shape: a new graph
+        assert got.shape == (1, 4, 64, 64)
+    stats = mirage.report(optimized).graphs
+    assert (stats.misses, stats.hits, stats.entries) == (2, 1, 2)
+
+
+@pytest.mark.cuda
+def test_tiny_unet_autocast_graphs_on_gpu():
+    optimized, original = optimized_and_original(tiny_unet2d_condition().cuda(), dtype=None, cuda_graph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            sample, timestep, context = unet2d_condition_inputs(device="cuda")
+            got = optimized(sample, timestep, context).sample
+            expected = original(sample, timestep, context).sample
+            assert relative_l2(got, expected) < 5e-3
+    assert mirage.report(optimized).graphs.misses == 1
