@@ -1,7 +1,10 @@
 """Fused drop-in modules. Each loads (shares) the parameters of the torch module it replaces."""
 
+from .attention import FusedAttention
+from .conv import Conv2dAct
 from .geglu import GEGLU
 from .group_norm import GroupNorm
 from .layer_norm import LayerNorm
+from .resnet import ResnetBlock2D
 
-__all__ = ["GEGLU", "GroupNorm", "LayerNorm"]
+__all__ = ["Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D"]

@@ -1,0 +1,99 @@
+"""Conv2d with an inference-time BatchNorm folded into its weights and an activation after it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# name -> the function applied to the convolution's output. "gelu_tanh" is nn.GELU(approximate="tanh").
+ACTIVATIONS = {
+    "none": lambda x: x,
+    "relu": F.relu,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class Conv2dAct(nn.Conv2d):
+    """``activation(conv2d(x))``: an ``nn.Conv2d`` (always with a bias) followed by an activation.
+
+    Built by :meth:`from_conv_bn`, which folds an eval-mode ``BatchNorm2d`` into the weights and
+    bias, so the batch norm costs nothing at run time. It stays an ``nn.Conv2d`` so dtype, device
+    and ``channels_last`` conversions treat it like any convolution.
+
+    The activation still runs as a separate elementwise pass after the convolution. Fusing it into
+    the convolution's epilogue is pending a mirage conv op: the only fused epilogue torch exposes
+    is ``torch.cudnn_convolution_relu`` (ReLU only, nothing for SiLU/GELU), so this module uses
+    none of it and computes exactly what the unfused modules compute.
+    """
+
+    def __init__(self, *args, activation: str = "none", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"mirage.nn.Conv2dAct: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}"
+            )
+        self.activation = activation
+
+    @classmethod
+    def from_conv_bn(
+        cls, conv: nn.Conv2d, bn: Optional[nn.BatchNorm2d] = None, activation: str = "none"
+    ) -> "Conv2dAct":
+        """``activation(bn(conv(x)))`` as one module, with ``bn``'s running statistics folded in.
+
+        The folded weights are new parameters (``conv`` and ``bn`` are left unchanged), computed
+        in float64 and rounded once to ``conv``'s dtype. ``bn`` must be in eval mode with running
+        statistics: a training-mode batch norm normalizes with each batch's own statistics, which
+        no fixed weights reproduce.
+        """
+        if type(conv) is not nn.Conv2d:
+            raise TypeError(f"mirage.nn.Conv2dAct.from_conv_bn: expected nn.Conv2d, got {type(conv).__name__}")
+        # Built on the meta device: its own initialization would be thrown away (and costs seconds
+        # on a large model); the parameters below replace it.
+        fused = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+            dilation=conv.dilation, groups=conv.groups, bias=True, padding_mode=conv.padding_mode,
+            device="meta", activation=activation,
+        )
+        weight = conv.weight.detach().double()
+        bias = conv.bias.detach().double() if conv.bias is not None else weight.new_zeros(conv.out_channels)
+        if bn is not None:
+            scale, shift = batch_norm_affine(bn, conv.out_channels)
+            weight = weight * scale.view(-1, 1, 1, 1)
+            bias = bias * scale + shift
+        requires_grad = conv.weight.requires_grad
+        # empty_like keeps conv's memory format (a channels_last model stays channels_last).
+        fused.weight = nn.Parameter(torch.empty_like(conv.weight).copy_(weight), requires_grad=requires_grad)
+        fused.bias = nn.Parameter(bias.to(conv.weight.dtype), requires_grad=requires_grad)
+        fused.training = conv.training
+        return fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ACTIVATIONS[self.activation](super().forward(x))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+def batch_norm_affine(bn: nn.BatchNorm2d, channels: int) -> tuple[Tensor, Tensor]:
+    """Eval-mode ``bn`` as ``x * scale + shift`` per channel, in float64.
+
+    Raises:
+        ValueError: ``bn`` is in training mode, keeps no running statistics, or has a channel
+            count other than ``channels``.
+    """
+    if bn.training:
+        raise ValueError("BatchNorm2d is in training mode (it normalizes with batch statistics); call .eval() first")
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError("BatchNorm2d keeps no running statistics (track_running_stats=False)")
+    if bn.num_features != channels:
+        raise ValueError(f"BatchNorm2d has {bn.num_features} channels, the convolution produces {channels}")
+    inv_std = torch.rsqrt(bn.running_var.detach().double() + bn.eps)
+    gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones_like(inv_std)
+    beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(inv_std)
+    scale = gamma * inv_std
+    return scale, beta - bn.running_mean.detach().double() * scale
