@@ -38,14 +38,29 @@ def progress(message: str) -> None:
     print(f"mirage: {message}", file=sys.stderr, flush=True)
 
 
+def _leaves(tree: Any, root: str) -> Tuple[List[Any], List[str], pytree.TreeSpec]:
+    """Leaves of ``tree``, their names for messages (``root[0]['x']``) and the spec.
+
+    Pytree nodes registered without key functions (diffusers' output classes) have no paths;
+    their leaves are named by position.
+    """
+    try:
+        with_paths, spec = pytree.tree_flatten_with_path(tree)
+    except ValueError:
+        leaves, spec = pytree.tree_flatten(tree)
+        return leaves, [f"{root} leaf {i}" for i in range(len(leaves))], spec
+    return [leaf for _, leaf in with_paths], [root + pytree.keystr(path) for path, _ in with_paths], spec
+
+
 def _flatten(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], List[str], pytree.TreeSpec]:
     """Leaves of ``(args, kwargs)``, their names (``args[0]``, ``kwargs['x'][1]``) and the spec.
 
     kwargs are sorted by name so that the same arguments in another order share a signature.
     """
-    with_paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(sorted(kwargs.items()))))
-    names = [("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]) for path, _ in with_paths]
-    return [leaf for _, leaf in with_paths], names, spec
+    leaves, names, spec = _leaves((tuple(args), dict(sorted(kwargs.items()))), "")
+    names = [name.replace("[0]", "args", 1) if name.startswith("[0]") else name.replace("[1]", "kwargs", 1)
+             for name in names]
+    return leaves, names, spec
 
 
 def _leaf_key(leaf: Any, name: str, who: str) -> Hashable:
@@ -190,15 +205,14 @@ class CapturedGraph:
             torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
 
-        with_paths, self._output_spec = pytree.tree_flatten_with_path(outputs)
-        for path, leaf in with_paths:
+        self._static_outputs, output_names, self._output_spec = _leaves(outputs, "output")
+        for leaf, name in zip(self._static_outputs, output_names):
             if not isinstance(leaf, (Tensor,) + _CONSTANT_TYPES):
                 raise ValueError(
-                    f"{who}: {self._fn_name} returned a {type(leaf).__name__} at output{pytree.keystr(path)}; "
+                    f"{who}: {self._fn_name} returned a {type(leaf).__name__} at {name}; "
                     "it may hold tensors that every replay overwrites, so only tensors, plain values and "
                     "containers of them (tuples, lists, dicts, registered pytree nodes) can be returned"
                 )
-        self._static_outputs = [leaf for _, leaf in with_paths]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replays the graph on new inputs of the captured signature; returns ``fn``'s outputs."""
