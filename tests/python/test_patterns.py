@@ -54,7 +54,10 @@ def fused_and_checked(module: nn.Module, *inputs, dtype=torch.float64):
     else:
         ours = (got.double() - expected).abs().max().item()
         theirs = (unfused.double() - expected).abs().max().item()
-        assert ours <= REDUCTION_ERROR_FACTOR * theirs + tolerance(dtype)["atol"], (ours, theirs)
+        # Plus the dtype's rtol of the output's scale: SDPA's fused CPU kernels round differently
+        # from an unfused softmax (2.9e-5 on outputs of magnitude 3.7 on the GPU machine's CPU).
+        slack = tolerance(dtype)["atol"] + tolerance(dtype)["rtol"] * expected.abs().max().item()
+        assert ours <= REDUCTION_ERROR_FACTOR * theirs + slack, (ours, theirs)
     return result, Counter(kind for kind, _ in result.swaps)
 
 
