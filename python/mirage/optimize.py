@@ -68,6 +68,18 @@ def _build_resnet_block(block: nn.Module) -> nn.Module:
     return ResnetBlock2D.from_diffusers(block)
 
 
+def _build_transformer_block(block: nn.Module) -> nn.Module:
+    from .nn.transformer import BasicTransformerBlock
+
+    fused = BasicTransformerBlock.from_diffusers(block)
+    for name in ("norm2", "norm3"):
+        norm = getattr(fused, name)
+        if norm is not None and norm.normalized_shape > LAYER_NORM_MAX_WIDTH:
+            raise ValueError(f"{name} is {norm.normalized_shape} wide, beyond the {LAYER_NORM_MAX_WIDTH} "
+                             "mirage's CUDA kernel handles")
+    return fused
+
+
 def _build_attention(attention: nn.Module) -> nn.Module:
     from .nn.attention import from_diffusers_attention
 
@@ -100,11 +112,16 @@ def _build_layer_norm(norm: nn.Module) -> nn.Module:
     return fused
 
 
-# Stage 1: whole diffusers blocks. Their forward is known, so norm → activation pairs inside
-# them fuse; this runs before the pattern pass, which cannot trace diffusers' Python control flow.
+# Stage 1: whole diffusers blocks. Their forward is known, so norm → activation pairs and
+# residual add → norm pairs inside them fuse; this runs before the pattern pass, which cannot trace
+# diffusers' Python control flow.
 BLOCK_SWAPS: Tuple[Swap, ...] = (
     Swap("diffusers.models.resnet", "ResnetBlock2D", "ResnetBlock2D",
          "mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)", _build_resnet_block),
+    # Its attentions, GEGLU and norm1 are swapped inside it by this and the later stages
+    # (mirage.nn.BasicTransformerBlock.children_swappable).
+    Swap("diffusers.models.attention", "BasicTransformerBlock", "BasicTransformerBlock",
+         "mirage.nn.BasicTransformerBlock (residual add+LayerNorm fused)", _build_transformer_block),
     # Attention's processors test `isinstance(norm_cross, nn.LayerNorm)`: swapping its norms alone
     # would break it, hence opaque.
     Swap("diffusers.models.attention_processor", "Attention", "Attention",
@@ -128,18 +145,28 @@ def _qualified(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _searched(module: nn.Module) -> bool:
+    """Whether swaps look inside ``module``: any module but mirage's own (they may rely on the
+    exact types of their children), except those declaring ``children_swappable`` (their children
+    are the replaced block's modules, only ever called)."""
+    return not _is_mirage_module(module) or getattr(type(module), "children_swappable", False)
+
+
 def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport") -> nn.Module:
     """Replaces, in place, every instance of a registered type under ``root``; returns the new
-    root (``root`` itself unless it is an instance). Replacements are not searched further."""
+    root (``root`` itself unless it is an instance). Replacements are not searched further, but
+    for those that declare ``children_swappable``."""
     by_type = {cls: swap for swap in swaps if (cls := swap.resolve()) is not None}
     if not by_type:
         return root
     # A module reachable under two names is swapped once, and both names get the replacement.
-    visited: Dict[int, nn.Module] = {}
+    # Each entry keeps its module alive: a module swapped out could otherwise be freed and its id
+    # reused by a module built later in the pass (a replacement's new children are visited).
+    visited: Dict[int, Tuple[nn.Module, nn.Module]] = {}
 
     def visit(module: nn.Module, name: str) -> nn.Module:
         if id(module) in visited:
-            return visited[id(module)]
+            return visited[id(module)][1]
         replacement = module
         swap = by_type.get(type(module))
         if swap is not None:
@@ -149,19 +176,19 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             except ValueError as reason:
                 result.left_alone.append((name, f"{swap.kind}: {reason}"))
                 if swap.opaque:
-                    visited[id(module)] = module
+                    visited[id(module)] = (module, module)
                     return module
         else:
             base = next((cls for cls in by_type if isinstance(module, cls)), None)
             if base is not None:
                 result.left_alone.append(
                     (name, f"{type(module).__name__} subclasses {base.__name__} and may compute differently"))
-        if replacement is module and not _is_mirage_module(module):
-            for child_name, child in list(module.named_children()):
+        if _searched(replacement):
+            for child_name, child in list(replacement.named_children()):
                 new_child = visit(child, _qualified(name, child_name))
                 if new_child is not child:
-                    setattr(module, child_name, new_child)
-        visited[id(module)] = replacement
+                    setattr(replacement, child_name, new_child)
+        visited[id(module)] = (module, replacement)
         return replacement
 
     return visit(root, "")
@@ -390,9 +417,10 @@ def optimize(
 
     The model is put in ``eval()`` mode and changed in place: module instances are swapped for
     fused mirage modules that share their parameters (diffusers ``ResnetBlock2D``,
-    ``Attention`` and ``GEGLU``; plain-PyTorch conv+BatchNorm(+activation), GroupNorm→SiLU and
-    q/k/v attention patterns; remaining ``nn.GroupNorm`` and ``nn.LayerNorm``). Each swap
-    computes what it replaces; anything that cannot be reproduced is left alone and reported.
+    ``BasicTransformerBlock``, ``Attention`` and ``GEGLU``; plain-PyTorch
+    conv+BatchNorm(+activation), GroupNorm→SiLU and q/k/v attention patterns; remaining
+    ``nn.GroupNorm`` and ``nn.LayerNorm``). Each swap computes what it replaces; anything that
+    cannot be reproduced is left alone and reported.
 
     Args:
         model: the model, already on its device.

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
@@ -58,3 +59,15 @@ def assert_matches(got, composite, args, dtype, reduction=False):
         ours = (got.double() - ref).abs().max().item()
         theirs = (composite(*[cast(a, dtype) for a in args]).double() - ref).abs().max().item()
         assert ours <= REDUCTION_ERROR_FACTOR * theirs + tol["atol"], (ours, theirs)
+
+
+class OpCounter(TorchDispatchMode):
+    """Records the operators that run below it (``calls``: names such as ``"aten.div"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

@@ -16,7 +16,7 @@ from diffusers.models.attention_processor import (  # noqa: E402
 )
 
 import mirage  # noqa: E402,F401  (registers torch.ops.mirage)
-from common import randn  # noqa: E402
+from common import OpCounter, randn  # noqa: E402
 from mirage.nn.attention import FusedAttention, from_diffusers_attention, fuse_linears  # noqa: E402
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance  # noqa: E402
 
@@ -75,6 +75,16 @@ def test_matches_diffusers(config, dtype):
     else:
         ours = (got.double() - expected).abs().max().item()
         assert ours <= REDUCTION_ERROR_FACTOR * theirs + tolerance(dtype)["atol"], (ours, theirs)
+
+
+@pytest.mark.parametrize(("config", "divisions"), [("self", 0), ("image_group_norm", 1)])
+def test_divides_only_by_a_rescale_output_factor_other_than_1(config, divisions):
+    kwargs, shape, _ = CONFIGS[config]
+    fused = from_diffusers_attention(randomized(Attention(**kwargs)))
+    x = randn(*shape, dtype=torch.float64)
+    with torch.no_grad(), OpCounter() as counter:
+        fused(x)
+    assert counter.calls.count("aten.div") == divisions
 
 
 def test_classic_processor_uses_attn_scale():

@@ -11,11 +11,12 @@ from torch import nn
 
 import mirage
 from mirage import graphs
-from common import randn
+from common import OpCounter, randn
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKL, UNet2DConditionModel, UNet2DModel  # noqa: E402
 from diffusers.models.activations import GEGLU  # noqa: E402
+from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
 
@@ -36,6 +37,10 @@ def expected_counts(model):
         if type(module) is ResnetBlock2D and type(module.nonlinearity) is nn.SiLU:
             counts["ResnetBlock2D"] += 1
             consumed |= {id(module.norm1), id(module.norm2)}
+        elif type(module) is BasicTransformerBlock and module.norm_type == "layer_norm" and module.pos_embed is None \
+                and getattr(module, "fuser", None) is None:
+            counts["BasicTransformerBlock"] += 1
+            consumed |= {id(module.norm2), id(module.norm3)}  # norm1 is swapped on its own
         elif type(module) is Attention:
             counts["Attention"] += 1
             consumed |= {id(inner) for inner in module.modules()}
@@ -106,6 +111,18 @@ def test_resnet_block_matches_diffusers(name, channels_last):
         torch.testing.assert_close(fused(x, temb), block(x, temb), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("factor", "divisions"), [(1.0, 0), (2.0, 1)])
+def test_resnet_block_divides_only_by_an_output_scale_factor_other_than_1(factor, divisions):
+    block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4, output_scale_factor=factor).double().eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    x, temb = randn(2, 8, 6, 6, dtype=torch.float64), randn(2, 10, dtype=torch.float64)
+    with torch.no_grad():
+        with OpCounter() as counter:
+            got = fused(x, temb)
+        torch.testing.assert_close(got, block(x, temb), atol=1e-12, rtol=1e-12)
+    assert counter.calls.count("aten.div") == divisions
+
+
 @pytest.mark.parametrize("nonlinearity", ["mish", "gelu"])
 def test_resnet_block_refuses_other_nonlinearities(nonlinearity):
     block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4, non_linearity=nonlinearity)
@@ -129,6 +146,10 @@ def test_unet2d_condition_model():
     result = mirage.report(optimized)
     assert result.counts == expected_counts(original)
     assert result.counts["ResnetBlock2D"] == 8 and result.counts["Attention"] == 8
+    blocks = sum(type(module) is BasicTransformerBlock for module in original.modules())
+    assert blocks == 4 and result.counts["BasicTransformerBlock"] == blocks
+    # Each block's norm1 is swapped on its own; its norm2 and norm3 belong to the fused block.
+    assert result.counts["LayerNorm"] == blocks
     assert result.left_alone == []
     sample, timestep, context = unet2d_condition_inputs()
     with torch.no_grad():
@@ -345,14 +366,15 @@ def test_report_refuses_models_optimize_did_not_return():
 def test_report_string_and_settings(capsys):
     optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float16, cuda_graph=True)
     text = str(mirage.report(optimized))
-    assert text.startswith("mirage.optimize(UNet2DConditionModel): 37 swapped, 0 left alone")
+    assert text.startswith("mirage.optimize(UNet2DConditionModel): 33 swapped, 0 left alone")
     assert "8  ResnetBlock2D -> mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)" in text
+    assert "4  BasicTransformerBlock -> mirage.nn.BasicTransformerBlock (residual add+LayerNorm fused)" in text
     assert "precision: float16 weights and buffers" in text
     assert "channels_last: 4-D weights and 4-D inputs" in text
     assert "CUDA graphs: off (skipped: the model is on cpu" in text
     err = capsys.readouterr().err
     assert "mirage: optimize UNet2DConditionModel: swapping modules" in err
-    assert "mirage: optimize UNet2DConditionModel: 37 swapped, 0 left alone" in err
+    assert "mirage: optimize UNet2DConditionModel: 33 swapped, 0 left alone" in err
 
 
 def test_bad_arguments():

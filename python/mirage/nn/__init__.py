@@ -6,5 +6,6 @@ from .geglu import GEGLU
 from .group_norm import GroupNorm
 from .layer_norm import LayerNorm
 from .resnet import ResnetBlock2D
+from .transformer import BasicTransformerBlock
 
-__all__ = ["Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D"]
+__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D"]

@@ -17,7 +17,7 @@ class ResnetBlock2D(nn.Module):
     replaces (state-dict keys are unchanged) and computes the same function as diffusers'
     forward: ``norm1`` → SiLU, optional up/down-sampling, ``conv1``, the time embedding (added,
     or applied as scale and shift), ``norm2`` → SiLU, ``dropout``, ``conv2``, the shortcut and
-    ``/ output_scale_factor``.
+    ``/ output_scale_factor`` (skipped when it is 1, where it changes nothing).
 
     With ``time_embedding_norm="scale_shift"`` the modulation sits between ``norm2`` and the
     SiLU, so only ``norm1`` fuses its activation there.
@@ -117,7 +117,11 @@ class ResnetBlock2D(nn.Module):
                 input_tensor = input_tensor.contiguous()
             input_tensor = self.conv_shortcut(input_tensor)
 
-        return (input_tensor + hidden_states) / self.output_scale_factor
+        output = input_tensor + hidden_states
+        # Dividing by 1 changes no value; skipping it saves a kernel launch and a pass over the output.
+        if self.output_scale_factor != 1.0:
+            output = output / self.output_scale_factor
+        return output
 
     def extra_repr(self) -> str:
         return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, "

@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .layer_norm import LayerNorm
+
+logger = logging.getLogger(__name__)
+
+# The diffusers attributes a block keeps next to its modules (read by user code and pipelines).
+ATTRIBUTES = ("dim", "num_attention_heads", "attention_head_dim", "cross_attention_dim", "activation_fn",
+              "only_cross_attention", "double_self_attention", "norm_type", "_chunk_size", "_chunk_dim")
+
+
+class BasicTransformerBlock(nn.Module):
+    """diffusers' ``BasicTransformerBlock`` (0.42.1, ``norm_type="layer_norm"``) with each residual
+    add fused into the LayerNorm that reads it.
+
+    diffusers adds an attention output to the residual stream and normalizes the sum in two
+    kernels (``h = attn(...) + h``, then ``norm(h)``); here :func:`mirage.ops.layer_norm` with
+    ``residual=`` returns both the normalized sum and the sum in one. ``norm2`` (before ``attn2``)
+    and ``norm3`` (before the feed-forward; after ``attn1`` when there is no ``attn2``) take that
+    path; ``norm1`` reads the block's input, not a sum, and stays a module of its own. The sum is
+    rounded to its dtype as the separate add rounds it, so the block computes what diffusers'
+    does with the same norm kernel. Where the add would broadcast or promote (operands of
+    different shapes or dtypes, or a dtype that autocast would cast), the add runs separately, as
+    in diffusers.
+
+    Built with :meth:`from_diffusers`: ``norm1``, ``attn1``, ``attn2`` and ``ff`` are the
+    diffusers block's modules, ``norm2`` and ``norm3`` are ``mirage.nn.LayerNorm`` sharing their
+    parameters (state-dict keys are unchanged). Self- and cross-attention,
+    ``only_cross_attention``, ``double_self_attention`` and chunked feed-forward
+    (:meth:`set_chunk_feed_forward`) are reproduced.
+    """
+
+    # mirage.optimize swaps modules inside this block too (the attention, GEGLU and norm1 swaps):
+    # its children are called as modules, so any module computing the same function serves.
+    children_swappable = True
+
+    def __init__(self) -> None:
+        # Built only by from_diffusers: the block's own submodules are its state.
+        super().__init__()
+
+    @classmethod
+    def from_diffusers(cls, block: nn.Module) -> "BasicTransformerBlock":
+        """The fused block for a diffusers ``BasicTransformerBlock``, sharing its submodules.
+
+        Args:
+            block: an instance of ``diffusers.models.attention.BasicTransformerBlock``.
+
+        Returns:
+            A ``mirage.nn.BasicTransformerBlock`` computing what ``block`` computes.
+
+        Raises:
+            ValueError: the block's configuration is not reproduced (the message says why): a
+                ``norm_type`` other than ``"layer_norm"`` (``ada_norm``, ``ada_norm_zero``,
+                ``ada_norm_single``, ``ada_norm_continuous``, ``layer_norm_i2vgen``), positional
+                embeddings, a GLIGEN fuser (``attention_type="gated"``), or norms that are not
+                ``nn.LayerNorm`` over the last dimension.
+        """
+        norm_type = getattr(block, "norm_type", None)
+        if norm_type != "layer_norm":
+            raise ValueError(f"norm_type={norm_type!r}: only 'layer_norm' is reproduced (the other norm types "
+                             "modulate the norms or gate the residuals)")
+        if getattr(block, "pos_embed", None) is not None:
+            raise ValueError(f"positional_embeddings={getattr(block, 'positional_embeddings', None)!r} are not "
+                             "reproduced")
+        if getattr(block, "fuser", None) is not None:
+            raise ValueError("the GLIGEN fuser (attention_type 'gated' or 'gated-text-image') is not reproduced")
+        if getattr(block, "scale_shift_table", None) is not None:
+            raise ValueError("a scale_shift_table (PixArt-style modulation) is not reproduced")
+        for name in ("norm1", "attn1", "ff"):
+            if getattr(block, name, None) is None:
+                raise ValueError(f"the block has no {name}")
+        if block.attn2 is not None and block.norm2 is None:
+            raise ValueError("the block has attn2 but no norm2")
+
+        fused = cls()
+        fused.norm1 = _layer_norm("norm1", block.norm1, fuse=False)
+        fused.attn1 = block.attn1
+        # norm2 exists with attn2 only: with norm_type "layer_norm" diffusers creates them together.
+        fused.norm2 = _layer_norm("norm2", block.norm2, fuse=True) if block.attn2 is not None else None
+        fused.attn2 = block.attn2
+        fused.norm3 = _layer_norm("norm3", block.norm3, fuse=True)
+        fused.ff = block.ff
+        for attribute in ATTRIBUTES:
+            if not hasattr(block, attribute):
+                raise ValueError(f"the block has no attribute {attribute!r} (mirage follows diffusers 0.42.1)")
+            setattr(fused, attribute, getattr(block, attribute))
+        return fused.train(block.training)
+
+    def set_chunk_feed_forward(self, chunk_size: Optional[int], dim: int = 0) -> None:
+        """Run the feed-forward in chunks of ``chunk_size`` along ``dim`` (None: in one piece), as
+        diffusers' method of the same name (called by ``enable_forward_chunking``)."""
+        self._chunk_size = chunk_size
+        self._chunk_dim = dim
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        encoder_hidden_states: Optional[Tensor] = None,
+        encoder_attention_mask: Optional[Tensor] = None,
+        timestep: Optional[Tensor] = None,
+        cross_attention_kwargs: Optional[Dict[str, Any]] = None,
+        class_labels: Optional[Tensor] = None,
+        added_cond_kwargs: Optional[Dict[str, Tensor]] = None,
+    ) -> Tensor:
+        """diffusers' arguments; ``timestep``, ``class_labels`` and ``added_cond_kwargs`` feed only the
+        norm types :meth:`from_diffusers` refuses, and are ignored here as diffusers' layer_norm
+        path ignores them."""
+        if cross_attention_kwargs is not None and cross_attention_kwargs.get("scale", None) is not None:
+            logger.warning("Passing `scale` to `cross_attention_kwargs` is deprecated. `scale` will be ignored.")
+        attention_kwargs = dict(cross_attention_kwargs) if cross_attention_kwargs is not None else {}
+        if attention_kwargs.pop("gligen", None) is not None:
+            # diffusers fails here too (with an AttributeError): the block has no GLIGEN fuser.
+            raise ValueError("mirage.nn.BasicTransformerBlock: cross_attention_kwargs['gligen'] needs a GLIGEN "
+                             "fuser (attention_type='gated'), which this block does not have")
+
+        attn_output = self.attn1(
+            self.norm1(hidden_states),
+            encoder_hidden_states=encoder_hidden_states if self.only_cross_attention else None,
+            attention_mask=attention_mask,
+            **attention_kwargs,
+        )
+        next_norm = self.norm2 if self.attn2 is not None else self.norm3
+        norm_hidden_states, hidden_states = _add_layer_norm(next_norm, attn_output, hidden_states)
+        # diffusers squeezes a 4-D residual stream after the first add (not after the second).
+        if hidden_states.ndim == 4:
+            norm_hidden_states, hidden_states = norm_hidden_states.squeeze(1), hidden_states.squeeze(1)
+
+        if self.attn2 is not None:
+            attn_output = self.attn2(
+                norm_hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                attention_mask=encoder_attention_mask,
+                **attention_kwargs,
+            )
+            norm_hidden_states, hidden_states = _add_layer_norm(self.norm3, attn_output, hidden_states)
+
+        if self._chunk_size is not None:
+            ff_output = self._chunked_feed_forward(norm_hidden_states)
+        else:
+            ff_output = self.ff(norm_hidden_states)
+
+        hidden_states = ff_output + hidden_states
+        if hidden_states.ndim == 4:
+            hidden_states = hidden_states.squeeze(1)
+        return hidden_states
+
+    def _chunked_feed_forward(self, hidden_states: Tensor) -> Tensor:
+        size = hidden_states.shape[self._chunk_dim]
+        if size % self._chunk_size != 0:
+            raise ValueError(
+                f"mirage.nn.BasicTransformerBlock: dimension {self._chunk_dim} of `hidden_states` ({size}) must be "
+                f"divisible by the feed-forward chunk size {self._chunk_size} (set by enable_forward_chunking)"
+            )
+        chunks = hidden_states.chunk(size // self._chunk_size, dim=self._chunk_dim)
+        return torch.cat([self.ff(chunk) for chunk in chunks], dim=self._chunk_dim)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, heads={self.num_attention_heads}, head_dim={self.attention_head_dim}, "
+                f"cross_attention={self.attn2 is not None and not self.double_self_attention}")
+
+
+def _layer_norm(name: str, norm: Optional[nn.Module], *, fuse: bool) -> nn.Module:
+    """``norm`` checked to be a LayerNorm over the last dimension; as ``mirage.nn.LayerNorm`` (sharing
+    its parameters) when ``fuse``, else as it is (optimize swaps it on its own)."""
+    if isinstance(norm, LayerNorm):
+        return norm
+    if type(norm) is not nn.LayerNorm:
+        raise ValueError(f"{name} is {type(norm).__name__}, not nn.LayerNorm")
+    if len(norm.normalized_shape) != 1:
+        raise ValueError(f"{name} normalizes {tuple(norm.normalized_shape)}, not only the last dimension")
+    return LayerNorm.from_torch(norm) if fuse else norm
+
+
+def _add_layer_norm(norm: LayerNorm, attn_output: Tensor, residual: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(norm(s), s)`` for ``s = attn_output + residual``: one kernel where the add is a plain
+    same-dtype, same-shape add, else the add then the norm."""
+    if attn_output.shape == residual.shape and attn_output.dtype == residual.dtype:
+        if not _autocast_casts(attn_output):
+            return norm(attn_output, residual)
+    hidden_states = attn_output + residual
+    return norm(hidden_states), hidden_states
+
+
+def _autocast_casts(x: Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device with a dtype other than ``x``'s: the fused op would
+    then cast both operands before adding them, where the separate add adds them as they are."""
+    device_type = x.device.type
+    return (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+            and x.dtype != torch.get_autocast_dtype(device_type))
