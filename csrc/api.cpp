@@ -42,4 +42,16 @@ at::Tensor geglu(const at::Tensor& x, std::string_view approximate) {
   return handles::geglu().call(x, approximate);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
+    const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
+    const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,
+    int64_t max_pairs, bool half, std::string_view method) {
+  return handles::neighbor_list().call(positions, cutoff, cell, pbc, batch, max_pairs, half, method);
+}
+
+at::Tensor radial_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
+                        double cutoff, std::string_view cutoff_fn) {
+  return handles::radial_basis().call(distances, kind, num, cutoff, cutoff_fn);
+}
+
 }  // namespace mirage

@@ -2,6 +2,7 @@
 // backward recomputes the op with PyTorch's differentiable composite and differentiates that.
 // The recompute costs one extra forward, but the gradients are PyTorch's own, and double
 // backward works because the composite is differentiable too.
+#include <cmath>
 #include <functional>
 #include <string>
 
@@ -163,6 +164,132 @@ struct GegluFunction : torch::autograd::Function<GegluFunction> {
   }
 };
 
+// The inverse of [..., 3, 3] cells (rows are lattice vectors) from cross products: column k is
+// (a_{k+1} x a_{k+2}) / det. No solver, so no host sync checking for singular input (forces are
+// captured in CUDA graphs).
+at::Tensor inverse_3x3(const at::Tensor& cell) {
+  const at::Tensor a0 = cell.select(-2, 0), a1 = cell.select(-2, 1), a2 = cell.select(-2, 2);
+  const at::Tensor columns =
+      at::stack({at::linalg_cross(a1, a2), at::linalg_cross(a2, a0), at::linalg_cross(a0, a1)}, -1);
+  const at::Tensor det = (a0 * columns.select(-1, 0)).sum(-1);
+  return columns / det.unsqueeze(-1).unsqueeze(-1);
+}
+
+// mirage::neighbor_list's float outputs as PyTorch ops, differentiable in positions and cell:
+// shift = S @ cell with the integer images S recovered from the kernel's shifts (S = shift @
+// cell^-1, rounded), distance = |r_j - r_i + shift|. Entries past num_pairs (padding, or all of
+// them for invalid input) keep their constant shift and distance, with zero gradient.
+variable_list neighbor_list_composite(const at::Tensor& positions, const at::Tensor& cell,
+                                      const at::Tensor& batch, const at::Tensor& pairs,
+                                      const at::Tensor& shifts, const at::Tensor& num_pairs,
+                                      double cutoff) {
+  const at::Tensor constant_shift = shifts.detach();
+  const at::Tensor distances = at::full({pairs.size(1)}, cutoff, shifts.options());
+  if (positions.size(0) == 0) return {pairs, constant_shift, distances, num_pairs};
+  const at::Tensor valid = at::arange(pairs.size(1), num_pairs.options()) < num_pairs;  // [P]
+  at::Tensor shift = constant_shift;
+  if (cell.defined()) {
+    // [3, 3], or with batch one cell per pair: [P, 3, 3].
+    const at::Tensor pair_cell =
+        cell.dim() == 3 ? cell.index_select(0, batch.index_select(0, pairs[0])) : cell;
+    const at::Tensor images =
+        at::round(at::matmul(constant_shift.unsqueeze(-2), inverse_3x3(pair_cell.detach())));
+    shift = at::where(valid.unsqueeze(-1), at::matmul(images, pair_cell).squeeze(-2), constant_shift);
+  }
+  const at::Tensor vec =
+      positions.index_select(0, pairs[1]) - positions.index_select(0, pairs[0]) + shift;
+  return {pairs, shift, at::where(valid, at::linalg_vector_norm(vec, 2, -1), distances), num_pairs};
+}
+
+struct NeighborListFunction : torch::autograd::Function<NeighborListFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& positions, double cutoff,
+                               const std::optional<at::Tensor>& cell,
+                               const std::optional<at::Tensor>& pbc,
+                               const std::optional<at::Tensor>& batch, int64_t max_pairs, bool half,
+                               c10::string_view method) {
+    at::Tensor pairs, shifts, distances, num_pairs;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(pairs, shifts, distances, num_pairs) =
+          handles::neighbor_list().call(positions, cutoff, cell, pbc, batch, max_pairs, half, method);
+    }
+    const at::Tensor cell_or_undefined = value_or_undefined(cell);
+    save_inputs(ctx, {positions, cell_or_undefined, value_or_undefined(batch), pairs, shifts, num_pairs});
+    ctx->saved_data["cutoff"] = cutoff;
+    // Without a cell the shifts are constants (zero or padding).
+    if (cell_or_undefined.defined()) {
+      ctx->mark_non_differentiable({pairs, num_pairs});
+    } else {
+      ctx->mark_non_differentiable({pairs, shifts, num_pairs});
+    }
+    return {pairs, shifts, distances, num_pairs};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const double cutoff = ctx->saved_data["cutoff"].toDouble();
+    const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
+      return neighbor_list_composite(in[0], in[1], in[2], in[3], in[4], in[5], cutoff);
+    });
+    return {grads[0], at::Tensor(), grads[1], at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// mirage::radial_basis as PyTorch ops (float32 inside for float16/bfloat16 distances). sin(x)/x
+// switches to its Taylor series below |x| = 0.1 as the kernels do, with x replaced by 1 in the
+// unused branch, so that no derivative of any order divides by zero at d = 0.
+at::Tensor radial_basis_composite(const at::Tensor& distances, const std::string& kind, int64_t num,
+                                  double cutoff, const std::string& cutoff_fn) {
+  const bool low_precision =
+      distances.scalar_type() != at::kFloat && distances.scalar_type() != at::kDouble;
+  const at::Tensor d = (low_precision ? distances.to(at::kFloat) : distances).unsqueeze(-1);
+  at::Tensor out;
+  if (kind == "gaussian") {
+    const double spacing = num > 1 ? cutoff / static_cast<double>(num - 1) : cutoff;
+    const at::Tensor z = (d - at::arange(num, d.options()) * spacing) / spacing;
+    out = at::exp(-0.5 * z * z);
+  } else {
+    const at::Tensor frequency = at::arange(1, num + 1, d.options()) * (M_PI / cutoff);
+    const at::Tensor x = d * frequency;
+    const at::Tensor small = x.abs() < 0.1;
+    const at::Tensor safe_x = at::where(small, at::ones_like(x), x);
+    const at::Tensor x2 = x * x;
+    const at::Tensor series = 1 - x2 / 6 * (1 - x2 / 20 * (1 - x2 / 42 * (1 - x2 / 72)));
+    out = std::sqrt(2.0 / cutoff) * frequency * at::where(small, series, at::sin(safe_x) / safe_x);
+  }
+  if (cutoff_fn == "cosine") {
+    out = out * at::where(d < cutoff, 0.5 * (at::cos(d * (M_PI / cutoff)) + 1), 0.0);
+  } else if (cutoff_fn == "polynomial") {
+    const at::Tensor x = d / cutoff;
+    out = out * at::where(d < cutoff, 1 + at::pow(x, 6) * (-28 + x * (48 - 21 * x)), 0.0);
+  }
+  return out.to(distances.scalar_type());
+}
+
+struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& distances, c10::string_view kind,
+                            int64_t num, double cutoff, c10::string_view cutoff_fn) {
+    save_inputs(ctx, {distances});
+    ctx->saved_data["kind"] = std::string(kind);
+    ctx->saved_data["num"] = num;
+    ctx->saved_data["cutoff"] = cutoff;
+    ctx->saved_data["cutoff_fn"] = std::string(cutoff_fn);
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::radial_basis().call(distances, kind, num, cutoff, cutoff_fn);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const std::string kind = ctx->saved_data["kind"].toStringRef();
+    const int64_t num = ctx->saved_data["num"].toInt();
+    const double cutoff = ctx->saved_data["cutoff"].toDouble();
+    const std::string cutoff_fn = ctx->saved_data["cutoff_fn"].toStringRef();
+    const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
+      return variable_list{radial_basis_composite(in[0], kind, num, cutoff, cutoff_fn)};
+    });
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 at::Tensor group_norm_autograd(const at::Tensor& x, int64_t num_groups,
                                const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, double eps,
@@ -188,6 +315,20 @@ at::Tensor geglu_autograd(const at::Tensor& x, c10::string_view approximate) {
   return GegluFunction::apply(x, approximate);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autograd(
+    const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
+    const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,
+    int64_t max_pairs, bool half, c10::string_view method) {
+  const variable_list out =
+      NeighborListFunction::apply(positions, cutoff, cell, pbc, batch, max_pairs, half, method);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+at::Tensor radial_basis_autograd(const at::Tensor& distances, c10::string_view kind, int64_t num,
+                                 double cutoff, c10::string_view cutoff_fn) {
+  return RadialBasisFunction::apply(distances, kind, num, cutoff, cutoff_fn);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
@@ -195,6 +336,8 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("layer_norm", &layer_norm_autograd);
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("geglu", &geglu_autograd);
+  m.impl("neighbor_list", &neighbor_list_autograd);
+  m.impl("radial_basis", &radial_basis_autograd);
 }
 
 }  // namespace mirage::autograd

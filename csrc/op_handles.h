@@ -19,6 +19,11 @@ using AddLayerNormSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
                                                            const std::optional<at::Tensor>&,
                                                            double);
 using GegluSig = at::Tensor(const at::Tensor&, c10::string_view);
+using NeighborListSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, int64_t, bool, c10::string_view);
+using RadialBasisSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t, double,
+                                  c10::string_view);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
@@ -35,6 +40,8 @@ MIRAGE_OP_HANDLE(group_norm, GroupNormSig)
 MIRAGE_OP_HANDLE(layer_norm, LayerNormSig)
 MIRAGE_OP_HANDLE(add_layer_norm, AddLayerNormSig)
 MIRAGE_OP_HANDLE(geglu, GegluSig)
+MIRAGE_OP_HANDLE(neighbor_list, NeighborListSig)
+MIRAGE_OP_HANDLE(radial_basis, RadialBasisSig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

@@ -3,11 +3,13 @@
 Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), accumulates in
 float32 (float64 on the CPU reference), returns new tensors, and raises ``RuntimeError`` naming
 the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
+The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
+(float64 too on the CPU) and both run in float32 under autocast.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -73,3 +75,100 @@ def geglu(x: Tensor, approximate: str = "none") -> Tensor:
         ``(*, H)`` in ``x``'s dtype.
     """
     return torch.ops.mirage.geglu(x, approximate)
+
+
+class NeighborList(NamedTuple):
+    """The fixed-capacity outputs of :func:`neighbor_list` (``P = max_pairs``)."""
+
+    pairs: Tensor  #: ``(2, P)`` int64: row 0 the center atom ``i``, row 1 the neighbor ``j``
+    shifts: Tensor  #: ``(P, 3)``: ``S @ cell`` for the integer image ``S`` of ``j``
+    distances: Tensor  #: ``(P,)``: ``|positions[j] - positions[i] + shift|``
+    num_pairs: Tensor  #: ``(1,)`` int64: the true count, which may exceed ``P``
+
+
+def neighbor_list(
+    positions: Tensor,
+    cutoff: float,
+    cell: Optional[Tensor] = None,
+    pbc: Optional[Tensor] = None,
+    batch: Optional[Tensor] = None,
+    max_pairs: int = -1,
+    half: bool = False,
+    method: str = "auto",
+) -> NeighborList:
+    """Every pair of atoms closer than ``cutoff``, periodic images included, in fixed capacity.
+
+    A pair ``(i, j, S)`` is listed when ``d = |r_j - r_i + S @ cell| < cutoff`` (strictly), ``S``
+    an integer vector (zero on open axes) and ``(i, j, S) != (i, i, 0)``. With ``half=False``
+    (the default) the list is full: both ``(i, j, S)`` and ``(j, i, -S)``, as message passing
+    with ``index_add`` over ``pairs[0]`` wants. Nothing syncs with the host, so the op can run
+    inside a CUDA graph; when there are more pairs than ``max_pairs``, the first ``max_pairs`` are
+    stored and ``num_pairs`` (on the device) says how many there are.
+
+    Args:
+        positions: ``(N, 3)`` float32 (float64 too on the CPU), Cartesian; they may lie outside
+            the cell (unwrapped MD trajectories), up to 2^24 cell widths along periodic axes.
+        cutoff: finite, > 0.
+        cell: None (open boundaries), ``(3, 3)`` whose rows are the lattice vectors, or with
+            ``batch`` ``(M, 3, 3)``, one per molecule. Any triclinic cell; it must be
+            non-singular, and a periodic axis must be at least ``cutoff / 32`` thick. Cutoffs
+            beyond half the box (or the box) are handled: every image within reach is listed.
+        pbc: None (every axis of ``cell`` periodic) or a bool tensor ``(3,)``, or ``(M, 3)`` with
+            ``batch``. Needs ``cell``.
+        batch: None (one molecule) or ``(N,)`` int64 molecule index per atom, sorted; pairs never
+            cross molecules. With ``cell`` its values index the rows of ``cell``.
+        max_pairs: capacity ``P``; -1 means ``N * (N - 1)``, which no open-boundary system
+            exceeds (periodic ones may list an atom's own images).
+        half: list one of ``(i, j, S)`` and ``(j, i, -S)``: the one with ``i < j``, or for
+            ``i == j`` the one whose first non-zero component of ``S`` is positive.
+        method: how the CUDA kernel searches: ``"auto"`` (a cell list from 2048 atoms of one
+            molecule, else every pair of each molecule), ``"direct"`` or ``"cell_list"`` (one
+            molecule only). The CPU reference always compares every pair.
+
+    Returns:
+        :class:`NeighborList` ``(pairs, shifts, distances, num_pairs)``. Stored pairs are grouped
+        by ``i`` in ascending order, deterministically (the order within a group depends on the
+        device and method). Entries from ``num_pairs`` on are padding: ``pairs = (0, 0)``,
+        ``shifts = (cutoff, 0, 0)``, ``distances = cutoff``; they index a valid atom (safe for
+        ``index_add``/``gather``), ``r_j - r_i + shift`` has length ``cutoff`` (no zero vector to
+        normalize), and every cutoff function gives them weight zero. ``distances < cutoff`` or
+        ``arange(P) < num_pairs`` masks them exactly. ``distances`` (and ``shifts``, when a
+        ``cell`` is given) are differentiable with respect to ``positions`` and ``cell``, to
+        any order.
+
+    Invalid values (non-finite positions or cell, a singular cell, a cutoff spanning more than
+    32 cell widths on a periodic axis, positions beyond 2^24 cell widths, an unsorted ``batch``
+    or one that names no cell): the CPU
+    raises ``RuntimeError``; CUDA, which never reads values on the host, writes NaN shifts and
+    distances in every entry and ``num_pairs = -1``.
+    """
+    return NeighborList(*torch.ops.mirage.neighbor_list(
+        positions, cutoff, cell, pbc, batch, max_pairs, half, method))
+
+
+def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_fn: str) -> Tensor:
+    """A radial basis times a cutoff envelope, in one pass: ``basis_k(d) * f(d)``.
+
+    Kinds (``c = cutoff``, ``k = 0 .. num - 1``):
+        ``"gaussian"``: ``exp(-(d - mu_k)^2 / (2 delta^2))``, centers ``mu_k = k * delta`` evenly
+        over ``[0, c]``, width the spacing ``delta = c / (num - 1)`` (``c`` when ``num == 1``), as
+        SchNet's (schnetpack's GaussianRBF).
+        ``"bessel"``: ``sqrt(2 / c) * sin(n pi d / c) / d`` with ``n = k + 1`` (DimeNet), and its
+        limit ``sqrt(2 / c) * n pi / c`` at ``d = 0``.
+
+    Cutoff functions (zero from ``d = c`` on, so ``neighbor_list`` padding gets weight zero):
+        ``"cosine"``: ``0.5 * (cos(pi d / c) + 1)``.
+        ``"polynomial"``: DimeNet's envelope with ``p = 6``: ``1 - 28 x^6 + 48 x^7 - 21 x^8``,
+        ``x = d / c`` (value, first and second derivatives vanish at the cutoff).
+        ``"none"``: 1 everywhere (beyond the cutoff too).
+
+    Args:
+        distances: any shape ``(*)``; float32, float16 or bfloat16 (float64 too on the CPU). The
+            output has its dtype; arithmetic is float32 (float64 on the CPU). Under autocast it
+            runs in float32.
+        kind, num, cutoff, cutoff_fn: as above; ``num > 0``, ``cutoff`` finite and > 0.
+
+    Returns:
+        ``(*, num)``. Differentiable in ``distances`` to any order; NaN distances give NaN rows.
+    """
+    return torch.ops.mirage.radial_basis(distances, kind, num, cutoff, cutoff_fn)

@@ -3,16 +3,22 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "catch_compat.h"
 #include "geglu.cuh"
 #include "group_norm.cuh"
 #include "layer_norm.cuh"
+#include "neighbor_list.cuh"
+#include "radial_basis.cuh"
 
 namespace mc = mirage::cuda;
 
@@ -202,4 +208,311 @@ TEST_CASE("launch_geglu matches the host reference", "[geglu]") {
       require_close(dy.read(), want, 1e-5, 1e-5);
     }
   }
+}
+
+namespace {
+
+// A device copy of host values of any type, read back as they are (indices, flags, counts).
+template <typename T>
+struct Raw {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit Raw(size_t count, int fill_byte = 0xFF) : n(count) {
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)) == cudaSuccess);
+    REQUIRE(cudaMemset(ptr, fill_byte, std::max<size_t>(n, 1) * sizeof(T)) == cudaSuccess);
+  }
+  explicit Raw(const std::vector<T>& host) : Raw(host.size()) {
+    if (n > 0)
+      REQUIRE(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  ~Raw() { cudaFree(ptr); }
+  std::vector<T> read() const {
+    std::vector<T> host(n);
+    if (n > 0)
+      REQUIRE(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return host;
+  }
+};
+
+double radial_basis_reference(mc::RadialBasisKind kind, mc::CutoffFn fn, int64_t num, int64_t k,
+                              double d, double c) {
+  double basis;
+  if (kind == mc::RadialBasisKind::kGaussian) {
+    const double spacing = num > 1 ? c / (num - 1) : c;
+    basis = std::exp(-0.5 * std::pow((d - k * spacing) / spacing, 2));
+  } else {
+    const double n = (k + 1) * M_PI / c;
+    basis = std::sqrt(2 / c) * (d == 0 ? n : std::sin(n * d) / d);
+  }
+  if (fn == mc::CutoffFn::kNone) return basis;
+  if (d >= c) return 0.0;
+  const double x = d / c;
+  const double env = fn == mc::CutoffFn::kCosine
+                         ? 0.5 * (std::cos(M_PI * x) + 1)
+                         : 1 - 28 * std::pow(x, 6) + 48 * std::pow(x, 7) - 21 * std::pow(x, 8);
+  return basis * env;
+}
+
+// (i, j, S) -> distance.
+using PairMap = std::map<std::tuple<int64_t, int64_t, int, int, int>, double>;
+
+struct Geometry {
+  std::vector<float> positions;  // [N, 3]
+  std::vector<float> cells;      // [M, 3, 3], empty: open
+  std::vector<uint8_t> pbc;      // [M, 3] flags, empty: all periodic
+  std::vector<int64_t> batch;    // [N], empty: one molecule
+  float cutoff;
+};
+
+void invert(const double a[9], double out[9]) {
+  const double det = a[0] * (a[4] * a[8] - a[5] * a[7]) - a[1] * (a[3] * a[8] - a[5] * a[6]) +
+                     a[2] * (a[3] * a[7] - a[4] * a[6]);
+  out[0] = (a[4] * a[8] - a[5] * a[7]) / det;
+  out[1] = (a[2] * a[7] - a[1] * a[8]) / det;
+  out[2] = (a[1] * a[5] - a[2] * a[4]) / det;
+  out[3] = (a[5] * a[6] - a[3] * a[8]) / det;
+  out[4] = (a[0] * a[8] - a[2] * a[6]) / det;
+  out[5] = (a[2] * a[3] - a[0] * a[5]) / det;
+  out[6] = (a[3] * a[7] - a[4] * a[6]) / det;
+  out[7] = (a[1] * a[6] - a[0] * a[7]) / det;
+  out[8] = (a[0] * a[4] - a[1] * a[3]) / det;
+}
+
+void lattice_of(const Geometry& g, int64_t m, double cell[9], bool periodic[3]) {
+  for (int e = 0; e < 9; ++e) cell[e] = g.cells.empty() ? (e % 4 == 0) : g.cells[9 * m + e];
+  for (int k = 0; k < 3; ++k)
+    periodic[k] = !g.cells.empty() && (g.pbc.empty() || g.pbc[3 * m + k] != 0);
+}
+
+int64_t molecule(const Geometry& g, int64_t i) { return g.batch.empty() ? 0 : g.batch[i]; }
+
+// Every pair of a molecule against every image in a box wide enough for any pair, in double.
+PairMap brute_force_pairs(const Geometry& g, bool half) {
+  const int64_t n = static_cast<int64_t>(g.positions.size() / 3);
+  PairMap found;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      if (molecule(g, i) != molecule(g, j)) continue;
+      double cell[9], inverse[9];
+      bool periodic[3];
+      lattice_of(g, molecule(g, i), cell, periodic);
+      invert(cell, inverse);
+      double delta[3];
+      for (int c = 0; c < 3; ++c) delta[c] = double(g.positions[3 * j + c]) - g.positions[3 * i + c];
+      int lo[3], hi[3];
+      for (int k = 0; k < 3; ++k) {
+        double f = 0, width = 0;
+        for (int c = 0; c < 3; ++c) {
+          f += delta[c] * inverse[3 * c + k];
+          width += inverse[3 * c + k] * inverse[3 * c + k];
+        }
+        const int reach = static_cast<int>(std::ceil(g.cutoff * std::sqrt(width))) + 1;
+        lo[k] = periodic[k] ? static_cast<int>(std::floor(-f)) - reach : 0;
+        hi[k] = periodic[k] ? static_cast<int>(std::ceil(-f)) + reach : 0;
+      }
+      for (int s0 = lo[0]; s0 <= hi[0]; ++s0)
+        for (int s1 = lo[1]; s1 <= hi[1]; ++s1)
+          for (int s2 = lo[2]; s2 <= hi[2]; ++s2) {
+            const std::array<int, 3> s{s0, s1, s2};
+            if (i == j && s == std::array<int, 3>{0, 0, 0}) continue;
+            if (half && !(i < j || (i == j && s > std::array<int, 3>{0, 0, 0}))) continue;
+            double d2 = 0;
+            for (int c = 0; c < 3; ++c) {
+              const double v = delta[c] + s0 * cell[c] + s1 * cell[3 + c] + s2 * cell[6 + c];
+              d2 += v * v;
+            }
+            if (std::sqrt(d2) < g.cutoff) found[{i, j, s0, s1, s2}] = std::sqrt(d2);
+          }
+    }
+  return found;
+}
+
+struct NeighborListRun {
+  int64_t num_pairs;
+  std::vector<int64_t> pairs;  // [2, P]
+  std::vector<float> shifts, distances;
+};
+
+NeighborListRun run_neighbor_list(const Geometry& g, int64_t max_pairs, bool half,
+                                  mc::NeighborSearch search) {
+  const int64_t n = static_cast<int64_t>(g.positions.size() / 3);
+  std::vector<float> positions = g.positions, cells = g.cells;
+  Device<float> dpos(positions);
+  Device<float> dcell(cells);
+  Raw<uint8_t> dpbc(g.pbc);
+  Raw<int64_t> dbatch(g.batch);
+  Raw<int64_t> dpairs(2 * max_pairs), dcount(1);
+  Device<float> dshifts(3 * max_pairs), ddistances(max_pairs);
+  mc::NeighborListParams p{};
+  p.positions = dpos.ptr;
+  p.cell = g.cells.empty() ? nullptr : dcell.ptr;
+  p.pbc = g.pbc.empty() ? nullptr : reinterpret_cast<const bool*>(dpbc.ptr);
+  p.pbc_stride = 3;
+  p.batch = g.batch.empty() ? nullptr : dbatch.ptr;
+  p.num_molecules = g.cells.empty() ? 1 : static_cast<int64_t>(g.cells.size() / 9);
+  p.num_atoms = n;
+  p.cutoff = g.cutoff;
+  p.max_reach = 32.0f;
+  p.max_pairs = max_pairs;
+  p.half = half;
+  p.search = search;
+  p.pairs = dpairs.ptr;
+  p.shifts = dshifts.ptr;
+  p.distances = ddistances.ptr;
+  p.num_pairs = dcount.ptr;
+  void* workspace = nullptr;
+  REQUIRE(cudaMalloc(&workspace, std::max<size_t>(mc::neighbor_list_workspace_bytes(p), 1)) == cudaSuccess);
+  REQUIRE(mc::launch_neighbor_list(p, workspace, nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  cudaFree(workspace);
+  return {dcount.read()[0], dpairs.read(), dshifts.read(), ddistances.read()};
+}
+
+// The stored pairs as (i, j, S) -> distance, S recovered from the shift; checks the grouping
+// by i, that no pair repeats, and the padding.
+PairMap stored_pairs(const Geometry& g, const NeighborListRun& run, int64_t max_pairs) {
+  PairMap got;
+  const int64_t stored = std::min(run.num_pairs, max_pairs);
+  for (int64_t e = 0; e < stored; ++e) {
+    const int64_t i = run.pairs[e], j = run.pairs[max_pairs + e];
+    if (e > 0) REQUIRE(run.pairs[e - 1] <= i);
+    double cell[9], inverse[9];
+    bool periodic[3];
+    lattice_of(g, molecule(g, i), cell, periodic);
+    invert(cell, inverse);
+    int s[3];
+    for (int k = 0; k < 3; ++k) {
+      double f = 0;
+      for (int c = 0; c < 3; ++c) f += run.shifts[3 * e + c] * inverse[3 * c + k];
+      s[k] = static_cast<int>(std::lround(f));
+      REQUIRE(std::abs(f - s[k]) < 1e-3);
+    }
+    REQUIRE(got.emplace(std::make_tuple(i, j, s[0], s[1], s[2]), run.distances[e]).second);
+  }
+  for (int64_t e = stored; e < max_pairs; ++e) {
+    REQUIRE(run.pairs[e] == 0);
+    REQUIRE(run.pairs[max_pairs + e] == 0);
+    REQUIRE(run.distances[e] == g.cutoff);
+    REQUIRE(run.shifts[3 * e] == g.cutoff);
+  }
+  return got;
+}
+
+void require_same_pairs(const PairMap& got, const PairMap& want, double cutoff) {
+  size_t unexplained = 0, far = 0;
+  for (const auto& [key, d] : got)
+    if (!want.count(key) && std::abs(d - cutoff) > 1e-4) ++unexplained;
+  for (const auto& [key, d] : want) {
+    const auto it = got.find(key);
+    if (it == got.end()) {
+      if (std::abs(d - cutoff) > 1e-4) ++unexplained;
+    } else if (std::abs(it->second - d) > 5e-5) {
+      ++far;
+    }
+  }
+  INFO("pairs: got " << got.size() << ", want " << want.size());
+  REQUIRE(unexplained == 0);
+  REQUIRE(far == 0);
+}
+
+// Fractional coordinates in [-0.5, 1.5) of `cell` (the unit cube when open), scaled by `side`.
+std::vector<float> random_positions(int64_t n, const std::vector<float>& cell, float side = 1.0f) {
+  std::uniform_real_distribution<float> dist(-0.5f, 1.5f);
+  std::vector<float> pos(3 * n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float f[3] = {dist(rng()), dist(rng()), dist(rng())};
+    for (int c = 0; c < 3; ++c)
+      pos[3 * i + c] = cell.empty() ? side * f[c]
+                                    : f[0] * cell[c] + f[1] * cell[3 + c] + f[2] * cell[6 + c];
+  }
+  return pos;
+}
+
+}  // namespace
+
+TEST_CASE("launch_radial_basis matches the host reference", "[radial_basis]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  const float cutoff = 5.0f;
+  for (const auto kind : {mc::RadialBasisKind::kGaussian, mc::RadialBasisKind::kBessel})
+    for (const auto fn : {mc::CutoffFn::kNone, mc::CutoffFn::kCosine, mc::CutoffFn::kPolynomial})
+      for (const int64_t num : {1, 7, 20}) {
+        INFO("kind=" << int(kind) << " cutoff_fn=" << int(fn) << " num=" << num);
+        const int64_t count = 1001;
+        std::vector<float> d = random_values(count, 3.0f, 2.5f);
+        for (auto& v : d) v = std::abs(v);
+        d[0] = 0.0f;
+        d[1] = cutoff;
+        Device<float> dd(d), dout(count * num);
+        std::vector<double> want(count * num);
+        for (int64_t p = 0; p < count; ++p)
+          for (int64_t k = 0; k < num; ++k)
+            want[p * num + k] = radial_basis_reference(kind, fn, num, k, d[p], cutoff);
+        mc::RadialBasisParams params{dd.ptr, dout.ptr, count, num, cutoff, kind, fn, mc::DType::kFloat32};
+        REQUIRE(mc::launch_radial_basis(params, nullptr) == cudaSuccess);
+        REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+        require_close(dout.read(), want, 2e-5, 2e-5);
+      }
+}
+
+TEST_CASE("launch_neighbor_list matches brute force", "[neighbor_list]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  const std::vector<float> triclinic = {6.0f, 0, 0, 1.5f, 5.5f, 0, -1.0f, 1.2f, 6.2f};
+  const std::vector<float> small = {3.0f, 0, 0, 0.4f, 3.5f, 0, 0.3f, -0.5f, 4.0f};
+  std::vector<Geometry> cases;
+  cases.push_back({random_positions(200, {}, 10.0f), {}, {}, {}, 2.5f});         // open
+  cases.push_back({random_positions(120, triclinic), triclinic, {}, {}, 3.0f});  // periodic
+  cases.push_back({random_positions(40, small), small, {}, {}, 4.5f});           // cutoff > box
+  cases.push_back({random_positions(80, triclinic), triclinic, {1, 0, 1}, {}, 3.0f});  // mixed pbc
+  {  // a batch: a periodic molecule, an open one (pbc off), a small box
+    Geometry g{{}, {}, {1, 1, 1, 0, 0, 0, 1, 1, 1}, {}, 3.2f};
+    const std::vector<float>* cells[] = {&triclinic, &triclinic, &small};
+    const int64_t sizes[] = {30, 7, 12};
+    for (int m = 0; m < 3; ++m) {
+      const std::vector<float> pos = random_positions(sizes[m], *cells[m]);
+      g.positions.insert(g.positions.end(), pos.begin(), pos.end());
+      g.cells.insert(g.cells.end(), cells[m]->begin(), cells[m]->end());
+      g.batch.insert(g.batch.end(), sizes[m], m);
+    }
+    cases.push_back(g);
+  }
+  for (size_t c = 0; c < cases.size(); ++c)
+    for (const bool half : {false, true})
+      for (const auto search : {mc::NeighborSearch::kDirect, mc::NeighborSearch::kCellList}) {
+        const Geometry& g = cases[c];
+        if (search == mc::NeighborSearch::kCellList && !g.batch.empty()) continue;
+        INFO("case " << c << " half=" << half << " cell_list=" << (search == mc::NeighborSearch::kCellList));
+        const PairMap want = brute_force_pairs(g, half);
+        const int64_t capacity = static_cast<int64_t>(want.size()) + 17;
+        const NeighborListRun run = run_neighbor_list(g, capacity, half, search);
+        REQUIRE(std::abs(run.num_pairs - static_cast<int64_t>(want.size())) <= 2);
+        require_same_pairs(stored_pairs(g, run, capacity), want, g.cutoff);
+        // Overflow: the count stays true, the first pairs are the same ones.
+        const int64_t part = static_cast<int64_t>(want.size()) / 3;
+        const NeighborListRun cut = run_neighbor_list(g, part, half, search);
+        REQUIRE(cut.num_pairs == run.num_pairs);
+        for (int64_t e = 0; e < part; ++e) {
+          REQUIRE(cut.pairs[e] == run.pairs[e]);
+          REQUIRE(cut.pairs[part + e] == run.pairs[capacity + e]);
+          REQUIRE(cut.distances[e] == run.distances[e]);
+        }
+      }
+}
+
+TEST_CASE("launch_neighbor_list flags invalid geometry on the device", "[neighbor_list]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  const std::vector<float> cube = {4.0f, 0, 0, 0, 4.0f, 0, 0, 0, 4.0f};
+  Geometry nan_atom{random_positions(10, cube), cube, {}, {}, 2.0f};
+  nan_atom.positions[7] = std::nanf("");
+  Geometry singular{random_positions(10, cube), {4.0f, 0, 0, 0, 4.0f, 0, 0, 0, 0}, {}, {}, 2.0f};
+  Geometry unsorted{random_positions(4, {}, 3.0f), {}, {}, {0, 1, 0, 1}, 2.0f};
+  for (const Geometry* g : {&nan_atom, &singular, &unsorted})
+    for (const auto search : {mc::NeighborSearch::kDirect, mc::NeighborSearch::kCellList}) {
+      if (search == mc::NeighborSearch::kCellList && !g->batch.empty()) continue;
+      const NeighborListRun run = run_neighbor_list(*g, 16, false, search);
+      REQUIRE(run.num_pairs == -1);
+      for (int64_t e = 0; e < 16; ++e) {
+        REQUIRE(std::isnan(run.distances[e]));
+        REQUIRE(run.pairs[e] == 0);
+      }
+    }
 }

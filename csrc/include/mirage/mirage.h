@@ -43,4 +43,19 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
 // a * gelu(b) with [a, b] = x.chunk(2, -1); approximate is "none" or "tanh".
 at::Tensor geglu(const at::Tensor& x, std::string_view approximate = "none");
 
+// Pairs (i, j, image) with |r_j - r_i + shift| < cutoff, in fixed-capacity outputs:
+// (pairs [2, P] int64, shifts [P, 3], distances [P], num_pairs [1] int64 = the true count).
+// max_pairs = -1 means N * (N - 1); method is "auto", "direct" or "cell_list" (CUDA search).
+// See docs/ops.md for padding, order and the periodic conventions.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
+    const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell = std::nullopt,
+    const std::optional<at::Tensor>& pbc = std::nullopt,
+    const std::optional<at::Tensor>& batch = std::nullopt, int64_t max_pairs = -1,
+    bool half = false, std::string_view method = "auto");
+
+// [*, num] = basis(distances) * cutoff_fn(distances); kind "gaussian" or "bessel", cutoff_fn
+// "cosine", "polynomial" or "none".
+at::Tensor radial_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
+                        double cutoff, std::string_view cutoff_fn);
+
 }  // namespace mirage

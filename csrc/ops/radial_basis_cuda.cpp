@@ -1,0 +1,39 @@
+// mirage::radial_basis on CUDA.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../../cuda/radial_basis.cuh"
+#include "cuda_utils.h"
+#include "radial_basis.h"
+
+namespace mirage::ops {
+namespace {
+
+at::Tensor radial_basis_cuda(const at::Tensor& distances, c10::string_view kind, int64_t num,
+                             double cutoff, c10::string_view cutoff_fn) {
+  const std::vector<int64_t> shape = check_radial_basis(distances, kind, num, cutoff, cutoff_fn);
+  const c10::cuda::CUDAGuard guard(distances.device());
+  const at::Tensor input = distances.contiguous();
+  at::Tensor out = at::empty(shape, distances.options());
+  cuda::RadialBasisParams params{};
+  params.distances = input.const_data_ptr();
+  params.out = out.mutable_data_ptr();
+  params.count = input.numel();
+  params.num = num;
+  params.cutoff = static_cast<float>(cutoff);
+  params.kind = kind == "gaussian" ? cuda::RadialBasisKind::kGaussian : cuda::RadialBasisKind::kBessel;
+  params.cutoff_fn = cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
+                     : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
+                                                 : cuda::CutoffFn::kNone;
+  params.dtype = to_kernel_dtype(distances.scalar_type());
+  check_launch(kRadialBasis, cuda::launch_radial_basis(params, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CUDA, m) { m.impl("radial_basis", &radial_basis_cuda); }
+
+}  // namespace mirage::ops

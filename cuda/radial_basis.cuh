@@ -1,0 +1,27 @@
+// Radial basis with a cutoff envelope, fused: out[p, k] = basis_k(d_p) * envelope(d_p).
+// Host-includable.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace mirage::cuda {
+
+enum class RadialBasisKind : int { kGaussian, kBessel };
+enum class CutoffFn : int { kNone, kCosine, kPolynomial };
+
+struct RadialBasisParams {
+  const void* distances;  // [count] contiguous
+  void* out;              // [count, num] contiguous, distances' dtype
+  int64_t count;
+  int64_t num;            // basis functions
+  float cutoff;
+  RadialBasisKind kind;
+  CutoffFn cutoff_fn;
+  DType dtype;            // of distances and out
+};
+
+cudaError_t launch_radial_basis(const RadialBasisParams& params, cudaStream_t stream);
+
+}  // namespace mirage::cuda
