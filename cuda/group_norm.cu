@@ -47,6 +47,9 @@ constexpr int kMaxChunks = 1024;  // split: chunks per group (bounds the finaliz
 constexpr int kFinalizeWarps = 8;
 // resident: one block of this many threads per multiprocessor (64 registers a thread at most).
 constexpr int kResidentThreads = 1024;
+// NCHW groups above this many vectors take the resident path even when the fused kernel fits.
+// Measured on an H200 (docs/perf/norms.md): 2x640x32x32 (2560 vectors a group) 15.0 us fused.
+constexpr int64_t kSpansMinVecs = 2048;
 
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
@@ -700,7 +703,13 @@ Plan make_plan(const GroupNormParams& p) {
   const int group_vec = (aligned && row_len % pack == 0 && row_stride % pack == 0) ? pack : 1;
   const int64_t group_vecs = rows * row_len / group_vec;
 
-  if (group_vecs <= kFusedMaxVecs && a.cpg <= kMaxFusedChannels) {
+  // NCHW groups of a few thousand vectors: the fused kernel's one block per group leaves half of
+  // the multiprocessors idle at 64 groups; the resident kernel splits each group over several.
+  if (!p.channels_last && group_vec == pack && group_vecs > kSpansMinVecs && 2 * ng <= sm_count() &&
+      resident_spans_plan(p, group_vecs, plan)) {
+    plan.path = Path::kResidentSpans;
+    plan.vec = pack;
+  } else if (group_vecs <= kFusedMaxVecs && a.cpg <= kMaxFusedChannels) {
     plan.path = Path::kFused;
     plan.vec = group_vec;
     plan.per_thread = 1;
@@ -713,7 +722,7 @@ Plan make_plan(const GroupNormParams& p) {
     plan.path = Path::kResidentPixels;
     plan.vec = pack;
   } else if (!p.channels_last && group_vec == pack && resident_spans_plan(p, group_vecs, plan)) {
-    plan.path = Path::kResidentSpans;
+    plan.path = Path::kResidentSpans;  // more groups than half the multiprocessors
     plan.vec = pack;
   } else if (p.channels_last && lcm_vecs <= kMaxTileVecs) {
     plan.path = Path::kNhwc;
