@@ -191,6 +191,7 @@ def _add_layer_norm(norm: LayerNorm, attn_output: Tensor, residual: Tensor) -> T
 def _autocast_casts(x: Tensor) -> bool:
     """Whether autocast is on for ``x``'s device with a dtype other than ``x``'s: the fused op would
     then cast both operands before adding them, where the separate add adds them as they are."""
+    # Not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it (fullgraph breaks).
     device_type = x.device.type
-    return (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
             and x.dtype != torch.get_autocast_dtype(device_type))
