@@ -80,6 +80,11 @@ def _build_transformer_block(block: nn.Module) -> nn.Module:
     return fused
 
 
+def _build_transformer_2d(model: nn.Module) -> nn.Module:
+    from .nn.transformer import Transformer2DModel
+    return Transformer2DModel.from_diffusers(model)
+
+
 def _build_attention(attention: nn.Module) -> nn.Module:
     from .nn.attention import from_diffusers_attention
 
@@ -122,6 +127,9 @@ BLOCK_SWAPS: Tuple[Swap, ...] = (
     # (mirage.nn.BasicTransformerBlock.children_swappable).
     Swap("diffusers.models.attention", "BasicTransformerBlock", "BasicTransformerBlock",
          "mirage.nn.BasicTransformerBlock (residual add+LayerNorm fused)", _build_transformer_block),
+    # Its norm, blocks and projections are swapped inside it (children_swappable).
+    Swap("diffusers.models.transformers.transformer_2d", "Transformer2DModel", "Transformer2DModel",
+         "mirage.nn.Transformer2DModel (no NCHW copy at its end)", _build_transformer_2d),
     # Attention's processors test `isinstance(norm_cross, nn.LayerNorm)`: swapping its norms alone
     # would break it, hence opaque.
     Swap("diffusers.models.attention_processor", "Attention", "Attention",

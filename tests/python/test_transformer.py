@@ -268,11 +268,35 @@ def test_transformer_2d_model(config):
     result = mirage.report(optimized)
     assert blocks == 2 and result.counts["BasicTransformerBlock"] == blocks
     assert result.counts["LayerNorm"] == blocks and result.left_alone == []
+    assert result.counts["Transformer2DModel"] == 1
     x = randn(2, 8, 4, 4)
     context = randn(2, 5, 6) if config["cross_attention_dim"] else None
     with torch.no_grad():
         torch.testing.assert_close(optimized(x, encoder_hidden_states=context).sample,
                                    original(x, encoder_hidden_states=context).sample, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_linear_projection", [False, True])
+def test_transformer_2d_model_keeps_channels_last_and_values(use_linear_projection):
+    # The swapped model ends in the permuted view, not diffusers' NCHW copy: the same values (up to
+    # the 1x1 conv's summation order in the other layout), channels-last layout.
+    model = Transformer2DModel(num_attention_heads=2, attention_head_dim=4, in_channels=8, norm_num_groups=4,
+                               cross_attention_dim=6, use_linear_projection=use_linear_projection).double().eval()
+    fused = mirage.nn.Transformer2DModel.from_diffusers(model)
+    x = randn(2, 8, 5, 3, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    context = randn(2, 5, 6, dtype=torch.float64)
+    with torch.no_grad():
+        ours = fused(x, encoder_hidden_states=context, return_dict=False)[0]
+        theirs = model(x, encoder_hidden_states=context).sample
+    torch.testing.assert_close(ours, theirs, **tolerance(torch.float64))
+    assert ours.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_transformer_2d_model_refuses_patched_input():
+    model = Transformer2DModel(num_attention_heads=2, attention_head_dim=4, in_channels=4, patch_size=2,
+                               sample_size=8, norm_type="ada_norm_zero", num_embeds_ada_norm=10)
+    with pytest.raises(ValueError, match="patched input is not reproduced"):
+        mirage.nn.Transformer2DModel.from_diffusers(model)
 
 
 def test_compile_fullgraph_matches_eager():

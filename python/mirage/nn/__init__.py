@@ -6,6 +6,6 @@ from .geglu import GEGLU
 from .group_norm import GroupNorm
 from .layer_norm import LayerNorm
 from .resnet import ResnetBlock2D
-from .transformer import BasicTransformerBlock
+from .transformer import BasicTransformerBlock, Transformer2DModel
 
-__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D"]
+__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel"]

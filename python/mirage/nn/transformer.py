@@ -195,3 +195,82 @@ def _autocast_casts(x: Tensor) -> bool:
     device_type = x.device.type
     return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
             and x.dtype != torch.get_autocast_dtype(device_type))
+
+
+class Transformer2DModel(nn.Module):
+    """diffusers' ``Transformer2DModel`` (0.42.1) for continuous (image) input, without the layout
+    copy at its end.
+
+    diffusers turns the tokens back into an image with ``.permute(0, 3, 1, 2).contiguous()``: on
+    channels-last activations that is a full NCHW copy, after which ``proj_out`` (a 1x1 conv with
+    channels-last weights) copies back and the residual add mixes layouts (profiled on an H200:
+    these were most of the 63 copy kernels of an optimized SD-1.5 forward). Here the permuted
+    view itself is used: the same values, channels-last, no copy. The output's memory layout
+    therefore is channels-last where diffusers' is NCHW; every downstream op reads either.
+
+    Built with :meth:`from_diffusers`, sharing the model's ``norm``, ``proj_in``,
+    ``transformer_blocks`` and ``proj_out`` (state-dict keys unchanged); optimize swaps inside it.
+    """
+
+    children_swappable = True
+
+    def __init__(self) -> None:
+        # Built only by from_diffusers: the model's own submodules are its state.
+        super().__init__()
+
+    @classmethod
+    def from_diffusers(cls, model: nn.Module) -> "Transformer2DModel":
+        """The copy-free module for a diffusers ``Transformer2DModel`` with continuous input.
+
+        Raises:
+            ValueError: vectorized (discrete) or patched input, which take other code paths.
+        """
+        if not getattr(model, "is_input_continuous", False):
+            kind = "patched" if getattr(model, "is_input_patches", False) else "vectorized"
+            raise ValueError(f"{kind} input is not reproduced (only continuous image input)")
+        fused = cls()
+        fused.norm = model.norm
+        fused.proj_in = model.proj_in
+        fused.transformer_blocks = model.transformer_blocks
+        fused.proj_out = model.proj_out
+        fused.use_linear_projection = model.use_linear_projection
+        return fused
+
+    def forward(self, hidden_states: Tensor, encoder_hidden_states: Optional[Tensor] = None,
+                timestep: Optional[Tensor] = None, added_cond_kwargs: Optional[Dict[str, Tensor]] = None,
+                class_labels: Optional[Tensor] = None, cross_attention_kwargs: Optional[Dict[str, Any]] = None,
+                attention_mask: Optional[Tensor] = None, encoder_attention_mask: Optional[Tensor] = None,
+                return_dict: bool = True) -> Any:
+        # As diffusers: 2-D keep-masks become additive biases of shape (batch, 1, tokens).
+        if attention_mask is not None and attention_mask.ndim == 2:
+            attention_mask = ((1 - attention_mask.to(hidden_states.dtype)) * -10000.0).unsqueeze(1)
+        if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
+            encoder_attention_mask = ((1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0).unsqueeze(1)
+
+        batch, _, height, width = hidden_states.shape
+        residual = hidden_states
+        hidden_states = self.norm(hidden_states)
+        if not self.use_linear_projection:
+            hidden_states = self.proj_in(hidden_states)
+        inner_dim = hidden_states.shape[1]
+        hidden_states = hidden_states.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim)
+        if self.use_linear_projection:
+            hidden_states = self.proj_in(hidden_states)
+
+        for block in self.transformer_blocks:
+            hidden_states = block(hidden_states, attention_mask=attention_mask,
+                                  encoder_hidden_states=encoder_hidden_states,
+                                  encoder_attention_mask=encoder_attention_mask, timestep=timestep,
+                                  cross_attention_kwargs=cross_attention_kwargs, class_labels=class_labels)
+
+        if self.use_linear_projection:
+            hidden_states = self.proj_out(hidden_states)
+        hidden_states = hidden_states.reshape(batch, height, width, -1).permute(0, 3, 1, 2)
+        if not self.use_linear_projection:
+            hidden_states = self.proj_out(hidden_states)
+        output = hidden_states + residual
+        if not return_dict:
+            return (output,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=output)
