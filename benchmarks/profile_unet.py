@@ -19,11 +19,11 @@ import mirage
 from bench_unet import build_unet, to_channels_last, unet_inputs
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
-    ("attention", ("flash", "fmha", "attention")),
-    ("gemm", ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet")),
-    ("conv", ("conv", "cudnn", "implicit", "xmma")),
+    ("triton (fused elementwise/norms)", ("triton",)),  # inductor names them after the ops they fuse
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("conv", ("fprop", "conv", "dgrad")),  # cuDNN's implicit GEMMs say "fprop" before "gemm"
+    ("gemm", ("gemm", "cutlass", "cublas", "nvjet")),
     ("mirage norms/geglu", ("mirage",)),
-    ("triton (fused elementwise/norms)", ("triton",)),
     ("copies/layout", ("copy", "cat", "transpose", "permute", "upsample")),
 ]
 
