@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirage
 from mirage import graphs
@@ -124,6 +125,30 @@ def test_resnet_block_divides_only_by_an_output_scale_factor_other_than_1(factor
             got = fused(x, temb)
         torch.testing.assert_close(got, block(x, temb), atol=1e-12, rtol=1e-12)
     assert counter.calls.count("aten.div") == divisions
+
+
+def test_resnet_block_folds_conv_biases_into_time_embedding_and_shortcut():
+    # PyTorch adds a convolution's bias in a pass of its own on the GPU: conv1's bias rides on the
+    # time embedding, conv2's on the 1x1 shortcut's, so conv1 and conv2 run without bias.
+    block = ResnetBlock2D(in_channels=8, out_channels=12, temb_channels=10, groups=4).double().eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    x, temb = randn(2, 8, 6, 6, dtype=torch.float64), randn(2, 10, dtype=torch.float64)
+
+    class ConvBiases(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.biases = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.convolution:
+                self.biases.append(args[2] is not None)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with ConvBiases() as convs:
+            got = fused(x, temb)
+        torch.testing.assert_close(got, block(x, temb), atol=1e-12, rtol=1e-12)
+    assert convs.biases == [False, False, True]  # conv1, conv2, the shortcut (both biases)
 
 
 @pytest.mark.parametrize("nonlinearity", ["mish", "gelu"])

@@ -89,12 +89,20 @@ class ResnetBlock2D(nn.Module):
             input_tensor = self.downsample(input_tensor)
             hidden_states = self.downsample(hidden_states)
 
-        hidden_states = self.conv1(hidden_states)
-
         if self.time_emb_proj is not None:
             if not self.skip_time_act:
                 temb = self.nonlinearity(temb)
             temb = self.time_emb_proj(temb)[:, :, None, None]
+
+        # conv1's bias rides on the time embedding ([N, C, 1, 1]) where that is added next: PyTorch
+        # adds a convolution's bias in a kernel of its own, a full pass over the activations.
+        fold_bias = (self.time_embedding_norm == "default" and temb is not None and
+                     type(self.conv1) is nn.Conv2d and self.conv1.bias is not None)
+        if fold_bias:
+            hidden_states = self.conv1._conv_forward(hidden_states, self.conv1.weight, None)
+            temb = temb + self.conv1.bias[:, None, None]
+        else:
+            hidden_states = self.conv1(hidden_states)
 
         if self.time_embedding_norm == "scale_shift":
             if temb is None:
@@ -109,13 +117,23 @@ class ResnetBlock2D(nn.Module):
             hidden_states = self.norm2(hidden_states)
 
         hidden_states = self.dropout(hidden_states)
-        hidden_states = self.conv2(hidden_states)
+        # With a 1x1 shortcut conv, conv2's bias joins the shortcut's (one bias pass, not two).
+        shortcut = self.conv_shortcut
+        fold_bias = (type(shortcut) is nn.Conv2d and type(self.conv2) is nn.Conv2d and
+                     shortcut.bias is not None and self.conv2.bias is not None)
+        if fold_bias:
+            hidden_states = self.conv2._conv_forward(hidden_states, self.conv2.weight, None)
+        else:
+            hidden_states = self.conv2(hidden_states)
 
-        if self.conv_shortcut is not None:
+        if shortcut is not None:
             # As diffusers: contiguous only in training, where DDP wants matching gradient strides.
             if self.training:
                 input_tensor = input_tensor.contiguous()
-            input_tensor = self.conv_shortcut(input_tensor)
+            if fold_bias:
+                input_tensor = shortcut._conv_forward(input_tensor, shortcut.weight, shortcut.bias + self.conv2.bias)
+            else:
+                input_tensor = shortcut(input_tensor)
 
         output = input_tensor + hidden_states
         # Dividing by 1 changes no value; skipping it saves a kernel launch and a pass over the output.
