@@ -27,7 +27,7 @@ import time
 import torch
 
 import mirage
-from harness import device_facts, print_table, write_json
+from harness import capture_graph, device_facts, print_table, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
@@ -96,15 +96,11 @@ def manual_graph(model, args, kwargs):
     inputs in, replay and clone the output out (what mirage's default outputs policy does)."""
     static_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     static_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    def warmup():
         for _ in range(3):
             model(*static_args, **static_kwargs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = first_tensor(model(*static_args, **static_kwargs))
+
+    graph, static_out = capture_graph(lambda: first_tensor(model(*static_args, **static_kwargs)), warmup)
 
     def run(*a, **k):
         for dst, src in zip(static_args, a):

@@ -31,20 +31,33 @@ def rotation_count(bytes_per_set: int) -> int:
     return max(2, math.ceil(3 * l2 / max(bytes_per_set, 1)))
 
 
-def time_in_graph(fn, input_sets, calls: int = 100, repeats: int = 15) -> float:
-    """Median microseconds per call of fn(*inputs), measured as `calls` back-to-back calls
-    (cycling through input_sets) captured in one CUDA graph, timed with CUDA events."""
+def capture_graph(record, warmup):
+    """(graph, record()'s result captured in it): warmup() runs first on a side stream, so lazy
+    initialisation (cuBLAS handles, autotuning) stays out of the graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for inputs in input_sets[:3]:
-            fn(*inputs)
+        warmup()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        result = record()
+    return graph, result
+
+
+def time_in_graph(fn, input_sets, calls: int = 100, repeats: int = 15) -> float:
+    """Median microseconds per call of fn(*inputs), measured as `calls` back-to-back calls
+    (cycling through input_sets) captured in one CUDA graph, timed with CUDA events."""
+    def warmup():
+        for inputs in input_sets[:3]:
+            fn(*inputs)
+
+    def record():
         for i in range(calls):
             fn(*input_sets[i % len(input_sets)])
+
+    graph, _ = capture_graph(record, warmup)
     graph.replay()
     torch.cuda.synchronize()
     times = []

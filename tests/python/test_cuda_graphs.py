@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import mirage
-from common import randn
+from common import capture_graph, randn
 
 
 @pytest.mark.cuda
@@ -19,15 +19,7 @@ def test_capture_and_replay_with_new_inputs():
                 mirage.ops.layer_norm(t, w, w, 1e-5, residual=r),
                 mirage.ops.geglu(f))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+    graph, outputs = capture_graph(step)
     for _ in range(3):
         for buf in (x, t, r, f):
             buf.copy_(randn(*buf.shape, device="cuda", dtype=buf.dtype))

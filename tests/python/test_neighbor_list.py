@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mirage
-from common import DEVICES, assert_error
+from common import DEVICES, assert_error, capture_graph
 
 # Periodic cells (rows are lattice vectors) and the cutoffs tried in them. "small" has a cutoff
 # beyond the whole box along every axis, so an atom meets its own images and pairs meet several.
@@ -663,15 +663,7 @@ def test_cuda_graph_capture_and_replay_with_moved_positions(method):
         result = mirage.ops.neighbor_list(pos, cutoff, cell, max_pairs=capacity, method=method)
         return result, mirage.ops.radial_basis(result.distances, "bessel", 8, cutoff, "cosine")
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, features = step()
+    graph, (captured, features) = capture_graph(step)
     for scale in [1.0, 1.0, 4.0]:  # the last round packs the atoms 8x denser: they overflow
         pos.copy_(random_in_cell(64, [[v / scale for v in row] for row in cell_values], torch.float32, "cuda"))
         graph.replay()
@@ -697,15 +689,7 @@ def test_cuda_graph_captures_energy_forces_and_stress():
         forces, d_cell = torch.autograd.grad(-energy, (pos, cell))
         return energy.detach(), forces, d_cell
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
     for _ in range(3):
         with torch.no_grad():
             pos.copy_(random_in_cell(48, cell_values, torch.float32, "cuda"))
