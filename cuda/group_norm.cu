@@ -67,12 +67,12 @@ struct Args {
   float eps;
   bool channels_last;
   Activation activation;
-  int chunks;          // split paths: chunks per group
-  int64_t chunk_size;  // groups path: vectors per chunk; nhwc path: pixels per chunk
+  int chunks;          // split and resident paths: chunks (blocks) per group or sample
+  int64_t chunk_size;  // groups and resident-spans paths: vectors per chunk; nhwc: pixels per chunk
   int tiles;           // nhwc path: column tiles per sample
   int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
   int64_t resident_rows;  // resident path: pixel rows per block (chunks = blocks per sample)
-  Moments* partial;    // split paths: [N * G, chunks]
+  Moments* partial;    // split and resident paths: [N * G, chunks]
   float2* stats;       // split paths: [N * G] (mean, rstd)
 };
 
