@@ -7,6 +7,8 @@
 // own float32-list ops do: coordinates and distances need float32's precision (a bfloat16
 // distance of 5 A is off by up to 0.02 A), and what follows them casts for itself. float64 input
 // (on the CPU) is left alone.
+// message_passing and pair_product run in the autocast dtype, like a matmul: x and filter (a and
+// b) are cast to it, and the kernels accumulate in float32 whatever the dtype.
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -73,6 +75,23 @@ at::Tensor radial_basis_autocast(const at::Tensor& distances, c10::string_view k
                                       cutoff, cutoff_fn);
 }
 
+template <c10::DeviceType Device, c10::DispatchKey Key>
+at::Tensor message_passing_autocast(const at::Tensor& x, const at::Tensor& filter,
+                                    const at::Tensor& pairs) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = at::autocast::get_autocast_dtype(Device);
+  return handles::message_passing().call(cached_cast(dtype, x, Device),
+                                         cached_cast(dtype, filter, Device), pairs);
+}
+
+template <c10::DeviceType Device, c10::DispatchKey Key>
+at::Tensor pair_product_autocast(const at::Tensor& a, const at::Tensor& b, const at::Tensor& pairs) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = at::autocast::get_autocast_dtype(Device);
+  return handles::pair_product().call(cached_cast(dtype, a, Device), cached_cast(dtype, b, Device),
+                                      pairs);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
@@ -84,6 +103,8 @@ TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
+  m.impl("message_passing", &message_passing_autocast<kDevice, kKey>);
+  m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
 }
 
 TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
@@ -95,6 +116,8 @@ TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
+  m.impl("message_passing", &message_passing_autocast<kDevice, kKey>);
+  m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
 }
 
 }  // namespace mirage::autocast

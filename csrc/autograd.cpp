@@ -2,6 +2,9 @@
 // backward recomputes the op with PyTorch's differentiable composite and differentiates that.
 // The recompute costs one extra forward, but the gradients are PyTorch's own, and double
 // backward works because the composite is differentiable too.
+// message_passing and pair_product are the exception: each one's gradients are the two ops
+// themselves (docs/ops.md), so their backward calls them through the dispatcher, autograd
+// included, with no recompute, and is differentiable to any order in turn.
 #include <cmath>
 #include <functional>
 #include <string>
@@ -290,6 +293,53 @@ struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
   }
 };
 
+// pairs[0] receives, pairs[1] sends; the transposed scatter swaps them.
+at::Tensor swapped(const at::Tensor& pairs) { return pairs.flip(0); }
+
+struct MessagePassingFunction : torch::autograd::Function<MessagePassingFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& filter,
+                            const at::Tensor& pairs) {
+    ctx->save_for_backward({x, filter, pairs});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::message_passing().call(x, filter, pairs);
+  }
+
+  // grad_x[n] = sum over p with j_p == n of g[i_p] * filter[p]; grad_filter[p] = g[i_p] * x[j_p].
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& grad = grad_outputs[0];
+    at::Tensor grad_x, grad_filter;
+    if (grad.defined()) {
+      if (ctx->needs_input_grad(0))
+        grad_x = handles::message_passing().call(grad, saved[1], swapped(saved[2]));
+      if (ctx->needs_input_grad(1)) grad_filter = handles::pair_product().call(grad, saved[0], saved[2]);
+    }
+    return {grad_x, grad_filter, at::Tensor()};
+  }
+};
+
+struct PairProductFunction : torch::autograd::Function<PairProductFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& pairs) {
+    ctx->save_for_backward({a, b, pairs});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::pair_product().call(a, b, pairs);
+  }
+
+  // grad_a[n] = sum over p with i_p == n of g[p] * b[j_p]; grad_b[n] likewise over j_p == n.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& grad = grad_outputs[0];
+    at::Tensor grad_a, grad_b;
+    if (grad.defined()) {
+      if (ctx->needs_input_grad(0)) grad_a = handles::message_passing().call(saved[1], grad, saved[2]);
+      if (ctx->needs_input_grad(1))
+        grad_b = handles::message_passing().call(saved[0], grad, swapped(saved[2]));
+    }
+    return {grad_a, grad_b, at::Tensor()};
+  }
+};
+
 at::Tensor group_norm_autograd(const at::Tensor& x, int64_t num_groups,
                                const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, double eps,
@@ -329,6 +379,15 @@ at::Tensor radial_basis_autograd(const at::Tensor& distances, c10::string_view k
   return RadialBasisFunction::apply(distances, kind, num, cutoff, cutoff_fn);
 }
 
+at::Tensor message_passing_autograd(const at::Tensor& x, const at::Tensor& filter,
+                                   const at::Tensor& pairs) {
+  return MessagePassingFunction::apply(x, filter, pairs);
+}
+
+at::Tensor pair_product_autograd(const at::Tensor& a, const at::Tensor& b, const at::Tensor& pairs) {
+  return PairProductFunction::apply(a, b, pairs);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
@@ -338,6 +397,8 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("geglu", &geglu_autograd);
   m.impl("neighbor_list", &neighbor_list_autograd);
   m.impl("radial_basis", &radial_basis_autograd);
+  m.impl("message_passing", &message_passing_autograd);
+  m.impl("pair_product", &pair_product_autograd);
 }
 
 }  // namespace mirage::autograd

@@ -24,6 +24,7 @@ using NeighborListSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>&, int64_t, bool, c10::string_view);
 using RadialBasisSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t, double,
                                   c10::string_view);
+using PairOpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
@@ -42,6 +43,8 @@ MIRAGE_OP_HANDLE(add_layer_norm, AddLayerNormSig)
 MIRAGE_OP_HANDLE(geglu, GegluSig)
 MIRAGE_OP_HANDLE(neighbor_list, NeighborListSig)
 MIRAGE_OP_HANDLE(radial_basis, RadialBasisSig)
+MIRAGE_OP_HANDLE(message_passing, PairOpSig)
+MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

@@ -9,9 +9,12 @@ TORCH_LIBRARY(mirage, m) {
   m.def("add_layer_norm(Tensor x, Tensor residual, Tensor? weight=None, Tensor? bias=None, "
         "float eps=1e-05) -> (Tensor out, Tensor sum)");
   m.def("geglu(Tensor x, str approximate=\"none\") -> Tensor");
-  // Force fields (docs/ops.md): a fixed-capacity neighbor list and a fused radial basis.
+  // Force fields (docs/ops.md): a fixed-capacity neighbor list, a fused radial basis, and message
+  // passing over the pairs with its gather-product companion (each one's gradient is the other).
   m.def("neighbor_list(Tensor positions, float cutoff, Tensor? cell=None, Tensor? pbc=None, "
         "Tensor? batch=None, int max_pairs=-1, bool half=False, str method=\"auto\") -> "
         "(Tensor pairs, Tensor shifts, Tensor distances, Tensor num_pairs)");
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
+  m.def("message_passing(Tensor x, Tensor filter, Tensor pairs) -> Tensor");
+  m.def("pair_product(Tensor a, Tensor b, Tensor pairs) -> Tensor");
 }

@@ -172,3 +172,46 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
         ``(*, num)``. Differentiable in ``distances`` to any order; NaN distances give NaN rows.
     """
     return torch.ops.mirage.radial_basis(distances, kind, num, cutoff, cutoff_fn)
+
+
+def message_passing(x: Tensor, filter: Tensor, pairs: Tensor) -> Tensor:
+    """Sums filtered neighbor features into each receiver: SchNet's continuous-filter convolution.
+
+    ``out[i] = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filter[p]``, i.e.
+    ``torch.zeros_like(x).index_add_(0, pairs[0], x[pairs[1]] * filter)`` without the ``[P, F]``
+    intermediate. Pairs may come in any order and repeat (``neighbor_list``'s receiver-sorted
+    order is the fast case on CUDA).
+
+    Args:
+        x: ``(N, F)`` node features; float32, float16 or bfloat16 (float64 too on the CPU).
+        filter: ``(P, F)`` per-pair weights, x's dtype.
+        pairs: ``(2, P)`` int64; row 0 the receivers ``i``, row 1 the senders ``j`` (as
+            ``neighbor_list`` returns them). ``P`` may be 0; ``N`` only when ``P`` is.
+
+    Returns:
+        ``(N, F)`` in x's dtype, accumulated in float32 (float64 on the CPU). Differentiable in
+        ``x`` and ``filter`` to any order (the gradients are ``message_passing`` and
+        ``pair_product`` again). Under autocast it runs in the autocast dtype. Indices outside
+        ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads them on the host,
+        skips those pairs and returns an all-NaN output.
+    """
+    return torch.ops.mirage.message_passing(x, filter, pairs)
+
+
+def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
+    """The product of the two ends' features for every pair: ``a[pairs[0]] * b[pairs[1]]``.
+
+    The gradient of ``message_passing`` with respect to its filter (and the op whose gradients
+    are ``message_passing``).
+
+    Args:
+        a: ``(N, F)``; float32, float16 or bfloat16 (float64 too on the CPU).
+        b: ``(N, F)``, a's dtype.
+        pairs: ``(2, P)`` int64; ``P`` may be 0; ``N`` only when ``P`` is.
+
+    Returns:
+        ``(P, F)`` in a's dtype (each product rounded once). Differentiable in ``a`` and ``b`` to
+        any order; under autocast it runs in the autocast dtype. Indices outside ``[0, N)``: the
+        CPU raises ``RuntimeError``; CUDA writes NaN to the rows of those pairs.
+    """
+    return torch.ops.mirage.pair_product(a, b, pairs)
