@@ -359,6 +359,9 @@ def test_compile_fullgraph_matches_eager(device):
 @pytest.mark.parametrize("order", ["random", "sorted"])
 def test_cuda_real_sizes(dtype, n, p, order):
     x, w, pairs = inputs(n, 128, p, dtype=dtype, device="cuda")
+    # About p / n messages per row: a filter scaled by 1 / sqrt(p / n) keeps the sums O(1), the
+    # scale the tolerance table is made for (float32 atomics round at the partial sums' scale).
+    w = (w.float() * (n / p) ** 0.5).to(dtype)
     if order == "sorted":
         pairs = sorted_pairs(pairs)
     assert_matches(mirage.ops.message_passing(x, w, pairs), message_passing_composite, (x, w, pairs), dtype)
