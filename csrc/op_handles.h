@@ -44,4 +44,18 @@ MIRAGE_OP_HANDLE(neighbor_list, NeighborListSig)
 MIRAGE_OP_HANDLE(radial_basis, RadialBasisSig)
 #undef MIRAGE_OP_HANDLE
 
+using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&);
+#define MIRAGE_OP_HANDLE(NAME, SIG)                                  \
+  inline const c10::TypedOperatorHandle<SIG>& NAME() {               \
+    static const auto handle = lookup<SIG>("mirage::" #NAME);        \
+    return handle;                                                   \
+  }
+MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
+MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
+#undef MIRAGE_OP_HANDLE
+
 }  // namespace mirage::handles

@@ -14,4 +14,10 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor? batch=None, int max_pairs=-1, bool half=False, str method=\"auto\") -> "
         "(Tensor pairs, Tensor shifts, Tensor distances, Tensor num_pairs)");
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
+  // PaiNN's scalar/vector messages; its backward is an op of its own (the forces' hot path).
+  m.def("vector_message_passing(Tensor x, Tensor filter, Tensor vectors, Tensor directions, "
+        "Tensor pairs) -> (Tensor scalar, Tensor vector)");
+  m.def("vector_message_passing_backward(Tensor grad_scalar, Tensor grad_vector, Tensor x, "
+        "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs) -> (Tensor grad_x, "
+        "Tensor grad_filter, Tensor grad_vectors, Tensor grad_directions)");
 }
