@@ -30,6 +30,24 @@ size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 __device__ __forceinline__ bool in_range(int64_t i, int64_t n) { return i >= 0 && i < n; }
 
+// out[0 .. V) += v. With V = 4 (out 16-byte aligned, as the launchers check) Hopper adds the four
+// in one vector atomic: a quarter of the atomic requests, which bound the scatter. Older GPUs get
+// four scalar atomics from their own code path of this fat binary.
+template <int V>
+__device__ __forceinline__ void atomic_add(float* out, const float (&v)[V]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kVector = V == 4;
+#else
+  constexpr bool kVector = false;
+#endif
+  if constexpr (kVector) {
+    atomicAdd(reinterpret_cast<float4*>(out), make_float4(v[0], v[1], v[2], v[3]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) atomicAdd(out + e, v[e]);
+  }
+}
+
 // The run of pairs of this warp: [begin, begin + count). count <= 0 when the warp has none.
 struct PairRun {
   int64_t begin;
@@ -85,12 +103,9 @@ __global__ void __launch_bounds__(kLanes* kWarps)
   int64_t current = -1;
   const auto flush = [&] {
     if (current < 0 || !active) return;
+    atomic_add<V>(scalar + current * F + f, acc_s);
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      atomicAdd(scalar + current * F + f + v, acc_s[v]);
-#pragma unroll
-      for (int c = 0; c < 3; ++c) atomicAdd(vector + (current * 3 + c) * F + f + v, acc_v[c][v]);
-    }
+    for (int c = 0; c < 3; ++c) atomic_add<V>(vector + (current * 3 + c) * F + f, acc_v[c]);
   };
   for (int k = 0; k < run.count; ++k) {
     const int64_t i = __shfl_sync(kFullMask, mine.i, k);
@@ -174,8 +189,7 @@ __global__ void __launch_bounds__(kLanes* kWarps)
       load_packed<T, V>(filter + pair * 3 * F + f, fs);
       load_packed<T, V>(filter + pair * 3 * F + F + f, fvv);
       load_packed<T, V>(filter + pair * 3 * F + 2 * F + f, fvs);
-      float gf_s[V], gf_vv[V], gf_vs[V];
-      float* gx = grad_x + j * 3 * F + f;
+      float gf_s[V], gf_vv[V], gf_vs[V], gx_s[V], gx_vv[V], gx_vs[V], gvec[3][V];
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         // Gradients of the message parts m_s, m_vv, m_vs of this pair.
@@ -189,16 +203,21 @@ __global__ void __launch_bounds__(kLanes* kWarps)
         gf_s[v] = g_s * xs[v];
         gf_vv[v] = g_vv * xvv[v];
         gf_vs[v] = g_vs * xvs[v];
-        atomicAdd(gx + v, g_s * fs[v]);
-        atomicAdd(gx + F + v, g_vv * fvv[v]);
-        atomicAdd(gx + 2 * F + v, g_vs * fvs[v]);
+        gx_s[v] = g_s * fs[v];
+        gx_vv[v] = g_vv * fvv[v];
+        gx_vs[v] = g_vs * fvs[v];
         const float m_vv = xvv[v] * fvv[v], m_vs = xvs[v] * fvs[v];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
-          atomicAdd(grad_vectors + (j * 3 + c) * F + f + v, gv[c][v] * m_vv);
+          gvec[c][v] = gv[c][v] * m_vv;
           part[c] += gv[c][v] * m_vs;
         }
       }
+      atomic_add<V>(grad_x + j * 3 * F + f, gx_s);
+      atomic_add<V>(grad_x + j * 3 * F + F + f, gx_vv);
+      atomic_add<V>(grad_x + j * 3 * F + 2 * F + f, gx_vs);
+#pragma unroll
+      for (int c = 0; c < 3; ++c) atomic_add<V>(grad_vectors + (j * 3 + c) * F + f, gvec[c]);
       store_packed<T, V>(grad_filter + pair * 3 * F + f, gf_s);
       store_packed<T, V>(grad_filter + pair * 3 * F + F + f, gf_vv);
       store_packed<T, V>(grad_filter + pair * 3 * F + 2 * F + f, gf_vs);
@@ -221,8 +240,7 @@ struct Segment {
 };
 
 struct Segments {
-  Segment s[4];
-  int n;
+  Segment s[4];  // unused ones have count 0
 };
 
 template <typename T>
@@ -230,7 +248,8 @@ __global__ void __launch_bounds__(256) finish_kernel(Segments segments, const in
   const bool bad = *invalid != 0;
   const T nan = from_float<T>(__int_as_float(0x7fc00000));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int k = 0; k < segments.n; ++k) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // unrolled: a constant index keeps the segments in parameter space
     const Segment s = segments.s[k];
     if (s.acc == nullptr && !bad) continue;
     T* out = static_cast<T*>(s.out);
@@ -247,11 +266,15 @@ int pick_pairs_per_warp(int64_t num_pairs, int64_t tiles) {
   return static_cast<int>(std::clamp<int64_t>(per_warp, 1, kLanes));
 }
 
-// V = 4 feature columns per lane when every row starts 4-element aligned, else 1.
-bool can_pack(int64_t features, std::initializer_list<const void*> pointers, DType dtype) {
+// V = 4 feature columns per lane when every row of the inputs (dtype) and of the float32
+// accumulators starts 4-element aligned, else 1.
+bool can_pack(int64_t features, std::initializer_list<const void*> inputs, DType dtype,
+              std::initializer_list<const float*> accumulators) {
   if (features % 4 != 0) return false;
-  for (const void* ptr : pointers)
+  for (const void* ptr : inputs)
     if (!is_aligned(ptr, 4 * dtype_size(dtype))) return false;
+  for (const float* ptr : accumulators)
+    if (!is_aligned(ptr, 4 * sizeof(float))) return false;
   return true;
 }
 
@@ -286,7 +309,7 @@ size_t workspace_bytes(DType dtype, std::initializer_list<int64_t> counts) {
 template <typename T>
 cudaError_t launch_finish(const Segments& segments, const int* invalid, cudaStream_t stream) {
   int64_t largest = 0;
-  for (int k = 0; k < segments.n; ++k) largest = std::max(largest, segments.s[k].count);
+  for (const Segment& s : segments.s) largest = std::max(largest, s.count);
   const int64_t blocks = std::clamp<int64_t>(ceil_div(largest, 256), 1, 4LL * sm_count());
   finish_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(segments, invalid);
   return cudaGetLastError();
@@ -318,7 +341,7 @@ cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, v
   if (status == cudaSuccess) status = cudaMemsetAsync(scalar, 0, n_scalar * sizeof(float), stream);
   if (status == cudaSuccess) status = cudaMemsetAsync(vector, 0, n_vector * sizeof(float), stream);
   if (status != cudaSuccess) return status;
-  const bool pack = can_pack(p.features, {p.x, p.filter, p.vectors}, p.dtype);
+  const bool pack = can_pack(p.features, {p.x, p.filter, p.vectors}, p.dtype, {scalar, vector});
   const int V = pack ? 4 : 1;
   const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * V));
   const int pairs_per_warp = pick_pairs_per_warp(p.num_pairs, tiles);
@@ -335,8 +358,9 @@ cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, v
       if (status != cudaSuccess) return;
     }
     Segments segments{{{float32 ? nullptr : scalar, p.scalar, n_scalar},
-                       {float32 ? nullptr : vector, p.vector, n_vector}},
-                      2};
+                       {float32 ? nullptr : vector, p.vector, n_vector},
+                       {nullptr, nullptr, 0},
+                       {nullptr, nullptr, 0}}};
     status = launch_finish<scalar_t>(segments, w.invalid, stream);
   });
   return status;
@@ -357,7 +381,7 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
-                             p.dtype);
+                             p.dtype, {grad_x, grad_vectors});
   const int V = pack ? 4 : 1;
   const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * V));
   const int pairs_per_warp = pick_pairs_per_warp(p.num_pairs, tiles);
@@ -378,8 +402,7 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
     Segments segments{{{float32 ? nullptr : grad_x, p.grad_x, n_node},
                        {float32 ? nullptr : grad_vectors, p.grad_vectors, n_node},
                        {float32 ? nullptr : grad_directions, p.grad_directions, n_dir},
-                       {nullptr, p.grad_filter, p.num_pairs * 3 * p.features}},
-                      4};
+                       {nullptr, p.grad_filter, p.num_pairs * 3 * p.features}}};
     status = launch_finish<scalar_t>(segments, w.invalid, stream);
   });
   return status;
