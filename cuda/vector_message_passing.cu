@@ -306,6 +306,12 @@ size_t workspace_bytes(DType dtype, std::initializer_list<int64_t> counts) {
   return bytes;
 }
 
+// Empty outputs may have no storage at all: their null pointer is never handed to CUDA.
+cudaError_t zero(void* ptr, int64_t count, size_t element_bytes, cudaStream_t stream) {
+  return count > 0 ? cudaMemsetAsync(ptr, 0, static_cast<size_t>(count) * element_bytes, stream)
+                   : cudaSuccess;
+}
+
 template <typename T>
 cudaError_t launch_finish(const Segments& segments, const int* invalid, cudaStream_t stream) {
   int64_t largest = 0;
@@ -337,9 +343,9 @@ cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, v
   const Workspace w = carve(workspace, float32, {n_scalar, n_vector});
   float* scalar = float32 ? static_cast<float*>(p.scalar) : w.acc[0];
   float* vector = float32 ? static_cast<float*>(p.vector) : w.acc[1];
-  cudaError_t status = cudaMemsetAsync(w.invalid, 0, sizeof(int), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(scalar, 0, n_scalar * sizeof(float), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(vector, 0, n_vector * sizeof(float), stream);
+  cudaError_t status = zero(w.invalid, 1, sizeof(int), stream);
+  if (status == cudaSuccess) status = zero(scalar, n_scalar, sizeof(float), stream);
+  if (status == cudaSuccess) status = zero(vector, n_vector, sizeof(float), stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features, {p.x, p.filter, p.vectors}, p.dtype, {scalar, vector});
   const int V = pack ? 4 : 1;
@@ -374,10 +380,10 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   float* grad_x = float32 ? static_cast<float*>(p.grad_x) : w.acc[0];
   float* grad_vectors = float32 ? static_cast<float*>(p.grad_vectors) : w.acc[1];
   float* grad_directions = float32 ? static_cast<float*>(p.grad_directions) : w.acc[2];
-  cudaError_t status = cudaMemsetAsync(w.invalid, 0, sizeof(int), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(grad_x, 0, n_node * sizeof(float), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(grad_vectors, 0, n_node * sizeof(float), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(grad_directions, 0, n_dir * sizeof(float), stream);
+  cudaError_t status = zero(w.invalid, 1, sizeof(int), stream);
+  if (status == cudaSuccess) status = zero(grad_x, n_node, sizeof(float), stream);
+  if (status == cudaSuccess) status = zero(grad_vectors, n_node, sizeof(float), stream);
+  if (status == cudaSuccess) status = zero(grad_directions, n_dir, sizeof(float), stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
