@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, capture_graph, randn, strided
+from common import DEVICES, DTYPES, OpCounter, assert_error, capture_graph, randn, strided
 from tolerances import tolerance
 
 OP = torch.ops.mirage.vector_message_passing
@@ -206,8 +206,6 @@ def test_backward_uses_the_fused_op():
     inputs = make_inputs(5, 4, 17, torch.float32)
     leaves = [t.requires_grad_() for t in inputs[:4]]
     scalar, vector = mirage.ops.vector_message_passing(*leaves, inputs[4])
-    from common import OpCounter
-
     with OpCounter() as counter:
         torch.autograd.grad((scalar.sum() + vector.sum()), leaves)
     assert "mirage.vector_message_passing_backward" in counter.calls
