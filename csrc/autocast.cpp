@@ -120,4 +120,35 @@ TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
   m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
 }
 
+// mirage::vector_message_passing runs in the autocast dtype: every floating input (x, filter,
+// vectors, directions) is cast to it, the sums stay float32 inside the kernel. directions are
+// unit vectors, which float16/bfloat16 hold to their usual relative rounding; keeping them in
+// float32 would save no accuracy worth a second dtype in the kernels. float64 is left alone.
+namespace {
+
+template <c10::DeviceType Device, c10::DispatchKey Key>
+std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Tensor& x,
+                                                                   const at::Tensor& filter,
+                                                                   const at::Tensor& vectors,
+                                                                   const at::Tensor& directions,
+                                                                   const at::Tensor& pairs) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = at::autocast::get_autocast_dtype(Device);
+  return handles::vector_message_passing().call(
+      cached_cast(dtype, x, Device), cached_cast(dtype, filter, Device),
+      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
+  m.impl("vector_message_passing",
+         &vector_message_passing_autocast<c10::DeviceType::CUDA, c10::DispatchKey::Autocast>);
+}
+
+TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
+  m.impl("vector_message_passing",
+         &vector_message_passing_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+}
+
 }  // namespace mirage::autocast

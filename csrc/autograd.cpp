@@ -401,4 +401,110 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("pair_product", &pair_product_autograd);
 }
 
+// mirage::vector_message_passing. Its backward is a fused op of its own (forces are this
+// gradient, so it must not cost a composite recompute); that op's backward in turn recomputes
+// the gradient formulas below with PyTorch ops, which gives double backward (force training).
+namespace {
+
+// The gradients of vector_message_passing (docs/ops.md) as differentiable PyTorch ops, float32
+// inside for float16/bfloat16. Per pair p = (i, j), with m = x[j] * filter[p] = (m_s, m_vv, m_vs):
+// dL/dm_s = grad_scalar[i], dL/dm_vv = sum_c grad_vector[i, c] * vectors[j, c],
+// dL/dm_vs = sum_c grad_vector[i, c] * directions[p, c].
+variable_list vector_message_passing_backward_composite(const variable_list& in) {
+  const at::Tensor& x = in[2];
+  const bool low_precision = x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble;
+  const auto up = [&](const at::Tensor& t) { return low_precision ? t.to(at::kFloat) : t; };
+  const at::Tensor& pairs = in[6];
+  const at::Tensor i = pairs.select(0, 0), j = pairs.select(0, 1);
+  const int64_t nodes = x.size(0), features = x.size(1) / 3;
+  const at::Tensor x_j = up(x).index_select(0, j), filter = up(in[3]);
+  const at::Tensor grad_scalar_i = up(in[0]).index_select(0, i);
+  const at::Tensor grad_vector_i = up(in[1]).index_select(0, i);  // [P, 3, F]
+  const at::Tensor vectors_j = up(in[4]).index_select(0, j);
+  const at::Tensor directions = up(in[5]);
+  const at::Tensor grad_m = at::cat({grad_scalar_i, (grad_vector_i * vectors_j).sum(1),
+                                     (grad_vector_i * directions.unsqueeze(-1)).sum(1)},
+                                    -1);  // [P, 3F]
+  const at::Tensor m = x_j * filter;
+  const at::Tensor m_vv = m.narrow(-1, features, features).unsqueeze(1);
+  const at::Tensor m_vs = m.narrow(-1, 2 * features, features).unsqueeze(1);
+  const at::Tensor grad_x =
+      at::zeros({nodes, 3 * features}, filter.options()).index_add(0, j, grad_m * filter);
+  const at::Tensor grad_vectors =
+      at::zeros({nodes, 3, features}, filter.options()).index_add(0, j, grad_vector_i * m_vv);
+  const auto dtype = x.scalar_type();
+  return {grad_x.to(dtype), (grad_m * x_j).to(dtype), grad_vectors.to(dtype),
+          (grad_vector_i * m_vs).sum(-1).to(dtype)};
+}
+
+struct VectorMessagePassingBackwardFunction
+    : torch::autograd::Function<VectorMessagePassingBackwardFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_scalar,
+                               const at::Tensor& grad_vector, const at::Tensor& x,
+                               const at::Tensor& filter, const at::Tensor& vectors,
+                               const at::Tensor& directions, const at::Tensor& pairs) {
+    save_inputs(ctx, {grad_scalar, grad_vector, x, filter, vectors, directions, pairs});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [grad_x, grad_filter, grad_vectors, grad_directions] =
+        handles::vector_message_passing_backward().call(grad_scalar, grad_vector, x, filter,
+                                                        vectors, directions, pairs);
+    return {grad_x, grad_filter, grad_vectors, grad_directions};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list grads =
+        composite_backward(ctx, grad_outputs, &vector_message_passing_backward_composite);
+    grads[6] = at::Tensor();
+    return grads;
+  }
+};
+
+struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePassingFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& filter,
+                               const at::Tensor& vectors, const at::Tensor& directions,
+                               const at::Tensor& pairs) {
+    ctx->save_for_backward({x, filter, vectors, directions, pairs});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [scalar, vector] =
+        handles::vector_message_passing().call(x, filter, vectors, directions, pairs);
+    return {scalar, vector};
+  }
+
+  // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
+    // backward.
+    auto [grad_x, grad_filter, grad_vectors, grad_directions] =
+        handles::vector_message_passing_backward().call(grad_outputs[0], grad_outputs[1], saved[0],
+                                                        saved[1], saved[2], saved[3], saved[4]);
+    return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> vector_message_passing_autograd(const at::Tensor& x,
+                                                                   const at::Tensor& filter,
+                                                                   const at::Tensor& vectors,
+                                                                   const at::Tensor& directions,
+                                                                   const at::Tensor& pairs) {
+  const variable_list out = VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs);
+  return {out[0], out[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_autograd(
+    const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
+    const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
+    const at::Tensor& pairs) {
+  const variable_list out = VectorMessagePassingBackwardFunction::apply(
+      grad_scalar, grad_vector, x, filter, vectors, directions, pairs);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
+  m.impl("vector_message_passing", &vector_message_passing_autograd);
+  m.impl("vector_message_passing_backward", &vector_message_passing_backward_autograd);
+}
+
 }  // namespace mirage::autograd

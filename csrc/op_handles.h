@@ -47,4 +47,18 @@ MIRAGE_OP_HANDLE(message_passing, PairOpSig)
 MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 #undef MIRAGE_OP_HANDLE
 
+using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&);
+#define MIRAGE_OP_HANDLE(NAME, SIG)                                  \
+  inline const c10::TypedOperatorHandle<SIG>& NAME() {               \
+    static const auto handle = lookup<SIG>("mirage::" #NAME);        \
+    return handle;                                                   \
+  }
+MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
+MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
+#undef MIRAGE_OP_HANDLE
+
 }  // namespace mirage::handles

@@ -17,4 +17,10 @@ TORCH_LIBRARY(mirage, m) {
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
   m.def("message_passing(Tensor x, Tensor filter, Tensor pairs) -> Tensor");
   m.def("pair_product(Tensor a, Tensor b, Tensor pairs) -> Tensor");
+  // PaiNN's scalar/vector messages; its backward is an op of its own (the forces' hot path).
+  m.def("vector_message_passing(Tensor x, Tensor filter, Tensor vectors, Tensor directions, "
+        "Tensor pairs) -> (Tensor scalar, Tensor vector)");
+  m.def("vector_message_passing_backward(Tensor grad_scalar, Tensor grad_vector, Tensor x, "
+        "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs) -> (Tensor grad_x, "
+        "Tensor grad_filter, Tensor grad_vectors, Tensor grad_directions)");
 }

@@ -215,3 +215,37 @@ def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
         CPU raises ``RuntimeError``; CUDA writes NaN to the rows of those pairs.
     """
     return torch.ops.mirage.pair_product(a, b, pairs)
+def vector_message_passing(
+    x: Tensor, filter: Tensor, vectors: Tensor, directions: Tensor, pairs: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """PaiNN's message step, fused: scalar and vector messages summed into their receivers.
+
+    For each pair ``p = (i, j) = (pairs[0, p], pairs[1, p])`` (``i`` receives from ``j``, as
+    :func:`neighbor_list` lists them), with ``m = x[j] * filter[p]`` split into ``(m_s, m_vv,
+    m_vs)``, each ``F`` wide::
+
+        scalar[i]    += m_s
+        vector[i, c] += vectors[j, c] * m_vv + m_vs * directions[p, c]
+
+    This is ``PaiNNMessage`` of examples/forcefield/models.py without its residual adds.
+
+    Args:
+        x: ``(N, 3F)`` node features (PaiNN's ``phi(s)``), parts in the order ``(s, vv, vs)``;
+            float32, float16 or bfloat16 (float64 too on the CPU).
+        filter: ``(P, 3F)`` pair filter, cutoff already multiplied in, same part order.
+        vectors: ``(N, 3, F)`` vector features.
+        directions: ``(P, 3)`` unit vectors ``r_ij / |r_ij|``.
+        pairs: ``(2, P)`` int64; any order, repeats allowed. The floating inputs share ``x``'s
+            dtype and device; strided inputs are copied to contiguous first.
+
+    Returns:
+        ``(scalar, vector)``: ``(N, F)`` and ``(N, 3, F)`` in ``x``'s dtype, summed in float32
+        (float64 on the CPU). Differentiable in ``x``, ``filter``, ``vectors`` and
+        ``directions``, to second order (forces and force training); the first-order backward is
+        a fused kernel of its own (``torch.ops.mirage.vector_message_passing_backward``).
+        Under autocast it runs in the autocast dtype (every floating input cast to it).
+
+    An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads
+    indices on the host, skips the pair and writes NaN to every output (gradients too).
+    """
+    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs)

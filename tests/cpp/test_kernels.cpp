@@ -20,6 +20,7 @@
 #include "message_passing.cuh"
 #include "neighbor_list.cuh"
 #include "radial_basis.cuh"
+#include "vector_message_passing.cuh"
 
 namespace mc = mirage::cuda;
 
@@ -611,6 +612,151 @@ TEST_CASE("launch_message_passing and launch_pair_product match the host referen
       pairs[300 + 5] = bad;   // a sender
       check_message_passing<float>(50, 128, pairs, 1e-4);
       check_message_passing<__half>(50, 33, pairs, 4e-3);
+    }
+  }
+}
+
+// ---- vector_message_passing -----------------------------------------------------------------
+
+namespace {
+
+struct MessageCase {
+  int64_t nodes, features, pairs;
+  bool sorted;
+};
+
+struct MessageInputs {
+  std::vector<float> x, filter, vectors, directions, grad_scalar, grad_vector;
+  std::vector<int64_t> pairs;  // [2, P]
+};
+
+MessageInputs message_inputs(const MessageCase& k) {
+  const int64_t F = k.features;
+  MessageInputs in{random_values(k.nodes * 3 * F), random_values(k.pairs * 3 * F),
+                   random_values(k.nodes * 3 * F), random_values(k.pairs * 3),
+                   random_values(k.nodes * F),     random_values(k.nodes * 3 * F),
+                   std::vector<int64_t>(2 * k.pairs)};
+  std::uniform_int_distribution<int64_t> node(0, k.nodes - 1);
+  std::vector<std::pair<int64_t, int64_t>> ij(k.pairs);
+  for (auto& e : ij) e = {node(rng()), node(rng())};
+  if (k.sorted) std::sort(ij.begin(), ij.end());
+  for (int64_t p = 0; p < k.pairs; ++p) {
+    in.pairs[p] = ij[p].first;
+    in.pairs[k.pairs + p] = ij[p].second;
+    float* d = in.directions.data() + 3 * p;
+    const float norm = std::sqrt(d[0] * d[0] + d[1] * d[1] + d[2] * d[2]);
+    for (int c = 0; c < 3; ++c) d[c] /= norm;
+  }
+  return in;
+}
+
+// Host references in double: the forward (scalar, vector) and backward (grad_x, grad_filter,
+// grad_vectors, grad_directions) of docs/ops.md.
+std::array<std::vector<double>, 6> message_reference(const MessageCase& k, const MessageInputs& in) {
+  const int64_t F = k.features, N = k.nodes, P = k.pairs;
+  std::vector<double> scalar(N * F), vector(N * 3 * F), gx(N * 3 * F), gf(P * 3 * F), gvec(N * 3 * F),
+      gd(P * 3);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t i = in.pairs[p], j = in.pairs[P + p];
+    for (int64_t f = 0; f < F; ++f) {
+      double x[3], fl[3], m[3];
+      for (int part = 0; part < 3; ++part) {
+        x[part] = in.x[j * 3 * F + part * F + f];
+        fl[part] = in.filter[p * 3 * F + part * F + f];
+        m[part] = x[part] * fl[part];
+      }
+      scalar[i * F + f] += m[0];
+      double g[3] = {in.grad_scalar[i * F + f], 0.0, 0.0};
+      for (int c = 0; c < 3; ++c) {
+        const double v = in.vectors[(j * 3 + c) * F + f], d = in.directions[3 * p + c];
+        const double gv = in.grad_vector[(i * 3 + c) * F + f];
+        vector[(i * 3 + c) * F + f] += v * m[1] + m[2] * d;
+        g[1] += gv * v;
+        g[2] += gv * d;
+        gvec[(j * 3 + c) * F + f] += gv * m[1];
+        gd[3 * p + c] += gv * m[2];
+      }
+      for (int part = 0; part < 3; ++part) {
+        gf[p * 3 * F + part * F + f] = g[part] * x[part];
+        gx[j * 3 * F + part * F + f] += g[part] * fl[part];
+      }
+    }
+  }
+  return {scalar, vector, gx, gf, gvec, gd};
+}
+
+struct MessageRun {
+  std::array<std::vector<float>, 6> out;  // scalar, vector, grad_x, grad_filter, grad_vectors, grad_dirs
+};
+
+template <typename T>
+MessageRun run_message_passing(const MessageCase& k, MessageInputs& in) {
+  const int64_t F = k.features, N = k.nodes, P = k.pairs;
+  Device<T> x(in.x), filter(in.filter), vectors(in.vectors), directions(in.directions),
+      grad_scalar(in.grad_scalar), grad_vector(in.grad_vector);
+  Device<T> scalar(N * F), vector(N * 3 * F), gx(N * 3 * F), gf(P * 3 * F), gvec(N * 3 * F), gd(P * 3);
+  int64_t* pairs = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&pairs), std::max<size_t>(in.pairs.size(), 1) * sizeof(int64_t)) ==
+          cudaSuccess);
+  REQUIRE(cudaMemcpy(pairs, in.pairs.data(), in.pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  mc::VectorMessagePassingParams fp{x.ptr, filter.ptr, vectors.ptr, directions.ptr, pairs, scalar.ptr,
+                                    vector.ptr, N, P, F, dtype_of<T>()};
+  mc::VectorMessagePassingBackwardParams bp{grad_scalar.ptr, grad_vector.ptr, x.ptr, filter.ptr,
+                                            vectors.ptr, directions.ptr, pairs, gx.ptr, gf.ptr,
+                                            gvec.ptr, gd.ptr, N, P, F, dtype_of<T>()};
+  const size_t bytes = std::max(mc::vector_message_passing_workspace_bytes(fp),
+                                mc::vector_message_passing_backward_workspace_bytes(bp));
+  void* workspace = nullptr;
+  REQUIRE(cudaMalloc(&workspace, bytes) == cudaSuccess);
+  REQUIRE(cudaMemset(workspace, 0x7F, bytes) == cudaSuccess);  // the launchers initialize it
+  REQUIRE(mc::launch_vector_message_passing(fp, workspace, nullptr) == cudaSuccess);
+  REQUIRE(mc::launch_vector_message_passing_backward(bp, workspace, nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  cudaFree(workspace);
+  cudaFree(pairs);
+  return {{scalar.read(), vector.read(), gx.read(), gf.read(), gvec.read(), gd.read()}};
+}
+
+}  // namespace
+
+TEST_CASE("launch_vector_message_passing(_backward) match the host reference", "[vector_message_passing]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  const MessageCase cases[] = {{12, 128, 132, true}, {12, 128, 132, false}, {9, 129, 60, false},
+                               {300, 64, 20000, true}, {1, 1, 3, false}, {5, 3, 0, false}};
+  for (const MessageCase& k : cases) {
+    INFO("N=" << k.nodes << " F=" << k.features << " P=" << k.pairs << " sorted=" << k.sorted);
+    {
+      MessageInputs in = message_inputs(k);
+      const MessageRun run = run_message_passing<float>(k, in);
+      const auto want = message_reference(k, in);
+      for (int o = 0; o < 6; ++o) {
+        INFO("output " << o << " (float)");
+        require_close(run.out[o], want[o], 1e-4, 1e-4);
+      }
+    }
+    {
+      MessageInputs in = message_inputs(k);
+      const MessageRun run = run_message_passing<__half>(k, in);  // `in` now holds the rounded values
+      const auto want = message_reference(k, in);
+      for (int o = 0; o < 6; ++o) {
+        INFO("output " << o << " (half)");
+        require_close(run.out[o], want[o], 2e-3, 2e-3);
+      }
+    }
+  }
+}
+
+TEST_CASE("launch_vector_message_passing writes NaN for out-of-range pairs", "[vector_message_passing]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  for (const int64_t bad : {int64_t{-1}, int64_t{6}}) {
+    const MessageCase k{6, 8, 40, true};
+    MessageInputs in = message_inputs(k);
+    in.pairs[k.pairs + 17] = bad;
+    const MessageRun run = run_message_passing<float>(k, in);
+    for (int o = 0; o < 6; ++o) {
+      INFO("output " << o << " bad index " << bad);
+      for (const float v : run.out[o]) REQUIRE(std::isnan(v));
     }
   }
 }

@@ -1,0 +1,35 @@
+// mirage::vector_message_passing (and its backward): checks and shapes shared by the CPU, Meta and
+// CUDA kernels.
+#pragma once
+
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace mirage::ops {
+
+inline constexpr std::string_view kVectorMessagePassing = "mirage::vector_message_passing";
+inline constexpr std::string_view kVectorMessagePassingBackward =
+    "mirage::vector_message_passing_backward";
+
+struct VectorMessagePassingShape {
+  int64_t nodes;     // N
+  int64_t pairs;     // P
+  int64_t features;  // F
+};
+
+// Checks x [N, 3F], filter [P, 3F], vectors [N, 3, F], directions [P, 3], pairs [2, P] int64:
+// shapes, dtypes (all floating inputs in x's dtype) and devices. `op` names the op in messages.
+VectorMessagePassingShape check_vector_message_passing(std::string_view op, const at::Tensor& x,
+                                                       const at::Tensor& filter,
+                                                       const at::Tensor& vectors,
+                                                       const at::Tensor& directions,
+                                                       const at::Tensor& pairs);
+
+// The above plus grad_scalar [N, F] and grad_vector [N, 3, F] in x's dtype on x's device.
+VectorMessagePassingShape check_vector_message_passing_backward(
+    const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
+    const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
+    const at::Tensor& pairs);
+
+}  // namespace mirage::ops

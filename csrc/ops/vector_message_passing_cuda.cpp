@@ -1,0 +1,94 @@
+// mirage::vector_message_passing and its backward on CUDA: checks, device guard, current stream,
+// workspace from the caching allocator, then the torch-free launchers.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../../cuda/vector_message_passing.cuh"
+#include "cuda_utils.h"
+#include "vector_message_passing.h"
+
+namespace mirage::ops {
+namespace {
+
+at::Tensor workspace_for(size_t bytes, const at::Tensor& x) {
+  return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+}
+
+std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor& x,
+                                                               const at::Tensor& filter,
+                                                               const at::Tensor& vectors,
+                                                               const at::Tensor& directions,
+                                                               const at::Tensor& pairs) {
+  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous(), fc = filter.contiguous(), vc = vectors.contiguous(),
+                   dc = directions.contiguous(), pc = pairs.contiguous();
+  at::Tensor scalar = at::empty({s.nodes, s.features}, x.options());
+  at::Tensor vector = at::empty({s.nodes, 3, s.features}, x.options());
+  cuda::VectorMessagePassingParams params{};
+  params.x = xc.const_data_ptr();
+  params.filter = fc.const_data_ptr();
+  params.vectors = vc.const_data_ptr();
+  params.directions = dc.const_data_ptr();
+  params.pairs = pc.const_data_ptr<int64_t>();
+  params.scalar = scalar.mutable_data_ptr();
+  params.vector = vector.mutable_data_ptr();
+  params.nodes = s.nodes;
+  params.num_pairs = s.pairs;
+  params.features = s.features;
+  params.dtype = to_kernel_dtype(x.scalar_type());
+  const at::Tensor workspace = workspace_for(cuda::vector_message_passing_workspace_bytes(params), x);
+  check_launch(kVectorMessagePassing,
+               cuda::launch_vector_message_passing(params, workspace.mutable_data_ptr(),
+                                                   c10::cuda::getCurrentCUDAStream()));
+  return {scalar, vector};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_cuda(
+    const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
+    const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
+    const at::Tensor& pairs) {
+  const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
+                                                       directions, pairs);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor gsc = grad_scalar.contiguous(), gvc = grad_vector.contiguous(),
+                   xc = x.contiguous(), fc = filter.contiguous(), vc = vectors.contiguous(),
+                   dc = directions.contiguous(), pc = pairs.contiguous();
+  at::Tensor grad_x = at::empty({s.nodes, 3 * s.features}, x.options());
+  at::Tensor grad_filter = at::empty({s.pairs, 3 * s.features}, x.options());
+  at::Tensor grad_vectors = at::empty({s.nodes, 3, s.features}, x.options());
+  at::Tensor grad_directions = at::empty({s.pairs, 3}, x.options());
+  cuda::VectorMessagePassingBackwardParams params{};
+  params.grad_scalar = gsc.const_data_ptr();
+  params.grad_vector = gvc.const_data_ptr();
+  params.x = xc.const_data_ptr();
+  params.filter = fc.const_data_ptr();
+  params.vectors = vc.const_data_ptr();
+  params.directions = dc.const_data_ptr();
+  params.pairs = pc.const_data_ptr<int64_t>();
+  params.grad_x = grad_x.mutable_data_ptr();
+  params.grad_filter = grad_filter.mutable_data_ptr();
+  params.grad_vectors = grad_vectors.mutable_data_ptr();
+  params.grad_directions = grad_directions.mutable_data_ptr();
+  params.nodes = s.nodes;
+  params.num_pairs = s.pairs;
+  params.features = s.features;
+  params.dtype = to_kernel_dtype(x.scalar_type());
+  const at::Tensor workspace =
+      workspace_for(cuda::vector_message_passing_backward_workspace_bytes(params), x);
+  check_launch(kVectorMessagePassingBackward,
+               cuda::launch_vector_message_passing_backward(params, workspace.mutable_data_ptr(),
+                                                            c10::cuda::getCurrentCUDAStream()));
+  return {grad_x, grad_filter, grad_vectors, grad_directions};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
+  m.impl("vector_message_passing", &vector_message_passing_cuda);
+  m.impl("vector_message_passing_backward", &vector_message_passing_backward_cuda);
+}
+
+}  // namespace mirage::ops

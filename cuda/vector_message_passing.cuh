@@ -1,0 +1,63 @@
+// PaiNN's scalar/vector message passing and its first-order backward. Host-includable.
+//
+// For pairs p = (i, j) (pairs[0] = receiver i, pairs[1] = sender j), with m = x[j] * filter[p]
+// split into (m_s, m_vv, m_vs), each F wide:
+//   scalar[i]    += m_s
+//   vector[i, c] += vectors[j, c] * m_vv + m_vs * directions[p, c]
+// Pairs may come in any order and repeat; an index outside [0, N) is never followed: the pair is
+// skipped and every output is written NaN (graph-safe: nothing is reported to the host).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace mirage::cuda {
+
+struct VectorMessagePassingParams {
+  const void* x;           // [N, 3F] contiguous, parts (s, vv, vs)
+  const void* filter;      // [P, 3F] contiguous, same part order
+  const void* vectors;     // [N, 3, F] contiguous
+  const void* directions;  // [P, 3] contiguous
+  const int64_t* pairs;    // [2, P] contiguous: row 0 receivers i, row 1 senders j
+  void* scalar;            // [N, F] out
+  void* vector;            // [N, 3, F] out
+  int64_t nodes;           // N
+  int64_t num_pairs;       // P
+  int64_t features;        // F
+  DType dtype;             // of every floating tensor above
+};
+
+// The gradients of the op with respect to x, filter, vectors and directions.
+struct VectorMessagePassingBackwardParams {
+  const void* grad_scalar;  // [N, F] contiguous
+  const void* grad_vector;  // [N, 3, F] contiguous
+  const void* x;            // [N, 3F]
+  const void* filter;       // [P, 3F]
+  const void* vectors;      // [N, 3, F]
+  const void* directions;   // [P, 3]
+  const int64_t* pairs;     // [2, P]
+  void* grad_x;             // [N, 3F] out
+  void* grad_filter;        // [P, 3F] out
+  void* grad_vectors;       // [N, 3, F] out
+  void* grad_directions;    // [P, 3] out
+  int64_t nodes;
+  int64_t num_pairs;
+  int64_t features;
+  DType dtype;
+};
+
+// Bytes of device scratch the launchers need: float32 accumulators for float16/bfloat16 outputs
+// and the invalid-index flag.
+size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& params);
+size_t vector_message_passing_backward_workspace_bytes(const VectorMessagePassingBackwardParams& params);
+
+// Launch on `stream` into the current device; `workspace` holds the bytes above (any content).
+// The outputs need no initialization. Return the status of the last launch.
+cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& params, void* workspace,
+                                          cudaStream_t stream);
+cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBackwardParams& params,
+                                                   void* workspace, cudaStream_t stream);
+
+}  // namespace mirage::cuda

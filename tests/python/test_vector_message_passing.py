@@ -1,0 +1,455 @@
+import pytest
+import torch
+
+import mirage
+from common import DEVICES, DTYPES, OpCounter, assert_error, capture_graph, randn, strided
+from tolerances import tolerance
+
+OP = torch.ops.mirage.vector_message_passing
+BACKWARD_OP = torch.ops.mirage.vector_message_passing_backward
+
+
+def composite(x, filter, vectors, directions, pairs):
+    """PaiNNMessage of examples/forcefield/models.py (without its residual adds) in plain torch."""
+    features = vectors.shape[-1]
+    i, j = pairs
+    m = x[j] * filter  # [P, 3F]
+    m_s, m_vv, m_vs = torch.split(m, features, dim=-1)
+    dv = vectors[j] * m_vv[:, None, :] + m_vs[:, None, :] * directions[:, :, None]  # [P, 3, F]
+    scalar = torch.zeros(x.shape[0], features, dtype=x.dtype, device=x.device).index_add(0, i, m_s)
+    vector = torch.zeros_like(vectors).index_add(0, i, dv)
+    return scalar, vector
+
+
+def make_pairs(nodes, count, device="cpu", order="random"):
+    """[2, P] int64: random receivers and senders (repeats and i == j included); "sorted" groups
+    them by receiver as neighbor_list does."""
+    pairs = torch.randint(0, max(nodes, 1), (2, count))
+    if order == "sorted":
+        pairs = pairs[:, torch.argsort(pairs[0], stable=True)]
+    return pairs.to(device)
+
+
+def make_inputs(nodes, features, count, dtype=torch.float32, device="cpu", order="random"):
+    x = randn(nodes, 3 * features, dtype=dtype, device=device)
+    filter = randn(count, 3 * features, dtype=dtype, device=device)
+    vectors = randn(nodes, 3, features, dtype=dtype, device=device)
+    d = torch.randn(count, 3, dtype=torch.float64)
+    directions = (d / d.norm(dim=-1, keepdim=True)).to(dtype=dtype, device=device)
+    return x, filter, vectors, directions, make_pairs(nodes, count, device, order)
+
+
+def reference(inputs):
+    """composite in float64 on the CPU, from the same (rounded) values."""
+    *floats, pairs = inputs
+    return composite(*[t.detach().double().cpu() for t in floats], pairs.cpu())
+
+
+def assert_close_to(got, want, dtype):
+    """got (dtype) == want (float64) rounded to dtype, within the dtype's tolerance."""
+    assert got.dtype == dtype
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double().cpu(), want.to(dtype).double(), **tolerance(dtype))
+
+
+def assert_forward_matches(inputs, dtype):
+    scalar, vector = mirage.ops.vector_message_passing(*inputs)
+    want_scalar, want_vector = reference(inputs)
+    assert_close_to(scalar, want_scalar, dtype)
+    assert_close_to(vector, want_vector, dtype)
+    return scalar, vector
+
+
+def gradients(fn, inputs, grad_scalar, grad_vector):
+    """d(<grad_scalar, scalar> + <grad_vector, vector>) / d(x, filter, vectors, directions)."""
+    *floats, pairs = inputs
+    leaves = [t.detach().requires_grad_() for t in floats]
+    scalar, vector = fn(*leaves, pairs)
+    return torch.autograd.grad((scalar, vector), leaves, (grad_scalar, grad_vector))
+
+
+def assert_backward_matches(inputs, dtype):
+    x, vectors = inputs[0], inputs[2]
+    grad_scalar = randn(x.shape[0], vectors.shape[-1], dtype=dtype, device=x.device)
+    grad_vector = randn(*vectors.shape, dtype=dtype, device=x.device)
+    got = gradients(mirage.ops.vector_message_passing, inputs, grad_scalar, grad_vector)
+    want = gradients(composite, [t.detach().double().cpu() for t in inputs[:4]] + [inputs[4].cpu()],
+                     grad_scalar.double().cpu(), grad_vector.double().cpu())
+    for name, g, w in zip(["x", "filter", "vectors", "directions"], got, want):
+        try:
+            assert_close_to(g, w, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"gradient of {name}: {error}") from None
+
+
+# ---- forward and backward against the PaiNN composite -------------------------------------
+
+SHAPES = [(1, 1, 1), (1, 3, 4), (5, 7, 23), (12, 128, 132), (9, 129, 60), (4, 3, 0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nodes,features,count", SHAPES)
+@pytest.mark.parametrize("order", ["random", "sorted"])
+def test_matches_composite(device, dtype, nodes, features, count, order):
+    inputs = make_inputs(nodes, features, count, dtype, device, order)
+    scalar, vector = assert_forward_matches(inputs, dtype)
+    assert scalar.shape == (nodes, features) and vector.shape == (nodes, 3, features)
+    if count == 0:
+        assert (scalar == 0).all() and (vector == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nodes,features,count", SHAPES)
+def test_backward_matches_composite(device, dtype, nodes, features, count):
+    assert_backward_matches(make_inputs(nodes, features, count, dtype, device, "sorted"), dtype)
+
+
+def test_float64_on_cpu():
+    inputs = make_inputs(6, 5, 31, torch.float64)
+    assert_forward_matches(inputs, torch.float64)
+    assert_backward_matches(inputs, torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs(device):
+    x, filter, vectors, directions, pairs = make_inputs(7, 6, 40, torch.float32, device)
+    wide = torch.stack([pairs, torch.zeros_like(pairs)], dim=-1).reshape(2, -1)  # [2, 2P]
+    strided_pairs = wide[:, ::2]
+    assert not strided_pairs.is_contiguous() and torch.equal(strided_pairs, pairs)
+    inputs = (strided(x), strided(filter), strided(vectors), strided(directions), strided_pairs)
+    assert all(not t.is_contiguous() for t in inputs)
+    assert_forward_matches(inputs, torch.float32)
+    assert_backward_matches(inputs, torch.float32)
+    # pairs as the transpose of a [P, 2] tensor.
+    transposed = pairs.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    assert_forward_matches((x, filter, vectors, directions, transposed), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_pairs_add_up(device):
+    # The same pair listed k times contributes k times (the kernels must not merge it away).
+    x, filter, vectors, directions, _ = make_inputs(3, 4, 1, torch.float32, device)
+    once = mirage.ops.vector_message_passing(x, filter, vectors, directions,
+                                             torch.tensor([[2], [0]], device=device))
+    thrice = mirage.ops.vector_message_passing(x, filter.expand(3, -1), vectors, directions.expand(3, -1),
+                                               torch.tensor([[2, 2, 2], [0, 0, 0]], device=device))
+    for a, b in zip(once, thrice):
+        torch.testing.assert_close(b, 3 * a)
+        assert (a[:2] == 0).all() and (a[2] != 0).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_propagates_to_the_receivers(device):
+    x, filter, vectors, directions, _ = make_inputs(4, 5, 3, torch.float32, device)
+    pairs = torch.tensor([[0, 1, 2], [3, 2, 1]], device=device)  # 1 -> 2, 3 -> 0, 2 -> 1
+    x[3, 0] = float("nan")        # scalar part, feature 0 of sender 3 (receiver 0)
+    vectors[2, 1, 4] = float("nan")  # vector feature 4 of sender 2 (receiver 1)
+    scalar, vector = mirage.ops.vector_message_passing(x, filter, vectors, directions, pairs)
+    assert torch.isnan(scalar[0, 0]) and torch.isfinite(scalar[0, 1:]).all()
+    assert torch.isnan(vector[1, :, 4]).any() and torch.isfinite(vector[1, :, :4]).all()
+    assert torch.isfinite(scalar[1:]).all() and torch.isfinite(vector[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty(device):
+    for nodes, count in [(0, 0), (3, 0)]:
+        inputs = make_inputs(nodes, 4, count, torch.float32, device)
+        scalar, vector = mirage.ops.vector_message_passing(*inputs)
+        assert scalar.shape == (nodes, 4) and vector.shape == (nodes, 3, 4)
+        assert (scalar == 0).all() and (vector == 0).all()
+        grads = gradients(mirage.ops.vector_message_passing, inputs, torch.ones_like(scalar),
+                          torch.ones_like(vector))
+        assert [tuple(g.shape) for g in grads] == [(nodes, 12), (0, 12), (nodes, 3, 4), (0, 3)]
+        assert all((g == 0).all() for g in grads)
+
+
+# ---- autograd, opcheck, compile, autocast -------------------------------------------------
+
+def test_gradcheck_and_gradgradcheck():
+    x, filter, vectors, directions, _ = make_inputs(5, 3, 1, torch.float64)
+    # Unsorted, repeated and self pairs; node 4 sends and receives nothing.
+    pairs = torch.tensor([[1, 0, 3, 1, 1, 2, 0], [0, 3, 3, 2, 2, 1, 1]])
+    count = pairs.shape[1]
+    filter = randn(count, 9, dtype=torch.float64)
+    directions = torch.nn.functional.normalize(torch.randn(count, 3, dtype=torch.float64), dim=-1)
+    leaves = [t.requires_grad_() for t in (x, filter, vectors, directions)]
+
+    def fn(*args):
+        return mirage.ops.vector_message_passing(*args, pairs)
+
+    assert torch.autograd.gradcheck(fn, leaves)
+    assert torch.autograd.gradgradcheck(fn, leaves)
+
+
+def test_backward_op_gradcheck():
+    # The fused backward op is differentiable in all its floating inputs (grad outputs included).
+    x, filter, vectors, directions, pairs = make_inputs(4, 2, 9, torch.float64)
+    grad_scalar, grad_vector = randn(4, 2, dtype=torch.float64), randn(4, 3, 2, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (grad_scalar, grad_vector, x, filter, vectors, directions)]
+    assert torch.autograd.gradcheck(lambda *a: BACKWARD_OP(*a, pairs), leaves)
+
+
+def test_only_one_output_used():
+    # Autograd hands an undefined gradient for the unused output; the backward sees zeros.
+    inputs = make_inputs(5, 4, 17, torch.float64)
+    x = inputs[0].requires_grad_()
+    scalar, _ = mirage.ops.vector_message_passing(x, *inputs[1:])
+    (got,) = torch.autograd.grad(scalar.sum(), x)
+    (want,) = torch.autograd.grad(composite(x, *inputs[1:])[0].sum(), x)
+    torch.testing.assert_close(got, want)
+
+
+def test_backward_uses_the_fused_op():
+    inputs = make_inputs(5, 4, 17, torch.float32)
+    leaves = [t.requires_grad_() for t in inputs[:4]]
+    scalar, vector = mirage.ops.vector_message_passing(*leaves, inputs[4])
+    with OpCounter() as counter:
+        torch.autograd.grad((scalar.sum() + vector.sum()), leaves)
+    assert "mirage.vector_message_passing_backward" in counter.calls
+    assert "aten.index_add" not in counter.calls  # no composite recompute in first order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("nodes,features,count", [(5, 3, 11), (3, 8, 0), (1, 1, 2)])
+def test_opcheck(device, requires_grad, nodes, features, count):
+    x, filter, vectors, directions, pairs = make_inputs(nodes, features, count, torch.float32, device)
+    floats = [t.requires_grad_(requires_grad) for t in (x, filter, vectors, directions)]
+    torch.library.opcheck(OP.default, (*floats, pairs))
+    grads = (randn(nodes, features, device=device).requires_grad_(requires_grad),
+             randn(nodes, 3, features, device=device).requires_grad_(requires_grad))
+    torch.library.opcheck(BACKWARD_OP.default, (*grads, *floats, pairs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+
+    def step(x, filter, vectors, directions, pairs):
+        scalar, vector = mirage.ops.vector_message_passing(x, filter, vectors, directions, pairs)
+        return scalar + 1, (vector * vector).sum(1)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for count in [40, 40, 57]:
+        inputs = make_inputs(9, 8, count, torch.float32, device)
+        got = compiled(*inputs)
+        want = step(*inputs)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+            assert not torch.equal(a, torch.zeros_like(a))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_runs_in_the_autocast_dtype(device):
+    inputs = make_inputs(6, 5, 30, torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        scalar, vector = mirage.ops.vector_message_passing(*inputs)
+    assert scalar.dtype == vector.dtype == torch.bfloat16
+    cast = [t.bfloat16() for t in inputs[:4]] + [inputs[4]]
+    want_scalar, want_vector = reference(cast)
+    assert_close_to(scalar, want_scalar, torch.bfloat16)
+    assert_close_to(vector, want_vector, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_precision_gradients_flow(device):
+    inputs = make_inputs(5, 4, 12, torch.float16, device)
+    leaves = [t.requires_grad_() for t in inputs[:4]]
+    scalar, vector = mirage.ops.vector_message_passing(*leaves, inputs[4])
+    (scalar.sum() + vector.sum()).backward()
+    assert all(t.grad.dtype == torch.float16 and torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_double_backward_in_low_precision():
+    # Force training in bfloat16: the second-order terms come from the composite in float32.
+    inputs64 = make_inputs(5, 4, 12, torch.float64)
+    results = {}
+    for dtype in [torch.float64, torch.bfloat16]:
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs64[:4]]
+        scalar, vector = mirage.ops.vector_message_passing(*leaves, inputs64[4])
+        (g_dir,) = torch.autograd.grad(scalar.sum() + vector.sum(), leaves[3], create_graph=True)
+        (g_x,) = torch.autograd.grad((g_dir * g_dir).sum(), leaves[0])
+        results[dtype] = g_x
+    assert results[torch.bfloat16].dtype == torch.bfloat16
+    torch.testing.assert_close(results[torch.bfloat16].double(), results[torch.float64], atol=0.1, rtol=0.05)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def _call(device, nodes=4, features=3, count=5, edit=None, op=None):
+    args = dict(zip(["x", "filter", "vectors", "directions", "pairs"],
+                    make_inputs(nodes, features, count, torch.float32, device)))
+    if edit is not None:
+        edit(args)
+    if op == "backward":
+        return BACKWARD_OP(torch.rand(nodes, features, device=device),
+                           torch.rand(nodes, 3, features, device=device), *args.values())
+    return mirage.ops.vector_message_passing(*args.values())
+
+
+def _set(name, fn):
+    def edit(args):
+        args[name] = fn(args[name])
+    return edit
+
+
+NAME = "mirage::vector_message_passing: "
+BAD_INPUTS = [
+    (_set("x", lambda t: t[:, :8]), NAME + "x must be [N, 3F] (a last dimension divisible by 3), got [4, 8]"),
+    (_set("x", lambda t: t[0]), NAME + "x must be [N, 3F] (a last dimension divisible by 3), got [9]"),
+    (_set("x", lambda t: t.long()), NAME + "x must be float32, float16 or bfloat16 (float64 off the GPU), got Long"),
+    (_set("vectors", lambda t: t[:, :, :2]),
+     NAME + "vectors must have shape [N, 3, F] = [4, 3, 3], got [4, 3, 2]"),
+    (_set("vectors", lambda t: t[:3]), NAME + "vectors must have shape [N, 3, F] = [4, 3, 3], got [3, 3, 3]"),
+    (_set("vectors", lambda t: t.reshape(4, 9)), NAME + "vectors must have shape [N, 3, F] = [4, 3, 3], got [4, 9]"),
+    (_set("vectors", lambda t: t.half()), NAME + "vectors must have x's dtype (Float), got Half"),
+    (_set("filter", lambda t: t[:4]), NAME + "filter must have shape [P, 3F] = [5, 9], got [4, 9]"),
+    (_set("filter", lambda t: t[:, :6]), NAME + "filter must have shape [P, 3F] = [5, 9], got [5, 6]"),
+    (_set("filter", lambda t: t.int()), NAME + "filter must have x's dtype (Float), got Int"),
+    (_set("directions", lambda t: t[:, :2]), NAME + "directions must have shape [P, 3] = [5, 3], got [5, 2]"),
+    (_set("directions", lambda t: t.bfloat16()), NAME + "directions must have x's dtype (Float), got BFloat16"),
+    (_set("pairs", lambda t: t.int()), NAME + "pairs must be int64, got Int"),
+    (_set("pairs", lambda t: t.float()), NAME + "pairs must be int64, got Float"),
+    (_set("pairs", lambda t: t[0]), NAME + "pairs must be [2, P], got [5]"),
+    (_set("pairs", lambda t: t.repeat(2, 1)), NAME + "pairs must be [2, P], got [4, 5]"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_INPUTS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(edit, message, device):
+    assert_error(lambda d: _call(d, edit=edit), device, message)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_backward(device):
+    assert_error(lambda d: _call(d, edit=_set("x", lambda t: t[:, :8]), op="backward"), device,
+                 "mirage::vector_message_passing_backward: x must be [N, 3F]")
+    with pytest.raises(RuntimeError, match="vector_message_passing_backward: grad_scalar must have shape "
+                                           r"\[N, F\] = \[4, 3\], got \[4, 2\]"):
+        BACKWARD_OP(torch.rand(4, 2, device=device), torch.rand(4, 3, 3, device=device),
+                    *make_inputs(4, 3, 5, torch.float32, device))
+    with pytest.raises(RuntimeError, match="vector_message_passing_backward: grad_vector must have x's dtype"):
+        BACKWARD_OP(torch.rand(4, 3, device=device), torch.rand(4, 3, 3, device=device).half(),
+                    *make_inputs(4, 3, 5, torch.float32, device))
+
+
+def test_out_of_range_pairs_raise_on_cpu():
+    for bad, where in [((0, 2), -1), ((1, 3), 4)]:
+        inputs = list(make_inputs(4, 3, 5))
+        inputs[4][bad] = where
+        with pytest.raises(RuntimeError, match=rf"mirage::vector_message_passing: pairs must index nodes in "
+                                               rf"\[0, N\) \(N=4\), got pairs\[{bad[0]}, {bad[1]}\] = {where}"):
+            mirage.ops.vector_message_passing(*inputs)
+        with pytest.raises(RuntimeError, match="vector_message_passing_backward: pairs must index nodes"):
+            BACKWARD_OP(torch.rand(4, 3), torch.rand(4, 3, 3), *inputs)
+
+
+@pytest.mark.cuda
+def test_wrong_device_and_float64_on_cuda():
+    inputs = list(make_inputs(4, 3, 5, torch.float32, "cuda"))
+    for k, name in enumerate(["filter", "vectors", "directions", "pairs"], start=1):
+        moved = list(inputs)
+        moved[k] = moved[k].cpu()
+        with pytest.raises(RuntimeError, match=f"mirage::vector_message_passing: {name} must be on the same "
+                                               "device as x"):
+            mirage.ops.vector_message_passing(*moved)
+    with pytest.raises(RuntimeError, match="x must be float32, float16 or bfloat16 .float64 off the GPU., "
+                                           "got Double on cuda"):
+        mirage.ops.vector_message_passing(*[t.double() for t in inputs[:4]], inputs[4])
+
+
+# ---- CUDA ---------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nodes,features,count", [(12, 128, 132), (3000, 128, 130_000), (700, 129, 9000),
+                                                  (300, 7, 5000)])
+def test_cuda_large(dtype, nodes, features, count):
+    inputs = make_inputs(nodes, features, count, dtype, "cuda", "sorted")
+    assert_forward_matches(inputs, dtype)
+    assert_backward_matches(inputs, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_misaligned_inputs_take_the_scalar_path(dtype):
+    # Contiguous views one element into their storage: 16-byte loads would be misaligned.
+    x, filter, vectors, directions, pairs = make_inputs(20, 8, 300, dtype, "cuda")
+
+    def shifted(t):
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = flat[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    inputs = (shifted(x), shifted(filter), shifted(vectors), directions, pairs)
+    assert_forward_matches(inputs, dtype)
+    assert_backward_matches(inputs, dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_agrees_with_cpu_reference():
+    inputs = make_inputs(40, 32, 900, torch.float32, "cpu", "sorted")
+    cpu = mirage.ops.vector_message_passing(*inputs)
+    gpu = mirage.ops.vector_message_passing(*[t.cuda() for t in inputs])
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.cpu(), b, atol=2e-5, rtol=2e-5)
+    grads = (randn(40, 32), randn(40, 3, 32))
+    cpu = BACKWARD_OP(*grads, *inputs)
+    gpu = BACKWARD_OP(*[t.cuda() for t in grads], *[t.cuda() for t in inputs])
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [-1, 7, 2**40])
+def test_cuda_out_of_range_pairs_give_nan(dtype, bad):
+    inputs = list(make_inputs(7, 8, 50, dtype, "cuda", "sorted"))
+    good = inputs[4].clone()
+    inputs[4][1, 31] = bad  # a sender
+    outputs = mirage.ops.vector_message_passing(*inputs)
+    grads = BACKWARD_OP(randn(7, 8, dtype=dtype, device="cuda"), randn(7, 3, 8, dtype=dtype, device="cuda"),
+                        *inputs)
+    torch.cuda.synchronize()  # no launch or memory error
+    assert all(torch.isnan(t).all() for t in (*outputs, *grads))
+    inputs[4] = good.clone()
+    inputs[4][0, 3] = bad  # a receiver
+    assert all(torch.isnan(t).all() for t in mirage.ops.vector_message_passing(*inputs))
+    inputs[4] = good  # the flag does not stick to the next call
+    assert_forward_matches(inputs, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_capture_and_replay_with_new_inputs(dtype):
+    # What a force field captures: messages and their gradient (forces), replayed on new values.
+    nodes, features, count = 50, 16, 600
+    static = [t.requires_grad_(k < 4) for k, t in enumerate(make_inputs(nodes, features, count, dtype, "cuda"))]
+    grad_scalar = randn(nodes, features, dtype=dtype, device="cuda")
+    grad_vector = randn(nodes, 3, features, dtype=dtype, device="cuda")
+
+    def step():
+        scalar, vector = mirage.ops.vector_message_passing(*static)
+        grads = torch.autograd.grad((scalar, vector), static[:4], (grad_scalar, grad_vector))
+        return (scalar.detach(), vector.detach(), *grads)
+
+    graph, captured = capture_graph(step)
+    for order in ["random", "sorted", "random"]:
+        fresh = make_inputs(nodes, features, count, dtype, "cuda", order)
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+        grad_scalar.copy_(randn(nodes, features, dtype=dtype, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_scalar, want_vector = reference(fresh)
+        assert_close_to(captured[0], want_scalar, dtype)
+        assert_close_to(captured[1], want_vector, dtype)
+        eager = step()
+        for a, b in zip(captured[2:], eager[2:]):
+            torch.testing.assert_close(a, b, **tolerance(dtype))
