@@ -7,6 +7,8 @@ BUILD_DIR := build/py
 TORCH_VERSION ?= 2.14.1
 # diffusers: the U-Net models optimize() is tested on (tiny configs on the CPU).
 DIFFUSERS_VERSION ?= 0.42.1
+# ase: mirage.ff.Calculator is an ASE calculator; mirage.ff.md writes ASE trajectories.
+ASE_VERSION ?= 3.29.0
 export MIRAGE_CUDA_ARCHS ?= 80;86;89;90a
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 export CCACHE_DIR ?= $(CURDIR)/build/ccache
@@ -18,7 +20,7 @@ TORCHSCRIPT_MODULE := $(CURDIR)/$(BUILD_DIR)/scripted_group_norm.pt
 $(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=0.10" pytest numpy expecttest \
-	  diffusers==$(DIFFUSERS_VERSION)
+	  diffusers==$(DIFFUSERS_VERSION) ase==$(ASE_VERSION)
 	touch $@
 
 # Debian's Catch2 (v2) for the C++ tests and ccache for rebuilds; installed when missing.

@@ -2,14 +2,14 @@
 # The one GPU-machine run: build against the device's torch for sm_90a, run every test (the
 # `cuda`-marked ones included) and Catch2, then the benchmarks. Results and logs go to $OUT.
 #   usage (device tool): [STEPS="build pytest ..."] bash scripts/device_check.sh [pytest args...]
-# STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet (default: all).
-# Wheels the device lacks (diffusers) travel in .whl/ with the device tool's `carry`.
+# STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff (default: all).
+# Wheels the device lacks (diffusers, ase) travel in .whl/ with the device tool's `carry`.
 set -uo pipefail
 OUT="${OUT:-/tmp/mirage-out}"
 mkdir -p "$OUT"
 export MIRAGE_CUDA_ARCHS=90a PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
 BUILD=build/device
-STEPS="${STEPS:-build pytest ctest demo bench_norms bench_unet}"
+STEPS="${STEPS:-build pytest ctest demo bench_norms bench_unet bench_ff}"
 status=0
 step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -63,6 +63,11 @@ fi
 if want bench_unet && [ -f benchmarks/bench_unet.py ]; then
   step "bench_unet"
   python3 benchmarks/bench_unet.py --json "$OUT/unet.json" 2>&1 | tee "$OUT/bench_unet.txt" || status=1
+fi
+
+if want bench_ff; then
+  step "bench_ff"
+  python3 benchmarks/bench_forcefield.py --json "$OUT/forcefield.json" 2>&1 | tee "$OUT/bench_forcefield.txt" || status=1
 fi
 step "done (status $status)"
 exit $status
