@@ -54,4 +54,20 @@ at::Tensor radial_basis(const at::Tensor& distances, std::string_view kind, int6
   return handles::radial_basis().call(distances, kind, num, cutoff, cutoff_fn);
 }
 
+at::Tensor message_passing(const at::Tensor& x, const at::Tensor& filter, const at::Tensor& pairs) {
+  return handles::message_passing().call(x, filter, pairs);
+}
+
+at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& pairs) {
+  return handles::pair_product().call(a, b, pairs);
+}
+
+std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
+                                                          const at::Tensor& filter,
+                                                          const at::Tensor& vectors,
+                                                          const at::Tensor& directions,
+                                                          const at::Tensor& pairs) {
+  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs);
+}
+
 }  // namespace mirage

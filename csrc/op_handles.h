@@ -25,6 +25,11 @@ using NeighborListSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
 using RadialBasisSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t, double,
                                   c10::string_view);
 using PairOpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
@@ -45,18 +50,6 @@ MIRAGE_OP_HANDLE(neighbor_list, NeighborListSig)
 MIRAGE_OP_HANDLE(radial_basis, RadialBasisSig)
 MIRAGE_OP_HANDLE(message_passing, PairOpSig)
 MIRAGE_OP_HANDLE(pair_product, PairOpSig)
-#undef MIRAGE_OP_HANDLE
-
-using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&);
-#define MIRAGE_OP_HANDLE(NAME, SIG)                                  \
-  inline const c10::TypedOperatorHandle<SIG>& NAME() {               \
-    static const auto handle = lookup<SIG>("mirage::" #NAME);        \
-    return handle;                                                   \
-  }
 MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
 MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
 #undef MIRAGE_OP_HANDLE

@@ -55,6 +55,22 @@ TEST_CASE("layer_norm, add_layer_norm and geglu match PyTorch on CPU tensors", "
   require_close(mirage::geglu(x, "tanh"), halves[0] * at::gelu(halves[1], "tanh"), 1e-5);
 }
 
+TEST_CASE("message passing ops match index_add / gather composites on CPU tensors", "[api]") {
+  const at::Tensor pairs = at::randint(0, 7, {2, 40}, at::kLong);
+  const at::Tensor i = pairs[0], j = pairs[1];
+  const at::Tensor x = at::randn({7, 5}), filter = at::randn({40, 5}), b = at::randn({7, 5});
+  require_close(mirage::message_passing(x, filter, pairs),
+                at::zeros({7, 5}).index_add_(0, i, x.index_select(0, j) * filter), 1e-5);
+  require_close(mirage::pair_product(x, b, pairs), x.index_select(0, i) * b.index_select(0, j), 1e-6);
+  const at::Tensor phi = at::randn({7, 15}), w = at::randn({40, 15}), v = at::randn({7, 3, 5});
+  const at::Tensor dir = at::randn({40, 3});
+  const auto [scalar, vector] = mirage::vector_message_passing(phi, w, v, dir, pairs);
+  const auto m = (phi.index_select(0, j) * w).split(5, -1);
+  const at::Tensor dv = v.index_select(0, j) * m[1].unsqueeze(1) + m[2].unsqueeze(1) * dir.unsqueeze(2);
+  require_close(scalar, at::zeros({7, 5}).index_add_(0, i, m[0]), 1e-5);
+  require_close(vector, at::zeros({7, 3, 5}).index_add_(0, i, dv), 1e-5);
+}
+
 TEST_CASE("bad input raises c10::Error naming the op and the argument", "[api]") {
   const at::Tensor x = at::randn({2, 30, 4, 4});
   REQUIRE(error_of([&] { mirage::group_norm(x, 32); }).find(

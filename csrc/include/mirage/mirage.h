@@ -58,4 +58,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
 at::Tensor radial_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
                         double cutoff, std::string_view cutoff_fn);
 
+// out[i] = sum over pairs p with pairs[0, p] == i of x[pairs[1, p]] * filter[p]: SchNet's
+// continuous-filter convolution. x [N, F], filter [P, F], pairs [2, P] int64 -> [N, F].
+at::Tensor message_passing(const at::Tensor& x, const at::Tensor& filter, const at::Tensor& pairs);
+
+// out[p] = a[pairs[0, p]] * b[pairs[1, p]]: a, b [N, F] -> [P, F] (message_passing's gradient
+// with respect to the filter).
+at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& pairs);
+
+// PaiNN's messages: with m = x[j] * filter split into (s, vv, vs) parts of F features,
+// scalar[i] = sum m_s and vector[i, c] = sum vectors[j, c] * m_vv + m_vs * directions[p, c].
+// x [N, 3F], filter [P, 3F], vectors [N, 3, F], directions [P, 3] -> ([N, F], [N, 3, F]).
+std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
+                                                          const at::Tensor& filter,
+                                                          const at::Tensor& vectors,
+                                                          const at::Tensor& directions,
+                                                          const at::Tensor& pairs);
+
 }  // namespace mirage
