@@ -94,6 +94,37 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
         print(" | ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
+def kernel_times(fn, *args, warmup: int = 3, **kwargs) -> list[tuple[str, float]]:
+    """(name, µs) of every CUDA kernel one call of fn runs, from torch.profiler, after warm-up.
+    Run it outside CUDA graphs: the profiler then sees the kernels one by one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+
+
+def print_kernel_report(label: str, kernels: list[tuple[str, float]], category, top: int) -> None:
+    """Kernel count, GPU time by category (category(name) -> label) and the top kernels by time."""
+    from collections import defaultdict
+
+    total = sum(t for _, t in kernels)
+    print(f"\n== {label}: {len(kernels)} kernels, {total / 1e3:.3f} ms of GPU time")
+    for title, key in (("by category", category), (f"top {top} kernels", lambda name: name[:110])):
+        groups = defaultdict(lambda: [0.0, 0])
+        for name, t in kernels:
+            groups[key(name)][0] += t
+            groups[key(name)][1] += 1
+        print(f"   {title}:")
+        ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+        for name, (t, n) in ranked[: top if key is not category else None]:
+            print(f"   {t / 1e3:7.3f} ms  {100 * t / max(total, 1e-9):5.1f}%  x{n:4d}  {name}")
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
