@@ -1,0 +1,400 @@
+"""An ASE calculator around any force-field model, with one CUDA graph per atom count.
+
+The model is any callable ``energy = model(atomic_numbers, positions, cell, pbc)`` (the reference
+SchNet/PaiNN of examples/forcefield, or what :func:`mirage.ff.optimize` makes of them). Forces
+are ``-dE/dpositions`` by autograd; for periodic systems the stress comes from the strain
+derivative. On a GPU the whole evaluation (forward and backward) is one CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ase.calculators.calculator import Calculator as _AseCalculator
+from ase.calculators.calculator import all_changes
+
+from .. import graphs
+from . import capacity
+
+__all__ = ["Calculator", "PRECISIONS", "evaluate"]
+
+#: "fp32": float32 matmuls throughout (TF32 off); "tf32": TF32 matmuls allowed (10-bit
+#: mantissa inputs, float32 accumulation); "bf16-mixed": the model's forward under
+#: ``torch.autocast(bfloat16)``, forces still taken with respect to float32 positions.
+PRECISIONS = ("fp32", "tf32", "bf16-mixed")
+
+# A capacity that still overflows after this many grows (each at least x1.5) is a bug, not a dense system.
+_MAX_GROWS = 16
+
+
+def check_precision(precision: Any, who: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"{who}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    return precision
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """TF32 on for "tf32", off otherwise, for the duration; the caller's settings come back after.
+
+    Captures must run inside: cuBLAS' math mode is recorded into the graph. torch >= 2.9 refuses
+    to mix the legacy ``allow_tf32`` flag with the newer ``fp32_precision`` one, so the newer one
+    is used where it exists.
+    """
+    matmul = torch.backends.cuda.matmul
+    allow = precision == "tf32"
+    if hasattr(matmul, "fp32_precision"):
+        saved = matmul.fp32_precision
+        matmul.fp32_precision = "tf32" if allow else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = saved
+    else:
+        saved = matmul.allow_tf32
+        matmul.allow_tf32 = allow
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = saved
+
+
+def _autocast(precision: str, device_type: str):
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _strained(x: Tensor, strain: Tensor) -> Tensor:
+    """``x @ (I + strain)`` as a broadcast sum: exact at ``strain = 0`` whatever the matmul precision
+    (a TF32 ``x @ I`` would round the positions to 10 mantissa bits)."""
+    return x + (x[..., :, None] * strain).sum(dim=-2)
+
+
+def _volume(cell: Tensor) -> Tensor:
+    # The triple product instead of linalg.det: no solver, no host synchronisation (graph-safe).
+    return torch.linalg.cross(cell[0], cell[1]).mul(cell[2]).sum().abs()
+
+
+def evaluate(
+    model,
+    atomic_numbers: Tensor,
+    positions: Tensor,
+    cell: Optional[Tensor] = None,
+    pbc: Optional[Tensor] = None,
+    *,
+    stress: bool = False,
+    precision: str = "fp32",
+    who: str = "mirage.ff.Calculator",
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Energy, forces and (optionally) stress of one structure, by autograd. Graph-safe.
+
+    Args:
+        model: ``energy = model(atomic_numbers, positions, cell, pbc)``.
+        atomic_numbers: ``[N]`` int64. positions: ``[N, 3]`` (Å). cell: ``[3, 3]`` rows the
+            lattice vectors, or None. pbc: ``[3]`` bool, or None.
+        stress: also the stress: positions and cell are strained by ``(I + eps)`` and
+            ``stress = (dE/deps, symmetrized) / volume``, in ASE's sign and Voigt order
+            (xx, yy, zz, yz, xz, xy), eV/Å^3. Needs ``cell``.
+        precision: one of :data:`PRECISIONS`; here only autocast is applied (the caller holds
+            :func:`matmul_precision` around the call and any capture).
+
+    Returns:
+        ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
+    """
+    with torch.enable_grad():
+        positions = positions.detach().requires_grad_(True)
+        wrt = [positions]
+        model_positions, model_cell = positions, cell
+        if stress:
+            strain = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device, requires_grad=True)
+            wrt.append(strain)
+            model_positions, model_cell = _strained(positions, strain), _strained(cell, strain)
+        with _autocast(precision, positions.device.type):
+            try:
+                energy = model(atomic_numbers, model_positions, model_cell, pbc)
+            except RuntimeError as error:
+                if precision != "bf16-mixed":
+                    raise
+                raise RuntimeError(f"{who}: the model failed under torch.autocast(bfloat16) (precision='bf16-mixed'): "
+                                   f"{error}\nIts code mixes dtypes in a way autocast does not cover (an in-place "
+                                   "op between float32 and bfloat16 tensors, say); use precision='fp32' or 'tf32'"
+                                   ) from error
+        if not isinstance(energy, Tensor) or energy.numel() != 1 or not energy.is_floating_point():
+            got = f"a {type(energy).__name__}" if not isinstance(energy, Tensor) else \
+                f"a {energy.dtype} tensor of shape {list(energy.shape)}"
+            raise ValueError(f"{who}: the model must return the total energy as a scalar floating-point tensor, "
+                             f"got {got}")
+        grads = torch.autograd.grad(energy.reshape(()), wrt, allow_unused=True) if energy.requires_grad else [None]
+    if grads[0] is None:
+        raise ValueError(f"{who}: the model's energy does not depend on positions (autograd found no path), "
+                         "so there are no forces; does the model detach its inputs?")
+    energy = energy.detach().reshape(()).to(positions.dtype)
+    forces = grads[0].neg().to(positions.dtype)
+    if not stress:
+        return energy, forces, None
+    g = grads[1] if grads[1] is not None else torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
+    g = 0.5 * (g + g.transpose(0, 1))
+    voigt = torch.stack((g[0, 0], g[1, 1], g[2, 2], g[1, 2], g[0, 2], g[0, 1])) / _volume(cell.detach())
+    return energy, forces, voigt.to(positions.dtype)
+
+
+def check_model(model, who: str) -> None:
+    """Refuses a model that cannot be called as ``model(atomic_numbers, positions, cell, pbc)``."""
+    if not callable(model):
+        raise ValueError(f"{who}: model must be callable as model(atomic_numbers, positions, cell, pbc), "
+                         f"got a {type(model).__name__}")
+    try:
+        signature = inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model)
+    except (TypeError, ValueError):
+        return  # builtins and C++ callables have no inspectable signature: trust them
+    try:
+        signature.bind(None, None, None, None)
+    except TypeError:
+        raise ValueError(f"{who}: model must be callable as model(atomic_numbers, positions, cell, pbc); "
+                         f"{type(model).__name__}{signature} does not take those four arguments") from None
+
+
+def model_device_dtype(model, device: Any, who: str) -> Tuple[torch.device, torch.dtype]:
+    """The device to run on (``device``, else the model's, else the CPU; the model is moved there)
+    and the dtype of positions (the model's floating-point parameters', else float32)."""
+    tensors = list(model.parameters()) + list(model.buffers()) if isinstance(model, torch.nn.Module) else []
+    floating = [t for t in tensors if t.is_floating_point()]
+    dtype = floating[0].dtype if floating else torch.float32
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{who}: device {device!r} is not a torch device: {error}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{who}: device {device} requested but CUDA is not available; use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    if isinstance(model, torch.nn.Module) and any(t.device != device for t in tensors):
+        model.to(device)
+    return device, dtype
+
+
+def on_device(device: torch.device):
+    """``torch.cuda.device(device)`` on a GPU. On the CPU nothing: graphs never run there, except
+    in tests, which drive the graph path with a CPU stand-in for the capture."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class CapacityWatch:
+    """Drops a driver's graphs when the model's capacity is no longer the one they were captured
+    with: another user of the same model (a second calculator, an MD driver) may have grown it, and
+    a replay would silently keep the old one."""
+
+    def __init__(self, model, cache: graphs.GraphCache) -> None:
+        self.model, self.cache = model, cache
+        self.captured_with: Any = None
+
+    def before(self) -> None:
+        """Call before each call of the cache."""
+        if self.captured_with is not None and getattr(self.model, "max_pairs", None) != self.captured_with:
+            self.cache.clear()
+
+    def after(self) -> None:
+        """Call after each call of the cache that returned. Read after, not before: a first forward
+        (in the warm-up before a capture) may pick the capacity."""
+        self.captured_with = getattr(self.model, "max_pairs", None)
+
+
+def _grow(model, needed: int, count: int, who: str, graphed: bool) -> None:
+    again = " (CUDA graphs are captured again)" if graphed else ""
+    graphs.progress(f"{who}: {count} neighbor pairs exceed the model's capacity of {model.max_pairs}; "
+                    f"growing it to {needed} and recomputing{again}")
+    model.max_pairs = needed
+
+
+class Calculator(_AseCalculator):
+    """ASE calculator for ``energy = model(atomic_numbers, positions, cell, pbc)``.
+
+    Properties: ``energy`` and ``free_energy`` (eV, the same number), ``forces`` (eV/Å) and, when
+    any axis of ``atoms.pbc`` is periodic, ``stress`` (eV/Å^3, Voigt order xx, yy, zz, yz, xz,
+    xy, ASE's sign). All are computed together and cached by ASE until the atoms change.
+
+    On a CUDA device with ``cuda_graph=True`` each evaluation (forward and backward) replays a
+    CUDA graph, captured per atom count and periodicity (at most ``max_graphs`` held, least
+    recently used released first); positions go in and results come out through pinned host
+    buffers reused between calls. A model with a neighbor capacity (``max_pairs``/``num_pairs``,
+    see :mod:`mirage.ff.capacity`) that overflows is grown, its graphs dropped and recaptured, and
+    the evaluation redone, with a progress line on stderr. Elsewhere (CPU, ``cuda_graph=False``)
+    the model runs eagerly with the same results.
+
+    Args:
+        model: the model (an ``nn.Module`` or callable); its floating-point parameters' dtype is
+            the dtype positions are given in.
+        device: where to run; default the model's device. The model is moved there.
+        precision: ``"fp32"`` (default), ``"tf32"`` or ``"bf16-mixed"`` (see :data:`PRECISIONS`
+            and docs/ff.md for the force error of each).
+        cuda_graph: capture CUDA graphs on a CUDA device. The reference models of
+            examples/forcefield cannot be captured (``nonzero`` and other host synchronisation):
+            pass them through :func:`mirage.ff.optimize`, or use ``cuda_graph=False``.
+        max_graphs: graphs held at most.
+    """
+
+    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+    who = "mirage.ff.Calculator"
+
+    def __init__(self, model, *, device=None, precision: str = "fp32", cuda_graph: bool = True,
+                 max_graphs: int = 8) -> None:
+        super().__init__()
+        who = self.who
+        check_model(model, who)
+        self.precision = check_precision(precision, who)
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"{who}: cuda_graph must be a bool, got {cuda_graph!r}")
+        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
+            raise ValueError(f"{who}: max_graphs must be an int >= 1, got {max_graphs!r}")
+        self.model = model
+        self.device, self.dtype = model_device_dtype(model, device, who)
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        self._graphs = graphs.GraphCache(self._evaluate, max_graphs, copy_outputs=False) if self.cuda_graph else None
+        self._watch = CapacityWatch(model, self._graphs) if self.cuda_graph else None
+        # Per (atom count, periodic): pinned host and device staging buffers, as many as graphs.
+        self._buffers: "OrderedDict[Tuple[int, bool], Dict[str, Tensor]]" = OrderedDict()
+        self._max_buffers = max_graphs
+
+    def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
+        """The graph cache's counters (captures, replays, evictions), or None when graphs are off."""
+        return self._graphs.stats() if self._graphs is not None else None
+
+    # ------------------------------------------------------------------------------------ ASE
+    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
+        super().calculate(atoms, properties, system_changes)
+        atoms = self.atoms
+        who = self.who
+        n = len(atoms)
+        if n == 0:
+            raise ValueError(f"{who}: the Atoms object has no atoms")
+        positions = np.asarray(atoms.positions)
+        if not np.isfinite(positions).all():
+            raise ValueError(f"{who}: atoms.positions has non-finite values (did the simulation blow up?)")
+        periodic = bool(np.any(atoms.pbc))
+        cell = np.asarray(atoms.cell[:], dtype=np.float64)
+        if periodic:
+            volume = abs(np.linalg.det(cell))
+            if not np.isfinite(cell).all() or volume < 1e-9:
+                raise ValueError(f"{who}: atoms.pbc is {atoms.pbc.tolist()} but the cell {cell.tolist()} has no "
+                                 "volume; set atoms.cell (a periodic system needs its lattice vectors)")
+        if self.cuda_graph:
+            energy, forces, stress = self._run_graph(atoms, periodic)
+        else:
+            energy, forces, stress = self._run_eager(atoms, periodic)
+        self.results = {"energy": energy, "free_energy": energy, "forces": forces}
+        if stress is not None:
+            self.results["stress"] = stress
+
+    # ------------------------------------------------------------------------------ evaluation
+    def _evaluate(self, numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
+                  periodic: bool) -> Dict[str, Tensor]:
+        """What one graph computes. ``periodic`` is part of the graph's key (pbc's values are not)."""
+        energy, forces, stress = evaluate(self.model, numbers, positions, cell, pbc, stress=periodic,
+                                          precision=self.precision, who=self.who)
+        out = {"energy": energy, "forces": forces}
+        if stress is not None:
+            out["stress"] = stress
+        if capacity.has_capacity(self.model):
+            out["num_pairs"] = self.model.num_pairs
+        return out
+
+    def _inputs(self, atoms, periodic: bool) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """The model's arguments on the CPU, in the model's dtype; no cell or pbc when nothing is periodic."""
+        numbers = torch.as_tensor(np.asarray(atoms.numbers, dtype=np.int64))
+        positions = torch.as_tensor(np.asarray(atoms.positions), dtype=self.dtype)
+        cell = torch.as_tensor(np.asarray(atoms.cell[:]), dtype=self.dtype) if periodic else None
+        pbc = torch.as_tensor(np.asarray(atoms.pbc, dtype=bool)) if periodic else None
+        return numbers, positions, cell, pbc
+
+    def _run_eager(self, atoms, periodic: bool):
+        numbers, positions, cell, pbc = (None if t is None else t.to(self.device)
+                                         for t in self._inputs(atoms, periodic))
+        for _ in range(_MAX_GROWS):
+            with matmul_precision(self.precision):
+                out = self._evaluate(numbers, positions, cell, pbc, periodic)
+            count = out.get("num_pairs")
+            count = None if count is None else int(count.reshape(-1)[0].item())
+            needed = capacity.needed_pairs(self.model, count) if count is not None else None
+            if needed is None:
+                stress = out.get("stress")
+                return (float(out["energy"].item()), out["forces"].detach().cpu().double().numpy(),
+                        None if stress is None else stress.detach().cpu().double().numpy())
+            _grow(self.model, needed, count, self.who, graphed=False)
+        raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {_MAX_GROWS} grows "
+                           f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")
+
+    def _staging(self, n: int, periodic: bool) -> Dict[str, Tensor]:
+        """Pinned host buffers (in and out) and device buffers (in) for ``n`` atoms, reused."""
+        key = (n, periodic)
+        buffers = self._buffers.get(key)
+        if buffers is not None:
+            self._buffers.move_to_end(key)
+            return buffers
+        while len(self._buffers) >= self._max_buffers:
+            self._buffers.popitem(last=False)
+        host = dict(numbers=torch.empty(n, dtype=torch.int64), positions=torch.empty(n, 3, dtype=self.dtype),
+                    energy=torch.empty((), dtype=self.dtype), forces=torch.empty(n, 3, dtype=self.dtype),
+                    num_pairs=torch.empty(1, dtype=torch.int64))
+        if periodic:
+            host.update(cell=torch.empty(3, 3, dtype=self.dtype), pbc=torch.empty(3, dtype=torch.bool),
+                        stress=torch.empty(6, dtype=self.dtype))
+        buffers = {"host_" + k: v.pin_memory() if self.device.type == "cuda" else v for k, v in host.items()}
+        for k in ("numbers", "positions", "cell", "pbc"):
+            if k in host:
+                buffers["device_" + k] = torch.empty_like(host[k], device=self.device)
+        self._buffers[key] = buffers
+        return buffers
+
+    def _run_graph(self, atoms, periodic: bool):
+        buffers = self._staging(len(atoms), periodic)
+        inputs = self._inputs(atoms, periodic)
+        for name, value in zip(("numbers", "positions", "cell", "pbc"), inputs):
+            if value is not None:
+                buffers["host_" + name].copy_(value)
+                buffers["device_" + name].copy_(buffers["host_" + name], non_blocking=True)
+        args = (buffers["device_numbers"], buffers["device_positions"], buffers.get("device_cell"),
+                buffers.get("device_pbc"), periodic)
+        for _ in range(_MAX_GROWS):
+            with on_device(self.device), matmul_precision(self.precision):
+                try:
+                    self._watch.before()
+                    out = self._graphs(*args)
+                    self._watch.after()
+                except RuntimeError as error:
+                    if "mirage.graphs.capture: capturing" not in str(error):
+                        raise
+                    raise RuntimeError(
+                        f"{self.who}: the model cannot be captured in a CUDA graph "
+                        f"({str(error).splitlines()[0]}). Pass it through mirage.ff.optimize(model) first "
+                        "(mirage's fused models are capturable), or use Calculator(model, cuda_graph=False). "
+                        "A failed capture can leave this process's CUDA random-number generator unusable: "
+                        "restart it") from error
+                for name, value in out.items():
+                    buffers["host_" + name].copy_(value, non_blocking=True)
+                synchronize(self.device)
+            count = int(buffers["host_num_pairs"][0]) if "num_pairs" in out else None
+            needed = capacity.needed_pairs(self.model, count) if count is not None else None
+            if needed is None:
+                # Copies: the pinned buffers are overwritten by the next evaluation.
+                return (float(buffers["host_energy"]), buffers["host_forces"].numpy().astype(np.float64),
+                        buffers["host_stress"].numpy().astype(np.float64) if periodic else None)
+            _grow(self.model, needed, count, self.who, graphed=True)
+            self._graphs.clear()
+        raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {_MAX_GROWS} grows "
+                           f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")

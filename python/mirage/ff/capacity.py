@@ -1,0 +1,63 @@
+"""The neighbor-capacity protocol, seen from the caller (the Calculator, the MD driver).
+
+A model with a fixed-capacity neighbor list (mirage's fused models) has an int attribute
+``max_pairs`` (the capacity its next forward uses; settable; None before its first forward) and
+a ``[1]`` int64 buffer ``num_pairs`` that each forward overwrites on the device with the true
+pair count. After an evaluation, replayed from a CUDA graph or not, the caller asks
+:func:`needed_pairs`: None means the result is valid; a number means the neighbor list overflowed,
+the result is invalid, and the caller sets ``model.max_pairs`` to that number, drops its graphs
+(the capacity is frozen into them), recaptures and recomputes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["GROWTH", "MARGIN", "has_capacity", "needed_pairs"]
+
+#: An overflowing capacity grows at least by this factor, so that a slowly densifying system
+#: (a compressed box, a cluster forming) recaptures a logarithmic number of times.
+GROWTH = 1.5
+#: The new capacity is at least the count seen times this, for the same reason.
+MARGIN = 1.2
+
+
+def has_capacity(model) -> bool:
+    """Whether ``model`` implements the protocol (``max_pairs`` attribute and ``num_pairs`` buffer)."""
+    return hasattr(model, "max_pairs") and isinstance(getattr(model, "num_pairs", None), torch.Tensor)
+
+
+def needed_pairs(model, num_pairs: Union[None, int, torch.Tensor] = None) -> Optional[int]:
+    """The capacity ``model`` must grow to after its last evaluation, or None if it sufficed.
+
+    Args:
+        model: any model; one without the protocol (no ``max_pairs``/``num_pairs``, or
+            ``max_pairs`` still None) never needs more.
+        num_pairs: the pair count to judge, when the caller already has it on the host (read with
+            its other results, or the largest of several evaluations); default: ``model.num_pairs``
+            (read from the device, which synchronizes).
+
+    Returns:
+        None when the count fits in ``model.max_pairs``; otherwise the new capacity,
+        ``max(ceil(GROWTH * max_pairs), ceil(MARGIN * count))``.
+
+    Raises:
+        ValueError: the count is -1 (the model's neighbor search found invalid input on the
+            device: non-finite positions or cell, a singular cell), or otherwise negative.
+    """
+    if not has_capacity(model) or model.max_pairs is None:
+        return None
+    count = model.num_pairs if num_pairs is None else num_pairs
+    count = int(count.reshape(-1)[0].item()) if isinstance(count, torch.Tensor) else int(count)
+    if count < 0:
+        raise ValueError(
+            f"mirage.ff.capacity: the model's neighbor search reported num_pairs = {count}: invalid input "
+            "(non-finite positions or cell, or a singular cell); check the structure (did the simulation "
+            "blow up? a smaller timestep may help)")
+    capacity = int(model.max_pairs)
+    if count <= capacity:
+        return None
+    return max(math.ceil(GROWTH * capacity), math.ceil(MARGIN * count))

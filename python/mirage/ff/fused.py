@@ -1,0 +1,620 @@
+"""mirage's fused SchNet and PaiNN: what :func:`mirage.ff.optimize` swaps in.
+
+Both compute the models of ``examples/forcefield/models.py`` (Schütt et al. 2017; Schütt, Unke,
+Gastegger 2021) with mirage's ops, with the same call::
+
+    energy = model(atomic_numbers, positions, cell=None, pbc=None)
+
+- the radius graph is ``mirage::neighbor_list`` (fixed capacity ``max_pairs``, no host sync);
+- the radial basis is ``mirage::radial_basis``; the cosine cutoff is multiplied into the filters;
+- the filter networks' first Linear of every interaction is one batched GEMM (they all read the
+  same basis), their second Linear too where they have one;
+- message passing is ``mirage::message_passing`` (SchNet) or ``mirage::vector_message_passing``
+  (PaiNN).
+
+Padding pairs of the neighbor list (``distances == cutoff``) get a cutoff weight of exactly zero,
+value and gradient, so they add nothing without a mask. The parameters' names are those of the
+reference models (``interactions.0.filter.0.weight``, ...), so their state dicts load into each
+other's parameters.
+
+The neighbor-capacity protocol (see :mod:`mirage.ff`): ``max_pairs`` (None until the first
+forward chooses it from the system) and the ``[1]`` int64 buffer ``num_pairs``, written with
+``copy_`` on every forward (graph-safe).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops
+
+__all__ = ["ACTIVATIONS", "Activation", "PaiNN", "SchNet", "identify_activation"]
+
+_LOG2 = math.log(2.0)
+
+
+def _shifted_softplus(x: Tensor) -> Tensor:
+    return F.softplus(x) - _LOG2
+
+
+#: The activations the fused models compute, by name.
+ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "shifted_softplus": _shifted_softplus,
+    "softplus": F.softplus,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+# Open systems with at most this many ordered pairs get a capacity of every pair (N * (N - 1)) on
+# the first forward: they can never overflow, and the capacity costs little (benzene: 132).
+_ALL_PAIRS_UP_TO = 4096
+# Headroom over the counted pairs for a capacity chosen on the first forward: MD moves the count
+# by a few percent in a liquid, more when a molecule folds or a gas condenses.
+_CAPACITY_HEADROOM = 1.25
+_CAPACITY_ROUNDING = 64
+
+
+class Activation(nn.Module):
+    """One of :data:`ACTIVATIONS` as a module (the fused models' own, when built from sizes)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        if name not in ACTIVATIONS:
+            raise ValueError(f"mirage.ff.fused.Activation: name must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+        self.name = name
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ACTIVATIONS[self.name](x)
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+def identify_activation(module: nn.Module, where: str) -> str:
+    """The name in :data:`ACTIVATIONS` of the function ``module`` computes.
+
+    Found by evaluating the module on sample values (its class is never looked at), so a user's
+    own ``ShiftedSoftplus`` is recognised as well as ``nn.SiLU``.
+
+    Raises:
+        ValueError: the module has parameters or buffers, fails, or matches no known activation.
+    """
+    if isinstance(module, Activation):
+        return module.name
+    kind = type(module).__name__
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        raise ValueError(f"{where} ({kind}) has parameters or buffers: not a plain activation")
+    sample = torch.linspace(-12.0, 12.0, 7 * 23, dtype=torch.float64).reshape(7, 23)
+    try:
+        with torch.no_grad():
+            out = module(sample)
+    except Exception as error:  # a user module: any failure means "not an activation we know"
+        raise ValueError(f"{where} ({kind}) failed on a sample input: {type(error).__name__}: {error}") from None
+    if isinstance(out, Tensor) and out.shape == sample.shape and out.dtype == sample.dtype:
+        for name, function in ACTIVATIONS.items():
+            if torch.allclose(out, function(sample), rtol=1e-7, atol=1e-10):
+                return name
+    raise ValueError(f"{where} ({kind}) computes none of the activations mirage knows "
+                     f"({', '.join(sorted(ACTIVATIONS))})")
+
+
+def _cosine_cutoff(d: Tensor, cutoff: float) -> Tensor:
+    """0.5 (cos(pi d / c) + 1) for d < c, else 0; written as cos^2(pi d / 2c).
+
+    The mask makes the value and the gradient exactly zero at the neighbor list's padding
+    (d == c); without it cos^2 would leave ~1e-15 there in float32.
+    """
+    return torch.where(d < cutoff, torch.cos(d * (math.pi / (2.0 * cutoff))).square(), 0.0)
+
+
+def _stack(tensors: Sequence[Tensor]) -> Tensor:
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _batched_linear(x: Tensor, linears: Sequence[nn.Linear]) -> Tensor:
+    """``[linear(x[t]) for t]`` as one batched GEMM: x ``[T, P, in]`` -> ``[T, P, out]``."""
+    weight = _stack([linear.weight for linear in linears]).transpose(1, 2)
+    if linears[0].bias is None:
+        return torch.bmm(x, weight)
+    return torch.baddbmm(_stack([linear.bias for linear in linears]).unsqueeze(1), x, weight)
+
+
+def _mlp(x: Tensor, sequential: nn.Sequential, activation: str) -> Tensor:
+    first, second = sequential[0], sequential[2]
+    hidden = ACTIVATIONS[activation](F.linear(x, first.weight, first.bias))
+    return F.linear(hidden, second.weight, second.bias)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _mlp_module(inputs: int, hidden: int, outputs: int, activation: str) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inputs, hidden), Activation(activation), nn.Linear(hidden, outputs))
+
+
+class _Block(nn.Module):
+    """A container of named modules (an interaction, message or update); it has no forward."""
+
+    def __init__(self, **modules: nn.Module) -> None:
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+
+class _FusedModel(nn.Module):
+    """The neighbor search and the capacity protocol, shared by SchNet and PaiNN."""
+
+    num_pairs: Tensor
+
+    def __init__(self, cutoff: float, max_pairs: Optional[int]) -> None:
+        super().__init__()
+        cutoff = float(cutoff)
+        if not (math.isfinite(cutoff) and cutoff > 0):
+            raise ValueError(f"mirage.ff.{type(self).__name__}: cutoff must be finite and > 0, got {cutoff}")
+        self.cutoff = cutoff
+        self.max_pairs = max_pairs
+        # How far the basis of the model this one was built from (its `centers` or `frequencies`)
+        # is from the exact one computed here, relative: float32 rounding in the reference models
+        # even in float64, since they build their buffers in float32 before any .double().
+        self.basis_rounding = 0.0
+        self.register_buffer("num_pairs", torch.zeros(1, dtype=torch.int64), persistent=False)
+        # pbc patterns that are neither all-open nor all-periodic, as device tensors: made on the
+        # first call that sees the pattern (eagerly, before any capture), read by later ones.
+        self._pbc_tensors: Dict[Tuple[torch.device, Tuple[bool, ...]], Tensor] = {}
+
+    @property
+    def max_pairs(self) -> Optional[int]:
+        """The neighbor-list capacity of the next forward; None: chosen by the next forward."""
+        return self._max_pairs
+
+    @max_pairs.setter
+    def max_pairs(self, value: Optional[int]) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"mirage.ff.{type(self).__name__}: max_pairs must be None or an int >= 1, got {value!r}")
+        self._max_pairs = value
+
+    def _boundaries(self, positions: Tensor, cell, pbc) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """(cell, pbc) as mirage::neighbor_list takes them, read like the reference models: no pbc
+        means open boundaries whatever the cell; pbc needs a cell."""
+        if pbc is None:
+            return None, None
+        name = type(self).__name__
+        if cell is None:
+            raise ValueError(f"mirage.ff.{name}: pbc was given without a cell; pass the cell too "
+                             "(or pbc=None for open boundaries)")
+        cell = torch.as_tensor(cell, dtype=positions.dtype, device=positions.device)
+        if isinstance(pbc, Tensor) and pbc.device.type != "cpu":
+            # Flags on the GPU are never read on the host (graph-safe): all three are passed on.
+            return cell, pbc if pbc.dtype == torch.bool else pbc.bool()
+        flags = tuple(bool(flag) for flag in torch.as_tensor(pbc).reshape(-1).tolist())
+        if len(flags) != 3:
+            raise ValueError(f"mirage.ff.{name}: pbc must have 3 flags, got {len(flags)}")
+        if not any(flags):
+            return None, None  # ASE's molecules carry a zero cell with pbc all False
+        if all(flags):
+            return cell, None  # neighbor_list's pbc=None: every axis of the cell periodic
+        key = (positions.device, flags)
+        if key not in self._pbc_tensors:
+            self._pbc_tensors[key] = torch.tensor(flags, dtype=torch.bool, device=positions.device)
+        return cell, self._pbc_tensors[key]
+
+    def _initial_capacity(self, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor]) -> int:
+        """The capacity the first forward chooses: every pair of a small open system, otherwise
+        the pairs counted (one host sync, this once) with headroom, rounded up."""
+        n = positions.shape[0]
+        all_pairs = max(n * (n - 1), 1)
+        if cell is None and all_pairs <= _ALL_PAIRS_UP_TO:
+            return all_pairs
+        with torch.no_grad():
+            count = int(ops.neighbor_list(positions.detach(), self.cutoff, None if cell is None else cell.detach(),
+                                          pbc, max_pairs=max(n, 1)).num_pairs)
+        if count < 0:
+            raise ValueError(f"mirage.ff.{type(self).__name__}: the neighbor list found invalid input "
+                             "(non-finite positions or cell, or a singular cell)")
+        capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
+        return min(capacity, all_pairs) if cell is None else capacity
+
+    def _neighbors(self, positions: Tensor, cell, pbc) -> Tuple[Tensor, Tensor, Tensor]:
+        """(pairs [2, P], vectors r_j - r_i + shift [P, 3], distances [P]) with P = max_pairs."""
+        cell, pbc = self._boundaries(positions, cell, pbc)
+        if self._max_pairs is None:
+            self._max_pairs = self._initial_capacity(positions, cell, pbc)
+        pairs, shifts, _, num_pairs = ops.neighbor_list(positions, self.cutoff, cell, pbc, max_pairs=self._max_pairs)
+        self.num_pairs.copy_(num_pairs)
+        # The vectors are formed here with PyTorch ops: their backward is a gather's, cheaper than
+        # neighbor_list's (which recomputes its outputs). Its shifts carry a gradient for the cell
+        # only; detached otherwise, so that its backward never runs for forces alone.
+        if cell is None or not cell.requires_grad:
+            shifts = shifts.detach()
+        ends = positions.index_select(0, pairs.view(-1)).view(2, -1, 3)
+        vectors = ends[1] - ends[0] + shifts
+        return pairs, vectors, torch.linalg.vector_norm(vectors, dim=-1)
+
+    def _readout(self, x: Tensor) -> Tensor:
+        atomic = _mlp(x, self.readout, self.readout_activation)
+        # Under autocast the atomic energies come out in float16/bfloat16; their sum is taken in
+        # float32 at least (in the same kernel), so the total keeps what precision they have.
+        return atomic.sum(dtype=torch.promote_types(atomic.dtype, torch.float32))
+
+    def extra_repr(self) -> str:
+        return f"cutoff={self.cutoff}, max_pairs={self._max_pairs}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Structure recognition: what a model must hold to be rebuilt. Classes are never looked at, only
+# the modules and attributes that the reference models' forward uses.
+
+
+def _child(parent: nn.Module, name: str, where: str) -> nn.Module:
+    child = getattr(parent, name, None)
+    if not isinstance(child, nn.Module):
+        raise ValueError(f"{where} has no submodule `{name}`")
+    return child
+
+
+def _linear(parent: nn.Module, name: str, where: str, in_features: Optional[int] = None,
+            out_features: Optional[int] = None, bias: Optional[bool] = None) -> nn.Linear:
+    path = f"{where}.{name}" if where else name
+    module = _child(parent, name, where or "the model")
+    return _check_linear(module, path, in_features, out_features, bias)
+
+
+def _check_linear(module: nn.Module, path: str, in_features: Optional[int], out_features: Optional[int],
+                  bias: Optional[bool] = None) -> nn.Linear:
+    # Exact type: a subclass of nn.Linear may compute something else in its forward.
+    if type(module) is not nn.Linear:
+        raise ValueError(f"{path} is a {type(module).__name__}, not an nn.Linear")
+    if in_features is not None and module.in_features != in_features:
+        raise ValueError(f"{path} takes {module.in_features} features, expected {in_features}")
+    if out_features is not None and module.out_features != out_features:
+        raise ValueError(f"{path} gives {module.out_features} features, expected {out_features}")
+    if bias is not None and (module.bias is not None) != bias:
+        raise ValueError(f"{path} {'has no' if bias else 'has a'} bias, unlike the others of its kind")
+    return module
+
+
+def _sequential_mlp(parent: nn.Module, name: str, where: str, in_features: int,
+                    out_features: int) -> Tuple[nn.Linear, str, nn.Linear]:
+    """(first Linear, activation name, second Linear) of ``Sequential(Linear, activation, Linear)``."""
+    path = f"{where}.{name}" if where else name
+    module = _child(parent, name, where or "the model")
+    if type(module) is not nn.Sequential or len(module) != 3:
+        raise ValueError(f"{path} is not an nn.Sequential of (Linear, activation, Linear)")
+    first = _check_linear(module[0], f"{path}.0", in_features, None)
+    second = _check_linear(module[2], f"{path}.2", first.out_features, out_features)
+    return first, identify_activation(module[1], f"{path}.1"), second
+
+
+def _module_list(model: nn.Module, name: str) -> List[nn.Module]:
+    modules = getattr(model, name, None)
+    if type(modules) not in (nn.ModuleList, nn.Sequential) or len(modules) == 0:
+        raise ValueError(f"`{name}` is not a non-empty nn.ModuleList")
+    return list(modules)
+
+
+def _cutoff(model: nn.Module) -> float:
+    cutoff = getattr(model, "cutoff", None)
+    if isinstance(cutoff, Tensor) and cutoff.numel() == 1:
+        cutoff = cutoff.item()
+    if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)) or not math.isfinite(cutoff) or cutoff <= 0:
+        raise ValueError(f"no finite positive `cutoff` attribute (got {cutoff!r})")
+    return float(cutoff)
+
+
+def _embedding(model: nn.Module) -> nn.Embedding:
+    embedding = _child(model, "embedding", "the model")
+    if type(embedding) is not nn.Embedding:
+        raise ValueError(f"embedding is a {type(embedding).__name__}, not an nn.Embedding")
+    if embedding.max_norm is not None:
+        raise ValueError("embedding has max_norm set (it renormalizes its weights in place on lookup)")
+    return embedding
+
+
+def _check_tensors(model: nn.Module) -> None:
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    dtypes = {t.dtype for t in model.parameters()}
+    devices = {t.device for t in tensors}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"the parameters must share one floating dtype, got {sorted(map(str, dtypes))}")
+    if len(devices) != 1:
+        raise ValueError(f"the parameters and buffers are on several devices: {sorted(map(str, devices))}")
+
+
+def _buffer(model: nn.Module, name: str, expected: Tensor, what: str) -> float:
+    """The model's RBF buffer equals what mirage::radial_basis computes, to float32 rounding;
+    returns the largest difference relative to the largest value."""
+    values = getattr(model, name, None)
+    if not isinstance(values, Tensor):
+        raise ValueError(f"no `{name}` tensor (the {what})")
+    values = values.detach().to("cpu", torch.float64).reshape(-1)
+    if values.shape != expected.shape:
+        raise ValueError(f"`{name}` has {values.numel()} entries, the filters read {expected.numel()}")
+    scale = float(expected.abs().max())
+    if not torch.allclose(values, expected, rtol=1e-6, atol=1e-6 * scale):
+        raise ValueError(f"`{name}` is not {what}, which is what mirage::radial_basis computes")
+    return float((values - expected).abs().max()) / scale
+
+
+# ------------------------------------------------------------------------------------------------
+# SchNet
+
+
+class SchNet(_FusedModel):
+    """SchNet (continuous-filter convolutions) on mirage's ops.
+
+    ``x = embedding(Z)``; per interaction ``x += f2out(sum_j in2f(x)_j * filter(rbf_ij) * fcut_ij)``;
+    ``energy = readout(x).sum()``; Gaussian basis over ``[0, cutoff]`` (width the spacing), cosine
+    cutoff. Build it from sizes, or from a SchNet-style model with :meth:`from_model` (sharing its
+    parameters), which :func:`mirage.ff.optimize` does.
+
+    Attributes:
+        max_pairs: neighbor-list capacity (None: the first forward chooses it).
+        num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
+    """
+
+    def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
+                 max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:
+        super().__init__(cutoff, max_pairs)
+        if num_rbf < 1 or hidden < 2 or num_interactions < 1:
+            raise ValueError(f"mirage.ff.SchNet: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
+                             f"{num_rbf}, {hidden}, {num_interactions}")
+        self.num_rbf = num_rbf
+        self.embedding = nn.Embedding(max_z, hidden)
+        self.interactions = nn.ModuleList(
+            _Block(filter=_mlp_module(num_rbf, hidden, hidden, activation),
+                   in2f=nn.Linear(hidden, hidden, bias=False),
+                   f2out=_mlp_module(hidden, hidden, hidden, activation))
+            for _ in range(num_interactions))
+        self.readout = _mlp_module(hidden, hidden // 2, 1, activation)
+        self.filter_activation = activation
+        self.update_activations = [activation] * num_interactions
+        self.readout_activation = activation
+
+    @classmethod
+    def from_model(cls, model: nn.Module, max_pairs: Optional[int] = None) -> "SchNet":
+        """The fused model computing ``model``, a SchNet-style model, sharing its parameters.
+
+        ``model`` must hold: ``cutoff``; ``embedding`` (nn.Embedding); ``interactions``, each with
+        ``filter`` = Sequential(Linear(R, H), act, Linear(H, M)), ``in2f`` = Linear(F, M) and
+        ``f2out`` = Sequential(Linear(M, K), act, Linear(K, F)); ``readout`` = Sequential(Linear,
+        act, Linear(., 1)); the Gaussian centers ``centers`` (evenly over [0, cutoff]) and
+        ``width`` (their spacing). What its forward does with them is not seen here:
+        :func:`mirage.ff.optimize` compares the two on a probe.
+
+        Raises:
+            ValueError: the reason, when the structure is not one this model reproduces.
+        """
+        cutoff = _cutoff(model)
+        _check_tensors(model)
+        embedding = _embedding(model)
+        features = embedding.embedding_dim
+        num_rbf = None
+        blocks, filter_activations, update_activations = [], set(), []
+        filter_bias = None
+        for t, interaction in enumerate(_module_list(model, "interactions")):
+            where = f"interactions.{t}"
+            first, activation, second = _sequential_mlp(interaction, "filter", where, num_rbf, None)
+            num_rbf, message_width = first.in_features, second.out_features
+            if filter_bias is None:
+                filter_bias = (first.bias is not None, second.bias is not None)
+            elif filter_bias != (first.bias is not None, second.bias is not None):
+                raise ValueError(f"{where}.filter's Linear biases differ from interactions.0's "
+                                 "(the filters run as one batched GEMM)")
+            filter_activations.add(activation)
+            in2f = _linear(interaction, "in2f", where, features, message_width)
+            _, update_activation, _ = _sequential_mlp(interaction, "f2out", where, message_width, features)
+            update_activations.append(update_activation)
+            blocks.append(_Block(filter=nn.Sequential(first, Activation(activation), second), in2f=in2f,
+                                 f2out=_shared_mlp(interaction.f2out, update_activation)))
+        if len(filter_activations) != 1:
+            raise ValueError(f"the filter networks use different activations ({sorted(filter_activations)}); "
+                             "they run as one batched GEMM")
+        if len({(block.filter[0].weight.shape, block.filter[2].weight.shape) for block in blocks}) != 1:
+            raise ValueError("the filter networks have different widths (they run as one batched GEMM)")
+        _, readout_activation, _ = _sequential_mlp(model, "readout", "", features, 1)
+        spacing = cutoff / (num_rbf - 1) if num_rbf > 1 else cutoff
+        basis_rounding = _buffer(model, "centers", torch.linspace(0.0, cutoff, num_rbf, dtype=torch.float64),
+                f"{num_rbf} Gaussian centers evenly over [0, {cutoff}]")
+        width = getattr(model, "width", None)
+        width = width.item() if isinstance(width, Tensor) and width.numel() == 1 else width
+        if not isinstance(width, (int, float)) or not math.isclose(width, spacing, rel_tol=1e-6):
+            raise ValueError(f"`width` is {width!r}, not the centers' spacing {spacing:.6g} that "
+                             "mirage::radial_basis uses")
+
+        fused = cls.__new__(cls)
+        _FusedModel.__init__(fused, cutoff, max_pairs)
+        fused.num_rbf = num_rbf
+        fused.basis_rounding = basis_rounding
+        fused.embedding = embedding
+        fused.interactions = nn.ModuleList(blocks)
+        fused.readout = _shared_mlp(model.readout, readout_activation)
+        fused.filter_activation = filter_activations.pop()
+        fused.update_activations = update_activations
+        fused.readout_activation = readout_activation
+        fused.to(device=embedding.weight.device)  # the num_pairs buffer
+        fused.train(model.training)
+        return fused
+
+    def swaps(self) -> List[Tuple[str, str]]:
+        """``(kind, where)`` of what this model computes with mirage's ops, for the report."""
+        count = len(self.interactions)
+        return ([("neighbor_list", "radius graph (forward)"),
+                 ("radial_basis", f"Gaussian basis ({self.num_rbf} centers, `centers`/`width`)"),
+                 ("batched_filters", f"first and second Linear of the {count} filter networks "
+                                     "(interactions.*.filter)")]
+                + [("message_passing", f"interactions.{t}") for t in range(count)])
+
+    def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
+                pbc: Optional[Tensor] = None) -> Tensor:
+        """Energy (0-dim) of atoms ``atomic_numbers`` [N] at ``positions`` [N, 3] (Å), in an
+        optional ``cell`` [3, 3] (rows the lattice vectors) with ``pbc`` [3] bools (no pbc: open
+        boundaries, as in the reference models)."""
+        pairs, _, distances = self._neighbors(positions, cell, pbc)
+        rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
+        count = len(self.interactions)
+        blocks = list(self.interactions)
+        hidden = _batched_linear(rbf.expand(count, -1, -1), [block.filter[0] for block in blocks])
+        hidden = ACTIVATIONS[self.filter_activation](hidden)
+        filters = _batched_linear(hidden, [block.filter[2] for block in blocks])
+        filters = filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)  # [T, P, M]
+        x = self.embedding(atomic_numbers)
+        for t, block in enumerate(blocks):
+            messages = ops.message_passing(F.linear(x, block.in2f.weight, block.in2f.bias), filters[t], pairs)
+            x = x + _mlp(messages, block.f2out, self.update_activations[t])
+        return self._readout(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_rbf={self.num_rbf}, filter_activation={self.filter_activation!r}"
+
+
+def _shared_mlp(sequential: nn.Module, activation: str) -> nn.Sequential:
+    """A Sequential holding the same two Linear modules (shared parameters, same names) with
+    mirage's own activation module between them."""
+    return nn.Sequential(sequential[0], Activation(activation), sequential[2])
+
+
+# ------------------------------------------------------------------------------------------------
+# PaiNN
+
+
+class PaiNN(_FusedModel):
+    """PaiNN (polarizable atom interaction network) on mirage's ops.
+
+    Scalars ``s = embedding(Z)`` and vectors ``v = 0``; per interaction a message
+    (``phi(s)_j * filter(rbf_ij) * fcut_ij`` split into scalar, vector-vector and vector-direction
+    parts, summed over neighbors by ``mirage::vector_message_passing``) then an update
+    (``U v``, ``V v``, ``mlp([s, |V v|])``); ``energy = readout(s).sum()``; sinc (Bessel) basis,
+    cosine cutoff. Build it from sizes, or from a PaiNN-style model with :meth:`from_model`.
+
+    Attributes:
+        max_pairs: neighbor-list capacity (None: the first forward chooses it).
+        num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
+        norm_eps: added under the square root of ``|V v|`` (1e-8, the reference's): keeps its
+            gradient finite where ``V v`` vanishes (every atom's ``v`` starts at zero).
+    """
+
+    norm_eps = 1e-8
+
+    def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
+                 max_z: int = 100, activation: str = "silu", max_pairs: Optional[int] = None) -> None:
+        super().__init__(cutoff, max_pairs)
+        if num_rbf < 1 or hidden < 2 or num_interactions < 1:
+            raise ValueError(f"mirage.ff.PaiNN: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
+                             f"{num_rbf}, {hidden}, {num_interactions}")
+        self.num_rbf = num_rbf
+        self.hidden = hidden
+        self.embedding = nn.Embedding(max_z, hidden)
+        self.messages = nn.ModuleList(
+            _Block(phi=_mlp_module(hidden, hidden, 3 * hidden, activation), filter=nn.Linear(num_rbf, 3 * hidden))
+            for _ in range(num_interactions))
+        self.updates = nn.ModuleList(
+            _Block(U=nn.Linear(hidden, hidden, bias=False), V=nn.Linear(hidden, hidden, bias=False),
+                   mlp=_mlp_module(2 * hidden, hidden, 3 * hidden, activation))
+            for _ in range(num_interactions))
+        self.readout = _mlp_module(hidden, hidden // 2, 1, activation)
+        self.phi_activations = [activation] * num_interactions
+        self.update_activations = [activation] * num_interactions
+        self.readout_activation = activation
+
+    @classmethod
+    def from_model(cls, model: nn.Module, max_pairs: Optional[int] = None) -> "PaiNN":
+        """The fused model computing ``model``, a PaiNN-style model, sharing its parameters.
+
+        ``model`` must hold: ``cutoff``; ``embedding`` (nn.Embedding, width F); ``messages``, each
+        with ``phi`` = Sequential(Linear(F, H), act, Linear(H, 3F)) and ``filter`` = Linear(R, 3F);
+        as many ``updates``, each with ``U``, ``V`` = Linear(F, F) and ``mlp`` =
+        Sequential(Linear(2F, K), act, Linear(K, 3F)); ``readout`` = Sequential(Linear, act,
+        Linear(., 1)); the basis frequencies ``frequencies`` = n pi / cutoff, n = 1..R.
+
+        Raises:
+            ValueError: the reason, when the structure is not one this model reproduces.
+        """
+        cutoff = _cutoff(model)
+        _check_tensors(model)
+        embedding = _embedding(model)
+        features = embedding.embedding_dim
+        messages, updates = _module_list(model, "messages"), _module_list(model, "updates")
+        if len(messages) != len(updates):
+            raise ValueError(f"{len(messages)} messages but {len(updates)} updates")
+        num_rbf, filter_bias = None, None
+        message_blocks, update_blocks, phi_activations, update_activations = [], [], [], []
+        for t, (message, update) in enumerate(zip(messages, updates)):
+            where = f"messages.{t}"
+            _, phi_activation, _ = _sequential_mlp(message, "phi", where, features, 3 * features)
+            filter_linear = _linear(message, "filter", where, num_rbf, 3 * features, filter_bias)
+            num_rbf, filter_bias = filter_linear.in_features, filter_linear.bias is not None
+            where = f"updates.{t}"
+            u = _linear(update, "U", where, features, features)
+            v = _linear(update, "V", where, features, features)
+            _, update_activation, _ = _sequential_mlp(update, "mlp", where, 2 * features, 3 * features)
+            phi_activations.append(phi_activation)
+            update_activations.append(update_activation)
+            message_blocks.append(_Block(phi=_shared_mlp(message.phi, phi_activation), filter=filter_linear))
+            update_blocks.append(_Block(U=u, V=v, mlp=_shared_mlp(update.mlp, update_activation)))
+        _, readout_activation, _ = _sequential_mlp(model, "readout", "", features, 1)
+        basis_rounding = _buffer(model, "frequencies",
+                torch.arange(1, num_rbf + 1, dtype=torch.float64) * (math.pi / cutoff),
+                f"the frequencies n pi / {cutoff}, n = 1..{num_rbf}")
+
+        fused = cls.__new__(cls)
+        _FusedModel.__init__(fused, cutoff, max_pairs)
+        fused.num_rbf = num_rbf
+        fused.basis_rounding = basis_rounding
+        fused.hidden = features
+        fused.embedding = embedding
+        fused.messages = nn.ModuleList(message_blocks)
+        fused.updates = nn.ModuleList(update_blocks)
+        fused.readout = _shared_mlp(model.readout, readout_activation)
+        fused.phi_activations = phi_activations
+        fused.update_activations = update_activations
+        fused.readout_activation = readout_activation
+        fused.to(device=embedding.weight.device)
+        fused.train(model.training)
+        return fused
+
+    def swaps(self) -> List[Tuple[str, str]]:
+        """``(kind, where)`` of what this model computes with mirage's ops, for the report."""
+        count = len(self.messages)
+        return ([("neighbor_list", "radius graph (forward)"),
+                 ("radial_basis", f"sinc (Bessel) basis ({self.num_rbf} `frequencies`)"),
+                 ("batched_filters", f"the {count} filter Linears (messages.*.filter)")]
+                + [("vector_message_passing", f"messages.{t}") for t in range(count)])
+
+    def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
+                pbc: Optional[Tensor] = None) -> Tensor:
+        """Energy (0-dim); arguments as :meth:`SchNet.forward`."""
+        pairs, vectors, distances = self._neighbors(positions, cell, pbc)
+        directions = vectors / distances.unsqueeze(-1)
+        rbf = ops.radial_basis(distances, "bessel", self.num_rbf, self.cutoff, "none")
+        messages, updates = list(self.messages), list(self.updates)
+        count, hidden = len(messages), self.hidden
+        filters = _batched_linear(rbf.expand(count, -1, -1), [message.filter for message in messages])
+        filters = filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)  # [T, P, 3F]
+        s = self.embedding(atomic_numbers)
+        v = s.new_zeros(s.shape[0], 3, hidden)
+        for t, (message, update) in enumerate(zip(messages, updates)):
+            x = _mlp(s, message.phi, self.phi_activations[t])
+            ds, dv = ops.vector_message_passing(x, filters[t], v, directions, pairs)
+            s, v = s + ds, v + dv
+            # Two GEMMs rather than one on [U; V]: slicing that one's output would cost two
+            # zero-fills and copies in the backward, more than the GEMM saved.
+            uv = F.linear(v, update.U.weight, update.U.bias)
+            vv = F.linear(v, update.V.weight, update.V.bias)
+            vv_norm = torch.sqrt(vv.square().sum(dim=1) + self.norm_eps)
+            a = _mlp(torch.cat([s, vv_norm], dim=-1), update.mlp, self.update_activations[t])
+            a_vv, a_sv, a_ss = a.split(hidden, dim=-1)
+            v = torch.addcmul(v, a_vv.unsqueeze(1), uv)
+            s = torch.addcmul(s + a_ss, a_sv, (uv * vv).sum(dim=1))
+        return self._readout(s)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_rbf={self.num_rbf}, hidden={self.hidden}"
+

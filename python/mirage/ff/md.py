@@ -1,0 +1,378 @@
+"""GPU-resident molecular dynamics: velocity Verlet (NVE) and Langevin (NVT), K steps per CUDA graph.
+
+The state (positions, velocities, forces, masses) lives in device tensors. One replay of a CUDA
+graph advances it by ``steps_per_replay`` steps, force evaluations (forward and backward of the
+model) included, with no host round trip inside; the host only looks at the state to write a
+trajectory frame or a log line, and, for a model with a neighbor capacity, to read the largest
+pair count of the replay. Units are ASE's: eV, Å, amu, ASE time (``0.5 * ase.units.fs``).
+
+Example::
+
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    MaxwellBoltzmannDistribution(atoms, temperature_K=300)
+    md = mirage.ff.md.VelocityVerlet(fast_model, atoms, 0.5 * ase.units.fs, steps_per_replay=50)
+    md.run(100_000, trajectory="benzene.traj", write_every=1000, log="benzene.log")
+    final = md.atoms
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, TextIO
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import ase
+import ase.io
+from ase import units
+from ase.calculators.singlepoint import SinglePointCalculator
+
+from .. import graphs
+from . import capacity
+from .calculator import (CapacityWatch, check_model, check_precision, evaluate, matmul_precision, model_device_dtype,
+                         on_device, synchronize)
+
+__all__ = ["Langevin", "VelocityVerlet"]
+
+_WHO = "mirage.ff.md.VelocityVerlet"
+_MAX_GROWS = 16
+_NO_PAIRS = 2**62  # the running minimum of the pair count starts above any real count
+
+
+def _positive(value: Any, name: str, who: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{who}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Langevin:
+    """Langevin thermostat (NVT) for :class:`VelocityVerlet`, integrated with the BAOAB splitting.
+
+    Args:
+        temperature_K: the bath temperature in kelvin.
+        friction: the friction coefficient in inverse ASE time units, as ASE's ``Langevin``
+            (e.g. ``0.01 / ase.units.fs``: velocities decorrelate over 100 fs).
+    """
+
+    temperature_K: float
+    friction: float
+
+    def __post_init__(self) -> None:
+        _positive(self.temperature_K, "temperature_K", "mirage.ff.md.Langevin")
+        _positive(self.friction, "friction", "mirage.ff.md.Langevin")
+
+
+class VelocityVerlet:
+    """Velocity-Verlet molecular dynamics on the model's device, many steps per CUDA-graph replay.
+
+    NVE without a thermostat; with ``thermostat=Langevin(T, friction)`` NVT by the BAOAB scheme
+    (half kick, half drift, Ornstein-Uhlenbeck velocity update with ``torch.randn`` from the
+    device's default generator, half drift, half kick; Leimkuhler and Matthews 2013), which keeps
+    configurational averages accurate to O(dt^2).
+
+    Args:
+        model: ``energy = model(atomic_numbers, positions, cell, pbc)``.
+        atoms: the initial ``ase.Atoms``: numbers, positions, masses, momenta (zero unless set,
+            e.g. by ``ase.md.velocitydistribution.MaxwellBoltzmannDistribution``), cell and pbc.
+            It is not modified; :attr:`atoms` gives the current state. Constraints are not supported.
+        timestep: in ASE time units (``0.5 * ase.units.fs``).
+        thermostat: None (NVE) or a :class:`Langevin`.
+        steps_per_replay: ``K``, the steps one graph replay advances (and the steps between two
+            checks of the neighbor capacity on the CPU path).
+        precision: ``"fp32"``, ``"tf32"`` or ``"bf16-mixed"``, as :class:`mirage.ff.Calculator`.
+        device: where to run; default the model's device (the model is moved there).
+        cuda_graph: replay CUDA graphs on a CUDA device; otherwise (and on the CPU) the same steps
+            run eagerly. The reference models cannot be captured: use :func:`mirage.ff.optimize`.
+        progress_every: seconds between progress lines on stderr during :meth:`run`; None: silent.
+
+    Attributes:
+        step: steps done so far. records: one dict per written step (``step``, ``time_fs``,
+        ``potential``, ``kinetic``, ``total`` in eV, ``temperature`` in K). steps_per_second:
+        the rate of the last :meth:`run` (host writes included).
+    """
+
+    def __init__(self, model, atoms: "ase.Atoms", timestep: float, *, thermostat: Optional[Langevin] = None,
+                 steps_per_replay: int = 10, precision: str = "fp32", device=None, cuda_graph: bool = True,
+                 progress_every: Optional[float] = 10.0) -> None:
+        check_model(model, _WHO)
+        if not isinstance(atoms, ase.Atoms):
+            raise ValueError(f"{_WHO}: atoms must be an ase.Atoms, got a {type(atoms).__name__}")
+        if len(atoms) == 0:
+            raise ValueError(f"{_WHO}: atoms has no atoms")
+        if atoms.constraints:
+            raise ValueError(f"{_WHO}: atoms has constraints ({atoms.constraints}), which this integrator "
+                             "does not apply; remove them (del atoms.constraints) or use ASE's integrators")
+        self.timestep = _positive(timestep, "timestep", _WHO)
+        if thermostat is not None and not isinstance(thermostat, Langevin):
+            raise ValueError(f"{_WHO}: thermostat must be None or a mirage.ff.md.Langevin, got {thermostat!r}")
+        if not isinstance(steps_per_replay, int) or isinstance(steps_per_replay, bool) or steps_per_replay < 1:
+            raise ValueError(f"{_WHO}: steps_per_replay must be an int >= 1, got {steps_per_replay!r}")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"{_WHO}: cuda_graph must be a bool, got {cuda_graph!r}")
+        if progress_every is not None:
+            _positive(progress_every, "progress_every", _WHO)
+        self.model = model
+        self.thermostat = thermostat
+        self.steps_per_replay = steps_per_replay
+        self.precision = check_precision(precision, _WHO)
+        self.progress_every = progress_every
+        self.device, self.dtype = model_device_dtype(model, device, _WHO)
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        self.step = 0
+        self.records: List[Dict[str, float]] = []
+        self.steps_per_second: Optional[float] = None
+        self._template = atoms.copy()
+        self._template.calc = None
+        self._masses = atoms.get_masses().astype(np.float64)
+        self._periodic = bool(np.any(atoms.pbc))
+        if self._periodic and abs(np.linalg.det(atoms.cell[:])) < 1e-9:
+            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no volume; set atoms.cell")
+        if not np.isfinite(atoms.positions).all():
+            raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
+        self._counting = capacity.has_capacity(model)
+        self._state = self._initial_state(atoms)
+        # Three graph sizes at most in practice: K, and the shorter chunks before a write or the end.
+        self._graphs = graphs.GraphCache(self._advance, 4, copy_outputs=False) if self.cuda_graph else None
+        self._watch = CapacityWatch(model, self._graphs) if self.cuda_graph else None
+        self._compute_initial_forces()
+
+    # --------------------------------------------------------------------------------- state
+    def _tensor(self, array, dtype=None) -> Tensor:
+        # A copy (torch.tensor, not as_tensor): the state is updated in place and must not alias the Atoms.
+        return torch.tensor(np.asarray(array), dtype=dtype or self.dtype, device=self.device)
+
+    def _initial_state(self, atoms) -> Dict[str, Tensor]:
+        masses = self._tensor(self._masses)[:, None]
+        state = {
+            "numbers": self._tensor(atoms.numbers, torch.int64),
+            "positions": self._tensor(atoms.positions),
+            "velocities": self._tensor(atoms.get_velocities()),
+            "forces": torch.zeros(len(atoms), 3, dtype=self.dtype, device=self.device),
+            "energy": torch.zeros((), dtype=self.dtype, device=self.device),
+            "inverse_masses": 1.0 / masses,
+        }
+        if self.thermostat is not None:
+            # BAOAB's O step: v <- c1 v + sqrt((1 - c1^2) kT / m) R, over a full timestep.
+            c1 = math.exp(-self.thermostat.friction * self.timestep)
+            kT = units.kB * self.thermostat.temperature_K
+            state["noise_scales"] = torch.sqrt((1.0 - c1 * c1) * kT / masses)
+        if self._periodic:
+            state["cell"] = self._tensor(atoms.cell[:])
+            state["pbc"] = self._tensor(np.asarray(atoms.pbc, dtype=bool), torch.bool)
+        for name in ("positions", "velocities", "forces", "energy"):
+            state["saved_" + name] = state[name].clone()
+        if self._counting:
+            state["pair_counts"] = torch.zeros(2, dtype=torch.int64, device=self.device)  # [max, min] of a replay
+        return state
+
+    def _forces(self, state: Dict[str, Tensor]) -> None:
+        """One force evaluation into ``state`` (in place), folding the pair count into its range."""
+        energy, forces, _ = evaluate(self.model, state["numbers"], state["positions"], state.get("cell"),
+                                     state.get("pbc"), precision=self.precision, who=_WHO)
+        state["forces"].copy_(forces)
+        state["energy"].copy_(energy)
+        if self._counting:
+            counts, found = state["pair_counts"], self.model.num_pairs
+            torch.maximum(counts[:1], found, out=counts[:1])
+            torch.minimum(counts[1:], found, out=counts[1:])
+
+    def _advance(self, state: Dict[str, Tensor], steps: int) -> Dict[str, Tensor]:
+        """``steps`` steps in place on ``state`` (what one graph records); returns ``state``."""
+        for name in ("positions", "velocities", "forces", "energy"):
+            state["saved_" + name].copy_(state[name])
+        if self._counting:
+            state["pair_counts"][0].fill_(0)
+            state["pair_counts"][1].fill_(_NO_PAIRS)
+        x, v, f, inverse_masses = state["positions"], state["velocities"], state["forces"], state["inverse_masses"]
+        dt = self.timestep
+        for _ in range(steps):
+            v.addcmul_(f, inverse_masses, value=0.5 * dt)
+            if self.thermostat is None:
+                x.add_(v, alpha=dt)
+            else:
+                x.add_(v, alpha=0.5 * dt)
+                c1 = math.exp(-self.thermostat.friction * dt)
+                v.mul_(c1).addcmul_(torch.randn_like(v), state["noise_scales"])
+                x.add_(v, alpha=0.5 * dt)
+            self._forces(state)
+            v.addcmul_(f, inverse_masses, value=0.5 * dt)
+        return state
+
+    def _restore(self) -> None:
+        for name in ("positions", "velocities", "forces", "energy"):
+            self._state[name].copy_(self._state["saved_" + name])
+
+    def _needed(self) -> Optional[int]:
+        """The capacity to grow to after the last replay (largest count of its steps), or None."""
+        if not self._counting:
+            return None
+        peak, low = self._state["pair_counts"].tolist()
+        return capacity.needed_pairs(self.model, -1 if low < 0 else peak)
+
+    def _grow(self, needed: int) -> None:
+        peak = int(self._state["pair_counts"][0])
+        graphs.progress(f"{_WHO}: {peak} neighbor pairs exceed the model's capacity of {self.model.max_pairs} "
+                        f"after step {self.step}; growing it to {needed} and computing again from step {self.step}"
+                        + (" (CUDA graphs are captured again)" if self._graphs is not None else ""))
+        self.model.max_pairs = needed
+        if self._graphs is not None:
+            self._graphs.clear()
+
+    def _compute_initial_forces(self) -> None:
+        for _ in range(_MAX_GROWS):
+            if self._counting:
+                self._state["pair_counts"][0].fill_(0)
+                self._state["pair_counts"][1].fill_(_NO_PAIRS)
+            with torch.no_grad(), matmul_precision(self.precision):
+                self._forces(self._state)
+            needed = self._needed()
+            if needed is None:
+                return
+            self._grow(needed)
+        raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {_MAX_GROWS} grows")
+
+    def _replay(self, steps: int) -> None:
+        """Advances ``steps`` steps (one replay), redoing them with more capacity on overflow."""
+        for _ in range(_MAX_GROWS):
+            with matmul_precision(self.precision):
+                if self._graphs is None:
+                    with torch.no_grad():
+                        self._advance(self._state, steps)
+                else:
+                    with on_device(self.device):
+                        self._state = self._captured(steps)
+            needed = self._needed()
+            if needed is None:
+                self.step += steps
+                return
+            self._restore()
+            self._grow(needed)
+        raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {_MAX_GROWS} grows")
+
+    def _captured(self, steps: int) -> Dict[str, Tensor]:
+        try:
+            self._watch.before()
+            state = self._graphs(self._state, steps)
+            self._watch.after()
+            return state
+        except RuntimeError as error:
+            if "mirage.graphs.capture: capturing" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{_WHO}: the model cannot be captured in a CUDA graph ({str(error).splitlines()[0]}). Pass it "
+                "through mirage.ff.optimize(model) first (mirage's fused models are capturable), or use "
+                "cuda_graph=False. A failed capture can leave this process's CUDA random-number generator "
+                "unusable: restart it") from error
+
+    # ---------------------------------------------------------------------------------- output
+    def _host_state(self):
+        s = self._state
+        return (s["positions"].detach().cpu().double().numpy(), s["velocities"].detach().cpu().double().numpy(),
+                s["forces"].detach().cpu().double().numpy(), float(s["energy"]))
+
+    @property
+    def atoms(self) -> "ase.Atoms":
+        """The current state as a new ``ase.Atoms`` (positions unwrapped, momenta, and a
+        single-point calculator holding the potential energy and forces)."""
+        positions, velocities, forces, energy = self._host_state()
+        return self._make_atoms(positions, velocities, forces, energy)
+
+    def _make_atoms(self, positions, velocities, forces, energy) -> "ase.Atoms":
+        atoms = self._template.copy()
+        atoms.positions = positions
+        atoms.set_momenta(velocities * self._masses[:, None])
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, free_energy=energy, forces=forces)
+        return atoms
+
+    def _record(self, trajectory, log: Optional[TextIO]) -> Dict[str, float]:
+        positions, velocities, forces, potential = self._host_state()
+        if not (np.isfinite(positions).all() and math.isfinite(potential)):
+            raise RuntimeError(f"{_WHO}: the state is not finite at step {self.step} (the simulation blew up); "
+                               "use a smaller timestep or check the model")
+        kinetic = 0.5 * float((self._masses[:, None] * velocities**2).sum())
+        record = dict(step=self.step, time_fs=self.step * self.timestep / units.fs, potential=potential,
+                      kinetic=kinetic, total=potential + kinetic,
+                      temperature=2.0 * kinetic / (3 * len(self._masses) * units.kB))
+        self.records.append(record)
+        if trajectory is not None:
+            trajectory.write(self._make_atoms(positions, velocities, forces, potential))
+        if log is not None:
+            log.write(f"{record['step']:>10d} {record['time_fs'] / 1000:12.4f} {record['total']:14.6f} "
+                      f"{record['potential']:14.6f} {record['kinetic']:12.6f} {record['temperature']:10.2f}\n")
+            log.flush()
+        return record
+
+    def run(self, steps: int, trajectory=None, write_every: int = 100, log=None) -> List[Dict[str, float]]:
+        """Advances ``steps`` steps, writing and logging every ``write_every`` steps.
+
+        Steps go ``steps_per_replay`` at a time; a replay never crosses a step that is a multiple
+        of ``write_every`` (a shorter replay, with its own graph, ends there), so frames land
+        exactly on those steps whatever ``K``. The current step is written first unless it
+        already was.
+
+        Args:
+            steps: steps to run (>= 0).
+            trajectory: None, a path (an ``ase.io.Trajectory`` written there, replacing the file),
+                or an object with ``write(atoms)`` such as an open ``ase.io.Trajectory``.
+            write_every: steps between frames and records.
+            log: None, a path (written, replacing the file) or a text stream: one line per record
+                (step, time in ps, total, potential and kinetic energy in eV, temperature in K).
+
+        Returns:
+            The records written by this call (also appended to :attr:`records`).
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"{_WHO}.run: steps must be an int >= 0, got {steps!r}")
+        if not isinstance(write_every, int) or isinstance(write_every, bool) or write_every < 1:
+            raise ValueError(f"{_WHO}.run: write_every must be an int >= 1, got {write_every!r}")
+        own_trajectory = isinstance(trajectory, (str, os.PathLike))
+        own_log = isinstance(log, (str, os.PathLike))
+        if trajectory is not None and not own_trajectory and not hasattr(trajectory, "write"):
+            raise ValueError(f"{_WHO}.run: trajectory must be None, a path or have a write(atoms) method, "
+                             f"got a {type(trajectory).__name__}")
+        if log is not None and not own_log and not hasattr(log, "write"):
+            raise ValueError(f"{_WHO}.run: log must be None, a path or a text stream, got a {type(log).__name__}")
+        first = len(self.records)
+        trajectory = ase.io.Trajectory(os.fspath(trajectory), "w") if own_trajectory else trajectory
+        log = open(log, "w") if own_log else log
+        try:
+            if log is not None:
+                log.write(f"{'step':>10} {'time[ps]':>12} {'Etot[eV]':>14} {'Epot[eV]':>14} {'Ekin[eV]':>12} "
+                          f"{'T[K]':>10}\n")
+            if not self.records or self.records[-1]["step"] != self.step or own_trajectory:
+                self._record(trajectory, log)
+            start = last_progress = time.perf_counter()
+            end = self.step + steps
+            while self.step < end:
+                next_write = (self.step // write_every + 1) * write_every
+                self._replay(min(self.steps_per_replay, next_write - self.step, end - self.step))
+                if self.step % write_every == 0:
+                    self._record(trajectory, log)
+                now = time.perf_counter()
+                if self.progress_every is not None and now - last_progress >= self.progress_every:
+                    last_progress = now
+                    done = steps - (end - self.step)
+                    last = self.records[-1]
+                    graphs.progress(f"mirage.ff.md: step {self.step} ({done}/{steps} of this run), "
+                                    f"{done / (now - start):.0f} steps/s; at step {last['step']}: "
+                                    f"T {last['temperature']:.1f} K, Etot {last['total']:.6f} eV")
+            synchronize(self.device)
+            seconds = time.perf_counter() - start
+            self.steps_per_second = steps / seconds if steps and seconds > 0 else None
+        finally:
+            if own_trajectory:
+                trajectory.close()
+            if own_log:
+                log.close()
+        return self.records[first:]
+
+    def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
+        """The graph cache's counters, or None when graphs are off."""
+        return self._graphs.stats() if self._graphs is not None else None

@@ -1,0 +1,276 @@
+"""``mirage.ff.optimize``: swap a SchNet- or PaiNN-style model for mirage's fused one.
+
+The top-level forward of such a model builds the radius graph itself, so the whole model is what
+gets swapped. An explicit registry of structural recognizers looks at the model's modules and
+attributes (never at its class or where it is defined) and builds :mod:`mirage.ff.fused`'s model
+sharing the parameters. Before the swap is accepted both run on probe systems and their energies
+and forces are compared: a structure that matches but computes something else (another cutoff
+function, an extra term in the forward) is reported and left alone, never silently changed.
+Nothing is patched: the user's model and classes stay as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .fused import PaiNN, SchNet
+
+__all__ = ["FFOptimizeReport", "Recognizer", "RECOGNIZERS", "optimize", "report"]
+
+
+@dataclass(frozen=True)
+class Recognizer:
+    """One registry entry.
+
+    Attributes:
+        name: the report's name for the style (``"SchNet-style"``).
+        replacement: what it becomes, for the report.
+        marks: attributes whose presence says the model is meant to be of this style; a model
+            with them whose details cannot be reproduced is reported as left alone (with the
+            reason), one without them as not recognised.
+        build: ``build(model, max_pairs)`` returns the fused model sharing ``model``'s
+            parameters, or raises ``ValueError(reason)``.
+    """
+
+    name: str
+    replacement: str
+    marks: Tuple[str, ...]
+    build: Callable[[nn.Module, Optional[int]], nn.Module]
+
+    def matches(self, model: nn.Module) -> bool:
+        return all(isinstance(getattr(model, mark, None), nn.Module) for mark in self.marks)
+
+
+RECOGNIZERS: Tuple[Recognizer, ...] = (
+    Recognizer("SchNet-style", "mirage.ff.fused.SchNet", ("embedding", "interactions"), SchNet.from_model),
+    Recognizer("PaiNN-style", "mirage.ff.fused.PaiNN", ("embedding", "messages", "updates"), PaiNN.from_model),
+)
+
+_REPLACEMENTS = {
+    "neighbor_list": "mirage::neighbor_list",
+    "radial_basis": "mirage::radial_basis (the cosine cutoff multiplied into the filters)",
+    "batched_filters": "one batched GEMM per layer (every interaction reads the same basis)",
+    "message_passing": "mirage::message_passing",
+    "vector_message_passing": "mirage::vector_message_passing",
+}
+
+
+@dataclass
+class FFOptimizeReport:
+    """What :func:`optimize` did to a model (``str()`` gives a readable summary).
+
+    Attributes:
+        model: the class name of the model passed in.
+        style: the recognizer that matched (``"SchNet-style"``), or None.
+        replacement: the fused model's class, when swapped.
+        swaps: ``(kind, where)`` of every part computed by mirage's ops.
+        left_alone: ``(where, reason)``: why the model was not swapped.
+        verification: what the probe compared and the differences it found.
+        seconds: time optimize took.
+    """
+
+    model: str
+    style: Optional[str] = None
+    replacement: Optional[str] = None
+    swaps: List[Tuple[str, str]] = field(default_factory=list)
+    left_alone: List[Tuple[str, str]] = field(default_factory=list)
+    verification: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """Swaps by kind (``{"message_passing": 3, ...}``)."""
+        return dict(Counter(kind for kind, _ in self.swaps))
+
+    @property
+    def swapped(self) -> bool:
+        return bool(self.swaps)
+
+    def __str__(self) -> str:
+        head = f"mirage.ff.optimize({self.model})"
+        if self.style is None:
+            return (f"{head}: not recognised (no SchNet-style `embedding` + `interactions`, no PaiNN-style "
+                    "`embedding` + `messages` + `updates`); the model was returned untouched")
+        if not self.swapped:
+            lines = [f"{head}: {self.style}, left alone; the model was returned untouched ({self.seconds:.1f} s)"]
+            lines += [f"  {where or '(model)'}: {reason}" for where, reason in self.left_alone]
+            return "\n".join(lines)
+        lines = [f"{head}: {self.style} -> {self.replacement} (parameters shared), {self.seconds:.1f} s",
+                 "  swapped:"]
+        for kind, count in self.counts.items():
+            where = [w for k, w in self.swaps if k == kind]
+            lines.append(f"    {count:3d} x {kind}: {_where(where)} -> {_REPLACEMENTS.get(kind, 'fused')}")
+        lines.append("  kept as PyTorch ops inside it: the embedding, the other Linear layers and activations"
+                     + (", the updates" if self.style == "PaiNN-style" else "") + " (shared modules)")
+        lines += [f"  verified: {line}" for line in self.verification]
+        return "\n".join(lines)
+
+
+def _where(places: List[str]) -> str:
+    return places[0] if len(places) == 1 else ", ".join(places)
+
+
+# What optimize returned (or left alone) -> its report. Weak: a report never keeps a model alive.
+_REPORTS: "weakref.WeakKeyDictionary[nn.Module, FFOptimizeReport]" = weakref.WeakKeyDictionary()
+
+
+def report(model: nn.Module) -> FFOptimizeReport:
+    """The report of :func:`optimize` for ``model`` (what it returned).
+
+    Raises:
+        ValueError: ``model`` did not come from :func:`optimize`.
+    """
+    found = _REPORTS.get(model) if isinstance(model, nn.Module) else None
+    if found is None:
+        raise ValueError(f"mirage.ff.report: this {type(model).__name__} was not returned by mirage.ff.optimize")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# The probe
+
+# Largest relative difference accepted between the original and the fused model: energies
+# relative to max(|E|, 1), forces to the largest force component. float32 rounding differences
+# reach ~1e-6 on these systems; a different model differs by far more than the bounds.
+PROBE_TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 5e-2,
+    torch.bfloat16: 5e-2,
+}
+
+# Atomic numbers of the probe atoms (H, C, N, O), where the embedding has them.
+_PROBE_ELEMENTS = (1, 6, 7, 8)
+
+
+def _probe_systems(cutoff: float, num_species: int, dtype: torch.dtype, device: torch.device):
+    """(name, Z, positions, cell, pbc): an open cluster spanning past the cutoff and a triclinic box
+    at least twice the cutoff wide (where any periodic implementation agrees: minimum image),
+    deterministic, with a few atoms outside the box."""
+    gen = torch.Generator().manual_seed(20240611)
+    elements = [z for z in _PROBE_ELEMENTS if z < num_species] or list(range(num_species))
+    grid = torch.tensor([[a, b, c] for a in range(3) for b in range(2) for c in range(2)], dtype=torch.float64)
+    cluster = (grid * 0.55 + (torch.rand(grid.shape, generator=gen, dtype=torch.float64) - 0.5) * 0.2) * cutoff
+    cell = torch.tensor([[2.2, 0.0, 0.0], [0.3, 2.1, 0.0], [0.2, 0.25, 2.3]], dtype=torch.float64) * cutoff
+    frac = torch.tensor([[a, b, c] for a in range(3) for b in range(3) for c in range(3)], dtype=torch.float64)
+    frac = (frac + 0.5) / 3 + (torch.rand(frac.shape, generator=gen, dtype=torch.float64) - 0.5) * 0.1
+    frac[::5] += torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64)  # unwrapped atoms
+    box = frac @ cell
+    systems = []
+    for name, positions, box_cell in (("open cluster", cluster, None), ("triclinic periodic box", box, cell)):
+        picks = torch.randint(len(elements), (positions.shape[0],), generator=gen)
+        z = torch.tensor(elements, dtype=torch.long)[picks].to(device)
+        pbc = None if box_cell is None else torch.ones(3, dtype=torch.bool, device=device)
+        systems.append((f"{name} ({positions.shape[0]} atoms)", z, positions.to(device, dtype),
+                        None if box_cell is None else box_cell.to(device, dtype), pbc))
+    return systems
+
+
+def _energy_forces(model: nn.Module, z: Tensor, positions: Tensor, cell, pbc) -> Tuple[Tensor, Tensor]:
+    positions = positions.detach().clone().requires_grad_(True)
+    energy = model(z, positions, cell, pbc)
+    (gradient,) = torch.autograd.grad(energy, positions)
+    return energy.detach().double(), -gradient.detach().double()
+
+
+def _verify(original: nn.Module, fused: nn.Module) -> List[str]:
+    """Energies and forces of both models on the probe systems; ValueError(numbers) on a mismatch."""
+    reference = next(original.parameters())
+    dtype, device = reference.dtype, reference.device
+    # A basis buffer rounded to float32 (accepted by the recognizers) moves the original's
+    # results by about ten times its rounding, whatever the dtype.
+    tolerance = max(PROBE_TOLERANCE.get(dtype, 5e-2), 100 * fused.basis_rounding)
+    lines = []
+    for name, z, positions, cell, pbc in _probe_systems(fused.cutoff, fused.embedding.num_embeddings, dtype, device):
+        try:
+            energy, forces = _energy_forces(original, z, positions, cell, pbc)
+        except Exception as error:  # user code: whatever it raises is the reason to leave it alone
+            raise ValueError(f"the model itself failed on the probe {name}: {type(error).__name__}: {error}") from None
+        fused.max_pairs = None  # each probe system chooses its own capacity
+        try:
+            fused_energy, fused_forces = _energy_forces(fused, z, positions, cell, pbc)
+        except Exception as error:
+            raise ValueError(f"mirage's model failed on the probe {name}: {type(error).__name__}: {error}") from None
+        energy_error = float((fused_energy - energy).abs()) / max(float(energy.abs()), 1.0)
+        force_scale = float(forces.abs().max()) if forces.numel() else 1.0
+        force_error = float((fused_forces - forces).abs().max()) / max(force_scale, 1e-12) if forces.numel() else 0.0
+        numbers = (f"{name} in {str(dtype).replace('torch.', '')}: energy {float(energy):.6g}, relative difference "
+                   f"{energy_error:.2g}; forces up to {force_scale:.3g}, max difference {force_error:.2g} of that "
+                   f"(tolerance {tolerance:.0e})")
+        finite = all(math.isfinite(v) for v in (energy_error, force_error))
+        if not finite or energy_error > tolerance or force_error > tolerance:
+            raise ValueError(f"mirage's model does not compute the same energy/forces: {numbers}")
+        lines.append(numbers)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# optimize
+
+
+# Called under torch.inference_mode the probe could not take gradients; optimize's own work is
+# never inference-mode.
+@torch.inference_mode(False)
+def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool = False) -> nn.Module:
+    """Returns mirage's fused version of a SchNet- or PaiNN-style force field, or ``model``.
+
+    The model is recognised by its structure (see :meth:`mirage.ff.fused.SchNet.from_model` and
+    :meth:`mirage.ff.fused.PaiNN.from_model`), rebuilt on mirage's ops with the same parameters
+    (shared, not copied: training one trains the other), and checked against the original on
+    probe systems (an open cluster and a triclinic periodic box, energies and forces) in the
+    model's dtype and on its device. The model passed in is never changed.
+
+    Args:
+        model: the force field, ``energy = model(atomic_numbers, positions, cell=None, pbc=None)``.
+        max_pairs: the fused model's neighbor-list capacity; None lets its first forward choose.
+        strict: raise instead of returning ``model`` when it is not swapped.
+
+    Returns:
+        The fused model (same call, same energies), or ``model`` itself when it is not recognised
+        or cannot be reproduced. :func:`report` says which and why.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: bad ``max_pairs``; or ``strict=True`` and the model was not swapped.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"mirage.ff.optimize: model must be an nn.Module, got {type(model).__name__}")
+    if max_pairs is not None and (isinstance(max_pairs, bool) or not isinstance(max_pairs, int) or max_pairs < 1):
+        raise ValueError(f"mirage.ff.optimize: max_pairs must be None or an int >= 1, got {max_pairs!r}")
+    start = time.perf_counter()
+    result = FFOptimizeReport(model=type(model).__name__)
+    recognizer = next((r for r in RECOGNIZERS if r.matches(model)), None)
+    if recognizer is None:
+        return _untouched(model, result, strict, start)
+    result.style = recognizer.name
+    try:
+        fused = recognizer.build(model, max_pairs)
+        with torch.enable_grad():
+            result.verification = _verify(model, fused)
+    except ValueError as reason:
+        result.left_alone.append(("(model)", str(reason)))
+        return _untouched(model, result, strict, start)
+    # The probe's forwards chose a capacity for the probe systems, not the user's.
+    fused.max_pairs = max_pairs
+    fused.num_pairs.zero_()
+    result.replacement = recognizer.replacement
+    result.swaps = fused.swaps()
+    result.seconds = time.perf_counter() - start
+    _REPORTS[fused] = result
+    return fused
+
+
+def _untouched(model: nn.Module, result: FFOptimizeReport, strict: bool, start: float) -> nn.Module:
+    result.seconds = time.perf_counter() - start
+    if strict:
+        raise ValueError(f"mirage.ff.optimize(strict=True): {result}")
+    _REPORTS[model] = result
+    return model

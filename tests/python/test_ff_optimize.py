@@ -1,0 +1,505 @@
+"""mirage.ff.optimize and mirage.ff.fused: the fused SchNet/PaiNN against the reference models of
+examples/forcefield (energies, forces, cell gradients, force-training gradients), the report, the
+refusals (unknown models, structures it cannot rebuild, models whose math differs), the
+neighbor-capacity protocol and, on a GPU, CUDA-graph replay."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mirage
+import mirage.ff
+from mirage.ff import fused as ff_fused
+
+from common import OpCounter, capture_graph
+from tolerances import tolerance
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from forcefield import models as reference  # noqa: E402
+from forcefield.benzene import benzene  # noqa: E402
+
+CUTOFF = 5.0
+MODELS = {"SchNet": reference.SchNet, "PaiNN": reference.PaiNN}
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def make_reference(name, dtype=torch.float64, hidden=16, num_interactions=3, num_rbf=12, device="cpu"):
+    """A reference model with fresh random weights. In float64 its basis buffer is replaced by the
+    exact float64 values: the class builds it in float32 (rounded) before any .double(), which
+    alone moves its results by ~1e-7 relative, far above a float64 comparison's tolerance."""
+    model = MODELS[name](hidden=hidden, num_interactions=num_interactions, num_rbf=num_rbf, cutoff=CUTOFF)
+    for parameter in model.parameters():  # the default init leaves biases small; make them count
+        with torch.no_grad():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    model = model.to(dtype=dtype, device=device)
+    if dtype == torch.float64:
+        if name == "SchNet":
+            model.centers = torch.linspace(0.0, CUTOFF, num_rbf, dtype=dtype, device=device)
+        else:
+            model.frequencies = torch.arange(1, num_rbf + 1, dtype=dtype, device=device) * (math.pi / CUTOFF)
+    return model
+
+
+def swapped(model, **kwargs):
+    fused = mirage.ff.optimize(model, **kwargs)
+    assert fused is not model, str(mirage.ff.report(fused if fused is not model else model))
+    assert isinstance(fused, (ff_fused.SchNet, ff_fused.PaiNN))
+    return fused
+
+
+def energy_and_forces(model, z, pos, cell=None, pbc=None):
+    pos = pos.detach().clone().requires_grad_(True)
+    energy = model(z, pos, cell, pbc)
+    (grad,) = torch.autograd.grad(energy, pos)
+    return energy.detach(), -grad
+
+
+def jitter(n, dtype, scale=0.05):
+    return (torch.rand(n, 3, dtype=torch.float64) - 0.5).mul(2 * scale).to(dtype)
+
+
+def system(kind, dtype=torch.float64, device="cpu"):
+    """(Z, positions, cell, pbc) with fresh random displacements."""
+    cell = pbc = None
+    if kind == "benzene":
+        z, pos = benzene(dtype=torch.float64)
+        pos = pos + jitter(12, torch.float64)
+    elif kind == "cluster":
+        # 20 atoms spread over ~2 cutoffs: pairs inside and outside the cutoff.
+        grid = torch.tensor([[a, b, c] for a in range(5) for b in range(2) for c in range(2)], dtype=torch.float64)
+        pos = grid * 2.1 + jitter(20, torch.float64, 0.4)
+        z = torch.randint(1, 10, (20,))
+    else:
+        n = {"orthorhombic": 27, "triclinic": 27, "slab": 27, "small_cell": 8}[kind]
+        side = round(n ** (1 / 3))
+        frac = torch.tensor([[a, b, c] for a in range(side) for b in range(side) for c in range(side)],
+                            dtype=torch.float64)
+        frac = (frac + 0.5) / side + jitter(n, torch.float64, 0.04)
+        if kind == "orthorhombic":
+            cell = torch.diag(torch.tensor([10.5, 11.0, 12.0], dtype=torch.float64))
+        elif kind == "small_cell":  # cutoff between half the width and the width: images twice
+            cell = torch.tensor([[6.0, 0.0, 0.0], [1.0, 6.2, 0.0], [0.5, 0.8, 6.4]], dtype=torch.float64)
+        else:
+            cell = torch.tensor([[10.5, 0.0, 0.0], [1.5, 10.4, 0.0], [-1.0, 1.2, 11.0]], dtype=torch.float64)
+        pos = frac @ cell
+        pos[::4] += cell[0] - 2 * cell[2]  # unwrapped atoms, as MD trajectories have them
+        z = torch.randint(1, 10, (n,))
+        pbc = torch.tensor([True, True, kind != "slab"])
+        cell = cell.to(device, dtype)
+    return z.to(device), pos.to(device, dtype), cell, (None if pbc is None else pbc.to(device))
+
+
+def assert_same(got, expected, dtype, scale=None):
+    tol = dict(tolerance(dtype))
+    if scale is not None:
+        tol["atol"] *= max(scale, 1.0)
+    torch.testing.assert_close(got, expected, **tol)
+
+
+def assert_same_energy_forces(fused, model, z, pos, cell=None, pbc=None):
+    energy, forces = energy_and_forces(model, z, pos, cell, pbc)
+    fused_energy, fused_forces = energy_and_forces(fused, z, pos, cell, pbc)
+    assert int(fused.num_pairs) <= fused.max_pairs, "capacity overflow: the result is not valid"
+    assert fused_energy.shape == () and fused_energy.dtype == energy.dtype
+    assert forces.abs().max() > 0
+    assert_same(fused_energy, energy, pos.dtype, scale=float(energy.abs()))
+    assert_same(fused_forces, forces, pos.dtype, scale=float(forces.abs().max()))
+    return energy, forces
+
+
+# ------------------------------------------------------------------------------------------------
+# Equivalence
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["benzene", "cluster", "orthorhombic", "triclinic", "slab", "small_cell"])
+def test_energy_and_forces_match_the_original(name, dtype, kind):
+    model = make_reference(name, dtype)
+    fused = swapped(model)
+    z, pos, cell, pbc = system(kind, dtype)
+    assert_same_energy_forces(fused, model, z, pos, cell, pbc)
+    # A second system of another size on the same fused model (its capacity grown if needed).
+    z2, pos2, cell2, pbc2 = system("benzene" if kind != "benzene" else "cluster", dtype)
+    fused.max_pairs = None
+    assert_same_energy_forces(fused, model, z2, pos2, cell2, pbc2)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_default_size(name):
+    model = MODELS[name]().float()  # hidden 128, 20 basis functions, 3 interactions
+    fused = swapped(model)
+    for kind in ("benzene", "triclinic"):
+        fused.max_pairs = None
+        assert_same_energy_forces(fused, model, *system(kind, torch.float32))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_strided_positions_and_one_atom(name):
+    model = make_reference(name)
+    fused = swapped(model)
+    z, pos, cell, pbc = system("triclinic")
+    wide = torch.randn(pos.shape[0], 6, dtype=pos.dtype)
+    wide[:, ::2] = pos
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    assert_same(fused(z, strided, cell, pbc), model(z, pos, cell, pbc), torch.float64)
+    fused.max_pairs = None
+    one = fused(z[:1], pos[:1])
+    assert int(fused.num_pairs) == 0
+    assert_same(one, model(z[:1], pos[:1]), torch.float64)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cell_gradient(name):
+    """Stress-like derivative with respect to the cell at fixed Cartesian positions."""
+    model = make_reference(name)
+    fused = swapped(model)
+    z, pos, cell, pbc = system("triclinic")
+    grads = []
+    for m in (model, fused):
+        c = cell.clone().requires_grad_(True)
+        p = pos.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(m(z, p, c, pbc), (p, c)))
+    assert grads[0][1].abs().max() > 0
+    for got, expected in zip(grads[1], grads[0]):
+        assert_same(got, expected, torch.float64, scale=float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_force_training_gradients(name):
+    """Double backward: the gradient of a force loss with respect to every parameter."""
+    model = make_reference(name)
+    fused = swapped(model)
+    z, pos, cell, pbc = system("orthorhombic")
+    target = torch.randn_like(pos) * 0.01
+    grads = []
+    for m in (model, fused):
+        p = pos.clone().requires_grad_(True)
+        energy = m(z, p, cell, pbc)
+        (forces,) = torch.autograd.grad(-energy, p, create_graph=True)
+        loss = ((forces - target) ** 2).sum() + 0.1 * energy**2
+        grads.append(dict(zip([n for n, _ in m.named_parameters()], torch.autograd.grad(loss, list(m.parameters())))))
+    assert grads[0].keys() == grads[1].keys()
+    for key, expected in grads[0].items():
+        assert_same(grads[1][key], expected, torch.float64, scale=float(expected.abs().max()))
+
+
+# ------------------------------------------------------------------------------------------------
+# What optimize returns
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parameters_are_shared_and_the_original_untouched(name):
+    model = make_reference(name, num_interactions=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fused = swapped(model)
+    assert type(model) is MODELS[name]
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    # Shared, not copied; the same names as the reference's.
+    original = dict(model.named_parameters())
+    assert dict(fused.named_parameters()).keys() == original.keys()
+    for key, parameter in fused.named_parameters():
+        assert parameter is original[key]
+    z, pos, cell, pbc = system("benzene")
+    energy = fused(z, pos)
+    with torch.no_grad():
+        model.readout[2].bias.add_(1.0)
+    assert_same(fused(z, pos), energy + 12.0, torch.float64)  # 12 atoms, one output bias each
+    assert_same(fused(z, pos), model(z, pos), torch.float64)
+
+
+def test_optimize_under_no_grad_and_inference_mode():
+    model = make_reference("SchNet")
+    with torch.no_grad():
+        assert isinstance(mirage.ff.optimize(model), ff_fused.SchNet)
+    with torch.inference_mode():
+        fused = mirage.ff.optimize(model)
+    assert isinstance(fused, ff_fused.SchNet)
+    assert_same_energy_forces(fused, model, *system("benzene"))
+
+
+@pytest.mark.parametrize("name,kind", [("SchNet", "message_passing"), ("PaiNN", "vector_message_passing")])
+def test_report_counts_what_was_swapped(name, kind):
+    count = int(torch.randint(1, 5, ()))
+    fused = swapped(make_reference(name, num_interactions=count))
+    result = mirage.ff.report(fused)
+    assert result.counts == {"neighbor_list": 1, "radial_basis": 1, "batched_filters": 1, kind: count}
+    assert result.style == f"{name}-style" and result.left_alone == []
+    text = str(result)
+    assert f"{count} x {kind}" in text and "mirage::neighbor_list" in text and "mirage::radial_basis" in text
+    assert "open cluster" in text and "periodic box" in text  # the probe's numbers
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_calls_mirage_ops_and_never_syncs(name):
+    fused = swapped(make_reference(name))
+    z, pos, cell, pbc = system("triclinic")
+    fused(z, pos, cell, pbc)  # chooses max_pairs (one host read, this once)
+    with OpCounter() as forward:
+        energy = fused(z, pos.requires_grad_(True), cell, pbc)
+    with OpCounter() as backward:
+        torch.autograd.grad(energy, pos)
+    calls = forward.calls
+    assert calls.count("mirage.neighbor_list") == 1 and calls.count("mirage.radial_basis") == 1
+    # .item() (a host sync) and nonzero (data-dependent shape) cannot be captured in a graph.
+    assert not {"aten._local_scalar_dense", "aten.nonzero"} & set(calls + backward.calls)
+    assert calls.count("mirage.message_passing" if name == "SchNet" else "mirage.vector_message_passing") == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals
+
+
+class Pairwise(nn.Module):
+    """A force field mirage does not know."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, z, pos, cell=None, pbc=None):
+        d = torch.cdist(pos, pos)
+        return self.head(self.embedding(z)).sum() + torch.exp(-d).sum()
+
+
+def test_unknown_model_passes_through():
+    model = Pairwise()
+    assert mirage.ff.optimize(model) is model
+    text = str(mirage.ff.report(model))
+    assert "not recognised" in text and "untouched" in text
+    with pytest.raises(ValueError, match="strict=True.*not recognised"):
+        mirage.ff.optimize(model, strict=True)
+
+
+def uneven_centers(model):
+    model.centers = model.centers ** 1.1 / CUTOFF**0.1
+    return "`centers` is not"
+
+
+def relu6_filter(model):
+    model.interactions[1].filter[1] = nn.ReLU6()
+    return "interactions.1.filter.1 (ReLU6) computes none of the activations"
+
+
+def linear_subclass(model):
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    old = model.interactions[0].in2f
+    new = Scaled(old.in_features, old.out_features, bias=False).double()
+    model.interactions[0].in2f = new
+    return "interactions.0.in2f is a Scaled, not an nn.Linear"
+
+
+def missing_readout(model):
+    del model.readout
+    return "has no submodule `readout`"
+
+
+def painn_width(model):
+    model.updates[2].U = nn.Linear(16, 8, bias=False).double()
+    return "updates.2.U gives 8 features, expected 16"
+
+
+@pytest.mark.parametrize("change", [uneven_centers, relu6_filter, linear_subclass, missing_readout, painn_width])
+def test_structure_it_cannot_rebuild_is_left_alone(change):
+    model = make_reference("PaiNN" if change is painn_width else "SchNet")
+    reason = change(model)
+    assert mirage.ff.optimize(model) is model
+    result = mirage.ff.report(model)
+    assert result.style in ("SchNet-style", "PaiNN-style") and not result.swaps
+    assert reason in result.left_alone[0][1], result.left_alone
+    assert reason in str(result)
+    with pytest.raises(ValueError, match="strict=True") as error:
+        mirage.ff.optimize(model, strict=True)
+    assert reason in str(error.value)
+
+
+class PolynomialCutoffSchNet(reference.SchNet):
+    """Same modules as SchNet, another cutoff function in the forward."""
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        i, j, vec = reference.radius_graph(positions, self.cutoff, cell, pbc)
+        d = vec.norm(dim=-1)
+        rbf = torch.exp(-((d[:, None] - self.centers) ** 2) / (2 * self.width**2))
+        x = d / self.cutoff
+        fcut = 1 - 28 * x**6 + 48 * x**7 - 21 * x**8
+        h = self.embedding(atomic_numbers)
+        for interaction in self.interactions:
+            h = h + interaction(h, rbf, fcut, i, j)
+        return self.readout(h).sum()
+
+
+class ChargedPaiNN(reference.PaiNN):
+    """PaiNN plus a term of its own: a small harmonic restraint."""
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        return super().forward(atomic_numbers, positions, cell, pbc) + 1e-3 * (positions**2).sum()
+
+
+@pytest.mark.parametrize("cls", [PolynomialCutoffSchNet, ChargedPaiNN])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_model_whose_math_differs_is_refused_by_the_probe(cls, dtype):
+    model = cls(hidden=16, num_rbf=12, cutoff=CUTOFF).to(dtype)
+    assert mirage.ff.optimize(model) is model
+    result = mirage.ff.report(model)
+    assert not result.swaps
+    assert "does not compute the same energy/forces" in result.left_alone[0][1]
+    assert "relative difference" in result.left_alone[0][1]
+
+
+def test_model_that_fails_on_the_probe_is_left_alone():
+    class OnlyHydrogen(reference.SchNet):
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            if (atomic_numbers != 1).any():
+                raise RuntimeError("hydrogen only")
+            return super().forward(atomic_numbers, positions, cell, pbc)
+
+    model = OnlyHydrogen(hidden=16, num_rbf=12)
+    assert mirage.ff.optimize(model) is model
+    assert "the model itself failed on the probe" in str(mirage.ff.report(model))
+    assert "hydrogen only" in str(mirage.ff.report(model))
+
+
+def test_bad_arguments():
+    model = make_reference("SchNet")
+    with pytest.raises(TypeError, match="mirage.ff.optimize: model must be an nn.Module"):
+        mirage.ff.optimize(lambda z, pos: pos.sum())
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="mirage.ff.optimize: max_pairs must be None or an int >= 1"):
+            mirage.ff.optimize(model, max_pairs=bad)
+    with pytest.raises(ValueError, match="mirage.ff.report: this SchNet was not returned by mirage.ff.optimize"):
+        mirage.ff.report(make_reference("SchNet"))
+    fused = swapped(model)
+    with pytest.raises(ValueError, match="mirage.ff.SchNet: max_pairs must be None or an int >= 1"):
+        fused.max_pairs = 0
+    z, pos, cell, pbc = system("triclinic")
+    with pytest.raises(ValueError, match="mirage.ff.SchNet: pbc was given without a cell"):
+        fused(z, pos, None, pbc)
+    with pytest.raises(ValueError, match="mirage.ff.SchNet: pbc must have 3 flags, got 2"):
+        fused(z, pos, cell, torch.tensor([True, True]))
+    with pytest.raises(RuntimeError, match="mirage::neighbor_list: positions"):
+        fused(z, pos[:, :2])
+    with pytest.raises(ValueError, match="mirage.ff.fused.Activation: name must be one of"):
+        ff_fused.Activation("swish")
+
+
+# ------------------------------------------------------------------------------------------------
+# Boundaries and capacity
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_boundaries_read_like_the_reference(name):
+    model = make_reference(name)
+    fused = swapped(model)
+    z, pos, cell, pbc = system("triclinic")
+    open_energy = model(z, pos)
+    # No pbc: open boundaries whatever the cell (as the reference). pbc all False: open too, even
+    # with ASE's zero cell for molecules; flags as a list work like a tensor.
+    for args in ((cell, None), (torch.zeros(3, 3, dtype=pos.dtype), [False, False, False]),
+                 (cell, torch.tensor([False, False, False]))):
+        fused.max_pairs = None
+        assert_same(fused(z, pos, *args), open_energy, torch.float64)
+    fused.max_pairs = None
+    assert_same(fused(z, pos, cell, [True, True, False]), model(z, pos, cell, torch.tensor([True, True, False])),
+                torch.float64)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_capacity_protocol(name):
+    model = make_reference(name)
+    fused = swapped(model)
+    assert fused.max_pairs is None and fused.num_pairs.shape == (1,) and fused.num_pairs.dtype == torch.int64
+    assert "num_pairs" in dict(fused.named_buffers())
+    # A small open molecule: every pair, which no geometry of it can exceed.
+    z, pos, _, _ = system("benzene")
+    fused(z, pos)
+    assert fused.max_pairs == 12 * 11 and int(fused.num_pairs) > 0
+    # A periodic box: the first forward counts and keeps headroom.
+    fused.max_pairs = None
+    z, pos, cell, pbc = system("triclinic")
+    expected = model(z, pos, cell, pbc)
+    fused(z, pos, cell, pbc)
+    count = int(fused.num_pairs)
+    assert count == reference.radius_graph(pos, CUTOFF, cell, pbc)[0].numel()
+    assert count < fused.max_pairs <= 2 * count + 64
+    # Too small: num_pairs says so (the result is not valid), growing fixes it.
+    fused.max_pairs = count // 2
+    fused(z, pos, cell, pbc)
+    assert int(fused.num_pairs) == count > fused.max_pairs
+    fused.max_pairs = count
+    assert_same(fused(z, pos, cell, pbc), expected, torch.float64)
+    assert int(fused.num_pairs) == count
+    # The capacity given to optimize is the one used.
+    assert swapped(model, max_pairs=count + 5).max_pairs == count + 5
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fused_model_from_sizes_loads_a_reference_state_dict(name):
+    model = make_reference(name, hidden=8, num_interactions=2, num_rbf=6)
+    cls = getattr(ff_fused, name)
+    fused = cls(hidden=8, num_interactions=2, num_rbf=6, cutoff=CUTOFF).double()
+    parameters = {k: v for k, v in model.state_dict().items() if k not in ("centers", "frequencies")}
+    fused.load_state_dict(parameters)
+    assert_same_energy_forces(fused, model, *system("cluster"))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("kind", ["benzene", "cluster", "triclinic"])
+def test_cuda_matches_the_original_on_the_gpu(name, kind):
+    model = make_reference(name, torch.float32, hidden=64, device="cuda")
+    fused = swapped(model)
+    z, pos, cell, pbc = system(kind, torch.float32, "cuda")
+    energy, forces = energy_and_forces(model, z, pos, cell, pbc)
+    fused_energy, fused_forces = energy_and_forces(fused, z, pos, cell, pbc)
+    # The GPU's float32 neighbor search and reductions order sums differently from PyTorch's.
+    scale = float(forces.abs().max())
+    torch.testing.assert_close(fused_energy, energy, rtol=1e-4, atol=1e-4 * max(float(energy.abs()), 1.0))
+    torch.testing.assert_close(fused_forces, forces, rtol=1e-4, atol=1e-4 * scale)
+    assert fused.num_pairs.device.type == "cuda"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("kind", ["benzene", "triclinic"])
+def test_cuda_graph_energy_and_forces_replay(name, kind):
+    model = make_reference(name, torch.float32, hidden=64, device="cuda")
+    fused = swapped(model)
+    z, pos, cell, pbc = system(kind, torch.float32, "cuda")
+    static_pos = pos.clone()
+
+    def step():
+        p = static_pos.detach().requires_grad_(True)
+        energy = fused(z, p, cell, pbc)
+        (grad,) = torch.autograd.grad(energy, p)
+        return energy.detach(), -grad
+
+    graph, (graph_energy, graph_forces) = capture_graph(step)
+    for _ in range(3):
+        moved = pos + 0.05 * torch.randn_like(pos)
+        static_pos.copy_(moved)
+        graph.replay()
+        eager_energy, eager_forces = energy_and_forces(fused, z, moved, cell, pbc)
+        reference_energy, _ = energy_and_forces(model, z, moved, cell, pbc)
+        torch.testing.assert_close(graph_energy, eager_energy, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graph_forces, eager_forces, rtol=1e-5, atol=1e-5 * float(eager_forces.abs().max()))
+        torch.testing.assert_close(graph_energy, reference_energy, rtol=1e-4, atol=1e-4)
+        assert int(fused.num_pairs) <= fused.max_pairs
