@@ -1,0 +1,663 @@
+"""mirage.ff.Calculator (ASE) and mirage.ff.capacity: forces and stress against ASE's finite
+differences, ASE's property caching, the neighbor-capacity protocol (overflow and recovery),
+precision, bad input; on a GPU, graph replay against eager evaluation."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+ase = pytest.importorskip("ase")
+from ase.calculators.calculator import PropertyNotImplementedError  # noqa: E402
+from ase.calculators.fd import calculate_numerical_forces, calculate_numerical_stress  # noqa: E402
+
+import mirage  # noqa: E402
+import mirage.ff  # noqa: E402
+from mirage import graphs  # noqa: E402
+from mirage.ff import capacity  # noqa: E402
+from mirage.ff.calculator import CapacityWatch  # noqa: E402
+
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+sys.path.insert(0, EXAMPLES)
+
+from forcefield.benzene import benzene  # noqa: E402
+from forcefield.models import PaiNN, SchNet  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: extra threads only fight the other processes on a shared CI machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class CapacityModel(nn.Module):
+    """A small pair potential on mirage.ops.neighbor_list with the neighbor-capacity protocol.
+
+    ``E = 1/2 sum_pairs sum_k a_ik a_jk g_k(d_ij)``, ``a = softplus(embedding(Z))`` and ``g_k`` a
+    Gaussian basis times the cosine cutoff (mirage.ops.radial_basis): smooth, mostly repulsive.
+    """
+
+    def __init__(self, cutoff=3.0, max_pairs=None, num_rbf=6):
+        super().__init__()
+        self.cutoff, self.num_rbf = cutoff, num_rbf
+        self.max_pairs = max_pairs
+        self.species = nn.Embedding(20, num_rbf)
+        self.register_buffer("num_pairs", torch.zeros(1, dtype=torch.int64))
+        self.calls = 0
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        self.calls += 1
+        if self.max_pairs is None:
+            self.max_pairs = 2 * positions.shape[0]  # deliberately tight: dense systems overflow at once
+        found = mirage.ops.neighbor_list(positions, self.cutoff, cell, pbc, max_pairs=self.max_pairs)
+        self.num_pairs.copy_(found.num_pairs)
+        basis = mirage.ops.radial_basis(found.distances, "gaussian", self.num_rbf, self.cutoff, "cosine")
+        a = F.softplus(self.species(atomic_numbers))
+        i, j = found.pairs
+        return 0.5 * (basis * a[i] * a[j]).sum()
+
+
+class Counting(nn.Module):
+    """Counts the calls of a wrapped model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.calls = 0
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        self.calls += 1
+        return self.model(atomic_numbers, positions, cell, pbc)
+
+
+class StandIn:
+    """A CPU stand-in for mirage.graphs.CapturedGraph, to drive the calculator's and the MD
+    driver's graph paths here: static input buffers (inputs are copied in unless they are those
+    buffers), ``fn`` run ``warmup`` times on them at capture (changing them, as the real warm-up
+    does), outputs handed back uncopied, and the model's capacity frozen at capture: a replay
+    after it changed fails, as a real graph would silently compute with the old one."""
+
+    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
+        assert not copy_outputs
+        leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        self.static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.fn, self.model = fn, fn.__self__.model
+        for _ in range(warmup):
+            self._run()
+        self.max_pairs = getattr(self.model, "max_pairs", None)
+
+    def _run(self):
+        args, kwargs = pytree.tree_unflatten(self.static, self.spec)
+        with torch.no_grad():
+            return self.fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        assert self.static is not None, "replayed after reset"
+        assert getattr(self.model, "max_pairs", None) == self.max_pairs, "capacity changed under a captured graph"
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        for buffer, leaf in zip(self.static, leaves):
+            if isinstance(leaf, torch.Tensor) and leaf is not buffer:
+                buffer.copy_(leaf)
+        return self._run()
+
+    def reset(self):
+        self.static = None
+
+
+def graphed_on_cpu(driver, fn, max_entries):
+    """Switches a Calculator or VelocityVerlet on the CPU to its graph path, with StandIn graphs."""
+    driver.cuda_graph = True
+    driver._graphs = graphs.GraphCache(fn, max_entries, copy_outputs=False, capture=StandIn, new_pool=object,
+                                       verbose=False)
+    driver._watch = CapacityWatch(driver.model, driver._graphs)
+    return driver
+
+
+def small(cls, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    return cls(hidden=16, num_interactions=2, num_rbf=8, cutoff=4.0).to(dtype).eval()
+
+
+def benzene_atoms(jitter=0.05):
+    z, pos = benzene()
+    atoms = ase.Atoms(numbers=z.numpy(), positions=pos.numpy())
+    atoms.positions += np.random.default_rng(torch.initial_seed() % 2**32).normal(scale=jitter, size=(12, 3))
+    return atoms
+
+
+def periodic_atoms(n=8, cell=((6.0, 0.0, 0.0), (1.0, 6.2, 0.0), (0.5, 0.8, 6.4)), pbc=True):
+    """n atoms, jittered but kept apart, in a triclinic cell (a cutoff of 4 < its widths)."""
+    rng = np.random.default_rng(torch.initial_seed() % 2**32)
+    side = int(np.ceil(n ** (1 / 3)))
+    grid = np.array([(a, b, c) for a in range(side) for b in range(side) for c in range(side)][:n], dtype=float)
+    frac = (grid + 0.5) / side + rng.uniform(-0.05, 0.05, size=(n, 3))
+    numbers = rng.choice([1, 6, 7, 8], size=n)
+    return ase.Atoms(numbers=numbers, scaled_positions=frac, cell=np.array(cell), pbc=pbc)
+
+
+def away_from_cutoff(atoms, cutoff, band=2e-3):
+    """atoms, re-jittered until no pair (images included) lies within ``band`` Å of ``cutoff``.
+
+    The cosine cutoff's curvature jumps at the cutoff, so a finite difference whose step carries
+    a pair across it is off by ~ step x jump (1e-6 here): a fault of the reference numbers, not of
+    the forces under test.
+    """
+    rng = np.random.default_rng(torch.initial_seed() % 2**32 + 1)
+    periodic = bool(atoms.pbc.any())
+    for _ in range(100):
+        found = mirage.ops.neighbor_list(
+            torch.tensor(atoms.positions), cutoff + band,
+            torch.tensor(atoms.cell[:]) if periodic else None, torch.as_tensor(atoms.pbc) if periodic else None)
+        if not (found.distances[: int(found.num_pairs)] > cutoff - band).any():
+            return atoms
+        atoms.positions += rng.normal(scale=0.01, size=atoms.positions.shape)
+    raise AssertionError("could not place the atoms away from the cutoff")
+
+
+def direct(model, atoms, dtype=torch.float64):
+    """Energy and forces by calling the model directly (the reference)."""
+    z = torch.as_tensor(atoms.numbers, dtype=torch.int64)
+    pos = torch.tensor(atoms.positions, dtype=dtype, requires_grad=True)
+    periodic = any(atoms.pbc)
+    cell = torch.tensor(atoms.cell[:], dtype=dtype) if periodic else None
+    pbc = torch.as_tensor(atoms.pbc) if periodic else None
+    energy = model(z, pos, cell, pbc)
+    (grad,) = torch.autograd.grad(energy, pos)
+    return energy.item(), -grad.numpy()
+
+
+# --------------------------------------------------------------------- against ASE's numerics
+@pytest.mark.parametrize("cls", [SchNet, PaiNN, CapacityModel])
+def test_forces_match_finite_differences_open(cls):
+    model = small(cls) if cls is not CapacityModel else CapacityModel().double()
+    atoms = away_from_cutoff(benzene_atoms(), model.cutoff)
+    atoms.calc = mirage.ff.Calculator(model)
+    forces = atoms.get_forces()
+    numerical = calculate_numerical_forces(atoms, eps=1e-5)
+    assert np.abs(forces).max() > 1e-3  # a model with no forces would compare equal to anything
+    np.testing.assert_allclose(forces, numerical, atol=1e-7, rtol=1e-5)
+    energy, reference_forces = direct(model, atoms)
+    assert atoms.get_potential_energy() == pytest.approx(energy, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(forces, reference_forces, atol=1e-12, rtol=1e-10)
+    assert atoms.get_potential_energy(force_consistent=True) == atoms.get_potential_energy()
+    with pytest.raises(PropertyNotImplementedError):
+        atoms.get_stress()
+
+
+@pytest.mark.parametrize("cls", [SchNet, PaiNN, CapacityModel])
+@pytest.mark.parametrize("shape", ["triclinic", "orthorhombic"])
+def test_forces_and_stress_match_finite_differences_periodic(cls, shape):
+    model = small(cls) if cls is not CapacityModel else CapacityModel(max_pairs=4000).double()
+    cell = ((6.0, 0.0, 0.0), (1.0, 6.2, 0.0), (0.5, 0.8, 6.4)) if shape == "triclinic" else np.diag([6.0, 6.5, 7.0])
+    atoms = away_from_cutoff(periodic_atoms(cell=cell), model.cutoff)
+    atoms.calc = mirage.ff.Calculator(model)
+    stress = atoms.get_stress()
+    numerical_stress = calculate_numerical_stress(atoms, eps=1e-5)
+    assert stress.shape == (6,) and np.abs(stress).max() > 1e-6
+    np.testing.assert_allclose(stress, numerical_stress, atol=1e-9, rtol=1e-5)
+    full = atoms.get_stress(voigt=False)
+    np.testing.assert_allclose(full, full.T)
+    forces = atoms.get_forces()
+    np.testing.assert_allclose(forces, calculate_numerical_forces(atoms, eps=1e-5), atol=1e-7, rtol=1e-5)
+
+
+def test_stress_on_a_slab():
+    # Periodic along x and y only: the stress still follows the strain derivative.
+    model = small(SchNet)
+    atoms = away_from_cutoff(periodic_atoms(cell=np.diag([6.0, 6.5, 20.0]), pbc=(True, True, False)), model.cutoff)
+    atoms.calc = mirage.ff.Calculator(model)
+    np.testing.assert_allclose(atoms.get_stress(), calculate_numerical_stress(atoms, eps=1e-5), atol=1e-9, rtol=1e-5)
+
+
+def test_float32_model_gives_float32_accuracy():
+    model64 = small(SchNet)
+    model32 = small(SchNet, torch.float32)
+    atoms = benzene_atoms()
+    calc = mirage.ff.Calculator(model32)
+    assert calc.dtype == torch.float32
+    calc.calculate(atoms, ["forces"])
+    _, reference = direct(model64, atoms)
+    np.testing.assert_allclose(calc.results["forces"], reference, atol=2e-5, rtol=1e-3)
+
+
+def test_fused_model_matches_reference():
+    # mirage.ff.optimize's fused SchNet (neighbor capacity, fused ops) through the calculator.
+    model = small(SchNet)
+    fast = mirage.ff.optimize(model)
+    assert fast is not model and capacity.has_capacity(fast)
+    for atoms in (benzene_atoms(), periodic_atoms(n=12)):
+        reference, fused = mirage.ff.Calculator(model), mirage.ff.Calculator(fast)
+        properties = ["energy", "forces"] + (["stress"] if atoms.pbc.any() else [])
+        reference.calculate(atoms, properties)
+        fused.calculate(atoms, properties)
+        assert set(fused.results) == set(reference.results)
+        # The reference's float32-built basis buffer moves its float64 results by ~1e-7 (docs/ff.md).
+        for name, value in reference.results.items():
+            scale = np.abs(value).max()
+            np.testing.assert_allclose(fused.results[name], value, atol=1e-6 * scale, rtol=0, err_msg=name)
+
+
+# -------------------------------------------------------------------------------- ASE caching
+def test_property_caching_and_recompute():
+    model = Counting(small(SchNet))
+    atoms = periodic_atoms()
+    atoms.calc = mirage.ff.Calculator(model)
+    energy = atoms.get_potential_energy()
+    forces = atoms.get_forces()
+    stress = atoms.get_stress()
+    assert atoms.calc.get_property("free_energy", atoms) == energy
+    assert model.calls == 1  # energy, forces and stress come from one evaluation
+    kept = forces.copy()
+    forces[0, 0] += 1.0  # ASE hands out copies: the cache must not change
+    np.testing.assert_array_equal(atoms.get_forces(), kept)
+    same = atoms.copy()
+    same.calc = atoms.calc
+    assert same.get_potential_energy() == energy and model.calls == 1
+    atoms.positions[0] += 0.01
+    away_from_cutoff(atoms, model.model.cutoff)  # for the finite differences below
+    moved = atoms.get_potential_energy()
+    assert model.calls == 2 and moved != energy
+    np.testing.assert_allclose(atoms.get_stress(), calculate_numerical_stress(atoms, eps=1e-5), atol=1e-9, rtol=1e-5)
+    atoms.set_cell(atoms.cell[:] * 1.01, scale_atoms=True)
+    assert atoms.get_potential_energy() != moved and model.calls >= 3
+    assert not np.array_equal(atoms.get_stress(), stress)
+
+
+def test_atom_count_change():
+    model = Counting(small(SchNet))
+    calc = mirage.ff.Calculator(model)
+    atoms = benzene_atoms()
+    atoms.calc = calc
+    first = atoms.get_forces()
+    del atoms[[3, 9]]
+    assert len(atoms) == 10
+    forces = atoms.get_forces()
+    assert forces.shape == (10, 3) and model.calls == 2
+    energy, reference = direct(model.model, atoms)
+    assert atoms.get_potential_energy() == pytest.approx(energy, rel=1e-12)
+    np.testing.assert_allclose(forces, reference, atol=1e-12, rtol=1e-10)
+    atoms2 = benzene_atoms()
+    atoms2.calc = calc
+    assert atoms2.get_forces().shape == first.shape and model.calls == 3
+
+
+def test_changed_numbers_recompute():
+    model = Counting(small(SchNet))
+    atoms = benzene_atoms()
+    atoms.calc = mirage.ff.Calculator(model)
+    energy = atoms.get_potential_energy()
+    atoms.numbers[6] = 9
+    assert atoms.get_potential_energy() != energy and model.calls == 2
+
+
+# ------------------------------------------------------------------------------ capacity
+def test_overflow_grows_and_recomputes(capfd):
+    atoms = periodic_atoms(n=12)
+    reference = CapacityModel(max_pairs=10_000).double()
+    model = CapacityModel(max_pairs=3).double()
+    model.load_state_dict(reference.state_dict())
+    atoms.calc = mirage.ff.Calculator(reference)
+    expected = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+    true_count = int(reference.num_pairs)
+    assert true_count > 3 * 1.5  # the small capacity really overflows
+    atoms.calc = mirage.ff.Calculator(model)
+    got = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+    assert model.max_pairs >= true_count and model.calls >= 2
+    assert got[0] == pytest.approx(expected[0], rel=1e-12)
+    np.testing.assert_allclose(got[1], expected[1], atol=1e-12, rtol=1e-10)
+    np.testing.assert_allclose(got[2], expected[2], atol=1e-12, rtol=1e-10)
+    err = capfd.readouterr().err
+    assert "neighbor pairs exceed the model's capacity of 3" in err and "growing it to" in err
+
+
+def test_capacity_picked_by_first_forward_then_grown():
+    model = CapacityModel().double()  # max_pairs None: the first forward picks 2 N
+    atoms = periodic_atoms(n=27)
+    atoms.calc = mirage.ff.Calculator(model)
+    energy = atoms.get_potential_energy()
+    assert model.max_pairs >= int(model.num_pairs) > 2 * 27
+    big = CapacityModel(max_pairs=10_000).double()
+    big.load_state_dict(model.state_dict())
+    assert energy == pytest.approx(direct(big, atoms)[0], rel=1e-12)
+
+
+class Protocol:
+    def __init__(self, max_pairs, num_pairs):
+        self.max_pairs = max_pairs
+        self.num_pairs = torch.tensor([num_pairs])
+
+
+def test_needed_pairs():
+    assert capacity.needed_pairs(small(SchNet)) is None  # no protocol
+    assert capacity.needed_pairs(Protocol(None, 5)) is None  # not run yet
+    assert capacity.needed_pairs(Protocol(100, 100)) is None
+    assert capacity.needed_pairs(Protocol(100, 0)) is None
+    assert capacity.needed_pairs(Protocol(100, 101)) == 150  # x1.5 of the capacity
+    assert capacity.needed_pairs(Protocol(100, 1000)) == 1200  # the count with a 20% margin
+    assert capacity.needed_pairs(Protocol(100, 5), num_pairs=130) == 156  # a count read elsewhere
+    assert capacity.needed_pairs(Protocol(100, 500), num_pairs=torch.tensor([7])) is None
+    assert capacity.has_capacity(CapacityModel()) and not capacity.has_capacity(small(SchNet))
+    with pytest.raises(ValueError, match="mirage.ff.capacity: .*num_pairs = -1: invalid input"):
+        capacity.needed_pairs(Protocol(100, -1))
+
+
+def test_invalid_structure_is_refused():
+    atoms = benzene_atoms()
+    atoms.positions[2, 1] = np.nan
+    atoms.calc = mirage.ff.Calculator(CapacityModel().double())
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: atoms.positions has non-finite values"):
+        atoms.get_forces()
+
+
+def test_graph_path_on_cpu():
+    # The graph path's control flow (staging buffers, cache per atom count, overflow: grow, drop
+    # the graphs, recapture, recompute) with StandIn graphs; the GPU tests below run the real ones.
+    torch.manual_seed(0)
+    model = CapacityModel(max_pairs=3).double()
+    big = CapacityModel(max_pairs=10_000).double()
+    big.load_state_dict(model.state_dict())
+    calc = mirage.ff.Calculator(model)
+    graphed_on_cpu(calc, calc._evaluate, 2)
+    for n in (12, 12, 7, 12):
+        atoms = periodic_atoms(n=n)
+        atoms.positions += np.random.default_rng().normal(scale=0.05, size=atoms.positions.shape)
+        calc.calculate(atoms, ["energy", "forces", "stress"])
+        reference = mirage.ff.Calculator(big)
+        reference.calculate(atoms, ["energy", "forces", "stress"])
+        for name in ("energy", "forces", "stress"):
+            np.testing.assert_allclose(calc.results[name], reference.results[name], rtol=1e-12, atol=1e-14)
+    stats = calc.graph_stats()
+    assert model.max_pairs >= int(model.num_pairs) > 3
+    assert stats.misses >= 3 and stats.entries <= 2 and len(calc._buffers) <= 2
+    open_atoms = benzene_atoms()
+    calc.calculate(open_atoms, ["forces"])
+    assert "stress" not in calc.results
+    np.testing.assert_allclose(calc.results["forces"], direct(big, open_atoms)[1], rtol=1e-10, atol=1e-14)
+
+
+def test_graphs_follow_a_capacity_grown_elsewhere():
+    # Two calculators share one model: when one grows the capacity, the other's graphs (holding
+    # the old one) must be captured again, or a count between the two would pass unnoticed.
+    torch.manual_seed(0)
+    model = CapacityModel(max_pairs=10_000).double()
+    first, second = (graphed_on_cpu(c, c._evaluate, 2) for c in
+                     (mirage.ff.Calculator(model), mirage.ff.Calculator(model)))
+    atoms = periodic_atoms(n=12)
+    first.calculate(atoms, ["forces"])
+    second.calculate(atoms, ["forces"])
+    model.max_pairs = 3
+    atoms.positions[0] += 0.01
+    first.calculate(atoms, ["forces"])  # grows the capacity and recaptures
+    atoms.positions[0] += 0.01
+    second.calculate(atoms, ["forces"])  # StandIn fails if second replays its old graph
+    assert second.graph_stats().misses == 2
+    big = CapacityModel(max_pairs=10_000).double()
+    big.load_state_dict(model.state_dict())
+    np.testing.assert_allclose(second.results["forces"], direct(big, atoms)[1], rtol=1e-10, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------ precision
+def _matmul_state():
+    matmul = torch.backends.cuda.matmul
+    return (matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32,
+            torch.get_float32_matmul_precision())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16-mixed"])
+def test_precision_runs_and_restores_flags(precision):
+    model = small(PaiNN, torch.float32)
+    atoms = benzene_atoms()
+    before = _matmul_state()
+    calc = mirage.ff.Calculator(model, precision=precision)
+    calc.calculate(atoms, ["forces"])
+    assert _matmul_state() == before
+    assert torch.is_autocast_enabled("cpu") is False
+    _, reference = direct(small(PaiNN), atoms)
+    forces = calc.results["forces"]
+    assert forces.dtype == np.float64 and np.isfinite(forces).all()
+    error = np.abs(forces - reference).max() / np.abs(reference).max()
+    # bf16 keeps 8 mantissa bits: its forces are percent-accurate; fp32 and tf32 (the CPU has no TF32) exact.
+    assert error < (0.1 if precision == "bf16-mixed" else 1e-4), error
+
+
+def test_model_failing_under_autocast():
+    # The reference SchNet index_adds float32 messages into a bfloat16 tensor under autocast.
+    atoms = benzene_atoms()
+    atoms.calc = mirage.ff.Calculator(small(SchNet, torch.float32), precision="bf16-mixed")
+    with pytest.raises(RuntimeError, match=r"mirage.ff.Calculator: the model failed under torch.autocast\(bfloat16\) "
+                                           r"\(precision='bf16-mixed'\)(.|\n)*use precision='fp32' or 'tf32'"):
+        atoms.get_forces()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "FP32", None, "bf16"])
+def test_unknown_precision(precision):
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: precision must be one of 'fp32', 'tf32', 'bf16-mixed'"):
+        mirage.ff.Calculator(small(SchNet), precision=precision)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_pbc_without_cell():
+    atoms = benzene_atoms()
+    atoms.pbc = True
+    atoms.calc = mirage.ff.Calculator(small(SchNet))
+    with pytest.raises(ValueError, match=r"mirage.ff.Calculator: atoms.pbc is \[True, True, True\] but the cell .* "
+                                         "has no volume"):
+        atoms.get_potential_energy()
+
+
+def test_model_of_wrong_signature():
+    with pytest.raises(ValueError, match=r"mirage.ff.Calculator: model must be callable as "
+                                         r"model\(atomic_numbers, positions, cell, pbc\)"):
+        mirage.ff.Calculator(nn.Linear(3, 1))
+    with pytest.raises(ValueError, match="model must be callable"):
+        mirage.ff.Calculator(lambda positions: positions.sum())
+    with pytest.raises(ValueError, match="model must be callable"):
+        mirage.ff.Calculator("schnet")
+
+
+def test_model_returning_no_scalar():
+    atoms = benzene_atoms()
+    atoms.calc = mirage.ff.Calculator(lambda z, pos, cell, pbc: (pos**2).sum(dim=1))
+    with pytest.raises(ValueError, match=r"mirage.ff.Calculator: the model must return the total energy as a scalar "
+                                         r"floating-point tensor, got a torch.float32 tensor of shape \[12\]"):
+        atoms.get_potential_energy()
+    atoms.calc = mirage.ff.Calculator(lambda z, pos, cell, pbc: 1.0)
+    with pytest.raises(ValueError, match="scalar floating-point tensor, got a float"):
+        atoms.get_potential_energy()
+
+
+def test_model_not_depending_on_positions():
+    atoms = benzene_atoms()
+    atoms.calc = mirage.ff.Calculator(lambda z, pos, cell, pbc: torch.tensor(1.0, dtype=pos.dtype))
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: the model's energy does not depend on positions"):
+        atoms.get_forces()
+
+
+def test_empty_atoms():
+    atoms = ase.Atoms()
+    atoms.calc = mirage.ff.Calculator(small(SchNet))
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: the Atoms object has no atoms"):
+        atoms.get_potential_energy()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_graphs=0), "max_graphs must be an int >= 1, got 0"),
+    (dict(max_graphs=2.5), "max_graphs must be an int >= 1"),
+    (dict(cuda_graph="yes"), "cuda_graph must be a bool, got 'yes'"),
+    (dict(device="gpu7"), "device 'gpu7' is not a torch device"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: " + message):
+        mirage.ff.Calculator(small(SchNet), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_device_without_cuda():
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: device cuda requested but CUDA is not available"):
+        mirage.ff.Calculator(small(SchNet), device="cuda")
+
+
+def test_cpu_ignores_cuda_graph():
+    calc = mirage.ff.Calculator(small(SchNet), cuda_graph=True)
+    assert not calc.cuda_graph and calc.graph_stats() is None
+
+
+# ------------------------------------------------------------------------------ on a GPU
+def cuda_model(max_pairs=None, seed=0):
+    torch.manual_seed(seed)
+    return CapacityModel(max_pairs=max_pairs).cuda()
+
+
+def _double_of(model):
+    """A float64 CPU copy of a CUDA CapacityModel (the reference for its GPU results)."""
+    copy = CapacityModel(max_pairs=model.max_pairs).double()
+    copy.load_state_dict({k: v.detach().cpu().double() if v.is_floating_point() else v.cpu()
+                          for k, v in model.state_dict().items()})
+    return copy
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("periodic", [False, True])
+def test_graph_replay_matches_eager(periodic):
+    model = cuda_model(max_pairs=4000)
+    graphed = mirage.ff.Calculator(model, cuda_graph=True)
+    eager = mirage.ff.Calculator(model, cuda_graph=False)
+    atoms = periodic_atoms(n=12) if periodic else benzene_atoms()
+    for _ in range(4):  # new positions each call: replays must read them
+        atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
+        graphed.calculate(atoms, ["forces"])
+        eager.calculate(atoms, ["forces"])
+        assert graphed.results["energy"] == pytest.approx(eager.results["energy"], rel=1e-5, abs=1e-5)
+        np.testing.assert_allclose(graphed.results["forces"], eager.results["forces"], atol=1e-5, rtol=1e-4)
+        if periodic:
+            np.testing.assert_allclose(graphed.results["stress"], eager.results["stress"], atol=1e-6, rtol=1e-4)
+    _, forces64 = direct(_double_of(model), atoms)
+    np.testing.assert_allclose(graphed.results["forces"], forces64, atol=1e-4, rtol=1e-3)
+    stats = graphed.graph_stats()
+    assert stats.misses == 1 and stats.hits == 3
+
+
+@pytest.mark.cuda
+def test_graph_per_atom_count_and_bounded_cache():
+    model = cuda_model(max_pairs=4000)
+    calc = mirage.ff.Calculator(model, max_graphs=2)
+    for n in (6, 9, 12, 6):
+        atoms = periodic_atoms(n=n)
+        calc.calculate(atoms, ["forces"])
+        _, reference = direct(_double_of(model), atoms)
+        np.testing.assert_allclose(calc.results["forces"], reference, atol=1e-4, rtol=1e-3)
+    stats = calc.graph_stats()
+    assert stats.misses == 4 and stats.entries == 2 and stats.evictions == 2
+
+
+@pytest.mark.cuda
+def test_graph_recaptures_on_overflow(capfd):
+    model = cuda_model(max_pairs=3)
+    calc = mirage.ff.Calculator(model)
+    atoms = periodic_atoms(n=12)
+    calc.calculate(atoms, ["forces"])
+    assert model.max_pairs >= int(model.num_pairs) > 3
+    _, reference = direct(_double_of(model), atoms)
+    np.testing.assert_allclose(calc.results["forces"], reference, atol=1e-4, rtol=1e-3)
+    assert calc.graph_stats().misses >= 2
+    assert "growing it to" in capfd.readouterr().err
+    # Denser: the same cell shrunk; the capacity grows again, with the graph recaptured.
+    before = model.max_pairs
+    atoms.set_cell(atoms.cell[:] * 0.8, scale_atoms=True)
+    calc.calculate(atoms, ["forces"])
+    _, reference = direct(_double_of(model), atoms)
+    np.testing.assert_allclose(calc.results["forces"], reference, atol=1e-4, rtol=1e-3)
+    assert model.max_pairs > before
+
+
+@pytest.mark.cuda
+def test_graph_memory_flat_over_many_replays():
+    model = cuda_model(max_pairs=4000)
+    calc = mirage.ff.Calculator(model)
+    atoms = periodic_atoms(n=12)
+    calc.calculate(atoms, ["forces"])
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    for _ in range(200):
+        atoms.positions += 0.001
+        calc.calculate(atoms, ["forces"])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert calc.graph_stats().misses == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16-mixed"])
+def test_graph_precision_force_error(precision):
+    # Prints the force error of each precision against float64 (the numbers docs/ff.md quotes).
+    # PaiNN: the reference SchNet cannot run under autocast (see test_model_failing_under_autocast).
+    torch.manual_seed(0)
+    model64 = PaiNN(hidden=128, num_interactions=3, cutoff=5.0).double().eval()
+    atoms = benzene_atoms()
+    _, reference = direct(model64, atoms)
+    model = PaiNN(hidden=128, num_interactions=3, cutoff=5.0).eval()
+    model.load_state_dict({k: v.float() for k, v in model64.state_dict().items()})
+    calc = mirage.ff.Calculator(model.cuda(), precision=precision, cuda_graph=False)
+    before = _matmul_state()
+    calc.calculate(atoms, ["forces"])
+    assert _matmul_state() == before
+    error = np.abs(calc.results["forces"] - reference).max() / np.abs(reference).max()
+    print(f"precision {precision}: max force error / max force = {error:.2e}")
+    assert error < {"fp32": 1e-4, "tf32": 3e-2, "bf16-mixed": 0.25}[precision]
+
+
+@pytest.mark.cuda
+def test_uncapturable_model_names_the_remedies():
+    # In its own process: a failed capture leaves the CUDA generator unusable for the process.
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {EXAMPLES!r})
+        import ase, torch, mirage.ff
+        from forcefield.benzene import benzene
+        from forcefield.models import SchNet
+        z, pos = benzene()
+        atoms = ase.Atoms(numbers=z.numpy(), positions=pos.numpy())
+        atoms.calc = mirage.ff.Calculator(SchNet(hidden=16).cuda())
+        try:
+            atoms.get_forces()
+        except RuntimeError as error:
+            print(error)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert "mirage.ff.Calculator: the model cannot be captured in a CUDA graph" in out, out + result.stderr
+    assert "mirage.ff.optimize" in out and "cuda_graph=False" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("periodic", [False, True])
+def test_fused_model_graph_matches_reference(periodic):
+    torch.manual_seed(0)
+    model = SchNet(hidden=64, num_interactions=3, cutoff=4.0).cuda().eval()
+    fast = mirage.ff.optimize(model)
+    assert fast is not model
+    graphed = mirage.ff.Calculator(fast)
+    reference = mirage.ff.Calculator(model, cuda_graph=False)
+    assert graphed.cuda_graph
+    for n in (12, 12, 12, 9):  # new positions each call, then a new atom count (a second graph)
+        atoms = periodic_atoms(n=n) if periodic else benzene_atoms()[:n]
+        atoms.positions += np.random.default_rng().normal(scale=0.05, size=atoms.positions.shape)
+        graphed.calculate(atoms, ["forces"])
+        reference.calculate(atoms, ["forces"])
+        scale = np.abs(reference.results["forces"]).max()
+        assert graphed.results["energy"] == pytest.approx(reference.results["energy"], rel=1e-4, abs=1e-4)
+        np.testing.assert_allclose(graphed.results["forces"], reference.results["forces"], atol=1e-3 * scale, rtol=0)
+        if periodic:
+            np.testing.assert_allclose(graphed.results["stress"], reference.results["stress"],
+                                       atol=1e-3 * np.abs(reference.results["stress"]).max(), rtol=0)
+    assert graphed.graph_stats().misses == 2
