@@ -1,0 +1,174 @@
+"""benchmarks/bench_forcefield.py on the CPU: the --quick run end to end (every requested cell is a
+number or says why not, the JSON has its keys), the hand-written static-pair peer against the
+reference models it stands in for, the water-like boxes' density and the memory refusal."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_forcefield as bench  # noqa: E402  (puts examples/ on sys.path)
+from forcefield.models import PaiNN, SchNet  # noqa: E402
+
+JSON_KEYS = {"device", "command", "argv", "config", "systems", "rows", "md", "targets", "notes", "reports"}
+ROW_STATES = ("ok", "n/a:", "unavailable:", "error:")
+
+
+# The op each fused model needs beyond neighbor_list and radial_basis.
+MESSAGE_OP = {"schnet": "message_passing", "painn": "vector_message_passing"}
+
+
+def mirage_ready(model_name):
+    """Whether mirage's fused model of this kind can run here (its message-passing op is built)."""
+    try:
+        import mirage  # noqa: F401  (registers torch.ops.mirage)
+    except ImportError:
+        return False
+    return hasattr(torch.ops.mirage, MESSAGE_OP[model_name])
+
+
+def small_model(cls, dtype=torch.float64):
+    torch.manual_seed(0)
+    return cls(hidden=16, num_interactions=2, num_rbf=8, cutoff=5.0).to(dtype).eval()
+
+
+def reference_energy_forces(model, system):
+    return bench.energy_and_forces(lambda p: model(system["z"], p, system["cell64"], system["pbc"]), system["pos64"])
+
+
+@pytest.mark.parametrize("cls", [SchNet, PaiNN])
+@pytest.mark.parametrize("name", ["benzene", "box3k"])
+@pytest.mark.parametrize("pairs_from", ["radius_graph", "neighbor_list"])
+def test_static_pair_energy_is_the_reference_model(cls, name, pairs_from):
+    """The eager+graph peer's forward with a fixed pair list gives the reference model's energy and
+    forces (float64), with the pairs from radius_graph or from mirage.ops.neighbor_list."""
+    if pairs_from == "neighbor_list":
+        pytest.importorskip("mirage")
+    system = bench.make_system(name, quick=True, device=torch.device("cpu"))
+    # Move the atoms off the lattice a little so that the test sees fresh geometry every run.
+    system["pos64"] = system["pos64"] + 0.05 * torch.randn_like(system["pos64"])
+    system["pos"] = system["pos64"].float()
+    model = small_model(cls)
+    i, j, shift = bench.reference_pairs(system) if pairs_from == "radius_graph" else bench.pair_list(system)
+    assert shift.dtype == torch.float64 and i.shape[0] > 0
+    energy, forces = bench.energy_and_forces(
+        lambda p: bench.static_pair_energy(model, system["z"], p, i, j, shift), system["pos64"])
+    ref_energy, ref_forces = reference_energy_forces(model, system)
+    assert forces.abs().max() > 1e-3  # a real force field, not a constant
+    torch.testing.assert_close(energy, ref_energy, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(forces, ref_forces, rtol=1e-9, atol=1e-10)
+
+
+def test_static_pair_energy_refuses_an_unknown_model():
+    with pytest.raises(TypeError, match="static_pair_energy: no static-pair forward for Linear"):
+        bench.static_pair_energy(torch.nn.Linear(3, 1), None, torch.zeros(2, 3), None, None, None)
+
+
+def test_water_box_is_liquid_like():
+    """~43 neighbours within 5 A per atom (the issue's ~130k pairs for 3,000 atoms), wrapped into
+    the cell, O-H bonds of the water geometry."""
+    per_side = 4
+    numbers, positions, cell = bench.water_box(per_side, seed=int(torch.randint(0, 2**31, ())))
+    n = 3 * per_side**3
+    assert numbers.shape == (n,) and positions.shape == (n, 3)
+    assert set(numbers.tolist()) == {1, 8}
+    length = per_side * bench.SPACING
+    assert torch.equal(cell, torch.eye(3, dtype=torch.float64) * length)
+    assert (positions >= 0).all() and (positions < length).all()
+    i, _, vec = bench.radius_graph(positions, 5.0, cell, torch.ones(3, dtype=torch.bool))
+    assert 37 < i.shape[0] / n < 50
+    # Each H sits 0.9572 A from its own O (the O of its molecule, maybe across a face).
+    o, h1 = positions[0::3], positions[1::3]
+    delta = h1 - o
+    delta -= torch.round(delta / length) * length
+    torch.testing.assert_close(delta.norm(dim=-1), torch.full((n // 3,), bench.OH_BOND, dtype=torch.float64))
+
+
+def test_the_reference_radius_graph_is_refused_where_it_cannot_fit():
+    """100k atoms: the [27, N, N] distance tensors would take terabytes; eager and compile report
+    n/a with the size instead of trying."""
+    need = bench.radius_graph_bytes(98_304, True, torch.float32)
+    assert need > 5e12
+    assert 4e9 < bench.radius_graph_bytes(3000, True, torch.float32) < 6e9
+    system = bench.make_system("box100k", quick=False, device=torch.device("cpu"))
+    assert system["z"].shape[0] == 98_304
+    model = small_model(SchNet, torch.float32)
+    for peer in ("eager", "compile"):
+        with pytest.raises(bench.Skip, match=r"needs 5\.\d+ TB for radius_graph's \[27, N, N\] tensors"):
+            bench.build_peer(peer, model, system, [], "schnet on box100k")
+
+
+def test_command_line_errors():
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--peers", "eager,nonsense"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--systems", "water"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench.main(["--systems", "benzene"])
+
+
+@pytest.fixture
+def one_thread():
+    # The quick sizes are tiny: on a shared machine extra threads only add contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_quick_run(tmp_path, capsys, one_thread):
+    """--quick on the CPU: every (model, system, peer) has a row that is timed with a small force
+    error or says why not; the mirage columns run once mirage's ops are there."""
+    out = tmp_path / "ff.json"
+    peers = ["eager", "eager+graph", "mirage"]
+    systems = ["benzene", "box3k"]
+    assert bench.main(["--quick", "--peers", ",".join(peers), "--systems", ",".join(systems),
+                       "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert JSON_KEYS <= set(result)
+    assert "bench_forcefield.py --quick" in result["command"]
+    assert result["systems"]["benzene"]["atoms"] == 12 and result["systems"]["benzene"]["pairs"] == 132
+    assert result["systems"]["box3k"]["atoms"] == 24 and result["systems"]["box3k"]["periodic"]
+    assert result["systems"]["box3k"]["pairs"] > 24 * 20
+    cells = {(r["model"], r["system"], r["peer"]): r for r in result["rows"]}
+    assert set(cells) == {(m, s, p) for m in bench.MODELS for s in systems for p in peers}
+    for (model, system, peer), row in cells.items():
+        assert row["status"].startswith(ROW_STATES), row
+        if peer == "eager" or (peer == "mirage" and mirage_ready(model)):
+            assert row["status"] == "ok", row
+            assert row["ms"] > 0 and row["first_s"] >= 0
+            # float32 against float64: a few ulps of the forces, not a different model.
+            assert row["f_rel_rms_err"] < 1e-4, row
+            assert row["f_max_err"] < 1e-3, row
+        elif peer == "eager+graph":
+            assert row["status"] == "n/a: needs CUDA (a CUDA graph)"
+        else:
+            # Printed with its reason, never silent: an import error or optimize's refusal.
+            assert row["status"] != "ok" and len(row["status"].split(":", 1)[1].strip()) > 10
+            assert f"{model} {system} mirage: {row['status']}" in printed
+        if row["status"] == "ok":
+            assert row["vs_best_peer"] is not None
+    md = {(r["model"], r["system"], r["driver"]): r for r in result["md"]}
+    assert set(md) == {(m, s, d) for m in bench.MODELS for s in systems
+                       for d in ("mirage md K=2", "ase+calculator")}
+    try:
+        import ase  # noqa: F401
+        have_ase = True
+    except ImportError:
+        have_ase = False
+    for row in md.values():
+        if mirage_ready(row["model"]) and have_ase:
+            assert row["status"] == "ok", row
+            assert row["steps_per_s"] > 0 and row["ns_per_day"] == pytest.approx(row["steps_per_s"] * 0.0432)
+        else:
+            assert row["status"].startswith(("n/a:", "unavailable:")), row
+    names = [t["name"] for t in result["targets"]]
+    assert "schnet benzene: mirage ms per energy+forces (call)" in names
+    assert "Issue 4 targets:" in printed
