@@ -334,7 +334,8 @@ def test_graph_langevin_noise_and_memory():
     allocated = torch.cuda.memory_allocated()
     records = graphed.run(3000, write_every=50)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == allocated
+    # No growth over 3000 steps (the H200 run saw it 15 kB lower: a buffer of the first run freed).
+    assert torch.cuda.memory_allocated() <= allocated
     temperatures = np.array([r["temperature"] for r in records[10:]])
     assert abs(temperatures.mean() / 500.0 - 1) < 0.1, temperatures.mean()
     # Every replay draws new noise from the generator registered to the graph.
