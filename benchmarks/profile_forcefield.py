@@ -15,7 +15,7 @@ import torch
 
 import mirage.ff
 from bench_forcefield import MODEL_CONFIG, MODELS, energy_and_forces, make_system
-from harness import kernel_times, print_kernel_report
+from harness import kernel_times, print_kernel_report, time_in_graph
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
     ("mirage neighbor list", ("neighbor", "cub::", "radixsort", "scan")),
@@ -36,14 +36,67 @@ def category(name: str) -> str:
     return "other elementwise"
 
 
+def grads_of(fn, *leaves):
+    """fn's outputs and their gradients w.r.t. leaves (a forward + first backward, as forces do)."""
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return torch.autograd.grad([o.sum() for o in outputs], leaves)
+
+
+def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) -> None:
+    """µs per call (inside a CUDA graph of 20 calls) of each stage of a fused energy+forces on
+    this system, alone: where the time goes when the profiler's kernel sum is not to be trusted."""
+    import mirage
+
+    pos, cell, pbc = system["pos"], system["cell"], system["pbc"]
+    n = pos.shape[0]
+    out = mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=max(n * (n - 1), 1) if cell is None else 64 * n)
+    count = int(out.num_pairs.item())
+    capacity = count + 64
+    out = mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity)
+    pairs, distances = out.pairs, out.distances
+    i, j = pairs[0], pairs[1]
+    g = torch.Generator(device=pos.device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=pos.device)  # noqa: E731
+    x, w = rand(n, hidden), rand(capacity, hidden)
+    phi, w3, v, dirs = rand(n, 3 * hidden), rand(capacity, 3 * hidden), rand(n, 3, hidden), rand(capacity, 3)
+    w1, w2 = rand(layers, num_rbf, hidden), rand(layers, hidden, hidden)
+    rbf = mirage.ops.radial_basis(distances, "gaussian", num_rbf, 5.0, "none")
+    parts = {
+        "neighbor_list (auto)": lambda: mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity),
+        "neighbor_list (direct)": lambda: mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity,
+                                                                   method="direct"),
+        "radial_basis fwd+bwd": lambda: grads_of(
+            lambda d: mirage.ops.radial_basis(d, "gaussian", num_rbf, 5.0, "none"), distances),
+        f"filter GEMMs fwd+bwd (x{layers})": lambda: grads_of(
+            lambda r: torch.bmm(torch.bmm(r.expand(layers, -1, -1), w1), w2), rbf),
+        "message_passing fwd": lambda: mirage.ops.message_passing(x, w, pairs),
+        "message_passing fwd+bwd": lambda: grads_of(lambda a, b: mirage.ops.message_passing(a, b, pairs), x, w),
+        "index_add composite fwd+bwd": lambda: grads_of(
+            lambda a, b: torch.zeros_like(a).index_add_(0, i, a[j] * b), x, w),
+        "vector_message_passing fwd": lambda: mirage.ops.vector_message_passing(phi, w3, v, dirs, pairs),
+        "vector_message_passing fwd+bwd": lambda: grads_of(
+            lambda *t: mirage.ops.vector_message_passing(*t, pairs), phi, w3, v, dirs),
+    }
+    print(f"\n== stages alone, {system['name']} ({n} atoms, {count} pairs, capacity {capacity}): "
+          "µs per call in a CUDA graph of 20 calls")
+    for name, fn in parts.items():
+        print(f"   {time_in_graph(lambda: fn(), [()], calls=20, repeats=5):9.1f}  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--systems", nargs="+", default=["benzene", "box3k"])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--warmup", type=int, default=50, help="calls before the profiled one")
+    parser.add_argument("--parts", action="store_true", help="also time each stage alone in a CUDA graph")
     opts = parser.parse_args()
     device = torch.device("cuda")
+    if opts.parts:
+        for system_name in opts.systems:
+            time_parts(make_system(system_name, False, device))
     for model_name in opts.models:
         torch.manual_seed(0)
         fused = mirage.ff.optimize(MODELS[model_name](**MODEL_CONFIG).to(device))

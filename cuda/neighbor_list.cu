@@ -36,13 +36,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSetupThreads = 1024;
-// kAuto uses the cell list from this many atoms (one molecule). The direct search costs N^2
-// candidate tests spread over N warps; the cell list about 27 bins' worth per atom (~300 at a
-// liquid's density and a 5 A cutoff) plus ~6 more launches (setup, bins, a radix sort, bin
-// starts), some 15-20 us. Estimated crossover: 2-4k atoms on an H100/H200. The low end is chosen:
-// past it the direct cost grows quadratically, below it the cell list loses at most its fixed
-// overhead. To be timed on the GPU (method="direct" / "cell_list" force either).
-constexpr int64_t kCellListMinAtoms = 2048;
+// kAuto uses the cell list from this many atoms (one molecule). Measured on an H200 (2026-11-22,
+// benchmarks/profile_forcefield.py --parts, 3,000 atoms at water's density, 5 A cutoff, 139k
+// pairs, in a CUDA graph): direct 181 us, cell list 354 us. Direct grows as N^2 and the cell list
+// as N, so they cross near 2 x 3,000 atoms; below that the direct search is faster.
+constexpr int64_t kCellListMinAtoms = 6144;
 // Positions may lie at most this many cell widths from the origin along a periodic axis: image
 // indices are kept in float32, exact up to 2^24 (the CPU reference has the same limit).
 constexpr float kMaxCellWidthsFromOrigin = 16777216.0f;

@@ -592,21 +592,35 @@ def test_cuda_batches(per_molecule_pbc):
     assert_cuda_matches_cpu(pos, 3.2, None, None, batch, half=True)
 
 
-@pytest.mark.cuda
-def test_cuda_large_periodic_box_takes_the_cell_list():
-    # 3000 atoms at a liquid's density (0.1 / A^3), a slightly triclinic box, positions up to half
-    # a box outside it: "auto" is the cell list there (>= 2048 atoms); it must equal the forced
-    # cell list bit for bit and list the same pairs as the direct search and the CPU reference.
-    n, side = 3000, (3000 / 0.1) ** (1 / 3)
+def liquid_box(n, dtype=torch.float32):
+    """n atoms at a liquid's density (0.1 / A^3) in a slightly triclinic box, positions up to half
+    a box outside it."""
+    side = (n / 0.1) ** (1 / 3)
     cell_values = [[side, 0, 0], [0.5, side, 0], [-0.4, 0.3, side]]
-    cell = tensor(cell_values, torch.float32)
-    pos = random_in_cell(n, cell_values, torch.float32)
+    return random_in_cell(n, cell_values, dtype), tensor(cell_values, dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_large_periodic_box_methods_agree():
+    # 3000 atoms: "auto" is the direct search there (below 6144 atoms) and must equal it bit for
+    # bit; the cell list lists the same pairs; both match the CPU reference.
+    pos, cell = liquid_box(3000)
     auto = assert_cuda_matches_cpu(pos, 5.0, cell, max_pairs=250_000)
-    forced = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="cell_list")
+    direct = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="direct")
+    for a, b in zip(auto, direct):
+        assert torch.equal(a, b)
+    cells = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="cell_list")
+    assert_same_pairs(listed(direct, cell), listed(cells, cell), 5.0, 1e-4, 1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_auto_takes_the_cell_list_from_6144_atoms():
+    pos, cell = liquid_box(7000)
+    auto = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000)
+    forced = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000, method="cell_list")
+    assert 0 < int(auto.num_pairs) <= 600_000
     for a, b in zip(auto, forced):
         assert torch.equal(a, b)
-    direct = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="direct")
-    assert_same_pairs(listed(direct, cell), listed(auto, cell), 5.0, 1e-4, 1e-5)
 
 
 @pytest.mark.cuda
