@@ -10,8 +10,10 @@ why the kernel count matters as much as their time for small molecules).
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
+import torch.nn.functional as F
 
 import mirage.ff
 from bench_forcefield import MODEL_CONFIG, MODELS, energy_and_forces, make_system
@@ -40,7 +42,7 @@ def grads_of(fn, *leaves):
     """fn's outputs and their gradients w.r.t. leaves (a forward + first backward, as forces do)."""
     leaves = [t.detach().requires_grad_() for t in leaves]
     outputs = fn(*leaves)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
     return torch.autograd.grad([o.sum() for o in outputs], leaves)
 
 
@@ -63,14 +65,19 @@ def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) ->
     phi, w3, v, dirs = rand(n, 3 * hidden), rand(capacity, 3 * hidden), rand(n, 3, hidden), rand(capacity, 3)
     w1, w2 = rand(layers, num_rbf, hidden), rand(layers, hidden, hidden)
     rbf = mirage.ops.radial_basis(distances, "gaussian", num_rbf, 5.0, "none")
+    b, filters = rand(layers, hidden), rand(layers, capacity, hidden)
     parts = {
         "neighbor_list (auto)": lambda: mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity),
         "neighbor_list (direct)": lambda: mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity,
                                                                    method="direct"),
         "radial_basis fwd+bwd": lambda: grads_of(
             lambda d: mirage.ops.radial_basis(d, "gaussian", num_rbf, 5.0, "none"), distances),
-        f"filter GEMMs fwd+bwd (x{layers})": lambda: grads_of(
+        f"filter GEMMs fwd+bwd (x{layers}), batched bmm": lambda: grads_of(
             lambda r: torch.bmm(torch.bmm(r.expand(layers, -1, -1), w1), w2), rbf),
+        f"filter GEMMs fwd+bwd (x{layers}), F.linear per layer with bias": lambda: grads_of(
+            lambda r: [F.linear(F.linear(r, w1[t].T, b[t]), w2[t].T, b[t]) for t in range(layers)], rbf),
+        f"shifted softplus fwd+bwd on [{layers}, P, {hidden}]": lambda: grads_of(
+            lambda h: F.softplus(h) - math.log(2.0), filters),
         "message_passing fwd": lambda: mirage.ops.message_passing(x, w, pairs),
         "message_passing fwd+bwd": lambda: grads_of(lambda a, b: mirage.ops.message_passing(a, b, pairs), x, w),
         "index_add composite fwd+bwd": lambda: grads_of(
@@ -115,6 +122,12 @@ def main() -> None:
                 call(system["pos"])
             end.record()
             torch.cuda.synchronize()
+            with torch.no_grad():
+                forward_us = time_in_graph(lambda: fused(system["z"], system["pos"], system["cell"], system["pbc"]),
+                                           [()], calls=20, repeats=5)
+            both_us = time_in_graph(lambda: call(system["pos"]), [()], calls=20, repeats=5)
+            print(f"\n{model_name} {system_name} in a CUDA graph of 20 calls: energy {forward_us:.1f} µs, "
+                  f"energy+forces {both_us:.1f} µs")
             print_kernel_report(f"{model_name} {system_name} ({system['pos'].shape[0]} atoms, "
                                 f"{int(fused.num_pairs.item())} pairs), energy+forces, graphs off; "
                                 f"one call by CUDA events: {start.elapsed_time(end) / 10:.3f} ms",
