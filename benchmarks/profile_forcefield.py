@@ -109,6 +109,7 @@ def main() -> None:
         fused = mirage.ff.optimize(MODELS[model_name](**MODEL_CONFIG).to(device))
         for system_name in opts.systems:
             system = make_system(system_name, False, device)
+            fused.max_pairs = None  # a capacity chosen for this system, not kept from the last one
 
             def call(positions):
                 return energy_and_forces(lambda p: fused(system["z"], p, system["cell"], system["pbc"]), positions)
