@@ -2,14 +2,15 @@
 # The one GPU-machine run: build against the device's torch for sm_90a, run every test (the
 # `cuda`-marked ones included) and Catch2, then the benchmarks. Results and logs go to $OUT.
 #   usage (device tool): [STEPS="build pytest ..."] bash scripts/device_check.sh [pytest args...]
-# STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff (default: all).
+# STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff profile_ff
+# validate_nve (default: all; together they outlast one 10-minute device call: split them).
 # Wheels the device lacks (diffusers, ase) travel in .whl/ with the device tool's `carry`.
 set -uo pipefail
 OUT="${OUT:-/tmp/mirage-out}"
 mkdir -p "$OUT"
 export MIRAGE_CUDA_ARCHS=90a PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
 BUILD=build/device
-STEPS="${STEPS:-build pytest ctest demo bench_norms bench_unet bench_ff}"
+STEPS="${STEPS:-build pytest ctest demo bench_norms bench_unet bench_ff profile_ff validate_nve}"
 status=0
 step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -68,6 +69,16 @@ fi
 if want bench_ff; then
   step "bench_ff"
   python3 benchmarks/bench_forcefield.py --json "$OUT/forcefield.json" 2>&1 | tee "$OUT/bench_forcefield.txt" || status=1
+fi
+if want profile_ff; then
+  step "profile_ff"
+  (cd benchmarks && python3 profile_forcefield.py --parts) > "$OUT/profile_ff.txt" 2>&1 || status=1
+  grep -E "µs|==" "$OUT/profile_ff.txt"
+fi
+
+if want validate_nve; then
+  step "validate_nve"
+  python3 scripts/validate_nve.py --out "$OUT/nve" 2>&1 | tee "$OUT/validate_nve.txt" || status=1
 fi
 step "done (status $status)"
 exit $status
