@@ -75,6 +75,17 @@ at::Tensor radial_basis_autocast(const at::Tensor& distances, c10::string_view k
                                       cutoff, cutoff_fn);
 }
 
+// Backward in float32 too (it meets radial_basis' float32 output gradient and saved distances).
+template <c10::DeviceType Device, c10::DispatchKey Key>
+at::Tensor radial_basis_backward_autocast(const at::Tensor& grad, const at::Tensor& distances,
+                                          c10::string_view kind, int64_t num, double cutoff,
+                                          c10::string_view cutoff_fn) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  return handles::radial_basis_backward().call(cached_cast(at::kFloat, grad, Device),
+                                               cached_cast(at::kFloat, distances, Device), kind,
+                                               num, cutoff, cutoff_fn);
+}
+
 template <c10::DeviceType Device, c10::DispatchKey Key>
 at::Tensor message_passing_autocast(const at::Tensor& x, const at::Tensor& filter,
                                     const at::Tensor& pairs) {
@@ -103,6 +114,7 @@ TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
+  m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);
   m.impl("message_passing", &message_passing_autocast<kDevice, kKey>);
   m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
 }
@@ -116,6 +128,7 @@ TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
+  m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);
   m.impl("message_passing", &message_passing_autocast<kDevice, kKey>);
   m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
 }

@@ -5,6 +5,8 @@
 // message_passing and pair_product are the exception: each one's gradients are the two ops
 // themselves (docs/ops.md), so their backward calls them through the dispatcher, autograd
 // included, with no recompute, and is differentiable to any order in turn.
+// radial_basis and vector_message_passing (forces) have a fused backward op of their own; only
+// that op's backward (double backward) recomputes with a composite.
 #include <cmath>
 #include <functional>
 #include <string>
@@ -269,16 +271,36 @@ at::Tensor radial_basis_composite(const at::Tensor& distances, const std::string
   return out.to(distances.scalar_type());
 }
 
-struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& distances, c10::string_view kind,
-                            int64_t num, double cutoff, c10::string_view cutoff_fn) {
-    save_inputs(ctx, {distances});
-    ctx->saved_data["kind"] = std::string(kind);
-    ctx->saved_data["num"] = num;
-    ctx->saved_data["cutoff"] = cutoff;
-    ctx->saved_data["cutoff_fn"] = std::string(cutoff_fn);
+// radial_basis_backward as PyTorch ops: autograd of the composite above, with a graph
+// (create_graph), so that it is differentiable in grad and distances in turn. distances is made a
+// leaf of its own where it does not require grad (only grad's gradient is wanted).
+at::Tensor radial_basis_backward_composite(const at::Tensor& grad, const at::Tensor& distances,
+                                           const std::string& kind, int64_t num, double cutoff,
+                                           const std::string& cutoff_fn) {
+  const at::Tensor d = distances.requires_grad() ? distances : distances.detach().requires_grad_();
+  const at::Tensor out = radial_basis_composite(d, kind, num, cutoff, cutoff_fn);
+  return torch::autograd::grad({out}, {d}, {grad}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+}
+
+// The op's parameters, saved beside the tensors by both autograd Functions below.
+void save_radial_basis_parameters(AutogradContext* ctx, c10::string_view kind, int64_t num,
+                                  double cutoff, c10::string_view cutoff_fn) {
+  ctx->saved_data["kind"] = std::string(kind);
+  ctx->saved_data["num"] = num;
+  ctx->saved_data["cutoff"] = cutoff;
+  ctx->saved_data["cutoff_fn"] = std::string(cutoff_fn);
+}
+
+// The forces' hot path: first-order gradients run the fused mirage::radial_basis_backward (one
+// kernel, no recompute); only its own backward (double backward) recomputes with the composite.
+struct RadialBasisBackwardFunction : torch::autograd::Function<RadialBasisBackwardFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad,
+                            const at::Tensor& distances, c10::string_view kind, int64_t num,
+                            double cutoff, c10::string_view cutoff_fn) {
+    save_inputs(ctx, {grad, distances});
+    save_radial_basis_parameters(ctx, kind, num, cutoff, cutoff_fn);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return handles::radial_basis().call(distances, kind, num, cutoff, cutoff_fn);
+    return handles::radial_basis_backward().call(grad, distances, kind, num, cutoff, cutoff_fn);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -287,9 +309,31 @@ struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
     const double cutoff = ctx->saved_data["cutoff"].toDouble();
     const std::string cutoff_fn = ctx->saved_data["cutoff_fn"].toStringRef();
     const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
-      return variable_list{radial_basis_composite(in[0], kind, num, cutoff, cutoff_fn)};
+      return variable_list{radial_basis_backward_composite(in[0], in[1], kind, num, cutoff, cutoff_fn)};
     });
-    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grads[0], grads[1], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& distances, c10::string_view kind,
+                            int64_t num, double cutoff, c10::string_view cutoff_fn) {
+    ctx->save_for_backward({distances});
+    save_radial_basis_parameters(ctx, kind, num, cutoff, cutoff_fn);
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::radial_basis().call(distances, kind, num, cutoff, cutoff_fn);
+  }
+
+  // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor distances = ctx->get_saved_variables()[0];
+    // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
+    // backward.
+    const at::Tensor grad_distances = handles::radial_basis_backward().call(
+        grad_outputs[0], distances, ctx->saved_data["kind"].toStringRef(),
+        ctx->saved_data["num"].toInt(), ctx->saved_data["cutoff"].toDouble(),
+        ctx->saved_data["cutoff_fn"].toStringRef());
+    return {grad_distances, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -379,6 +423,12 @@ at::Tensor radial_basis_autograd(const at::Tensor& distances, c10::string_view k
   return RadialBasisFunction::apply(distances, kind, num, cutoff, cutoff_fn);
 }
 
+at::Tensor radial_basis_backward_autograd(const at::Tensor& grad, const at::Tensor& distances,
+                                          c10::string_view kind, int64_t num, double cutoff,
+                                          c10::string_view cutoff_fn) {
+  return RadialBasisBackwardFunction::apply(grad, distances, kind, num, cutoff, cutoff_fn);
+}
+
 at::Tensor message_passing_autograd(const at::Tensor& x, const at::Tensor& filter,
                                    const at::Tensor& pairs) {
   return MessagePassingFunction::apply(x, filter, pairs);
@@ -397,6 +447,7 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("geglu", &geglu_autograd);
   m.impl("neighbor_list", &neighbor_list_autograd);
   m.impl("radial_basis", &radial_basis_autograd);
+  m.impl("radial_basis_backward", &radial_basis_backward_autograd);
   m.impl("message_passing", &message_passing_autograd);
   m.impl("pair_product", &pair_product_autograd);
 }

@@ -24,6 +24,8 @@ using NeighborListSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>&, int64_t, bool, c10::string_view);
 using RadialBasisSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t, double,
                                   c10::string_view);
+using RadialBasisBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view,
+                                          int64_t, double, c10::string_view);
 using PairOpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -48,6 +50,7 @@ MIRAGE_OP_HANDLE(add_layer_norm, AddLayerNormSig)
 MIRAGE_OP_HANDLE(geglu, GegluSig)
 MIRAGE_OP_HANDLE(neighbor_list, NeighborListSig)
 MIRAGE_OP_HANDLE(radial_basis, RadialBasisSig)
+MIRAGE_OP_HANDLE(radial_basis_backward, RadialBasisBackwardSig)
 MIRAGE_OP_HANDLE(message_passing, PairOpSig)
 MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)

@@ -15,6 +15,9 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor? batch=None, int max_pairs=-1, bool half=False, str method=\"auto\") -> "
         "(Tensor pairs, Tensor shifts, Tensor distances, Tensor num_pairs)");
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
+  // radial_basis' gradient in distances, fused (forces); differentiable in turn.
+  m.def("radial_basis_backward(Tensor grad, Tensor distances, str kind, int num, float cutoff, "
+        "str cutoff_fn) -> Tensor");
   m.def("message_passing(Tensor x, Tensor filter, Tensor pairs) -> Tensor");
   m.def("pair_product(Tensor a, Tensor b, Tensor pairs) -> Tensor");
   // PaiNN's scalar/vector messages; its backward is an op of its own (the forces' hot path).

@@ -1,5 +1,7 @@
 // Radial basis: one thread per output element (coalesced writes; the distance is re-read from
 // L1 by the num threads that share it), float32 arithmetic whatever the I/O dtype.
+// Its backward: a group of lanes per distance, each lane summing a strided share of the basis
+// functions, the group's sums added with shuffles; also float32 arithmetic.
 #include <algorithm>
 
 #include "kernel_utils.cuh"
@@ -22,6 +24,22 @@ __device__ __forceinline__ float sinc(float x) {
   return sinf(x) / x;
 }
 
+// sinc(x) and its derivative, with the forward's Taylor branch: below |x| = 0.1 the derivative of
+// the series, -x/3 + x^3/30 - x^5/840 + x^7/45360 (what autograd of the composite gives there,
+// and no cancellation), else (cos x - sinc x) / x.
+__device__ __forceinline__ void sinc_and_derivative(float x, float& value, float& derivative) {
+  if (fabsf(x) < kSincSeriesBelow) {
+    const float x2 = x * x;
+    value = sinc(x);
+    derivative = -x / 3.0f * (1.0f - x2 / 10.0f * (1.0f - x2 / 28.0f * (1.0f - x2 / 54.0f)));
+    return;
+  }
+  float sine, cosine;
+  sincosf(x, &sine, &cosine);
+  value = sine / x;
+  derivative = (cosine - value) / x;
+}
+
 // Zero from the cutoff on (so the padding of mirage::neighbor_list, at the cutoff, is zero).
 // NaN gives 0 here and NaN in the basis, so the product stays NaN.
 __device__ __forceinline__ float envelope(CutoffFn fn, float d, float cutoff) {
@@ -29,8 +47,21 @@ __device__ __forceinline__ float envelope(CutoffFn fn, float d, float cutoff) {
   if (!(d < cutoff)) return 0.0f;
   const float x = d / cutoff;
   if (fn == CutoffFn::kCosine) return 0.5f * (cosf(kPi * x) + 1.0f);
-  const float x2 = x * x, x6 = x2 * x2 * x2;  // p = 6: 1 - 28 x^6 + 48 x^7 - 21 x^8
-  return 1.0f + x6 * (-28.0f + x * (48.0f - 21.0f * x));
+  // p = 6: 1 - 28 x^6 + 48 x^7 - 21 x^8, factored as (1 - x)^3 (1 + 3x + 6x^2 + 10x^3 + 15x^4 +
+  // 21x^5): near the cutoff the expanded sum cancels to an absolute error of ~1e-6, which the
+  // backward multiplies by the basis' slope; the factored form keeps its relative accuracy.
+  const float one_minus_x = 1.0f - x;
+  return one_minus_x * one_minus_x * one_minus_x *
+         (1.0f + x * (3.0f + x * (6.0f + x * (10.0f + x * (15.0f + 21.0f * x)))));
+}
+
+// d envelope / dd: 0 from the cutoff on, as the envelope is constant there.
+__device__ __forceinline__ float envelope_derivative(CutoffFn fn, float d, float cutoff) {
+  if (fn == CutoffFn::kNone || !(d < cutoff)) return 0.0f;
+  const float x = d / cutoff;
+  if (fn == CutoffFn::kCosine) return -0.5f * kPi / cutoff * sinf(kPi * x);
+  const float one_minus_x = 1.0f - x, x2 = x * x;  // -168 x^5 (1 - x)^2 / c
+  return -168.0f / cutoff * (x2 * x2 * x) * (one_minus_x * one_minus_x);
 }
 
 template <typename T>
@@ -58,7 +89,83 @@ __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParam
   }
 }
 
+// G consecutive lanes (a power of two, at most a warp) per distance: lane l takes the basis
+// functions k = l, l + G, ..., so a group reads its row of grad coalesced, and small inputs (a
+// molecule's ~100 pairs) still spread over many threads. grad_distances = f * sum_k g_k basis_k'
+// + f' * sum_k g_k basis_k.
+template <typename T, int G>
+__global__ void __launch_bounds__(kThreads) radial_basis_backward_kernel(RadialBasisBackwardParams p) {
+  static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0 && kThreads % G == 0);
+  const T* grad = static_cast<const T*>(p.grad);            // [count, num]
+  const T* distances = static_cast<const T*>(p.distances);  // [count]
+  T* grad_distances = static_cast<T*>(p.grad_distances);    // [count]
+  const int lane = static_cast<int>(threadIdx.x % G);
+  // Only this group's lanes shuffle together: they share every row, so they leave the loop
+  // together whatever the other groups of the warp do.
+  const unsigned mask =
+      G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
+  const float spacing = p.num > 1 ? p.cutoff / static_cast<float>(p.num - 1) : p.cutoff;
+  const float bessel_scale = sqrtf(2.0f / p.cutoff);
+  const int64_t groups = static_cast<int64_t>(gridDim.x) * (blockDim.x / G);
+  for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / G;
+       row < p.count; row += groups) {
+    const float d = to_float(distances[row]);
+    float sum_basis = 0.0f, sum_derivative = 0.0f;
+    for (int k = lane; k < p.num; k += G) {
+      const float g = to_float(grad[row * p.num + k]);
+      float basis, derivative;
+      if (p.kind == RadialBasisKind::kGaussian) {
+        const float z = (d - k * spacing) / spacing;
+        basis = expf(-0.5f * z * z);
+        derivative = -z / spacing * basis;
+      } else {
+        const float frequency = (k + 1) * kPi / p.cutoff;
+        float value, slope;
+        sinc_and_derivative(frequency * d, value, slope);
+        basis = bessel_scale * frequency * value;
+        derivative = bessel_scale * frequency * frequency * slope;
+      }
+      sum_basis += g * basis;
+      sum_derivative += g * derivative;
+    }
+#pragma unroll
+    for (int offset = G / 2; offset > 0; offset >>= 1) {
+      sum_basis += __shfl_xor_sync(mask, sum_basis, offset, G);
+      sum_derivative += __shfl_xor_sync(mask, sum_derivative, offset, G);
+    }
+    if (lane == 0) {
+      grad_distances[row] = from_float<T>(envelope(p.cutoff_fn, d, p.cutoff) * sum_derivative +
+                                          envelope_derivative(p.cutoff_fn, d, p.cutoff) * sum_basis);
+    }
+  }
+}
+
+template <int G>
+cudaError_t launch_backward_with_group(const RadialBasisBackwardParams& params,
+                                       cudaStream_t stream) {
+  cudaError_t status = cudaSuccess;
+  MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
+    const int64_t blocks =
+        std::min<int64_t>(ceil_div(params.count * G, kThreads), 8LL * sm_count());
+    radial_basis_backward_kernel<scalar_t, G>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params);
+    status = cudaGetLastError();
+  });
+  return status;
+}
+
 }  // namespace
+
+cudaError_t launch_radial_basis_backward(const RadialBasisBackwardParams& params,
+                                         cudaStream_t stream) {
+  if (params.count == 0) return cudaSuccess;
+  // The smallest group that covers num in one pass, 4 to 32 lanes (SchNet's 20-50 Gaussians and
+  // PaiNN's 20 Bessel functions: a warp per distance).
+  if (params.num <= 4) return launch_backward_with_group<4>(params, stream);
+  if (params.num <= 8) return launch_backward_with_group<8>(params, stream);
+  if (params.num <= 16) return launch_backward_with_group<16>(params, stream);
+  return launch_backward_with_group<32>(params, stream);
+}
 
 cudaError_t launch_radial_basis(const RadialBasisParams& params, cudaStream_t stream) {
   if (params.count == 0 || params.num == 0) return cudaSuccess;

@@ -1,4 +1,4 @@
-// mirage::radial_basis on CUDA.
+// mirage::radial_basis and its backward on CUDA.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,6 +10,16 @@
 
 namespace mirage::ops {
 namespace {
+
+cuda::RadialBasisKind to_kind(c10::string_view kind) {
+  return kind == "gaussian" ? cuda::RadialBasisKind::kGaussian : cuda::RadialBasisKind::kBessel;
+}
+
+cuda::CutoffFn to_cutoff_fn(c10::string_view cutoff_fn) {
+  return cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
+         : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
+                                     : cuda::CutoffFn::kNone;
+}
 
 at::Tensor radial_basis_cuda(const at::Tensor& distances, c10::string_view kind, int64_t num,
                              double cutoff, c10::string_view cutoff_fn) {
@@ -23,17 +33,41 @@ at::Tensor radial_basis_cuda(const at::Tensor& distances, c10::string_view kind,
   params.count = input.numel();
   params.num = num;
   params.cutoff = static_cast<float>(cutoff);
-  params.kind = kind == "gaussian" ? cuda::RadialBasisKind::kGaussian : cuda::RadialBasisKind::kBessel;
-  params.cutoff_fn = cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
-                     : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
-                                                 : cuda::CutoffFn::kNone;
+  params.kind = to_kind(kind);
+  params.cutoff_fn = to_cutoff_fn(cutoff_fn);
   params.dtype = to_kernel_dtype(distances.scalar_type());
   check_launch(kRadialBasis, cuda::launch_radial_basis(params, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
+at::Tensor radial_basis_backward_cuda(const at::Tensor& grad, const at::Tensor& distances,
+                                      c10::string_view kind, int64_t num, double cutoff,
+                                      c10::string_view cutoff_fn) {
+  check_radial_basis_backward(grad, distances, kind, num, cutoff, cutoff_fn);
+  const c10::cuda::CUDAGuard guard(distances.device());
+  const at::Tensor grad_in = grad.contiguous();
+  const at::Tensor distances_in = distances.contiguous();
+  at::Tensor out = at::empty(distances.sizes(), distances.options());
+  cuda::RadialBasisBackwardParams params{};
+  params.grad = grad_in.const_data_ptr();
+  params.distances = distances_in.const_data_ptr();
+  params.grad_distances = out.mutable_data_ptr();
+  params.count = distances_in.numel();
+  params.num = num;
+  params.cutoff = static_cast<float>(cutoff);
+  params.kind = to_kind(kind);
+  params.cutoff_fn = to_cutoff_fn(cutoff_fn);
+  params.dtype = to_kernel_dtype(distances.scalar_type());
+  check_launch(kRadialBasisBackward,
+               cuda::launch_radial_basis_backward(params, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mirage, CUDA, m) { m.impl("radial_basis", &radial_basis_cuda); }
+TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
+  m.impl("radial_basis", &radial_basis_cuda);
+  m.impl("radial_basis_backward", &radial_basis_backward_cuda);
+}
 
 }  // namespace mirage::ops

@@ -170,6 +170,9 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
 
     Returns:
         ``(*, num)``. Differentiable in ``distances`` to any order; NaN distances give NaN rows.
+        The first-order backward is a fused kernel of its own
+        (``torch.ops.mirage.radial_basis_backward(grad, distances, kind, num, cutoff,
+        cutoff_fn)``, forces' hot path); higher orders recompute with PyTorch ops.
     """
     return torch.ops.mirage.radial_basis(distances, kind, num, cutoff, cutoff_fn)
 

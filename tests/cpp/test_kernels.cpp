@@ -255,6 +255,32 @@ double radial_basis_reference(mc::RadialBasisKind kind, mc::CutoffFn fn, int64_t
   return basis * env;
 }
 
+// d/dd of radial_basis_reference, from the analytic derivatives of basis and envelope.
+double radial_basis_derivative_reference(mc::RadialBasisKind kind, mc::CutoffFn fn, int64_t num,
+                                         int64_t k, double d, double c) {
+  double basis, slope;
+  if (kind == mc::RadialBasisKind::kGaussian) {
+    const double spacing = num > 1 ? c / (num - 1) : c;
+    const double z = (d - k * spacing) / spacing;
+    basis = std::exp(-0.5 * z * z);
+    slope = -z / spacing * basis;
+  } else {
+    const double n = (k + 1) * M_PI / c;
+    basis = std::sqrt(2 / c) * (d == 0 ? n : std::sin(n * d) / d);
+    slope = d == 0 ? 0.0 : std::sqrt(2 / c) * (n * std::cos(n * d) / d - std::sin(n * d) / (d * d));
+  }
+  if (fn == mc::CutoffFn::kNone) return slope;
+  if (d >= c) return 0.0;
+  const double x = d / c;
+  const double env = fn == mc::CutoffFn::kCosine
+                         ? 0.5 * (std::cos(M_PI * x) + 1)
+                         : 1 - 28 * std::pow(x, 6) + 48 * std::pow(x, 7) - 21 * std::pow(x, 8);
+  const double env_slope = fn == mc::CutoffFn::kCosine
+                               ? -0.5 * M_PI / c * std::sin(M_PI * x)
+                               : (-168 * std::pow(x, 5) + 336 * std::pow(x, 6) - 168 * std::pow(x, 7)) / c;
+  return slope * env + basis * env_slope;
+}
+
 // (i, j, S) -> distance.
 using PairMap = std::map<std::tuple<int64_t, int64_t, int, int, int>, double>;
 
@@ -454,6 +480,57 @@ TEST_CASE("launch_radial_basis matches the host reference", "[radial_basis]") {
         REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
         require_close(dout.read(), want, 2e-5, 2e-5);
       }
+}
+
+// Sums with cancellation: the error is compared relative to 1 + sum_k |grad_k * derivative_k|.
+template <typename T>
+void check_radial_basis_backward(mc::RadialBasisKind kind, mc::CutoffFn fn, int64_t num, double tol) {
+  const float cutoff = 5.0f;
+  const int64_t count = 1001;
+  std::vector<float> d = random_values(count, 3.0f, 2.5f);
+  for (auto& v : d) v = std::fmod(std::abs(v), 1.2f * cutoff);  // neighbor_list's range, and beyond
+  d[0] = 0.0f;
+  d[1] = cutoff;
+  d[2] = 1e-3f;
+  std::vector<float> grad = random_values(count * num, 0.3f, 1.7f);
+  Device<T> dd(d), dgrad(grad), dout(count);  // d and grad now hold the values rounded to T
+  mc::RadialBasisBackwardParams params{dgrad.ptr, dd.ptr, dout.ptr, count, num, cutoff, kind, fn,
+                                       dtype_of<T>()};
+  REQUIRE(mc::launch_radial_basis_backward(params, nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::vector<float> got = dout.read();
+  std::vector<float> got_scaled(count);
+  std::vector<double> want_scaled(count);
+  for (int64_t p = 0; p < count; ++p) {
+    double want = 0, magnitude = 0;
+    for (int64_t k = 0; k < num; ++k) {
+      const double term =
+          grad[p * num + k] * radial_basis_derivative_reference(kind, fn, num, k, d[p], cutoff);
+      want += term;
+      magnitude += std::abs(term);
+    }
+    got_scaled[p] = static_cast<float>(got[p] / (1 + magnitude));
+    want_scaled[p] = want / (1 + magnitude);
+  }
+  require_close(got_scaled, want_scaled, tol, tol);
+}
+
+TEST_CASE("launch_radial_basis_backward matches the host reference", "[radial_basis]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  for (const auto kind : {mc::RadialBasisKind::kGaussian, mc::RadialBasisKind::kBessel})
+    for (const auto fn : {mc::CutoffFn::kNone, mc::CutoffFn::kCosine, mc::CutoffFn::kPolynomial})
+      for (const int64_t num : {1, 5, 20, 50}) {  // groups of 4, 8 and 32 lanes, 50 in two passes
+        INFO("kind=" << int(kind) << " cutoff_fn=" << int(fn) << " num=" << num);
+        check_radial_basis_backward<float>(kind, fn, num, 2e-5);
+        check_radial_basis_backward<__half>(kind, fn, num, 2e-3);
+      }
+}
+
+TEST_CASE("launch_radial_basis_backward of nothing launches nothing", "[radial_basis]") {
+  mc::RadialBasisBackwardParams params{nullptr, nullptr, nullptr, 0, 20, 5.0f,
+                                       mc::RadialBasisKind::kBessel, mc::CutoffFn::kCosine,
+                                       mc::DType::kFloat32};
+  REQUIRE(mc::launch_radial_basis_backward(params, nullptr) == cudaSuccess);
 }
 
 TEST_CASE("launch_neighbor_list matches brute force", "[neighbor_list]") {
