@@ -592,7 +592,8 @@ def test_graph_memory_flat_over_many_replays():
         atoms.positions += 0.001
         calc.calculate(atoms, ["forces"])
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == allocated
+    # No growth over 200 replays (the H200 run saw 6.6 kB less: a buffer of the first call freed).
+    assert torch.cuda.memory_allocated() <= allocated
     assert calc.graph_stats().misses == 1
 
 
