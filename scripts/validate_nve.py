@@ -1,0 +1,439 @@
+"""NVE validation of benzene molecular dynamics with mirage's force-field stack (issue 4).
+
+The model is the reference SchNet of examples/forcefield/models.py trained to an analytic benzene
+force field (examples/forcefield/teacher.py, train_student.py), so the dynamics is that of a real,
+bound molecule. It is wrapped with mirage.ff.optimize and mirage.ff.Calculator (CUDA when there is
+a GPU) and integrated in the microcanonical ensemble (velocity Verlet, no thermostat) from a
+Maxwell-Boltzmann start at 300 K. A conservative force field integrated correctly keeps the total
+energy constant up to a bounded oscillation; a systematic drift means wrong forces (forces that
+are not the gradient of the energy, discontinuities, precision loss) or a too long time step.
+
+Definitions (all energies in eV, times in ps; t_0 and t_end the first and last recorded times):
+- drift = slope of the least-squares line through E_total(t), times (t_end - t_0): the change in
+  total energy over the run that the trend accounts for, insensitive to the oscillation;
+- drift relative to the mean kinetic energy, |drift| / <E_kin>: the pass criterion
+  (drift < --max-drift, default 0.1%). The kinetic energy is the energy scale of the motion and
+  does not depend on where the potential has its zero;
+- drift relative to the total energy, |drift| / |<E_total>|: reported, not used as the criterion:
+  adding a constant to the potential (a per-atom reference energy) changes it at will without
+  changing the dynamics. Here the potential is 0 at the equilibrium (the teacher's zero), so
+  <E_total> is about twice <E_kin> and this number is about half the kinetic one;
+- fluctuation = RMS of E_total(t) about that line, and its ratio to <E_kin>;
+- temperature = 2 E_kin / ((3N - 6) k_B): the 3N - 6 = 30 vibrational degrees of freedom of a
+  molecule with zero total momentum and angular momentum (ASE's get_temperature divides by 3N).
+The run also fails if the molecule breaks (a bond stretched by more than 50%) or an energy is not
+finite.
+
+Backends: "ase" (ASE's VelocityVerlet driving mirage.ff.Calculator: the issue's case) and
+"mirage-md" (mirage.ff.md.VelocityVerlet: the GPU-resident integrator, K steps per graph replay).
+
+    python scripts/validate_nve.py [--time-ps 100] [--out nve_validation] [--backend ase|mirage-md]
+                                   [--no-optimize] [--device cuda|cpu] [--precision fp32|tf32|bf16-mixed]
+
+Writes nve_summary.json, nve_series.csv and nve_energy.png (needs matplotlib) to --out; exits 1
+when the drift criterion fails or the run breaks down, 0 when it passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+from forcefield import train_student  # noqa: E402
+from forcefield.benzene import benzene  # noqa: E402
+from forcefield.teacher import BenzeneTeacher  # noqa: E402
+
+BOLTZMANN_EV_PER_K = train_student.BOLTZMANN_EV_PER_K
+MAX_BOND_STRAIN = 0.5  # a bond stretched by more than this fraction: the molecule broke
+
+
+def message(text):
+    print(f"validate_nve: {text}", file=sys.stderr, flush=True)
+
+
+class RunAborted(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------- analysis
+def drift_statistics(times_ps, total, kinetic):
+    """Drift and fluctuation of the total energy (see the module docstring for the definitions).
+
+    Args:
+        times_ps: [S] sample times (ps), increasing.
+        total: [S] total energy (eV).
+        kinetic: [S] kinetic energy (eV), positive on average.
+    Returns a dict of floats.
+    """
+    t = np.asarray(times_ps, dtype=np.float64)
+    e = np.asarray(total, dtype=np.float64)
+    k = np.asarray(kinetic, dtype=np.float64)
+    if t.ndim != 1 or t.shape != e.shape or t.shape != k.shape:
+        raise ValueError(f"drift_statistics: times, total and kinetic must be 1-D of one length "
+                         f"(got {t.shape}, {e.shape}, {k.shape})")
+    if t.shape[0] < 3 or not t[-1] > t[0]:
+        raise ValueError(f"drift_statistics: need at least 3 samples over a positive time span (got {t.shape[0]})")
+    if not (np.isfinite(t).all() and np.isfinite(e).all() and np.isfinite(k).all()):
+        raise ValueError("drift_statistics: non-finite values in the series")
+    mean_kinetic = float(k.mean())
+    if not mean_kinetic > 0:
+        raise ValueError(f"drift_statistics: mean kinetic energy must be positive (got {mean_kinetic})")
+    slope, intercept = np.polyfit(t - t[0], e, 1)
+    duration = float(t[-1] - t[0])
+    drift = float(slope) * duration
+    residual = e - (slope * (t - t[0]) + intercept)
+    fluctuation = float(np.sqrt(np.mean(residual**2)))
+    mean_total = float(e.mean())
+    return {
+        "duration_ps": duration,
+        "drift_rate_eV_per_ps": float(slope),
+        "drift_eV": drift,
+        "drift_relative_kinetic": abs(drift) / mean_kinetic,
+        "drift_relative_total": abs(drift) / abs(mean_total) if mean_total != 0 else math.inf,
+        "fluctuation_rms_eV": fluctuation,
+        "fluctuation_relative_kinetic": fluctuation / mean_kinetic,
+        "max_deviation_eV": float(np.max(np.abs(e - e[0]))),
+        "mean_total_eV": mean_total,
+        "mean_kinetic_eV": mean_kinetic,
+    }
+
+
+def temperature_K(kinetic_eV, dof):
+    return 2.0 * np.asarray(kinetic_eV, dtype=np.float64) / (dof * BOLTZMANN_EV_PER_K)
+
+
+# ---------------------------------------------------------------------------------------- setup
+def load_model(weights, train_steps):
+    """The trained student SchNet and its metadata; trains it first if ``weights`` is missing."""
+    weights = Path(weights)
+    if not weights.exists():
+        message(f"{weights} not found: training the student SchNet on the analytic benzene teacher first "
+                f"({train_steps} steps; three to six minutes on a CPU for the default)")
+        train_student.train(weights, steps=train_steps, log=message)
+    model, metadata = train_student.load_student(weights)
+    held_out = metadata.get("held_out", {})
+    if "force_rmse_eV_per_A" in held_out:
+        message(f"student {weights.name}: held-out force RMSE {held_out['force_rmse_eV_per_A']:.4f} eV/Å "
+                f"({100 * held_out['force_rmse_relative']:.1f}% of the RMS force)")
+    return model, metadata
+
+
+def initial_atoms(temperature, seed):
+    """Benzene at its equilibrium geometry with Maxwell-Boltzmann momenta at ``temperature``:
+    net momentum and angular momentum removed, then scaled so that the kinetic energy is exactly
+    (3N - 6)/2 k_B T (a reproducible start: the instantaneous temperature is the target)."""
+    import ase
+    from ase.md import velocitydistribution as vd
+
+    z, pos = benzene(torch.float64)
+    atoms = ase.Atoms(numbers=z.numpy(), positions=pos.numpy())
+    rng = np.random.default_rng(seed)
+    if hasattr(vd, "thermalize_momenta"):  # ASE >= 3.29 deprecates MaxwellBoltzmannDistribution
+        vd.thermalize_momenta(atoms, temperature_K=temperature, rng=rng)
+    else:
+        vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature, rng=rng)
+    vd.Stationary(atoms, preserve_temperature=False)
+    vd.ZeroRotation(atoms, preserve_temperature=False)
+    dof = 3 * len(atoms) - 6
+    target = 0.5 * dof * BOLTZMANN_EV_PER_K * temperature
+    atoms.set_momenta(atoms.get_momenta() * math.sqrt(target / atoms.get_kinetic_energy()))
+    return atoms, dof
+
+
+def wrap_model(model, device, optimize):
+    """(model for the calculator, whether mirage.ff.optimize swapped it, the report text)."""
+    import mirage.ff
+
+    model = model.to(device)
+    if not optimize:
+        return model, False, "not optimized (--no-optimize)"
+    fused = mirage.ff.optimize(model)
+    report = str(mirage.ff.report(fused))
+    message(f"mirage.ff.optimize:\n{report}")
+    swapped = fused is not model
+    if not swapped:
+        message("mirage.ff.optimize left the model alone (see the report): running the plain model")
+    return fused, swapped, report
+
+
+# ------------------------------------------------------------------------------------ recording
+class Recorder:
+    """Samples energies, temperature and bond lengths; progress lines every few seconds; aborts
+    the run when an energy is not finite or the molecule breaks."""
+
+    def __init__(self, total_steps, timestep_fs, dof, bonds, r0, progress_seconds):
+        self.total_steps, self.timestep_fs, self.dof = total_steps, timestep_fs, dof
+        self.bonds, self.r0 = bonds, r0
+        self.progress_seconds = progress_seconds
+        self.rows = []  # (step, time_ps, potential, kinetic, total)
+        self.max_bond_strain = 0.0
+        self.started = time.monotonic()
+        self.last_progress = self.started
+
+    def record(self, step, positions, potential, kinetic):
+        potential, kinetic = float(potential), float(kinetic)
+        self.rows.append((step, step * self.timestep_fs * 1e-3, potential, kinetic, potential + kinetic))
+        lengths = np.linalg.norm(positions[self.bonds[:, 1]] - positions[self.bonds[:, 0]], axis=1)
+        strain = float(np.max(np.abs(lengths / self.r0 - 1.0)))
+        self.max_bond_strain = max(self.max_bond_strain, strain)
+        if not (math.isfinite(potential) and math.isfinite(kinetic)):
+            raise RunAborted(f"non-finite energy at step {step} (potential {potential}, kinetic {kinetic})")
+        if strain > MAX_BOND_STRAIN:
+            raise RunAborted(f"the molecule broke at step {step}: a bond stretched by {100 * strain:.0f}%")
+        now = time.monotonic()
+        if now - self.last_progress >= self.progress_seconds:
+            self.last_progress = now
+            rate = step / (now - self.started) if now > self.started else 0.0
+            e0 = self.rows[0][4]
+            temp = float(temperature_K(kinetic, self.dof))
+            message(f"{step * self.timestep_fs * 1e-3:.2f}/{self.total_steps * self.timestep_fs * 1e-3:g} ps "
+                    f"({step}/{self.total_steps} steps, {rate:.0f} steps/s): E_total - E_0 "
+                    f"{1e3 * (potential + kinetic - e0):+.3f} meV, T {temp:.0f} K")
+
+    def series(self):
+        return np.asarray(self.rows, dtype=np.float64).reshape(-1, 5)
+
+
+def run_ase(model, atoms, args, device, cuda_graph, recorder):
+    """ASE's VelocityVerlet driving mirage.ff.Calculator. Returns (seconds of the first evaluation,
+    seconds of the dynamics)."""
+    import ase.units
+    from ase.md.verlet import VelocityVerlet
+
+    import mirage.ff
+
+    atoms.calc = mirage.ff.Calculator(model, device=device, precision=args.precision, cuda_graph=cuda_graph)
+    start = time.monotonic()
+    atoms.get_forces()  # first evaluation: graph capture, capacity choice
+    atoms.get_potential_energy()
+    first = time.monotonic() - start
+    dyn = VelocityVerlet(atoms, timestep=args.timestep_fs * ase.units.fs)
+
+    def observe():
+        recorder.record(dyn.nsteps, atoms.positions, atoms.get_potential_energy(), atoms.get_kinetic_energy())
+
+    dyn.attach(observe, interval=args.record_every)
+    start = recorder.started = recorder.last_progress = time.monotonic()
+    dyn.run(recorder.total_steps)
+    return first, time.monotonic() - start
+
+
+def run_mirage_md(model, atoms, args, device, cuda_graph, recorder):
+    """mirage.ff.md.VelocityVerlet (no thermostat: NVE), K steps per graph replay, read back every
+    --record-every steps. Returns (seconds of setup and the first evaluation, seconds of the
+    dynamics; the latter includes the captures of the first replays)."""
+    import ase.units
+
+    try:
+        from mirage.ff import md
+    except ImportError as exc:
+        raise SystemExit(f"validate_nve: --backend mirage-md needs mirage.ff.md, which is not available ({exc})")
+    k = args.steps_per_replay
+    if args.record_every % k:
+        raise SystemExit(f"validate_nve: --record-every ({args.record_every}) must be a multiple of "
+                         f"--steps-per-replay ({k})")
+    start = time.monotonic()
+    dyn = md.VelocityVerlet(model, atoms, args.timestep_fs * ase.units.fs, steps_per_replay=k,
+                            precision=args.precision, device=device, cuda_graph=cuda_graph, progress_every=None)
+    (first_record,) = dyn.run(0, write_every=args.record_every)
+    recorder.record(0, dyn.atoms.positions, first_record["potential"], first_record["kinetic"])
+    first = time.monotonic() - start
+    start = recorder.started = recorder.last_progress = time.monotonic()
+    while dyn.step < recorder.total_steps:
+        record = dyn.run(min(args.record_every, recorder.total_steps - dyn.step), write_every=args.record_every)[-1]
+        recorder.record(record["step"], dyn.atoms.positions, record["potential"], record["kinetic"])
+    return first, time.monotonic() - start
+
+
+# ----------------------------------------------------------------------------------------- output
+def write_csv(path, series, dof):
+    temps = temperature_K(series[:, 3], dof)
+    with open(path, "w") as f:
+        f.write("step,time_ps,potential_eV,kinetic_eV,total_eV,temperature_K\n")
+        for row, temp in zip(series, temps):
+            f.write(f"{int(row[0])},{row[1]:.6f},{row[2]:.10f},{row[3]:.10f},{row[4]:.10f},{temp:.4f}\n")
+
+
+def plot(path, series, stats, dof, title):
+    """Energies, total-energy deviation with its linear fit, and temperature against time.
+    Returns False (with a message) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        message("matplotlib is not installed: no plot (pip install matplotlib; the JSON and CSV are written)")
+        return False
+    t, pot, kin, tot = series[:, 1], series[:, 2], series[:, 3], series[:, 4]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True, constrained_layout=True)
+    axes[0].plot(t, pot, lw=0.6, label="potential")
+    axes[0].plot(t, kin, lw=0.6, label="kinetic")
+    axes[0].plot(t, tot, lw=1.0, label="total")
+    axes[0].set_ylabel("energy (eV)")
+    axes[0].legend(loc="upper right")
+    dev = 1e3 * (tot - tot[0])
+    fit = 1e3 * stats["drift_rate_eV_per_ps"] * (t - t[0])
+    fit += dev.mean() - fit.mean()
+    axes[1].plot(t, dev, lw=0.6, label="E_total - E_total(0)")
+    axes[1].plot(t, fit, lw=1.2, color="k",
+                 label=f"linear fit: drift {100 * stats['drift_relative_kinetic']:.4f}% of <E_kin>")
+    axes[1].set_ylabel("total energy (meV)")
+    axes[1].legend(loc="upper right")
+    axes[2].plot(t, temperature_K(kin, dof), lw=0.6)
+    axes[2].set_ylabel(f"temperature (K, {dof} dof)")
+    axes[2].set_xlabel("time (ps)")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- main
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--time-ps", type=float, default=100.0, help="simulated time (default 100 ps)")
+    parser.add_argument("--timestep-fs", type=float, default=0.5)
+    parser.add_argument("--temperature", type=float, default=300.0, help="initial temperature (K)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial velocities")
+    parser.add_argument("--record-every", type=int, default=None,
+                        help="record energies every N steps (default 10 with ase, 100 with mirage-md)")
+    parser.add_argument("--backend", choices=("ase", "mirage-md"), default="ase")
+    parser.add_argument("--steps-per-replay", type=int, default=50, help="mirage-md: steps per graph replay")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16-mixed"))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads when --device is cpu (default 1: a 12-atom molecule gains "
+                             "nothing from more, and loses much on a busy machine)")
+    parser.add_argument("--no-optimize", action="store_true", help="use the plain model (no mirage.ff.optimize)")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="evaluate eagerly on CUDA")
+    parser.add_argument("--weights", type=Path, default=train_student.DEFAULT_PATH)
+    parser.add_argument("--train-steps", type=int, default=train_student.DEFAULT_STEPS,
+                        help="training steps if --weights is missing")
+    parser.add_argument("--max-drift", type=float, default=1e-3,
+                        help="pass when |drift| / <E_kin> is below this (default 0.001 = 0.1%%)")
+    parser.add_argument("--progress-seconds", type=float, default=5.0)
+    parser.add_argument("--out", type=Path, default=Path("nve_validation"))
+    args = parser.parse_args(argv)
+    if args.record_every is None:
+        args.record_every = 10 if args.backend == "ase" else 100
+    for name in ("time_ps", "timestep_fs", "temperature", "max_drift", "progress_seconds"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    for name in ("record_every", "steps_per_replay", "train_steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("validate_nve: --device cuda but no CUDA device is available")
+    steps = int(round(args.time_ps * 1e3 / args.timestep_fs))
+    if steps % args.record_every:  # the series ends on the last step
+        steps += args.record_every - steps % args.record_every
+        message(f"running {steps} steps: a multiple of --record-every {args.record_every}")
+    if steps < 2 * args.record_every:
+        raise SystemExit(f"validate_nve: {args.time_ps} ps at {args.timestep_fs} fs is {steps} steps: "
+                         f"too few to record a series every {args.record_every} steps")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+
+    model, metadata = load_model(args.weights, args.train_steps)
+    fused, optimized, report = wrap_model(model, device, not args.no_optimize)
+    # A CUDA graph needs the fused model: the reference model's radius graph (nonzero) syncs.
+    cuda_graph = device.type == "cuda" and optimized and not args.no_cuda_graph
+    atoms, dof = initial_atoms(args.temperature, args.seed)
+    teacher = BenzeneTeacher()
+    recorder = Recorder(steps, args.timestep_fs, dof, teacher.bonds.numpy(), teacher.r0.numpy(),
+                        args.progress_seconds)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    message(f"{args.time_ps:g} ps NVE of benzene at {args.timestep_fs:g} fs ({steps} steps) from "
+            f"{args.temperature:g} K, backend {args.backend}, {device_name}, precision {args.precision}, "
+            f"{'mirage.ff.optimize' if optimized else 'plain model'}, cuda_graph={cuda_graph}")
+
+    run = run_ase if args.backend == "ase" else run_mirage_md
+    aborted = None
+    first_s = dynamics_s = float("nan")
+    try:
+        first_s, dynamics_s = run(fused, atoms, args, device, cuda_graph, recorder)
+    except RunAborted as exc:
+        aborted = str(exc)
+        message(f"run aborted: {aborted}")
+    series = recorder.series()
+    steps_done = int(series[-1, 0]) if len(series) else 0
+
+    stats = None
+    if aborted is None:
+        stats = drift_statistics(series[:, 1], series[:, 4], series[:, 3])
+    temps = temperature_K(series[:, 3], dof) if len(series) else np.zeros(0)
+    passed = bool(aborted is None and stats["drift_relative_kinetic"] < args.max_drift)
+    summary = {
+        "what": "NVE validation of benzene MD (scripts/validate_nve.py)",
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python scripts/validate_nve.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": device_name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "backend": args.backend,
+        "precision": args.precision,
+        "optimized": optimized,
+        "optimize_report": report,
+        "cuda_graph": cuda_graph,
+        "model": {"weights": str(args.weights), "metadata": metadata},
+        "md": {"timestep_fs": args.timestep_fs, "steps": steps, "steps_done": steps_done,
+               "time_ps": args.time_ps, "initial_temperature_K": args.temperature, "seed": args.seed,
+               "record_every": args.record_every, "degrees_of_freedom": dof,
+               "steps_per_replay": args.steps_per_replay if args.backend == "mirage-md" else None},
+        "results": {
+            **(stats or {}),
+            "mean_temperature_K": float(temps.mean()) if len(temps) else None,
+            "std_temperature_K": float(temps.std()) if len(temps) else None,
+            "max_bond_strain": recorder.max_bond_strain,
+            "first_evaluation_s": first_s,
+            "dynamics_s": dynamics_s,
+            "steps_per_s": steps / dynamics_s if aborted is None else None,
+        },
+        "criterion": {"quantity": "drift_relative_kinetic = |drift| / <E_kin>", "threshold": args.max_drift,
+                      "passed": passed, "aborted": aborted},
+        "files": {"series": "nve_series.csv", "plot": None},
+    }
+    write_csv(args.out / "nve_series.csv", series, dof)
+    if len(series) >= 3 and stats is not None:
+        title = (f"benzene NVE, {args.time_ps:g} ps at {args.timestep_fs:g} fs, {args.backend}, {device_name}, "
+                 f"{'mirage.ff.optimize' if optimized else 'plain model'}")
+        if plot(args.out / "nve_energy.png", series, stats, dof, title):
+            summary["files"]["plot"] = "nve_energy.png"
+    with open(args.out / "nve_summary.json", "w") as f:
+        json.dump(summary, f, indent=2, default=float)
+
+    if stats is not None:
+        r = summary["results"]
+        message(f"drift {1e3 * stats['drift_eV']:+.4f} meV over {stats['duration_ps']:g} ps = "
+                f"{100 * stats['drift_relative_kinetic']:.4f}% of <E_kin> ({stats['mean_kinetic_eV']:.4f} eV), "
+                f"{100 * stats['drift_relative_total']:.4f}% of |<E_total>| ({abs(stats['mean_total_eV']):.4f} eV); "
+                f"fluctuation RMS {1e3 * stats['fluctuation_rms_eV']:.4f} meV; "
+                f"<T> {r['mean_temperature_K']:.1f} K; {r['steps_per_s']:.0f} steps/s")
+    verdict = (f"FAIL: {aborted}" if aborted else
+               f"{'PASS' if passed else 'FAIL'}: |drift| / <E_kin> = {100 * stats['drift_relative_kinetic']:.4f}% "
+               f"({'<' if passed else '>='} {100 * args.max_drift:g}%)")
+    message(f"{verdict}; results in {args.out}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

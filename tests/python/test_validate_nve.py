@@ -1,0 +1,394 @@
+"""The NVE validation of benzene MD (issue 4): the analytic teacher force field, the student's
+training pieces, the drift statistics and scripts/validate_nve.py end to end (CPU, short runs)."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+
+from forcefield import train_student  # noqa: E402
+from forcefield.benzene import benzene  # noqa: E402
+from forcefield.models import SchNet  # noqa: E402
+from forcefield.teacher import BenzeneTeacher, energy_and_forces, harmonic_wavenumbers, hessian  # noqa: E402
+
+pytest.importorskip("ase")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("validate_nve", REPO / "scripts" / "validate_nve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+validate_nve = load_script()
+STUDENT = train_student.DEFAULT_PATH
+KT_300 = train_student.BOLTZMANN_EV_PER_K * 300.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Molecules of 12 atoms: torch's intra-op threads only add overhead (10x on a busy 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return BenzeneTeacher()
+
+
+def distorted(teacher, scale=0.05):
+    return teacher.equilibrium + scale * torch.randn(12, 3, dtype=torch.float64)
+
+
+def random_rotation():
+    q, r = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))
+    if torch.det(q) < 0:
+        q[:, 0] = -q[:, 0]
+    return q
+
+
+# ------------------------------------------------------------------------------------- teacher
+def test_teacher_forces_match_finite_differences(teacher):
+    pos = distorted(teacher)
+    _, forces = energy_and_forces(teacher, pos)
+    h = 1e-6
+    reference = torch.zeros_like(pos)
+    for a in range(12):
+        for k in range(3):
+            plus, minus = pos.clone(), pos.clone()
+            plus[a, k] += h
+            minus[a, k] -= h
+            e_plus, e_minus = teacher(teacher.atomic_numbers, plus), teacher(teacher.atomic_numbers, minus)
+            reference[a, k] = -(e_plus - e_minus) / (2 * h)
+    assert forces.abs().max() > 0.1  # a distortion of 0.05 Å gives forces of order eV/Å
+    torch.testing.assert_close(forces, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_teacher_equilibrium_is_a_minimum(teacher):
+    energy, forces = energy_and_forces(teacher, teacher.equilibrium)
+    assert abs(float(energy)) < 1e-12 and float(forces.abs().max()) < 1e-10
+    eigenvalues = torch.linalg.eigvalsh(hessian(teacher))
+    # six rigid-body zero modes, thirty vibrations of positive curvature
+    assert eigenvalues[:6].abs().max() < 1e-8
+    assert eigenvalues[6] > 0.1
+    h = hessian(teacher)
+    for _ in range(10):
+        direction = torch.randn(12, 3, dtype=torch.float64)
+        direction /= direction.norm()
+        step = 1e-3
+        rise = float(teacher(teacher.atomic_numbers, teacher.equilibrium + step * direction))
+        quadratic = 0.5 * step**2 * float(direction.reshape(-1) @ h @ direction.reshape(-1))
+        assert rise > 0
+        assert rise == pytest.approx(quadratic, rel=1e-2)
+
+
+def test_teacher_spectrum_is_benzene_like(teacher):
+    masses = train_student.masses_of(teacher.atomic_numbers)
+    wavenumbers = harmonic_wavenumbers(teacher, masses)
+    assert wavenumbers.shape == (30,)
+    assert 200 < float(wavenumbers.min()) < 500  # ring torsion (real benzene: 398 cm^-1)
+    assert 2900 < float(wavenumbers.max()) < 3300  # C-H stretches (real: ~3060 cm^-1)
+
+
+def test_teacher_is_invariant_and_terms_are_nonnegative(teacher):
+    pos = distorted(teacher, 0.1)
+    energy, forces = energy_and_forces(teacher, pos)
+    rot = random_rotation()
+    moved = pos @ rot.T + torch.tensor([0.7, -1.2, 3.1], dtype=torch.float64)
+    e2, f2 = energy_and_forces(teacher, moved)
+    torch.testing.assert_close(e2, energy, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(f2, forces @ rot.T, rtol=1e-8, atol=1e-10)
+    assert float(forces.sum(0).abs().max()) < 1e-10  # no net force on an isolated molecule
+    terms = teacher.terms(pos)
+    assert all(float(v) >= 0 for v in terms.values())
+    assert all(float(v) > 0 for k, v in terms.items() if k != "wall")
+
+
+def test_teacher_wall_repels_close_atoms(teacher):
+    assert float(teacher.terms(teacher.equilibrium)["wall"]) == 0.0
+    pos = teacher.equilibrium.clone()
+    pos[6] += 0.35 * (pos[7] - pos[6])  # push hydrogen 6 towards hydrogen 7 (1-4 pair, 2.48 Å apart)
+    assert float(teacher.terms(pos)["wall"]) > 0
+
+
+def test_teacher_batches(teacher):
+    pos = torch.stack([distorted(teacher) for _ in range(4)])
+    batched, forces = energy_and_forces(teacher, pos)
+    assert batched.shape == (4,) and forces.shape == (4, 12, 3)
+    for b in range(4):
+        torch.testing.assert_close(batched[b], teacher(teacher.atomic_numbers, pos[b]), rtol=1e-12, atol=1e-12)
+
+
+def test_teacher_refuses_other_inputs(teacher):
+    z, pos = benzene()
+    with pytest.raises(ValueError, match="BenzeneTeacher: expects benzene"):
+        teacher(z[:6], pos[:6])
+    with pytest.raises(ValueError, match="BenzeneTeacher: expects benzene"):
+        teacher(torch.flip(z, [0]), pos)
+    with pytest.raises(ValueError, match="BenzeneTeacher: an isolated molecule"):
+        teacher(z, pos, torch.eye(3) * 10, torch.tensor([True] * 3))
+
+
+# ------------------------------------------------------------------------------------- student
+def test_samples_follow_equipartition(teacher):
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    pos, temps = train_student.sample_configurations(teacher, 2000, gen, t_min=300.0, t_max=300.0)
+    assert pos.shape == (2000, 12, 3) and torch.all(temps == 300.0)
+    energy, _ = energy_and_forces(teacher, pos)
+    # harmonic: <E_pot> = (30/2) kT; the anharmonic terms raise it by about 3% at 300 K
+    assert 1.0 < float(energy.mean()) / (15 * KT_300) < 1.07
+
+
+def test_batched_energy_matches_the_model_forward(teacher):
+    model = SchNet(hidden=16, num_interactions=2).double()
+    pos = torch.stack([distorted(teacher, 0.08) for _ in range(3)])
+    # stretch one conformation so that the para H-H pair (4.96 Å) crosses the 5 Å cutoff
+    pos[1, 6] = 1.03 * teacher.equilibrium[6]
+    pos[1, 9] = 1.03 * teacher.equilibrium[9]
+    assert float((pos[1, 6] - pos[1, 9]).norm()) > 5.0
+    batched = train_student.batched_energy(model, teacher.atomic_numbers, pos)
+    single = torch.stack([model(teacher.atomic_numbers, p) for p in pos])
+    torch.testing.assert_close(batched, single, rtol=1e-10, atol=1e-10)
+    train_student.check_batched_energy(model, teacher.atomic_numbers, pos)
+
+
+def test_train_writes_a_loadable_student(tmp_path):
+    out = tmp_path / "student.pt"
+    model, metadata = train_student.train(out, hidden=16, num_interactions=1, steps=3, batch=4, n_train=32,
+                                          n_test=8, log=lambda _: None)
+    loaded, saved = train_student.load_student(out)
+    assert saved["held_out"] == metadata["held_out"]
+    assert set(saved["held_out"]) == {"energy_mae_eV", "force_rmse_eV_per_A", "force_mae_eV_per_A",
+                                      "force_rmse_relative"}
+    z, pos = benzene(torch.float32)
+    pos = pos + 0.03 * torch.randn_like(pos)
+    torch.testing.assert_close(loaded(z, pos), model(z, pos), rtol=0, atol=0)
+    torch.save({"not": "a student"}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="load_student: .* is not a student file"):
+        train_student.load_student(tmp_path / "other.pt")
+
+
+@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+def test_stored_student_is_small_and_accurate(teacher):
+    assert STUDENT.stat().st_size < 2_000_000
+    model, metadata = train_student.load_student(STUDENT)
+    stored = metadata["held_out"]
+    # fresh configurations at 300 K, where the validation runs (the stored error is over 50-800 K)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    pos, _ = train_student.sample_configurations(teacher, 100, gen, t_min=300.0, t_max=300.0)
+    energies, forces = energy_and_forces(teacher, pos)
+    errors = train_student.force_errors(model, teacher.atomic_numbers, pos.float(), energies, forces)
+    assert errors["force_rmse_relative"] < 1.5 * stored["force_rmse_relative"] + 0.02
+    assert errors["force_rmse_relative"] < 0.15
+
+
+# ---------------------------------------------------------------------------------- statistics
+def test_drift_statistics_recovers_a_known_slope():
+    t = np.linspace(0.0, 100.0, 20001)  # ps
+    slope, kinetic = 2e-6, 0.2  # eV/ps, eV
+    period = 0.25  # 400 whole periods of a cosine: the oscillation adds nothing to the fitted slope
+    amplitude = 3e-4
+    total = 0.4 + slope * t + amplitude * np.cos(2 * np.pi * t / period)
+    stats = validate_nve.drift_statistics(t, total, np.full_like(t, kinetic))
+    assert stats["duration_ps"] == pytest.approx(100.0)
+    assert stats["drift_rate_eV_per_ps"] == pytest.approx(slope, rel=1e-3)
+    assert stats["drift_eV"] == pytest.approx(slope * 100.0, rel=1e-3)
+    assert stats["drift_relative_kinetic"] == pytest.approx(slope * 100.0 / kinetic, rel=1e-3)
+    assert stats["drift_relative_total"] == pytest.approx(slope * 100.0 / (0.4 + slope * 50.0), rel=1e-3)
+    assert stats["fluctuation_rms_eV"] == pytest.approx(amplitude / math.sqrt(2), rel=1e-3)
+    assert slope * 100.0 <= stats["max_deviation_eV"] <= slope * 100.0 + 2 * amplitude
+    # a negative drift counts the same, relative to a negative total energy too
+    stats = validate_nve.drift_statistics(t, -5.0 - slope * t, np.full_like(t, kinetic))
+    assert stats["drift_eV"] == pytest.approx(-slope * 100.0, rel=1e-6)
+    assert stats["drift_relative_kinetic"] == pytest.approx(slope * 100.0 / kinetic, rel=1e-6)
+    assert stats["drift_relative_total"] == pytest.approx(slope * 100.0 / (5.0 + slope * 50.0), rel=1e-6)
+    assert stats["fluctuation_rms_eV"] < 1e-9
+
+
+def test_drift_statistics_of_noise_is_small():
+    rng = np.random.default_rng()
+    t = np.linspace(0.0, 10.0, 5000)
+    total = 1.0 + 1e-4 * rng.standard_normal(t.shape)
+    stats = validate_nve.drift_statistics(t, total, np.full_like(t, 0.2))
+    # the slope's standard error is sigma / sqrt(sum (t - <t>)^2) = 1e-4 / (10 * sqrt(5000 / 12))
+    assert abs(stats["drift_eV"]) < 5 * 1e-4 / math.sqrt(5000 / 12)
+    assert stats["fluctuation_rms_eV"] == pytest.approx(1e-4, rel=0.1)
+
+
+@pytest.mark.parametrize("args, match", [
+    (([0.0, 1.0], [1.0, 1.0], [1.0, 1.0]), "at least 3 samples"),
+    (([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]), "positive time span"),
+    (([0.0, 1.0, 2.0], [1.0, 1.0], [1.0, 1.0, 1.0]), "one length"),
+    (([0.0, 1.0, 2.0], [1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]), "non-finite"),
+    (([0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]), "kinetic energy must be positive"),
+])
+def test_drift_statistics_bad_input(args, match):
+    with pytest.raises(ValueError, match=f"drift_statistics: .*{match}"):
+        validate_nve.drift_statistics(*args)
+
+
+def test_initial_atoms():
+    atoms, dof = validate_nve.initial_atoms(300.0, seed=3)
+    assert dof == 30 and len(atoms) == 12
+    assert np.abs(atoms.get_momenta().sum(0)).max() < 1e-12
+    assert np.abs(atoms.get_angular_momentum()).max() < 1e-10
+    temperature = validate_nve.temperature_K(atoms.get_kinetic_energy(), dof)
+    assert float(temperature) == pytest.approx(300.0, rel=1e-12)
+    again, _ = validate_nve.initial_atoms(300.0, seed=3)
+    other, _ = validate_nve.initial_atoms(300.0, seed=4)
+    np.testing.assert_array_equal(again.get_momenta(), atoms.get_momenta())
+    assert not np.allclose(other.get_momenta(), atoms.get_momenta())
+    np.testing.assert_allclose(atoms.positions, benzene()[1].numpy())
+
+
+# ---------------------------------------------------------------------------------- the script
+def read_outputs(out):
+    summary = json.loads((out / "nve_summary.json").read_text())
+    series = np.loadtxt(out / "nve_series.csv", delimiter=",", skiprows=1)
+    return summary, series
+
+
+def check_plot(out, summary):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert summary["files"]["plot"] is None
+        return
+    assert summary["files"]["plot"] == "nve_energy.png"
+    assert (out / "nve_energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+def test_script_short_run(tmp_path):
+    out = tmp_path / "nve"
+    code = validate_nve.main(["--time-ps", "0.2", "--device", "cpu", "--no-optimize", "--record-every", "5",
+                              "--out", str(out)])
+    summary, series = read_outputs(out)
+    r = summary["results"]
+    assert summary["criterion"]["aborted"] is None
+    assert code == (0 if summary["criterion"]["passed"] else 1)
+    assert summary["criterion"]["passed"] == (r["drift_relative_kinetic"] < 1e-3)
+    assert summary["md"]["steps"] == 400 and series.shape == (81, 6)
+    assert series[0, 0] == 0 and series[-1, 0] == 400 and series[-1, 1] == pytest.approx(0.2)
+    # the statistics are those of the series written
+    stats = validate_nve.drift_statistics(series[:, 1], series[:, 4], series[:, 3])
+    assert r["drift_eV"] == pytest.approx(stats["drift_eV"], rel=1e-6, abs=1e-9)
+    np.testing.assert_allclose(series[:, 4], series[:, 2] + series[:, 3], rtol=1e-9)
+    # a bound molecule whose total energy holds: over 0.2 ps the estimate is dominated by the
+    # integrator's bounded oscillation, so the bound is the original project's 1%, not 0.1%
+    assert r["drift_relative_kinetic"] < 1e-2 and r["fluctuation_relative_kinetic"] < 1e-2
+    assert series[0, 5] == pytest.approx(300.0, rel=1e-6)  # the start: all energy kinetic, at 300 K
+    assert 80.0 < r["mean_temperature_K"] < 250.0  # about half goes into the potential energy
+    assert np.ptp(series[:, 2]) > 0.05  # the molecule vibrates
+    assert r["max_bond_strain"] < 0.1 and r["steps_per_s"] > 0
+    assert summary["model"]["metadata"]["held_out"]["force_rmse_eV_per_A"] > 0
+    check_plot(out, summary)
+
+
+def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path):
+    out, weights = tmp_path / "nve", tmp_path / "student.pt"
+    code = validate_nve.main(["--time-ps", "0.02", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                              "--weights", str(weights), "--train-steps", "2", "--max-drift", "1e-15",
+                              "--out", str(out)])
+    assert weights.exists()
+    summary, series = read_outputs(out)
+    assert code == 1 and not summary["criterion"]["passed"] and summary["criterion"]["aborted"] is None
+    assert summary["results"]["drift_relative_kinetic"] >= 1e-15
+    assert series.shape == (21, 6)
+    check_plot(out, summary)
+
+
+@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+def test_script_aborts_when_the_molecule_breaks(tmp_path):
+    # 10 fs steps: beyond velocity Verlet's stability limit for the C-H stretch (period ~11 fs)
+    out = tmp_path / "nve"
+    code = validate_nve.main(["--time-ps", "1", "--timestep-fs", "10", "--device", "cpu", "--no-optimize",
+                              "--record-every", "1", "--out", str(out)])
+    summary, series = read_outputs(out)
+    assert code == 1 and not summary["criterion"]["passed"]
+    assert "the molecule broke" in summary["criterion"]["aborted"]
+    assert series.shape[0] < 100
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--time-ps", "0"], "--time-ps must be positive"),
+    (["--record-every", "0"], "--record-every must be at least 1"),
+    (["--precision", "fp8"], "invalid choice"),
+])
+def test_script_bad_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        validate_nve.main(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_script_refuses_too_short_a_run(tmp_path):
+    with pytest.raises(SystemExit, match="too few to record"):
+        validate_nve.main(["--time-ps", "0.001", "--device", "cpu", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+def test_script_backends_agree(tmp_path):
+    """ASE's VelocityVerlet with the calculator and mirage.ff.md integrate the same trajectory."""
+    pytest.importorskip("mirage.ff.md")
+    common = ["--time-ps", "0.05", "--device", "cpu", "--no-optimize", "--record-every", "10"]
+    assert validate_nve.main(common + ["--out", str(tmp_path / "ase")]) in (0, 1)
+    assert validate_nve.main(common + ["--backend", "mirage-md", "--steps-per-replay", "5",
+                                       "--out", str(tmp_path / "md")]) in (0, 1)
+    (s_ase, ase_series), (s_md, md_series) = read_outputs(tmp_path / "ase"), read_outputs(tmp_path / "md")
+    assert s_md["backend"] == "mirage-md" and s_md["md"]["steps_per_replay"] == 5
+    assert ase_series.shape == md_series.shape == (11, 6)
+    np.testing.assert_array_equal(ase_series[:, 0], md_series[:, 0])
+    # float32 forces either way; ASE keeps float64 positions, mirage.ff.md the model's dtype
+    np.testing.assert_allclose(md_series[:, 2:5], ase_series[:, 2:5], atol=2e-4)
+    assert np.ptp(ase_series[:, 2]) > 1e-2  # the potential energy moved: the comparison means something
+
+
+@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+def test_script_with_mirage_optimize(tmp_path):
+    """The full stack on the CPU: mirage.ff.optimize's fused SchNet under mirage.ff.Calculator."""
+    pytest.importorskip("mirage.ff.optimize")
+    out = tmp_path / "nve"
+    code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--record-every", "2", "--out", str(out)])
+    summary, series = read_outputs(out)
+    assert summary["optimized"] is True, summary["optimize_report"]
+    assert "message_passing" in summary["optimize_report"]
+    assert code in (0, 1) and summary["criterion"]["aborted"] is None
+    assert series.shape == (11, 6) and np.isfinite(series).all()
+    # the fused model gives the plain model's energies along the same trajectory
+    model, _ = train_student.load_student(STUDENT)
+    z = benzene()[0]
+    _, positions = benzene(torch.float32)
+    with torch.no_grad():
+        assert float(model(z, positions)) == pytest.approx(series[0, 2], abs=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+@pytest.mark.parametrize("backend", ["ase", "mirage-md"])
+def test_script_on_cuda_matches_the_cpu(tmp_path, backend):
+    """The GPU run (fused model, CUDA graphs) follows the CPU run of the plain model."""
+    common = ["--time-ps", "0.05", "--record-every", "10"]
+    assert validate_nve.main(common + ["--device", "cpu", "--no-optimize", "--out", str(tmp_path / "cpu")]) in (0, 1)
+    extra = ["--steps-per-replay", "5"] if backend == "mirage-md" else []
+    code = validate_nve.main(common + ["--device", "cuda", "--backend", backend, *extra,
+                                       "--out", str(tmp_path / "gpu")])
+    (_, cpu_series), (summary, gpu_series) = read_outputs(tmp_path / "cpu"), read_outputs(tmp_path / "gpu")
+    assert code in (0, 1) and summary["criterion"]["aborted"] is None
+    assert summary["optimized"] is True and summary["cuda_graph"] is True, summary["optimize_report"]
+    assert summary["device"] != "cpu" and summary["results"]["steps_per_s"] > 0
+    assert gpu_series.shape == cpu_series.shape == (11, 6)
+    np.testing.assert_allclose(gpu_series[:, 2:5], cpu_series[:, 2:5], atol=5e-4)
+    check_plot(tmp_path / "gpu", summary)
