@@ -78,6 +78,11 @@ def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) ->
             lambda r: [F.linear(F.linear(r, w1[t].T, b[t]), w2[t].T, b[t]) for t in range(layers)], rbf),
         f"shifted softplus fwd+bwd on [{layers}, P, {hidden}]": lambda: grads_of(
             lambda h: F.softplus(h) - math.log(2.0), filters),
+        "pair vectors fwd+bwd, index_select": lambda: grads_of(
+            lambda r: torch.linalg.vector_norm(
+                (lambda e: e[1] - e[0])(r.index_select(0, pairs.view(-1)).view(2, -1, 3)), dim=-1), pos),
+        "pair vectors fwd+bwd, advanced indexing": lambda: grads_of(
+            lambda r: torch.linalg.vector_norm(r[pairs[1]] - r[pairs[0]], dim=-1), pos),
         "message_passing fwd": lambda: mirage.ops.message_passing(x, w, pairs),
         "message_passing fwd+bwd": lambda: grads_of(lambda a, b: mirage.ops.message_passing(a, b, pairs), x, w),
         "index_add composite fwd+bwd": lambda: grads_of(
