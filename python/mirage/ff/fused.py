@@ -473,8 +473,10 @@ class SchNet(_FusedModel):
         filters = _batched_linear(hidden, [block.filter[2] for block in blocks])
         filters = filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)  # [T, P, M]
         x = self.embedding(atomic_numbers)
-        for t, block in enumerate(blocks):
-            messages = ops.message_passing(F.linear(x, block.in2f.weight, block.in2f.bias), filters[t], pairs)
+        # unbind, not filters[t]: its backward stacks the T gradients in one pass, where each
+        # select's backward would fill a zero [T, P, M] tensor and the T of them be summed.
+        for t, (block, layer_filter) in enumerate(zip(blocks, filters.unbind(0))):
+            messages = ops.message_passing(F.linear(x, block.in2f.weight, block.in2f.bias), layer_filter, pairs)
             x = x + _mlp(messages, block.f2out, self.update_activations[t])
         return self._readout(x)
 
@@ -612,9 +614,9 @@ class PaiNN(_FusedModel):
         filters = torch.bmm(basis.expand(count, -1, -1), _stack([_with_bias_column(m.filter) for m in messages]))
         s = self.embedding(atomic_numbers)
         v = s.new_zeros(s.shape[0], 3, hidden)
-        for t, (message, update) in enumerate(zip(messages, updates)):
+        for t, (message, update, layer_filter) in enumerate(zip(messages, updates, filters.unbind(0))):
             x = _mlp(s, message.phi, self.phi_activations[t])
-            ds, dv = ops.vector_message_passing(x, filters[t], v, directions, pairs)
+            ds, dv = ops.vector_message_passing(x, layer_filter, v, directions, pairs)
             s, v = s + ds, v + dv
             # Two GEMMs rather than one on [U; V]: slicing that one's output would cost two
             # zero-fills and copies in the backward, more than the GEMM saved.
