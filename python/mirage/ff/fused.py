@@ -468,9 +468,21 @@ class SchNet(_FusedModel):
         rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
         count = len(self.interactions)
         blocks = list(self.interactions)
-        hidden = _batched_linear(rbf.expand(count, -1, -1), [block.filter[0] for block in blocks])
-        hidden = ACTIVATIONS[self.filter_activation](hidden)
-        filters = _batched_linear(hidden, [block.filter[2] for block in blocks])
+        first, second = [block.filter[0] for block in blocks], [block.filter[2] for block in blocks]
+        # The first bias rides in the GEMM as a column of ones beside the [P, R] basis (baddbmm
+        # would first copy it over the whole [T, P, H] output).
+        basis = torch.cat([rbf, rbf.new_ones(rbf.shape[0], 1)], dim=-1) if first[0].bias is not None else rbf
+        hidden = torch.bmm(basis.expand(count, -1, -1), _stack([_with_bias_column(linear) for linear in first]))
+        if self.filter_activation == "shifted_softplus":
+            # (softplus(h) - log 2) W + b = softplus(h) W + (b - log 2 * sum_k W_k): the shift
+            # folds into the second bias instead of a pass over the [T, P, H] hidden layer.
+            weight = _stack([linear.weight for linear in second]).transpose(1, 2)  # [T, H, M]
+            bias = -_LOG2 * weight.sum(dim=1)
+            if second[0].bias is not None:
+                bias = bias + _stack([linear.bias for linear in second])
+            filters = torch.baddbmm(bias.unsqueeze(1), F.softplus(hidden), weight)
+        else:
+            filters = _batched_linear(ACTIVATIONS[self.filter_activation](hidden), second)
         filters = filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)  # [T, P, M]
         x = self.embedding(atomic_numbers)
         # unbind, not filters[t]: its backward stacks the T gradients in one pass, where each
