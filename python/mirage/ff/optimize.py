@@ -56,7 +56,7 @@ RECOGNIZERS: Tuple[Recognizer, ...] = (
 
 _REPLACEMENTS = {
     "neighbor_list": "mirage::neighbor_list",
-    "radial_basis": "mirage::radial_basis (the cosine cutoff multiplied into the filters)",
+    "radial_basis": "mirage::radial_basis (the cosine cutoff multiplied into the filters, for PaiNN into the basis)",
     "batched_filters": "one batched GEMM per layer (every interaction reads the same basis)",
     "message_passing": "mirage::message_passing",
     "vector_message_passing": "mirage::vector_message_passing",
