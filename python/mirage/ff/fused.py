@@ -6,7 +6,8 @@ Gastegger 2021) with mirage's ops, with the same call::
     energy = model(atomic_numbers, positions, cell=None, pbc=None)
 
 - the radius graph is ``mirage::neighbor_list`` (fixed capacity ``max_pairs``, no host sync);
-- the radial basis is ``mirage::radial_basis``; the cosine cutoff is multiplied into the filters (SchNet) or the basis (PaiNN);
+- the radial basis is ``mirage::radial_basis``; the cosine cutoff is multiplied into the filters
+  (SchNet) or the basis (PaiNN);
 - the filter networks' first Linear of every interaction is one batched GEMM (they all read the
   same basis), their second Linear too where they have one;
 - message passing is ``mirage::message_passing`` (SchNet) or ``mirage::vector_message_passing``
