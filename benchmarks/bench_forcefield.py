@@ -753,11 +753,16 @@ def environment(device) -> dict:
         facts["mirage"] = getattr(mirage, "__version__", "?")
     except ImportError as error:
         facts["mirage"] = f"unavailable: {first_line(error)}"
-    try:
-        facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        facts["commit"] = "unknown"
+    # The GPU machine gets a copy of the working tree whose git metadata can be older than the
+    # code (the device tool's copy): the caller names the commit there with MIRAGE_COMMIT.
+    facts["commit"] = os.environ.get("MIRAGE_COMMIT", "")
+    if not facts["commit"]:
+        try:
+            facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                                             timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            facts["commit"] = "unknown"
     return facts
 
 
