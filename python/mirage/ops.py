@@ -4,7 +4,8 @@ Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), 
 float32 (float64 on the CPU reference), returns new tensors, and raises ``RuntimeError`` naming
 the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
-(float64 too on the CPU) and both run in float32 under autocast.
+(float64 too on the CPU) and it and ``radial_basis`` run in float32 under autocast (the message
+passing ops run in the autocast dtype, like a matmul).
 """
 
 from __future__ import annotations
