@@ -78,6 +78,19 @@ def _leaf_key(leaf: Any, name: str, who: str) -> Hashable:
     return ("value", type(leaf), leaf)
 
 
+class _Signature(tuple):
+    """A signature whose hash is computed once: hashing a pytree spec walks the whole tree, and a
+    cache hashes its key on every lookup. Equal to (and hashed like) the plain tuple."""
+
+    def __new__(cls, items: Tuple[Any, ...]) -> "_Signature":
+        key = super().__new__(cls, items)
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.graphs") -> Hashable:
     """The key that decides which graph serves a call.
 
@@ -95,7 +108,7 @@ def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.gr
         ValueError: an argument is neither a tensor nor hashable.
     """
     leaves, names, spec = _flatten(args, kwargs)
-    return (spec, tuple(_leaf_key(leaf, name, who) for leaf, name in zip(leaves, names)))
+    return _Signature((spec, tuple(_leaf_key(leaf, name, who) for leaf, name in zip(leaves, names))))
 
 
 def _describe(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
@@ -235,6 +248,25 @@ class CapturedGraph:
                    for leaf in self._static_outputs]
         return pytree.tree_unflatten(outputs, self._output_spec)
 
+    @property
+    def static_inputs(self) -> Tuple[Tensor, ...]:
+        """The static input buffers, one per tensor argument in call order (see :meth:`replay`)."""
+        return tuple(self._static_inputs)
+
+    def replay(self) -> Any:
+        """Replays on what the static input buffers hold now; returns ``fn``'s outputs as a call does.
+
+        For callers on a hot path that write their inputs straight into :attr:`static_inputs`
+        (``copy_`` with ``non_blocking=True`` from pinned memory, say) and so skip the per-call
+        signature check and input copies of a call.
+        """
+        if self._graph is None:
+            raise RuntimeError("mirage.graphs: this CapturedGraph was reset (evicted) and cannot replay; capture again")
+        self._graph.replay()
+        outputs = [leaf.clone() if self.copy_outputs and isinstance(leaf, Tensor) else leaf
+                   for leaf in self._static_outputs]
+        return pytree.tree_unflatten(outputs, self._output_spec)
+
     def reset(self) -> None:
         """Releases the graph and its static buffers (their memory returns to the allocator)."""
         if self._graph is not None:
@@ -305,6 +337,10 @@ class GraphCache:
     that evicts the least recently used graph, releasing its graph and buffers. All graphs share
     one memory pool, so their intermediate tensors occupy the same memory.
 
+    A caller that replays one signature many times on a hot path may skip the per-call signature
+    and pytree work: :meth:`prepare` once, then write into the graph's ``static_inputs`` and
+    :meth:`replay`, checking :meth:`holds` (evictions, :meth:`clear`) before each replay.
+
     Args:
         fn: the callable (see :func:`capture`).
         max_entries: graphs held at most (>= 1).
@@ -342,15 +378,57 @@ class GraphCache:
         self._entries: "OrderedDict[Hashable, Any]" = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self.capture_seconds = 0.0
+        self._fresh: Any = None  # captured by prepare() and not replayed yet
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` by replaying the graph for this signature (captured if new)."""
         key = signature(args, kwargs, "mirage.graphs.GraphCache")
         entry = self._entries.get(key)
         if entry is not None:
-            self.hits += 1
+            if self._fresh is entry:
+                self._fresh = None
+            else:
+                self.hits += 1
             self._entries.move_to_end(key)
             return entry(*args, **kwargs)
+        self._fresh = None
+        return self._capture_new(key, args, kwargs)(*args, **kwargs)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Tuple[Hashable, Any]:
+        """The key and the graph for this call's signature, captured from these arguments if new.
+
+        For a caller that replays one graph many times through :meth:`replay`, writing its inputs
+        into the graph's ``static_inputs`` itself: the signature is computed here once, not per
+        call. A capture counts as a miss (and the first :meth:`replay` after it as part of that
+        call, not as a hit), as in a call.
+        """
+        key = signature(args, kwargs, "mirage.graphs.GraphCache")
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._capture_new(key, args, kwargs)
+            self._fresh = entry
+        return key, entry
+
+    def holds(self, key: Hashable, entry: Any) -> bool:
+        """Whether ``entry`` (from :meth:`prepare`) is still held: not evicted, not cleared."""
+        return self._entries.get(key) is entry
+
+    def replay(self, key: Hashable, entry: Any) -> Any:
+        """Replays ``entry`` (from :meth:`prepare`, still held) on its static inputs as they are.
+
+        Raises:
+            RuntimeError: the graph was evicted or cleared since (check :meth:`holds`, prepare again).
+        """
+        if self._entries.get(key) is not entry:
+            raise RuntimeError("mirage.graphs.GraphCache.replay: this graph was evicted or cleared; prepare again")
+        if self._fresh is entry:
+            self._fresh = None
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return entry.replay()
+
+    def _capture_new(self, key: Hashable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         self.misses += 1
         # Evict first, so the new capture can reuse the released memory.
         while len(self._entries) >= self.max_entries:
@@ -366,7 +444,7 @@ class GraphCache:
         if self.verbose:
             progress(f"captured CUDA graph {len(self._entries)}/{self.max_entries} for "
                      f"({_describe(args, kwargs)}) in {seconds:.2f} s")
-        return entry(*args, **kwargs)
+        return entry
 
     def _evict_oldest(self) -> None:
         _, entry = self._entries.popitem(last=False)
@@ -379,6 +457,7 @@ class GraphCache:
             _, entry = self._entries.popitem(last=False)
             entry.reset()
         self._pool = None
+        self._fresh = None
 
     def __len__(self) -> int:
         return len(self._entries)

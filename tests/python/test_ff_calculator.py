@@ -101,14 +101,22 @@ class StandIn:
         with torch.no_grad():
             return self.fn(*args, **kwargs)
 
-    def __call__(self, *args, **kwargs):
+    @property
+    def static_inputs(self):
+        return tuple(leaf for leaf in self.static if isinstance(leaf, torch.Tensor))
+
+    def replay(self):
         assert self.static is not None, "replayed after reset"
         assert getattr(self.model, "max_pairs", None) == self.max_pairs, "capacity changed under a captured graph"
+        return self._run()
+
+    def __call__(self, *args, **kwargs):
+        assert self.static is not None, "replayed after reset"
         leaves, _ = pytree.tree_flatten((args, kwargs))
         for buffer, leaf in zip(self.static, leaves):
             if isinstance(leaf, torch.Tensor) and leaf is not buffer:
                 buffer.copy_(leaf)
-        return self._run()
+        return self.replay()
 
     def reset(self):
         self.static = None
@@ -367,7 +375,7 @@ def test_graph_path_on_cpu():
     big = CapacityModel(max_pairs=10_000).double()
     big.load_state_dict(model.state_dict())
     calc = mirage.ff.Calculator(model)
-    graphed_on_cpu(calc, calc._evaluate, 2)
+    graphed_on_cpu(calc, calc._packed, 2)
     for n in (12, 12, 7, 12):
         atoms = periodic_atoms(n=n)
         atoms.positions += np.random.default_rng().normal(scale=0.05, size=atoms.positions.shape)
@@ -385,12 +393,66 @@ def test_graph_path_on_cpu():
     np.testing.assert_allclose(calc.results["forces"], direct(big, open_atoms)[1], rtol=1e-10, atol=1e-14)
 
 
+def test_graph_path_follows_numbers_cell_and_pbc_at_one_atom_count():
+    # The graph path re-sends numbers, cell and pbc only when they change: each change must reach
+    # the graph, each evaluation must equal a fresh eager one.
+    torch.manual_seed(0)
+    model = CapacityModel(max_pairs=10_000).double()
+    calc = mirage.ff.Calculator(model)
+    graphed_on_cpu(calc, calc._packed, 2)
+    atoms = periodic_atoms(n=10)
+    changes = [lambda a: None, lambda a: a.numbers.__setitem__(3, 9), lambda a: None,
+               lambda a: a.set_cell(a.cell[:] * 1.05, scale_atoms=False), lambda a: a.set_pbc((True, True, False)),
+               lambda a: a.numbers.__setitem__(3, 6)]
+    for change in changes:
+        change(atoms)
+        atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
+        calc.calculate(atoms, ["energy", "forces", "stress"])
+        reference = mirage.ff.Calculator(model, cuda_graph=False)
+        reference.calculate(atoms, ["energy", "forces", "stress"])
+        for name in ("energy", "forces", "stress"):
+            np.testing.assert_allclose(calc.results[name], reference.results[name], rtol=1e-12, atol=1e-14)
+    assert calc.graph_stats().misses == 1 and calc.graph_stats().hits == len(changes) - 1
+
+
+@pytest.mark.parametrize("change", ["none", "below_tol", "position", "inf", "number", "cell", "pbc", "charges",
+                                    "momenta"])
+def test_check_state_agrees_with_ase(change):
+    from ase.calculators.calculator import compare_atoms
+    calc = mirage.ff.Calculator(small(SchNet))
+    atoms = periodic_atoms()
+    calc.atoms = atoms.copy()
+    if change == "inf":
+        calc.atoms.positions[1, 2] = np.inf
+    other = calc.atoms.copy()
+    if change == "below_tol":
+        other.positions[2, 0] += 1e-16
+    elif change == "position":
+        other.positions[2, 0] += 1e-9
+    elif change == "inf":
+        other.positions[1, 2] = np.inf  # equal infinities: no change, as np.allclose says
+        other.positions[0, 0] += 1.0
+    elif change == "number":
+        other.numbers[0] = 8
+    elif change == "cell":
+        other.cell[0, 1] += 1e-6
+    elif change == "pbc":
+        other.pbc = (True, False, True)
+    elif change == "charges":
+        other.set_initial_charges(np.full(len(other), 0.5))  # an array on one side only
+    elif change == "momenta":
+        other.set_momenta(np.ones((len(other), 3)))  # not a system change
+    expected = compare_atoms(calc.atoms, other, tol=1e-15)
+    assert sorted(calc.check_state(other)) == sorted(expected)
+    assert (change in ("none", "below_tol", "momenta")) == (not expected)
+
+
 def test_graphs_follow_a_capacity_grown_elsewhere():
     # Two calculators share one model: when one grows the capacity, the other's graphs (holding
     # the old one) must be captured again, or a count between the two would pass unnoticed.
     torch.manual_seed(0)
     model = CapacityModel(max_pairs=10_000).double()
-    first, second = (graphed_on_cpu(c, c._evaluate, 2) for c in
+    first, second = (graphed_on_cpu(c, c._packed, 2) for c in
                      (mirage.ff.Calculator(model), mirage.ff.Calculator(model)))
     atoms = periodic_atoms(n=12)
     first.calculate(atoms, ["forces"])
@@ -545,6 +607,27 @@ def test_graph_replay_matches_eager(periodic):
     np.testing.assert_allclose(graphed.results["forces"], forces64, atol=1e-4, rtol=1e-3)
     stats = graphed.graph_stats()
     assert stats.misses == 1 and stats.hits == 3
+
+
+@pytest.mark.cuda
+def test_graph_follows_numbers_cell_and_pbc_at_one_atom_count():
+    # Numbers, cell and pbc reach the graph only when they change (one H2D copy of the positions
+    # otherwise): each change must show in the results, against eager evaluation on the GPU.
+    model = cuda_model(max_pairs=4000)
+    graphed = mirage.ff.Calculator(model)
+    eager = mirage.ff.Calculator(model, cuda_graph=False)
+    atoms = periodic_atoms(n=10)
+    changes = [lambda a: None, lambda a: a.numbers.__setitem__(3, 9), lambda a: None,
+               lambda a: a.set_cell(a.cell[:] * 1.05, scale_atoms=False), lambda a: a.set_pbc((True, True, False))]
+    for change in changes:
+        change(atoms)
+        atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
+        graphed.calculate(atoms, ["energy", "forces", "stress"])
+        eager.calculate(atoms, ["energy", "forces", "stress"])
+        assert graphed.results["energy"] == pytest.approx(eager.results["energy"], rel=1e-5, abs=1e-5)
+        np.testing.assert_allclose(graphed.results["forces"], eager.results["forces"], atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(graphed.results["stress"], eager.results["stress"], atol=1e-6, rtol=1e-4)
+    assert graphed.graph_stats().misses == 1
 
 
 @pytest.mark.cuda

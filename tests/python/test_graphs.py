@@ -34,6 +34,11 @@ class FakeGraph:
         self.calls += 1
         return self.fn(*args, **kwargs)
 
+    def replay(self):
+        assert not self.released, "replayed after reset"
+        self.replays = getattr(self, "replays", 0) + 1
+        return self.replays
+
     def reset(self):
         self.released = True
         self.buffers = []
@@ -141,6 +146,33 @@ def test_cache_forwards_its_settings_and_prints_progress(capsys):
     assert "mirage: captured CUDA graph 1/1 for (args[0]: float16[2, 3])" in capsys.readouterr().err
 
 
+def test_signature_hash_is_the_tuples():
+    key = graphs.signature((randn(2, 3),), {"t": 1})
+    plain = tuple(key)
+    assert key == plain and hash(key) == hash(plain) and {plain: 1}[key] == 1
+
+
+def test_prepare_and_replay_count_like_calls_and_follow_evictions():
+    cache, _ = fake_cache(lambda x: x * 2, 1)
+    x = randn(3)
+    key, entry = cache.prepare(x)
+    assert key == graphs.signature((x,), {}) and cache.holds(key, entry)
+    assert cache.prepare(randn(3)) == (key, entry)  # same signature: no second capture
+    assert cache.replay(key, entry) == 1 and cache.replay(key, entry) == 2
+    # As for a call: the capture is a miss, the first replay after it part of that call.
+    stats = cache.stats()
+    assert (stats.misses, stats.hits) == (1, 1)
+    cache(randn(3))
+    assert cache.stats().hits == 2 and entry.calls == 1
+    cache(randn(4))  # a new signature evicts the only graph
+    assert not cache.holds(key, entry) and entry.released
+    with pytest.raises(RuntimeError, match="GraphCache.replay: this graph was evicted or cleared"):
+        cache.replay(key, entry)
+    key4, entry4 = cache.prepare(randn(4))
+    cache.clear()
+    assert not cache.holds(key4, entry4)
+
+
 def test_cache_refuses_bad_max_entries():
     with pytest.raises(ValueError, match="mirage.graphs.GraphCache: max_entries must be an int >= 1, got 0"):
         graphs.GraphCache(lambda x: x, 0)
@@ -193,6 +225,25 @@ def test_captured_graph_replays_new_inputs_like_eager():
         torch.testing.assert_close(out["map"], expected["map"], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="differs from the captured signature"):
         graph(*small_net_inputs(batch=3))
+
+
+@pytest.mark.cuda
+def test_replay_reads_what_was_written_into_the_static_inputs():
+    net = SmallNet().cuda().eval()
+    graph = graphs.capture(net, *small_net_inputs(), copy_outputs=False)
+    static_x, static_bias = graph.static_inputs
+    with torch.no_grad():
+        for _ in range(3):
+            x, bias = small_net_inputs()
+            static_x.copy_(x.cpu().pin_memory(), non_blocking=True)
+            static_bias.copy_(bias)
+            out = graph.replay()
+            expected = net(x, bias)
+            torch.testing.assert_close(out["map"], expected["map"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out["pooled"], expected["pooled"], atol=1e-5, rtol=1e-5)
+    graph.reset()
+    with pytest.raises(RuntimeError, match="was reset"):
+        graph.replay()
 
 
 @pytest.mark.cuda

@@ -66,6 +66,19 @@ def matmul_precision(precision: str) -> Iterator[None]:
             matmul.allow_tf32 = saved
 
 
+def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
+    """``ase.calculators.calculator.equal(a, b, atol=tol)`` (shapes, then ``np.allclose`` with
+    ``rtol=0``), by cheaper means where the answer is the same: equal arrays, finite differences."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return False
+    if (a == b).all():
+        return True
+    if a.dtype.kind != "f" or b.dtype.kind != "f" or not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return bool(np.allclose(a, b, rtol=0, atol=tol))
+    return bool((np.abs(a - b) <= tol).all())
+
+
 def _autocast(precision: str, device_type: str):
     if precision == "bf16-mixed":
         return torch.autocast(device_type, dtype=torch.bfloat16)
@@ -265,17 +278,32 @@ class Calculator(_AseCalculator):
         self.model = model
         self.device, self.dtype = model_device_dtype(model, device, who)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
-        self._graphs = graphs.GraphCache(self._evaluate, max_graphs, copy_outputs=False) if self.cuda_graph else None
+        self._graphs = graphs.GraphCache(self._packed, max_graphs, copy_outputs=False) if self.cuda_graph else None
         self._watch = CapacityWatch(model, self._graphs) if self.cuda_graph else None
-        # Per (atom count, periodic): pinned host and device staging buffers, as many as graphs.
-        self._buffers: "OrderedDict[Tuple[int, bool], Dict[str, Tensor]]" = OrderedDict()
+        # Per (atom count, periodic): pinned staging buffers and their graph (_staging), as many as graphs.
+        self._buffers: "OrderedDict[Tuple[int, bool], Dict[str, Any]]" = OrderedDict()
         self._max_buffers = max_graphs
+        self._checked_cell: Optional[np.ndarray] = None  # the last periodic cell found valid
 
     def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
         """The graph cache's counters (captures, replays, evictions), or None when graphs are off."""
         return self._graphs.stats() if self._graphs is not None else None
 
     # ------------------------------------------------------------------------------------ ASE
+    def check_state(self, atoms, tol: float = 1e-15):
+        """ASE's check (the same changes under the same tolerance) without its ``np.allclose`` per
+        array, which cost more than a replayed evaluation: an MD step checks three times. Anything
+        unusual (arrays present on one side only, ignored changes) goes to ASE's own check."""
+        old = self.atoms
+        if old is None or self.ignored_changes or old.arrays.keys() != atoms.arrays.keys():
+            return super().check_state(atoms, tol)
+        changes = [] if _close(old.cell.array, atoms.cell.array, tol) else ["cell"]
+        if not np.array_equal(old.pbc, atoms.pbc):
+            changes.append("pbc")
+        changes += [name for name in all_changes if name in old.arrays and
+                    not _close(old.arrays[name], atoms.arrays[name], tol)]
+        return changes
+
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms
@@ -286,13 +314,16 @@ class Calculator(_AseCalculator):
         positions = np.asarray(atoms.positions)
         if not np.isfinite(positions).all():
             raise ValueError(f"{who}: atoms.positions has non-finite values (did the simulation blow up?)")
-        periodic = bool(np.any(atoms.pbc))
-        cell = np.asarray(atoms.cell[:], dtype=np.float64)
-        if periodic:
+        periodic = bool(atoms.pbc.any())
+        cell = atoms.cell.array
+        # An MD step keeps its cell: checked once, not per evaluation.
+        if periodic and (self._checked_cell is None or not (cell == self._checked_cell).all()):
+            cell = np.asarray(cell, dtype=np.float64)
             volume = abs(np.linalg.det(cell))
             if not np.isfinite(cell).all() or volume < 1e-9:
                 raise ValueError(f"{who}: atoms.pbc is {atoms.pbc.tolist()} but the cell {cell.tolist()} has no "
                                  "volume; set atoms.cell (a periodic system needs its lattice vectors)")
+            self._checked_cell = cell.copy()
         if self.cuda_graph:
             energy, forces, stress = self._run_graph(atoms, periodic)
         else:
@@ -339,42 +370,90 @@ class Calculator(_AseCalculator):
         raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {_MAX_GROWS} grows "
                            f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")
 
-    def _staging(self, n: int, periodic: bool) -> Dict[str, Tensor]:
-        """Pinned host buffers (in and out) and device buffers (in) for ``n`` atoms, reused."""
+    def _packed(self, numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
+                periodic: bool) -> Tensor:
+        """What one graph computes: :meth:`_evaluate`'s results as the bytes of one flat tensor, so
+        that one device-to-host copy brings all of them (layout: :meth:`_staging`). The pair count
+        (int64) goes first: every later offset is then a multiple of its element size."""
+        out = self._evaluate(numbers, positions, cell, pbc, periodic)
+        parts = [out[name] for name in ("num_pairs", "energy", "forces", "stress") if name in out]
+        return torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
+
+    def _staging(self, n: int, periodic: bool) -> Dict[str, Any]:
+        """Per (atom count, periodic), reused: pinned host buffers for the inputs and for
+        :meth:`_packed`'s bytes, numpy views of both, and the graph they feed once prepared."""
         key = (n, periodic)
-        buffers = self._buffers.get(key)
-        if buffers is not None:
+        stage = self._buffers.get(key)
+        if stage is not None:
             self._buffers.move_to_end(key)
-            return buffers
+            return stage
         while len(self._buffers) >= self._max_buffers:
             self._buffers.popitem(last=False)
-        host = dict(numbers=torch.empty(n, dtype=torch.int64), positions=torch.empty(n, 3, dtype=self.dtype),
-                    energy=torch.empty((), dtype=self.dtype), forces=torch.empty(n, 3, dtype=self.dtype),
-                    num_pairs=torch.empty(1, dtype=torch.int64))
+        pin = self.device.type == "cuda"
+        inputs = dict(numbers=torch.zeros(n, dtype=torch.int64), positions=torch.zeros(n, 3, dtype=self.dtype))
         if periodic:
-            host.update(cell=torch.empty(3, 3, dtype=self.dtype), pbc=torch.empty(3, dtype=torch.bool),
-                        stress=torch.empty(6, dtype=self.dtype))
-        buffers = {"host_" + k: v.pin_memory() if self.device.type == "cuda" else v for k, v in host.items()}
-        for k in ("numbers", "positions", "cell", "pbc"):
-            if k in host:
-                buffers["device_" + k] = torch.empty_like(host[k], device=self.device)
-        self._buffers[key] = buffers
-        return buffers
+            inputs.update(cell=torch.zeros(3, 3, dtype=self.dtype), pbc=torch.zeros(3, dtype=torch.bool))
+        inputs = {name: t.pin_memory() if pin else t for name, t in inputs.items()}
+        size = torch.empty((), dtype=self.dtype).element_size()
+        counted = capacity.has_capacity(self.model)
+        lengths = dict(num_pairs=8 if counted else 0, energy=size, forces=3 * n * size,
+                       stress=6 * size if periodic else 0)
+        packed = torch.empty(sum(lengths.values()), dtype=torch.uint8)
+        packed = packed.pin_memory() if pin else packed
+        views, offset, raw = {}, 0, packed.numpy()
+        np_dtype = inputs["positions"].numpy().dtype
+        for name, length in lengths.items():
+            if length:
+                views[name] = raw[offset:offset + length].view(np.int64 if name == "num_pairs" else np_dtype)
+                offset += length
+        views["forces"] = views["forces"].reshape(n, 3)
+        stage = dict(inputs=inputs, host={name: t.numpy() for name, t in inputs.items()}, packed=packed,
+                     results=views, key=None, entry=None, static={}, stale=set(), seen={})
+        self._buffers[key] = stage
+        return stage
+
+    def _load(self, stage: Dict[str, Any], atoms, periodic: bool) -> None:
+        """The atoms' inputs into the pinned buffers; numbers, cell and pbc only when they changed
+        (then marked stale: the graph's static inputs need them again)."""
+        host = stage["host"]
+        np.copyto(host["positions"], atoms.positions)
+        others = (("numbers", atoms.numbers), ("cell", atoms.cell.array), ("pbc", atoms.pbc)) if periodic else \
+            (("numbers", atoms.numbers),)
+        seen = stage["seen"]  # the values as given, compared before the cast to the model's dtype
+        for name, value in others:
+            if name not in seen or not (seen[name] == value).all():  # same shapes: same atom count
+                seen[name] = np.array(value)
+                np.copyto(host[name], value)
+                stage["stale"].add(name)
+
+    def _prepare(self, stage: Dict[str, Any], periodic: bool) -> None:
+        """The graph for this stage's inputs (captured if new); all its static inputs are stale."""
+        inputs = stage["inputs"]
+        names = ("numbers", "positions", "cell", "pbc")
+        args = [inputs[name].to(self.device) if name in inputs else None for name in names]
+        with matmul_precision(self.precision):
+            stage["key"], stage["entry"] = self._graphs.prepare(*args, periodic)
+        stage["static"] = dict(zip([name for name in names if name in inputs], stage["entry"].static_inputs))
+        stage["stale"] = set(stage["static"])
 
     def _run_graph(self, atoms, periodic: bool):
-        buffers = self._staging(len(atoms), periodic)
-        inputs = self._inputs(atoms, periodic)
-        for name, value in zip(("numbers", "positions", "cell", "pbc"), inputs):
-            if value is not None:
-                buffers["host_" + name].copy_(value)
-                buffers["device_" + name].copy_(buffers["host_" + name], non_blocking=True)
-        args = (buffers["device_numbers"], buffers["device_positions"], buffers.get("device_cell"),
-                buffers.get("device_pbc"), periodic)
+        # The hot path of an MD step: no signature or pytree work (the stage holds its graph), inputs
+        # straight from pinned memory into the graph's static inputs, one copy back, one sync.
+        stage = self._staging(len(atoms), periodic)
+        self._load(stage, atoms, periodic)
+        inputs, static, results = stage["inputs"], stage["static"], stage["results"]
         for _ in range(_MAX_GROWS):
-            with on_device(self.device), matmul_precision(self.precision):
+            with on_device(self.device):
                 try:
                     self._watch.before()
-                    out = self._graphs(*args)
+                    if stage["entry"] is None or not self._graphs.holds(stage["key"], stage["entry"]):
+                        self._prepare(stage, periodic)
+                        static = stage["static"]
+                    static["positions"].copy_(inputs["positions"], non_blocking=True)
+                    for name in stage["stale"]:
+                        static[name].copy_(inputs[name], non_blocking=True)
+                    stage["stale"].clear()
+                    out = self._graphs.replay(stage["key"], stage["entry"])
                     self._watch.after()
                 except RuntimeError as error:
                     if "mirage.graphs.capture: capturing" not in str(error):
@@ -385,15 +464,14 @@ class Calculator(_AseCalculator):
                         "(mirage's fused models are capturable), or use Calculator(model, cuda_graph=False). "
                         "A failed capture can leave this process's CUDA random-number generator unusable: "
                         "restart it") from error
-                for name, value in out.items():
-                    buffers["host_" + name].copy_(value, non_blocking=True)
+                stage["packed"].copy_(out, non_blocking=True)
                 synchronize(self.device)
-            count = int(buffers["host_num_pairs"][0]) if "num_pairs" in out else None
+            count = int(results["num_pairs"][0]) if "num_pairs" in results else None
             needed = capacity.needed_pairs(self.model, count) if count is not None else None
             if needed is None:
-                # Copies: the pinned buffers are overwritten by the next evaluation.
-                return (float(buffers["host_energy"]), buffers["host_forces"].numpy().astype(np.float64),
-                        buffers["host_stress"].numpy().astype(np.float64) if periodic else None)
+                # Copies: the pinned buffer is overwritten by the next evaluation.
+                return (float(results["energy"][0]), results["forces"].astype(np.float64),
+                        results["stress"].astype(np.float64) if periodic else None)
             _grow(self.model, needed, count, self.who, graphed=True)
             self._graphs.clear()
         raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {_MAX_GROWS} grows "
