@@ -108,6 +108,17 @@ def kernel_times(fn, *args, warmup: int = 3, **kwargs) -> list[tuple[str, float]
     return [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
 
 
+def categorizer(categories: list[tuple[str, tuple[str, ...]]], default: str):
+    """name -> the first category whose substrings occur in the kernel name (case-insensitive)."""
+    def category(name: str) -> str:
+        lowered = name.lower()
+        for label, keys in categories:
+            if any(k in lowered for k in keys):
+                return label
+        return default
+    return category
+
+
 def print_kernel_report(label: str, kernels: list[tuple[str, float]], category, top: int) -> None:
     """Kernel count, GPU time by category (category(name) -> label) and the top kernels by time."""
     from collections import defaultdict

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import mirage.ff
 from bench_forcefield import MODEL_CONFIG, MODELS, energy_and_forces, make_system
-from harness import kernel_times, print_kernel_report, time_in_graph
+from harness import categorizer, kernel_times, print_kernel_report, time_in_graph
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
     ("mirage neighbor list", ("neighbor", "cub::", "radixsort", "scan")),
@@ -29,13 +29,7 @@ CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
     ("copies/fill", ("copy", "cat", "fill", "memset", "stack")),
 ]
 
-
-def category(name: str) -> str:
-    lowered = name.lower()
-    for label, keys in CATEGORIES:
-        if any(k in lowered for k in keys):
-            return label
-    return "other elementwise"
+category = categorizer(CATEGORIES, "other elementwise")
 
 
 def grads_of(fn, *leaves):

@@ -15,7 +15,7 @@ import torch
 
 import mirage
 from bench_unet import build_unet, to_channels_last, unet_inputs
-from harness import kernel_times, print_kernel_report
+from harness import categorizer, kernel_times, print_kernel_report
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
     ("triton (fused elementwise/norms)", ("triton",)),  # inductor names them after the ops they fuse
@@ -26,13 +26,7 @@ CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
     ("copies/layout", ("copy", "cat", "transpose", "permute", "upsample")),
 ]
 
-
-def category(name: str) -> str:
-    lowered = name.lower()
-    for label, keys in CATEGORIES:
-        if any(k in lowered for k in keys):
-            return label
-    return "other elementwise/reduction"
+category = categorizer(CATEGORIES, "other elementwise/reduction")
 
 
 def main() -> None:

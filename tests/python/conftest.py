@@ -17,3 +17,14 @@ def fresh_seed():
     seed = torch.seed()
     print(f"torch seed: {seed}")
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread: the force-field tests run molecules of a few atoms, where intra-op
+    threads only add overhead (10x on a busy 2-core machine). Modules use it with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -113,15 +113,6 @@ def test_command_line_errors():
             bench.main(["--systems", "benzene"])
 
 
-@pytest.fixture
-def one_thread():
-    # The quick sizes are tiny: on a shared machine extra threads only add contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_quick_run(tmp_path, capsys, one_thread):
     """--quick on the CPU: every (model, system, peer) has a row that is timed with a small force
     error or says why not; the mirage columns run once mirage's ops are there."""

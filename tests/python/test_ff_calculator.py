@@ -31,13 +31,7 @@ from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: extra threads only fight the other processes on a shared CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CapacityModel(nn.Module):

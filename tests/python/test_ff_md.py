@@ -27,12 +27,7 @@ from test_ff_calculator import CapacityModel, benzene_atoms, graphed_on_cpu, per
 DT = 0.5 * units.fs
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def thermalized(atoms, temperature_K=300.0):

@@ -34,13 +34,7 @@ STUDENT = train_student.DEFAULT_PATH
 KT_300 = train_student.BOLTZMANN_EV_PER_K * 300.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Molecules of 12 atoms: torch's intra-op threads only add overhead (10x on a busy 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
