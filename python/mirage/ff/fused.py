@@ -246,6 +246,25 @@ class _FusedModel(nn.Module):
         vectors = ends[1] - ends[0] + shifts
         return pairs, vectors, torch.linalg.vector_norm(vectors, dim=-1)
 
+    @classmethod
+    def _assemble(cls, model: nn.Module, cutoff: float, max_pairs: Optional[int], num_rbf: int,
+                  basis_rounding: float, readout_activation: str, **parts) -> "_FusedModel":
+        """The fused model of ``model`` from its recognised parts (``from_model``'s last step):
+        the embedding and readout shared with ``model``, ``parts`` set as attributes, on the
+        embedding's device (the num_pairs buffer) and in ``model``'s training mode."""
+        fused = cls.__new__(cls)
+        _FusedModel.__init__(fused, cutoff, max_pairs)
+        fused.num_rbf = num_rbf
+        fused.basis_rounding = basis_rounding
+        fused.embedding = model.embedding
+        fused.readout = _shared_mlp(model.readout, readout_activation)
+        fused.readout_activation = readout_activation
+        for name, value in parts.items():
+            setattr(fused, name, value)
+        fused.to(device=model.embedding.weight.device)
+        fused.train(model.training)
+        return fused
+
     def _readout(self, x: Tensor) -> Tensor:
         atomic = _mlp(x, self.readout, self.readout_activation)
         # Under autocast the atomic energies come out in float16/bfloat16; their sum is taken in
@@ -437,19 +456,9 @@ class SchNet(_FusedModel):
             raise ValueError(f"`width` is {width!r}, not the centers' spacing {spacing:.6g} that "
                              "mirage::radial_basis uses")
 
-        fused = cls.__new__(cls)
-        _FusedModel.__init__(fused, cutoff, max_pairs)
-        fused.num_rbf = num_rbf
-        fused.basis_rounding = basis_rounding
-        fused.embedding = embedding
-        fused.interactions = nn.ModuleList(blocks)
-        fused.readout = _shared_mlp(model.readout, readout_activation)
-        fused.filter_activation = filter_activations.pop()
-        fused.update_activations = update_activations
-        fused.readout_activation = readout_activation
-        fused.to(device=embedding.weight.device)  # the num_pairs buffer
-        fused.train(model.training)
-        return fused
+        return cls._assemble(model, cutoff, max_pairs, num_rbf, basis_rounding, readout_activation,
+                             interactions=nn.ModuleList(blocks), filter_activation=filter_activations.pop(),
+                             update_activations=update_activations)
 
     def swaps(self) -> List[Tuple[str, str]]:
         """``(kind, where)`` of what this model computes with mirage's ops, for the report."""
@@ -586,21 +595,10 @@ class PaiNN(_FusedModel):
                 torch.arange(1, num_rbf + 1, dtype=torch.float64) * (math.pi / cutoff),
                 f"the frequencies n pi / {cutoff}, n = 1..{num_rbf}")
 
-        fused = cls.__new__(cls)
-        _FusedModel.__init__(fused, cutoff, max_pairs)
-        fused.num_rbf = num_rbf
-        fused.basis_rounding = basis_rounding
-        fused.hidden = features
-        fused.embedding = embedding
-        fused.messages = nn.ModuleList(message_blocks)
-        fused.updates = nn.ModuleList(update_blocks)
-        fused.readout = _shared_mlp(model.readout, readout_activation)
-        fused.phi_activations = phi_activations
-        fused.update_activations = update_activations
-        fused.readout_activation = readout_activation
-        fused.to(device=embedding.weight.device)
-        fused.train(model.training)
-        return fused
+        return cls._assemble(model, cutoff, max_pairs, num_rbf, basis_rounding, readout_activation,
+                             hidden=features, messages=nn.ModuleList(message_blocks),
+                             updates=nn.ModuleList(update_blocks), phi_activations=phi_activations,
+                             update_activations=update_activations)
 
     def swaps(self) -> List[Tuple[str, str]]:
         """``(kind, where)`` of what this model computes with mirage's ops, for the report."""
