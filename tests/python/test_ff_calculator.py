@@ -739,3 +739,31 @@ def test_fused_model_graph_matches_reference(periodic):
             np.testing.assert_allclose(graphed.results["stress"], reference.results["stress"],
                                        atol=1e-3 * np.abs(reference.results["stress"]).max(), rtol=0)
     assert graphed.graph_stats().misses == 2
+
+
+def test_works_under_inference_mode():
+    # Forces need autograd: a caller's torch.inference_mode must not turn them off (it did: "the
+    # model's energy does not depend on positions").
+    model = small(SchNet)
+    atoms = benzene_atoms()
+    want = direct(model, atoms)
+    calc = mirage.ff.Calculator(model)
+    with torch.inference_mode():
+        atoms.calc = calc
+        forces = atoms.get_forces()
+    np.testing.assert_allclose(forces, want[1], rtol=1e-10, atol=1e-12)
+
+
+def test_reset_drops_the_graphs():
+    # The graphs hold the model as captured: reset() (after changing the model) must drop them.
+    torch.manual_seed(0)
+    model = CapacityModel(max_pairs=10_000).double()
+    calc = mirage.ff.Calculator(model)
+    graphed_on_cpu(calc, calc._packed, 2)
+    atoms = periodic_atoms(n=9)
+    calc.calculate(atoms, ["forces"])
+    assert calc.graph_stats().entries == 1 and len(calc._buffers) == 1
+    calc.reset()
+    assert calc.results == {} and calc.graph_stats().entries == 0 and len(calc._buffers) == 0
+    calc.calculate(atoms, ["forces"])
+    assert calc.graph_stats().misses == 2

@@ -153,8 +153,9 @@ def evaluate(
     forces = grads[0].neg().to(positions.dtype)
     if not stress:
         return energy, forces, None
-    g = grads[1] if grads[1] is not None else torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
-    g = 0.5 * (g + g.transpose(0, 1))
+    if grads[1] is None:  # positions are strained, so this means the energy ignores them: never zeros
+        raise ValueError(f"{who}: the model's energy does not depend on the strain of the cell, so there is no stress")
+    g = 0.5 * (grads[1] + grads[1].transpose(0, 1))
     voigt = torch.stack((g[0, 0], g[1, 1], g[2, 2], g[1, 2], g[0, 2], g[0, 1])) / _volume(cell.detach())
     return energy, forces, voigt.to(positions.dtype)
 
@@ -285,6 +286,16 @@ class Calculator(_AseCalculator):
         self._max_buffers = max_graphs
         self._checked_cell: Optional[np.ndarray] = None  # the last periodic cell found valid
 
+    def reset(self) -> None:
+        """ASE's reset (the results are dropped) and every captured graph and staging buffer with
+        it. The graphs hold the model as it was captured (its parameters' addresses, cutoff,
+        training mode) and this calculator's precision: call reset() after changing any of them."""
+        super().reset()
+        if getattr(self, "_graphs", None) is not None:  # ASE's __init__ resets before ours has run
+            self._graphs.clear()
+        if getattr(self, "_buffers", None) is not None:
+            self._buffers.clear()
+
     def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
         """The graph cache's counters (captures, replays, evictions), or None when graphs are off."""
         return self._graphs.stats() if self._graphs is not None else None
@@ -304,6 +315,8 @@ class Calculator(_AseCalculator):
                     not _close(old.arrays[name], atoms.arrays[name], tol)]
         return changes
 
+    # Forces need autograd, which a caller's torch.inference_mode would switch off.
+    @torch.inference_mode(False)
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms

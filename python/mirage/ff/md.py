@@ -98,6 +98,9 @@ class VelocityVerlet:
         the rate of the last :meth:`run` (host writes included).
     """
 
+    # Forces need autograd, which a caller's torch.inference_mode would switch off (and tensors
+    # made under it could not take part in the graphs' autograd).
+    @torch.inference_mode(False)
     def __init__(self, model, atoms: "ase.Atoms", timestep: float, *, thermostat: Optional[Langevin] = None,
                  steps_per_replay: int = 10, precision: str = "fp32", device=None, cuda_graph: bool = True,
                  progress_every: Optional[float] = 10.0) -> None:
@@ -309,6 +312,7 @@ class VelocityVerlet:
             log.flush()
         return record
 
+    @torch.inference_mode(False)
     def run(self, steps: int, trajectory=None, write_every: int = 100, log=None) -> List[Dict[str, float]]:
         """Advances ``steps`` steps, writing and logging every ``write_every`` steps.
 
