@@ -76,6 +76,22 @@ double envelope_derivative(std::string_view cutoff_fn, double d, double cutoff) 
   return (-168.0 * std::pow(x, 5) + 336.0 * std::pow(x, 6) - 168.0 * std::pow(x, 7)) / cutoff;
 }
 
+// basis_k(d) and its derivative in d: the Gaussian of center k * spacing, or the Bessel
+// function of frequency (k + 1) pi / cutoff (formulas in docs/ops.md).
+struct BasisValue {
+  double value, derivative;
+};
+
+BasisValue basis(bool gaussian, int64_t k, double d, double spacing, double cutoff) {
+  if (gaussian) {
+    const double z = (d - k * spacing) / spacing;
+    const double value = std::exp(-0.5 * z * z);
+    return {value, -z / spacing * value};
+  }
+  const double frequency = (k + 1) * M_PI / cutoff, scale = std::sqrt(2.0 / cutoff) * frequency;
+  return {scale * sinc(frequency * d), scale * frequency * sinc_derivative(frequency * d)};
+}
+
 // The reference: float64, element by element, straight from the formulas in docs/ops.md.
 at::Tensor radial_basis_cpu(const at::Tensor& distances, c10::string_view kind, int64_t num,
                             double cutoff, c10::string_view cutoff_fn) {
@@ -89,17 +105,8 @@ at::Tensor radial_basis_cpu(const at::Tensor& distances, c10::string_view kind, 
   for (int64_t p = 0; p < d64.numel(); ++p) {
     const double d = ds[p];
     const double env = envelope(cutoff_fn, d, cutoff);
-    for (int64_t k = 0; k < num; ++k) {
-      double basis;
-      if (gaussian) {
-        const double z = (d - k * spacing) / spacing;
-        basis = std::exp(-0.5 * z * z);
-      } else {
-        const double frequency = (k + 1) * M_PI / cutoff;
-        basis = std::sqrt(2.0 / cutoff) * frequency * sinc(frequency * d);
-      }
-      os[p * num + k] = basis * env;
-    }
+    for (int64_t k = 0; k < num; ++k)
+      os[p * num + k] = basis(gaussian, k, d, spacing, cutoff).value * env;
   }
   return out64.to(distances.scalar_type());
 }
@@ -129,18 +136,8 @@ at::Tensor radial_basis_backward_cpu(const at::Tensor& grad, const at::Tensor& d
     const double env_derivative = envelope_derivative(cutoff_fn, d, cutoff);
     double sum = 0.0;
     for (int64_t k = 0; k < num; ++k) {
-      double basis, basis_derivative;
-      if (gaussian) {
-        const double z = (d - k * spacing) / spacing;
-        basis = std::exp(-0.5 * z * z);
-        basis_derivative = -z / spacing * basis;
-      } else {
-        const double frequency = (k + 1) * M_PI / cutoff;
-        basis = std::sqrt(2.0 / cutoff) * frequency * sinc(frequency * d);
-        basis_derivative =
-            std::sqrt(2.0 / cutoff) * frequency * frequency * sinc_derivative(frequency * d);
-      }
-      sum += gs[p * num + k] * (basis_derivative * env + basis * env_derivative);
+      const BasisValue b = basis(gaussian, k, d, spacing, cutoff);
+      sum += gs[p * num + k] * (b.derivative * env + b.value * env_derivative);
     }
     os[p] = sum;
   }
