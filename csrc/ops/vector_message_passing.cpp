@@ -11,6 +11,20 @@
 #include "message.h"
 
 namespace mirage::ops {
+
+std::tuple<at::Tensor, at::Tensor> empty_vector_message_passing_outputs(
+    const VectorMessagePassingShape& s, const at::TensorOptions& options) {
+  return {at::empty({s.nodes, s.features}, options), at::empty({s.nodes, 3, s.features}, options)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_vector_message_passing_gradients(
+    const VectorMessagePassingShape& s, const at::TensorOptions& options) {
+  return {at::empty({s.nodes, 3 * s.features}, options),
+          at::empty({s.pairs, 3 * s.features}, options),
+          at::empty({s.nodes, 3, s.features}, options),
+          at::empty({s.pairs, 3}, options)};
+}
+
 namespace {
 
 void check_floating(std::string_view op, std::string_view arg, const at::Tensor& t,
@@ -97,8 +111,9 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
   const auto ij = read_pairs(kVectorMessagePassing, pairs, s.nodes);
   const at::Tensor x64 = as_double(x), f64 = as_double(filter), v64 = as_double(vectors),
                    d64 = as_double(directions);
-  at::Tensor scalar = at::zeros({s.nodes, s.features}, x64.options());
-  at::Tensor vector = at::zeros({s.nodes, 3, s.features}, x64.options());
+  auto [scalar, vector] = empty_vector_message_passing_outputs(s, x64.options());
+  scalar.zero_();
+  vector.zero_();
   const double *xs = x64.const_data_ptr<double>(), *fs = f64.const_data_ptr<double>(),
                *vs = v64.const_data_ptr<double>(), *ds = d64.const_data_ptr<double>();
   double* out_s = scalar.mutable_data_ptr<double>();
@@ -127,10 +142,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   const auto ij = read_pairs(kVectorMessagePassingBackward, pairs, s.nodes);
   const at::Tensor gs64 = as_double(grad_scalar), gv64 = as_double(grad_vector), x64 = as_double(x),
                    f64 = as_double(filter), v64 = as_double(vectors), d64 = as_double(directions);
-  at::Tensor grad_x = at::zeros({s.nodes, 3 * s.features}, x64.options());
-  at::Tensor grad_filter = at::zeros({s.pairs, 3 * s.features}, x64.options());
-  at::Tensor grad_vectors = at::zeros({s.nodes, 3, s.features}, x64.options());
-  at::Tensor grad_directions = at::zeros({s.pairs, 3}, x64.options());
+  auto [grad_x, grad_filter, grad_vectors, grad_directions] =
+      empty_vector_message_passing_gradients(s, x64.options());
+  for (at::Tensor* grad : {&grad_x, &grad_filter, &grad_vectors, &grad_directions}) grad->zero_();
   const double *gs = gs64.const_data_ptr<double>(), *gv = gv64.const_data_ptr<double>(),
                *xs = x64.const_data_ptr<double>(), *fs = f64.const_data_ptr<double>(),
                *vs = v64.const_data_ptr<double>(), *ds = d64.const_data_ptr<double>();
@@ -173,8 +187,7 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_meta(const at::Tensor&
                                                                const at::Tensor& directions,
                                                                const at::Tensor& pairs) {
   const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs);
-  return {at::empty({s.nodes, s.features}, x.options()),
-          at::empty({s.nodes, 3, s.features}, x.options())};
+  return empty_vector_message_passing_outputs(s, x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_meta(
@@ -183,9 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
     const at::Tensor& pairs) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
                                                        directions, pairs);
-  return {at::empty({s.nodes, 3 * s.features}, x.options()),
-          at::empty({s.pairs, 3 * s.features}, x.options()),
-          at::empty({s.nodes, 3, s.features}, x.options()), at::empty({s.pairs, 3}, x.options())};
+  return empty_vector_message_passing_gradients(s, x.options());
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string_view>
+#include <tuple>
 
 #include <ATen/core/Tensor.h>
 
@@ -31,5 +32,14 @@ VectorMessagePassingShape check_vector_message_passing_backward(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs);
+
+// (scalar [N, F], vector [N, 3, F]), uninitialized: the shapes every kernel returns.
+std::tuple<at::Tensor, at::Tensor> empty_vector_message_passing_outputs(
+    const VectorMessagePassingShape& s, const at::TensorOptions& options);
+
+// (grad_x [N, 3F], grad_filter [P, 3F], grad_vectors [N, 3, F], grad_directions [P, 3]),
+// uninitialized: the backward's outputs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_vector_message_passing_gradients(
+    const VectorMessagePassingShape& s, const at::TensorOptions& options);
 
 }  // namespace mirage::ops

@@ -25,8 +25,7 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor&
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous(), fc = filter.contiguous(), vc = vectors.contiguous(),
                    dc = directions.contiguous(), pc = pairs.contiguous();
-  at::Tensor scalar = at::empty({s.nodes, s.features}, x.options());
-  at::Tensor vector = at::empty({s.nodes, 3, s.features}, x.options());
+  auto [scalar, vector] = empty_vector_message_passing_outputs(s, x.options());
   cuda::VectorMessagePassingParams params{};
   params.x = xc.const_data_ptr();
   params.filter = fc.const_data_ptr();
@@ -56,10 +55,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   const at::Tensor gsc = grad_scalar.contiguous(), gvc = grad_vector.contiguous(),
                    xc = x.contiguous(), fc = filter.contiguous(), vc = vectors.contiguous(),
                    dc = directions.contiguous(), pc = pairs.contiguous();
-  at::Tensor grad_x = at::empty({s.nodes, 3 * s.features}, x.options());
-  at::Tensor grad_filter = at::empty({s.pairs, 3 * s.features}, x.options());
-  at::Tensor grad_vectors = at::empty({s.nodes, 3, s.features}, x.options());
-  at::Tensor grad_directions = at::empty({s.pairs, 3}, x.options());
+  auto [grad_x, grad_filter, grad_vectors, grad_directions] =
+      empty_vector_message_passing_gradients(s, x.options());
   cuda::VectorMessagePassingBackwardParams params{};
   params.grad_scalar = gsc.const_data_ptr();
   params.grad_vector = gvc.const_data_ptr();
