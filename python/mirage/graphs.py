@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["CapturedGraph", "GraphCache", "GraphCacheStats", "capture", "signature"]
+__all__ = ["CaptureError", "CapturedGraph", "GraphCache", "GraphCacheStats", "capture", "signature"]
 
 # Output leaves that are plain values: a graph returns them as they were at capture.
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
@@ -153,6 +153,12 @@ def _capture_device(leaves: Sequence[Any], names: Sequence[str], who: str) -> to
     return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+class CaptureError(RuntimeError):
+    """A callable could not be captured in a CUDA graph (host synchronisation, CPU tensors, shapes
+    that depend on values). A RuntimeError, so that callers may catch it by type and say what to
+    do instead."""
+
+
 class CapturedGraph:
     """One CUDA graph of ``fn`` for one input signature (see :func:`capture`).
 
@@ -210,7 +216,7 @@ class CapturedGraph:
                 with torch.cuda.graph(self._graph, pool=pool):
                     outputs = fn(*static_args, **static_kwargs)
             except RuntimeError as error:
-                raise RuntimeError(
+                raise CaptureError(
                     f"{who}: capturing {self._fn_name} failed: {error}\nA CUDA graph cannot contain host "
                     "synchronisation (.item(), .cpu(), printing a tensor), CPU tensors or shapes that "
                     "depend on tensor values; run such code without a graph"

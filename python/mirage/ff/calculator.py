@@ -30,9 +30,6 @@ __all__ = ["Calculator", "PRECISIONS", "evaluate"]
 #: ``torch.autocast(bfloat16)``, forces still taken with respect to float32 positions.
 PRECISIONS = ("fp32", "tf32", "bf16-mixed")
 
-# A capacity that still overflows after this many grows (each at least x1.5) is a bug, not a dense system.
-_MAX_GROWS = 16
-
 
 def check_precision(precision: Any, who: str) -> str:
     if precision not in PRECISIONS:
@@ -158,6 +155,15 @@ def evaluate(
     g = 0.5 * (grads[1] + grads[1].transpose(0, 1))
     voigt = torch.stack((g[0, 0], g[1, 1], g[2, 2], g[1, 2], g[0, 2], g[0, 1])) / _volume(cell.detach())
     return energy, forces, voigt.to(positions.dtype)
+
+
+def uncapturable(who: str, error: "graphs.CaptureError", eager: str) -> RuntimeError:
+    """The error for a model that ``error`` says cannot be captured: what to do instead (mirage's
+    fused models, or ``eager``, the caller's own switch to run without graphs)."""
+    return RuntimeError(
+        f"{who}: the model cannot be captured in a CUDA graph ({str(error).splitlines()[0]}). Pass it "
+        f"through mirage.ff.optimize(model) first (mirage's fused models are capturable), or use {eager}. "
+        "A failed capture can leave this process's CUDA random-number generator unusable: restart it")
 
 
 def check_model(model, who: str) -> None:
@@ -369,7 +375,7 @@ class Calculator(_AseCalculator):
     def _run_eager(self, atoms, periodic: bool):
         numbers, positions, cell, pbc = (None if t is None else t.to(self.device)
                                          for t in self._inputs(atoms, periodic))
-        for _ in range(_MAX_GROWS):
+        for _ in range(capacity.MAX_GROWS):
             with matmul_precision(self.precision):
                 out = self._evaluate(numbers, positions, cell, pbc, periodic)
             count = out.get("num_pairs")
@@ -380,7 +386,7 @@ class Calculator(_AseCalculator):
                 return (float(out["energy"].item()), out["forces"].detach().cpu().double().numpy(),
                         None if stress is None else stress.detach().cpu().double().numpy())
             _grow(self.model, needed, count, self.who, graphed=False)
-        raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {_MAX_GROWS} grows "
+        raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows "
                            f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")
 
     def _packed(self, numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
@@ -455,7 +461,7 @@ class Calculator(_AseCalculator):
         stage = self._staging(len(atoms), periodic)
         self._load(stage, atoms, periodic)
         inputs, static, results = stage["inputs"], stage["static"], stage["results"]
-        for _ in range(_MAX_GROWS):
+        for _ in range(capacity.MAX_GROWS):
             with on_device(self.device):
                 try:
                     self._watch.before()
@@ -468,15 +474,8 @@ class Calculator(_AseCalculator):
                     stage["stale"].clear()
                     out = self._graphs.replay(stage["key"], stage["entry"])
                     self._watch.after()
-                except RuntimeError as error:
-                    if "mirage.graphs.capture: capturing" not in str(error):
-                        raise
-                    raise RuntimeError(
-                        f"{self.who}: the model cannot be captured in a CUDA graph "
-                        f"({str(error).splitlines()[0]}). Pass it through mirage.ff.optimize(model) first "
-                        "(mirage's fused models are capturable), or use Calculator(model, cuda_graph=False). "
-                        "A failed capture can leave this process's CUDA random-number generator unusable: "
-                        "restart it") from error
+                except graphs.CaptureError as error:
+                    raise uncapturable(self.who, error, "Calculator(model, cuda_graph=False)") from error
                 stage["packed"].copy_(out, non_blocking=True)
                 synchronize(self.device)
             count = int(results["num_pairs"][0]) if "num_pairs" in results else None
@@ -487,5 +486,5 @@ class Calculator(_AseCalculator):
                         results["stress"].astype(np.float64) if periodic else None)
             _grow(self.model, needed, count, self.who, graphed=True)
             self._graphs.clear()
-        raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {_MAX_GROWS} grows "
+        raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows "
                            f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")

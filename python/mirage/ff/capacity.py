@@ -16,13 +16,16 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["GROWTH", "MARGIN", "has_capacity", "needed_pairs"]
+__all__ = ["GROWTH", "MARGIN", "MAX_GROWS", "has_capacity", "needed_pairs"]
 
 #: An overflowing capacity grows at least by this factor, so that a slowly densifying system
 #: (a compressed box, a cluster forming) recaptures a logarithmic number of times.
 GROWTH = 1.5
 #: The new capacity is at least the count seen times this, for the same reason.
 MARGIN = 1.2
+#: Grows a caller tries for one evaluation before it gives up (a model whose num_pairs does not
+#: follow max_pairs would otherwise loop for ever).
+MAX_GROWS = 16
 
 
 def has_capacity(model) -> bool:

@@ -36,12 +36,11 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from .. import graphs
 from . import capacity
 from .calculator import (CapacityWatch, check_model, check_precision, evaluate, matmul_precision, model_device_dtype,
-                         on_device, synchronize)
+                         on_device, synchronize, uncapturable)
 
 __all__ = ["Langevin", "VelocityVerlet"]
 
 _WHO = "mirage.ff.md.VelocityVerlet"
-_MAX_GROWS = 16
 _NO_PAIRS = 2**62  # the running minimum of the pair count starts above any real count
 
 
@@ -229,7 +228,7 @@ class VelocityVerlet:
             self._graphs.clear()
 
     def _compute_initial_forces(self) -> None:
-        for _ in range(_MAX_GROWS):
+        for _ in range(capacity.MAX_GROWS):
             if self._counting:
                 self._state["pair_counts"][0].fill_(0)
                 self._state["pair_counts"][1].fill_(_NO_PAIRS)
@@ -239,11 +238,11 @@ class VelocityVerlet:
             if needed is None:
                 return
             self._grow(needed)
-        raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {_MAX_GROWS} grows")
+        raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows")
 
     def _replay(self, steps: int) -> None:
         """Advances ``steps`` steps (one replay), redoing them with more capacity on overflow."""
-        for _ in range(_MAX_GROWS):
+        for _ in range(capacity.MAX_GROWS):
             with matmul_precision(self.precision):
                 if self._graphs is None:
                     with torch.no_grad():
@@ -257,7 +256,7 @@ class VelocityVerlet:
                 return
             self._restore()
             self._grow(needed)
-        raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {_MAX_GROWS} grows")
+        raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows")
 
     def _captured(self, steps: int) -> Dict[str, Tensor]:
         try:
@@ -265,14 +264,8 @@ class VelocityVerlet:
             state = self._graphs(self._state, steps)
             self._watch.after()
             return state
-        except RuntimeError as error:
-            if "mirage.graphs.capture: capturing" not in str(error):
-                raise
-            raise RuntimeError(
-                f"{_WHO}: the model cannot be captured in a CUDA graph ({str(error).splitlines()[0]}). Pass it "
-                "through mirage.ff.optimize(model) first (mirage's fused models are capturable), or use "
-                "cuda_graph=False. A failed capture can leave this process's CUDA random-number generator "
-                "unusable: restart it") from error
+        except graphs.CaptureError as error:
+            raise uncapturable(_WHO, error, "cuda_graph=False") from error
 
     # ---------------------------------------------------------------------------------- output
     def _host_state(self):
