@@ -1,5 +1,6 @@
 // GEGLU: one pass, 16-byte accesses when the half width and pointers allow it.
 #include <algorithm>
+#include <cstdint>
 
 #include "geglu.cuh"
 #include "kernel_utils.cuh"
@@ -9,36 +10,50 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float gelu(float v, GeluApprox approximate) {
-  if (approximate == GeluApprox::kTanh) {
-    const float inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);  // sqrt(2/pi)
-    return 0.5f * v * (1.0f + tanhf(inner));
-  }
-  return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));  // 1/sqrt(2)
+// One V-vector of a row a thread, one pass: blockIdx.x picks the tile of the row, blockIdx.z and
+// blockIdx.y (rows past gridDim.y's limit go on in z) with threadIdx.y the row. No division;
+// Index is int when x has fewer than 2^31 elements. The GELU form is a template argument: chosen
+// at run time, element by element, it cost 5% (H200, fp16 8192x2560: 18.59 us against 17.49).
+template <typename T, int V, typename Index, GeluApprox kApprox>
+__global__ void __launch_bounds__(kThreads) geglu_kernel(GegluParams p, Index row_vecs) {
+  const Index col = grid_col<Index>(), row = grid_row<Index>();
+  if (col >= row_vecs || row >= p.rows) return;
+  const Index half = static_cast<Index>(p.half_dim);
+  const T* x = static_cast<const T*>(p.x) + row * 2 * half + col * V;
+  float value[V], gate[V];
+  load_packed<T, V>(x, value);
+  load_packed<T, V>(x + half, gate);
+#pragma unroll
+  for (int j = 0; j < V; ++j) value[j] *= gelu(gate[j], kApprox);
+  store_packed<T, V>(static_cast<T*>(p.y) + row * half + col * V, value);
 }
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) geglu_kernel(GegluParams p, int64_t row_vecs) {
-  const int64_t total = p.rows * row_vecs;
-  const T* x = static_cast<const T*>(p.x);
-  T* y = static_cast<T*>(p.y);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / row_vecs, col = (i - row * row_vecs) * V;
-    float value[V], gate[V];
-    load_packed<T, V>(x + row * 2 * p.half_dim + col, value);
-    load_packed<T, V>(x + row * 2 * p.half_dim + p.half_dim + col, gate);
-#pragma unroll
-    for (int j = 0; j < V; ++j) value[j] *= gelu(gate[j], p.approximate);
-    store_packed<T, V>(y + row * p.half_dim + col, value);
+template <typename T, int V, typename Index>
+void launch_kernel(const GegluParams& p, Index row_vecs, dim3 grid, dim3 block,
+                   cudaStream_t stream) {
+  if (p.approximate == GeluApprox::kTanh) {
+    geglu_kernel<T, V, Index, GeluApprox::kTanh><<<grid, block, 0, stream>>>(p, row_vecs);
+  } else {
+    geglu_kernel<T, V, Index, GeluApprox::kNone><<<grid, block, 0, stream>>>(p, row_vecs);
   }
 }
 
 template <typename T, int V>
 cudaError_t launch_with(const GegluParams& p, cudaStream_t stream) {
+  // A row in the fewest tiles of <= 256 threads, spread evenly over them; then as many whole rows
+  // a block as fit. fp16 on an H200 (scratch/sweep_norms.cu), us, against the former grid-stride
+  // kernel with a 64-bit division: 8192x2560 19.45 -> 17.30, 2048x5120 10.84 -> 9.62, 512x10240
+  // 6.28 -> 6.02. In the sweep 2 or 4 vectors a thread and cache hints were slower, and 128-thread
+  // tiles won only at 512x10240 (5.73 against 5.98) and lost at the others (19.76, 11.18).
   const int64_t row_vecs = p.half_dim / V;
-  const int64_t blocks = std::min<int64_t>(ceil_div(p.rows * row_vecs, kThreads), 8LL * sm_count());
-  geglu_kernel<T, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, row_vecs);
+  const RowGrid g = row_grid(p.rows, row_vecs, kThreads);
+  if (!g.valid) return cudaErrorInvalidValue;  // > 4e9 rows
+  const dim3 grid = g.grid, block = g.block;
+  if (p.rows * 2 * p.half_dim <= INT32_MAX) {
+    launch_kernel<T, V>(p, static_cast<int>(row_vecs), grid, block, stream);
+  } else {
+    launch_kernel<T, V>(p, row_vecs, grid, block, stream);
+  }
   return cudaGetLastError();
 }
 

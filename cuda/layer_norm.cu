@@ -1,5 +1,5 @@
-// LayerNorm: a team of threads (a warp, or more for long rows) owns one row, keeps it in
-// registers, and computes exact two-pass statistics before writing; x is read once.
+// LayerNorm: a team of threads (a few lanes of a warp, or more for long rows) owns one row, keeps
+// it in registers, and computes exact two-pass statistics before writing; x is read once.
 #include <type_traits>
 
 #include "kernel_utils.cuh"
@@ -18,9 +18,13 @@ struct Args {
 };
 
 // Sum over the team of threadIdx.x (blockDim.x threads, a power of two); threadIdx.y picks the row.
+// A team under 32 lanes shares its warp with other rows, so it shuffles only at xor offsets below
+// its size; every lane of the warp takes part (teams past the last row included).
 __device__ __forceinline__ float team_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  if (blockDim.x == 32) return v;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    if (offset < static_cast<int>(blockDim.x)) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (blockDim.x <= 32) return v;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float* mine = scratch + threadIdx.y * 32;
   if (lane == 0) mine[warp] = v;
@@ -31,48 +35,71 @@ __device__ __forceinline__ float team_sum(float v, float* scratch) {
   return v;
 }
 
-// Loads the affine parameters of `v` (ones and zeros when absent) as raw P values.
-template <typename P, int V>
+// Loads the affine parameters of `v` as raw P values. kAffine: weight and bias are both given (the
+// usual case). Otherwise an absent one reads as ones or zeros, merged in element by element: the
+// merge costs instructions the usual case does not pay.
+template <typename P, int V, bool kAffine>
 __device__ __forceinline__ void load_affine(const LayerNormParams& p, int64_t v, Packed<P, V>& w,
                                             Packed<P, V>& b) {
+  if constexpr (!kAffine) {
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    w.v[i] = from_float<P>(1.0f);
-    b.v[i] = from_float<P>(0.0f);
+    for (int i = 0; i < V; ++i) {
+      w.v[i] = from_float<P>(1.0f);
+      b.v[i] = from_float<P>(0.0f);
+    }
   }
-  if (p.weight != nullptr) w = reinterpret_cast<const Packed<P, V>*>(p.weight)[v];
-  if (p.bias != nullptr) b = reinterpret_cast<const Packed<P, V>*>(p.bias)[v];
+  if (kAffine || p.weight != nullptr) w = reinterpret_cast<const Packed<P, V>*>(p.weight)[v];
+  if (kAffine || p.bias != nullptr) b = reinterpret_cast<const Packed<P, V>*>(p.bias)[v];
 }
 
-template <typename T, typename P, int V, int K>
+template <typename T, typename P, int V, int K, bool kAffine>
 __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
   __shared__ float scratch[32 * 32];
   const LayerNormParams& p = a.p;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   // A team past the last row stays to the end: its block's barriers count every thread.
   const int64_t row_vecs = row < p.rows ? a.row_vecs : 0;
-  const int64_t offset = row * p.dim;
+  // Loads are unconditional: a slot past the row reads vector 0, a team past the last row reads
+  // row 0, and neither value is used. Loads under a condition made the compiler merge 16-bit
+  // values into registers one by one (fp16 on an H200, with kAffine: 8192x320 6.18 -> 5.74 us,
+  // 512x1280 with a residual 4.40 -> 3.75).
+  const int64_t offset = (row < p.rows ? row : 0) * p.dim;
 
+  // x (and the residual) first, all vectors at once; w and b after the sum, their latency hidden
+  // behind the reductions.
+  Packed<T, V> xs[K], rs[K];
+  Packed<P, V> w[K], b[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    const int64_t at = offset + (v < a.row_vecs ? v : 0) * V;
+    xs[k] = *reinterpret_cast<const Packed<T, V>*>(static_cast<const T*>(p.x) + at);
+    if (p.residual != nullptr)
+      rs[k] = *reinterpret_cast<const Packed<T, V>*>(static_cast<const T*>(p.residual) + at);
+  }
   float vals[K][V];
-  Packed<P, V> w[K], b[K];  // fetched with x, so their latency hides behind the reductions
   float sum = 0.0f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+#pragma unroll
+    for (int i = 0; i < V; ++i) vals[k][i] = to_float(xs[k].v[i]);
     if (v < row_vecs) {
-      load_packed<T, V>(static_cast<const T*>(p.x) + offset + v * V, vals[k]);
-      load_affine<P, V>(p, v, w[k], b[k]);
       if (p.residual != nullptr) {
-        float r[V];
-        load_packed<T, V>(static_cast<const T*>(p.residual) + offset + v * V, r);
         // The sum is normalized as stored (rounded to T), as x + residual would be in PyTorch.
 #pragma unroll
-        for (int i = 0; i < V; ++i) vals[k][i] = to_float(from_float<T>(vals[k][i] + r[i]));
+        for (int i = 0; i < V; ++i)
+          vals[k][i] = to_float(from_float<T>(vals[k][i] + to_float(rs[k].v[i])));
         store_packed<T, V>(static_cast<T*>(p.sum) + offset + v * V, vals[k]);
       }
 #pragma unroll
       for (int i = 0; i < V; ++i) sum += vals[k][i];
     }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    load_affine<P, V, kAffine>(p, v < a.row_vecs ? v : 0, w[k], b[k]);
   }
   const float mean = team_sum(sum, scratch) / p.dim;
   float m2 = 0.0f;
@@ -98,24 +125,42 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
   }
 }
 
+template <typename T, typename P, int V, int K>
+void launch_kernel(const Args& a, dim3 grid, dim3 block, cudaStream_t stream) {
+  if (a.p.weight != nullptr && a.p.bias != nullptr) {
+    layer_norm_kernel<T, P, V, K, true><<<grid, block, 0, stream>>>(a);
+  } else {
+    layer_norm_kernel<T, P, V, K, false><<<grid, block, 0, stream>>>(a);
+  }
+}
+
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Args& a, cudaStream_t stream) {
-  // Smallest team, then fewest vectors per thread, that hold the row.
-  int team = 32;
-  while (static_cast<int64_t>(team) * (kMaxValuesPerThread / V) < a.row_vecs) team *= 2;
+  // The smallest team (a power of two, 1 to kMaxTeam lanes) that holds the row in at most 3
+  // vectors a thread, one row a team, 256-thread blocks: what won in scratch/sweep_norms.cu (fp16,
+  // H200) at 8192x320 (16 lanes x 3; 8 x 5 and 32 x 2 were slower), 2048x640 (32 x 3) and 512x1280
+  // (64 x 3; a whole-row team of 160 x 1, not a power of two, was 5% faster). Two rows a team and
+  // cache hints were slower, block size moved times by a few percent either way. This kernel, us:
+  // 8192x320 6.25 -> 5.74, 2048x640 3.98 -> 3.37, 512x1280 3.94 -> 3.11; with a residual
+  // 9.51 -> 7.52, 6.16 -> 4.62, 5.67 -> 3.75.
+  int team = 1;
+  while (team < kMaxTeam && static_cast<int64_t>(team) * 3 < a.row_vecs) team *= 2;
+  // 1, 2 or 3; past that (kMaxTeam lanes, longer rows) a power of two.
   int per_thread = 1;
-  while (static_cast<int64_t>(team) * per_thread < a.row_vecs) per_thread *= 2;
+  while (static_cast<int64_t>(team) * per_thread < a.row_vecs)
+    per_thread += per_thread < 4 ? 1 : per_thread;
   const int rows_per_block = team >= kBlockThreads ? 1 : kBlockThreads / team;
   const dim3 block(team, rows_per_block);
   const dim3 grid(static_cast<unsigned>((a.p.rows + rows_per_block - 1) / rows_per_block));
   switch (per_thread) {
-#define MIRAGE_LAYER_NORM_CASE(K)                                \
-  case K:                                                        \
-    if constexpr (K * V <= kMaxValuesPerThread)                  \
-      layer_norm_kernel<T, P, V, K><<<grid, block, 0, stream>>>(a); \
+#define MIRAGE_LAYER_NORM_CASE(K)                                 \
+  case K:                                                         \
+    if constexpr (K * V <= kMaxValuesPerThread)                   \
+      launch_kernel<T, P, V, K>(a, grid, block, stream);          \
     break;
     MIRAGE_LAYER_NORM_CASE(1)
     MIRAGE_LAYER_NORM_CASE(2)
+    MIRAGE_LAYER_NORM_CASE(3)
     MIRAGE_LAYER_NORM_CASE(4)
     MIRAGE_LAYER_NORM_CASE(8)
     MIRAGE_LAYER_NORM_CASE(16)
