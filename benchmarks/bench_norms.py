@@ -1,5 +1,5 @@
-"""GroupNorm+SiLU, LayerNorm (plain and with the residual add) and GEGLU at the SD-1.5 U-Net's
-shapes, fp16: mirage against PyTorch eager and torch.compile of the same composite, in one run.
+"""GroupNorm+SiLU, LayerNorm (plain and with the residual add), GEGLU and a convolution's
+epilogue (bias_act: bias + residual) at the SD-1.5 U-Net's shapes, fp16: mirage against PyTorch eager and torch.compile of the same composite, in one run.
 
 Every variant is timed as 100 back-to-back calls inside one CUDA graph (no launch overhead),
 cycling through enough input sets that no call finds its input in L2. GB/s counts the fewest
@@ -43,6 +43,11 @@ def geglu(x):
     return a * F.gelu(g)
 
 
+def bias_residual(x, b, r):
+    """What follows a convolution with a bias in a residual block: PyTorch's bias pass, then the add."""
+    return (x + b[:, None, None]) + r
+
+
 def cases(quick: bool):
     """(op, shape label, layout, make_inputs, eager fn, mirage fn, bytes moved)."""
     half = torch.float16
@@ -58,6 +63,14 @@ def cases(quick: bool):
             nbytes = 2 * 2 * torch.Size(shape).numel()
             yield ("group_norm+silu", "x".join(map(str, shape)), layout, make, group_norm_silu,
                    lambda x, w, b: mirage.ops.group_norm(x, 32, w, b, 1e-5, "silu"), nbytes)
+    for shape in GROUP_NORM_SHAPES[:1] if quick else GROUP_NORM_SHAPES:
+        def make_epilogue(shape=shape):
+            x, r = (torch.randn(shape, device="cuda", dtype=half).contiguous(memory_format=torch.channels_last)
+                    for _ in range(2))
+            return x, torch.randn(shape[1], device="cuda", dtype=half), r
+
+        yield ("bias_act", "x".join(map(str, shape)), "channels_last", make_epilogue, bias_residual,
+               lambda x, b, r: mirage.ops.bias_act(x, b, r), 3 * 2 * torch.Size(shape).numel())
     for tokens, dim in TOKEN_SHAPES[:1] if quick else TOKEN_SHAPES:
         label = f"{tokens}x{dim}"
 

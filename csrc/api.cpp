@@ -42,6 +42,12 @@ at::Tensor geglu(const at::Tensor& x, std::string_view approximate) {
   return handles::geglu().call(x, approximate);
 }
 
+at::Tensor bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                    const std::optional<at::Tensor>& residual, std::string_view activation,
+                    double scale) {
+  return handles::bias_act().call(x, bias, residual, activation, scale);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,

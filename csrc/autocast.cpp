@@ -57,6 +57,19 @@ at::Tensor geglu_autocast(const at::Tensor& x, c10::string_view approximate) {
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
+at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, c10::string_view activation,
+                             double scale) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = at::autocast::get_autocast_dtype(Device);
+  const std::optional<at::Tensor> cast_residual =
+      residual.has_value() ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
+                           : std::nullopt;
+  return handles::bias_act().call(cached_cast(dtype, x, Device), bias, cast_residual, activation,
+                                  scale);
+}
+
+template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autocast(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,
@@ -112,6 +125,7 @@ TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
   m.impl("layer_norm", &layer_norm_autocast<kDevice, kKey>);
   m.impl("add_layer_norm", &add_layer_norm_autocast<kDevice, kKey>);
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
+  m.impl("bias_act", &bias_act_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
   m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);
@@ -126,6 +140,7 @@ TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
   m.impl("layer_norm", &layer_norm_autocast<kDevice, kKey>);
   m.impl("add_layer_norm", &add_layer_norm_autocast<kDevice, kKey>);
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
+  m.impl("bias_act", &bias_act_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
   m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);

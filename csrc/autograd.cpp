@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "op_handles.h"
+#include "ops/bias_act.h"
 
 namespace mirage::autograd {
 namespace {
@@ -166,6 +167,35 @@ struct GegluFunction : torch::autograd::Function<GegluFunction> {
       return variable_list{halves[0] * at::gelu(halves[1], approximate)};
     });
     return {grads[0], at::Tensor()};
+  }
+};
+
+struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, c10::string_view activation,
+                            double scale) {
+    save_inputs(ctx, {x, value_or_undefined(bias), value_or_undefined(residual)});
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["scale"] = scale;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::bias_act().call(x, bias, residual, activation, scale);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
+      at::Tensor v = in[0];
+      if (in[1].defined()) v = v + ops::broadcastable_bias(*in_dtype_of(in[1], v), v);
+      if (activation == "silu") v = at::silu(v);
+      if (activation == "gelu") v = at::gelu(v);
+      if (activation == "gelu_tanh") v = at::gelu(v, "tanh");
+      if (activation == "relu") v = at::relu(v);
+      if (in[2].defined()) v = v + in[2];
+      return variable_list{v * scale};
+    });
+    return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor()};
   }
 };
 
@@ -409,6 +439,12 @@ at::Tensor geglu_autograd(const at::Tensor& x, c10::string_view approximate) {
   return GegluFunction::apply(x, approximate);
 }
 
+at::Tensor bias_act_autograd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, c10::string_view activation,
+                             double scale) {
+  return BiasActFunction::apply(x, bias, residual, activation, scale);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autograd(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,
@@ -445,6 +481,7 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("layer_norm", &layer_norm_autograd);
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("geglu", &geglu_autograd);
+  m.impl("bias_act", &bias_act_autograd);
   m.impl("neighbor_list", &neighbor_list_autograd);
   m.impl("radial_basis", &radial_basis_autograd);
   m.impl("radial_basis_backward", &radial_basis_backward_autograd);

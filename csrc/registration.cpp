@@ -9,6 +9,9 @@ TORCH_LIBRARY(mirage, m) {
   m.def("add_layer_norm(Tensor x, Tensor residual, Tensor? weight=None, Tensor? bias=None, "
         "float eps=1e-05) -> (Tensor out, Tensor sum)");
   m.def("geglu(Tensor x, str approximate=\"none\") -> Tensor");
+  // A convolution's epilogue in one pass: (activation(x + bias) + residual) * scale.
+  m.def("bias_act(Tensor x, Tensor? bias=None, Tensor? residual=None, str activation=\"none\", "
+        "float scale=1.0) -> Tensor");
   // Force fields (docs/ops.md): a fixed-capacity neighbor list, a fused radial basis, and message
   // passing over the pairs with its gather-product companion (each one's gradient is the other).
   m.def("neighbor_list(Tensor positions, float cutoff, Tensor? cell=None, Tensor? pbc=None, "

@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include "message.h"
 
@@ -43,6 +44,12 @@ at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>&
   if (has_weight) return weight->scalar_type();
   if (has_bias) return bias->scalar_type();
   return x.scalar_type();
+}
+
+ChannelsShape channels_shape(const at::Tensor& x) {
+  const bool spatial_4d_5d = x.dim() == 4 || x.dim() == 5;
+  return {x.size(0), x.size(1), x.dim() == 2 ? 1 : c10::multiply_integers(x.sizes().slice(2)),
+          spatial_4d_5d ? x.suggest_memory_format() : at::MemoryFormat::Contiguous};
 }
 
 at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p) {

@@ -24,6 +24,15 @@ void check_param(std::string_view op, std::string_view arg, const std::optional<
 at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, const at::Tensor& x);
 
+// x of shape [N, C, *spatial] as the kernels see it: spatial is the product of the trailing
+// dimensions (1 for 2-D x); layout is x's suggested memory format for 4-D/5-D x (channels-last
+// or contiguous), contiguous otherwise. Also the layout of the output.
+struct ChannelsShape {
+  int64_t batch, channels, spatial;
+  at::MemoryFormat layout;
+};
+ChannelsShape channels_shape(const at::Tensor& x);
+
 // The parameter as a contiguous tensor, or undefined when absent.
 at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p);
 

@@ -30,9 +30,7 @@ GroupNormShape check_group_norm(const at::Tensor& x, int64_t num_groups,
   MIRAGE_CHECK(eps >= 0 && std::isfinite(eps), kGroupNorm, ": eps must be finite and >= 0, got ", eps);
   MIRAGE_CHECK(activation == "none" || activation == "silu", kGroupNorm,
               ": activation must be \"none\" or \"silu\", got \"", activation, "\"");
-  const bool spatial_4d_5d = x.dim() == 4 || x.dim() == 5;
-  return {x.size(0), channels, x.dim() == 2 ? 1 : c10::multiply_integers(x.sizes().slice(2)),
-          spatial_4d_5d ? x.suggest_memory_format() : at::MemoryFormat::Contiguous};
+  return channels_shape(x);
 }
 
 at::Tensor empty_group_norm_output(const at::Tensor& x, const GroupNormShape& shape) {

@@ -6,14 +6,13 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "checks.h"
+
 namespace mirage::ops {
 
 inline constexpr std::string_view kGroupNorm = "mirage::group_norm";
 
-struct GroupNormShape {
-  int64_t batch, channels, spatial;
-  at::MemoryFormat layout;  // of the output, and of x as the kernels read it
-};
+using GroupNormShape = ChannelsShape;
 
 // Checks every argument; the shape and layout the kernels use.
 GroupNormShape check_group_norm(const at::Tensor& x, int64_t num_groups,

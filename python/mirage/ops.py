@@ -78,6 +78,33 @@ def geglu(x: Tensor, approximate: str = "none") -> Tensor:
     return torch.ops.mirage.geglu(x, approximate)
 
 
+def bias_act(
+    x: Tensor,
+    bias: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    activation: str = "none",
+    scale: float = 1.0,
+) -> Tensor:
+    """A convolution's epilogue in one pass: ``(activation(x + bias) + residual) * scale``.
+
+    PyTorch adds a convolution's bias in a kernel of its own after cuDNN's, and the activation
+    and a residual add are one more pass each; this is all of them in one read of ``x`` (and
+    ``residual``) and one write. Arithmetic in float32, rounded once.
+
+    Args:
+        x: ``(N, C, *)``, float32/float16/bfloat16 (float64 on the CPU); NCHW or channels-last.
+        bias: None, ``(C,)`` (a convolution's bias) or ``(N, C)`` (a per-sample shift, e.g. a
+            bias plus a time embedding), in ``x``'s dtype or float32.
+        residual: None, or a tensor of ``x``'s shape and dtype, added after the activation.
+        activation: ``"none"``, ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
+        scale: multiplies the result (e.g. ``1 / output_scale_factor``).
+
+    Returns:
+        ``x``'s shape and dtype, in ``x``'s memory format (channels-last stays channels-last).
+    """
+    return torch.ops.mirage.bias_act(x, bias, residual, activation, scale)
+
+
 class NeighborList(NamedTuple):
     """The fixed-capacity outputs of :func:`neighbor_list` (``P = max_pairs``)."""
 

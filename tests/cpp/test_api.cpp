@@ -55,6 +55,14 @@ TEST_CASE("layer_norm, add_layer_norm and geglu match PyTorch on CPU tensors", "
   require_close(mirage::geglu(x, "tanh"), halves[0] * at::gelu(halves[1], "tanh"), 1e-5);
 }
 
+TEST_CASE("bias_act matches the PyTorch composite on CPU tensors", "[api]") {
+  const at::Tensor x = at::randn({2, 6, 3, 5}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor bias = at::randn({2, 6}), residual = at::randn({2, 6, 3, 5});
+  const at::Tensor y = mirage::bias_act(x, bias, residual, "silu", 0.5);
+  require_close(y, (at::silu(x + bias.reshape({2, 6, 1, 1})) + residual) * 0.5, 1e-5);
+  REQUIRE(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+}
+
 TEST_CASE("message passing ops match index_add / gather composites on CPU tensors", "[api]") {
   const at::Tensor pairs = at::randint(0, 7, {2, 40}, at::kLong);
   const at::Tensor i = pairs[0], j = pairs[1];
@@ -78,6 +86,8 @@ TEST_CASE("bad input raises c10::Error naming the op and the argument", "[api]")
           std::string::npos);
   REQUIRE(error_of([&] { mirage::geglu(at::randn({2, 3})); }).find("mirage::geglu: x's last dimension must be even") !=
           std::string::npos);
+  REQUIRE(error_of([&] { mirage::bias_act(x, at::randn({29})); }).find(
+              "mirage::bias_act: bias must have shape [30] or [2, 30]") != std::string::npos);
 }
 
 TEST_CASE("a scripted module calling torch.ops.mirage runs from C++", "[torchscript]") {

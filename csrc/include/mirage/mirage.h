@@ -43,6 +43,13 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
 // a * gelu(b) with [a, b] = x.chunk(2, -1); approximate is "none" or "tanh".
 at::Tensor geglu(const at::Tensor& x, std::string_view approximate = "none");
 
+// A convolution's epilogue in one pass over (N, C, *) x, NCHW or channels-last, output in x's
+// layout: (activation(x + bias) + residual) * scale. bias is [C] or [N, C]; activation is "none",
+// "silu", "gelu", "gelu_tanh" or "relu".
+at::Tensor bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias = std::nullopt,
+                    const std::optional<at::Tensor>& residual = std::nullopt,
+                    std::string_view activation = "none", double scale = 1.0);
+
 // Pairs (i, j, image) with |r_j - r_i + shift| < cutoff, in fixed-capacity outputs:
 // (pairs [2, P] int64, shifts [P, 3], distances [P], num_pairs [1] int64 = the true count).
 // max_pairs = -1 means N * (N - 1); method is "auto", "direct" or "cell_list" (CUDA search).

@@ -1,0 +1,85 @@
+// mirage::bias_act: argument checks, CPU reference and Meta kernel.
+#include "bias_act.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "message.h"
+
+namespace mirage::ops {
+
+ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, std::string_view activation,
+                             double scale) {
+  check_activation_dtype(kBiasAct, "x", x);
+  MIRAGE_CHECK(x.dim() >= 2, kBiasAct, ": x must have shape (N, C, *), got ", x.dim(),
+              " dimension(s) ", x.sizes());
+  const int64_t batch = x.size(0), channels = x.size(1);
+  if (bias.has_value() && bias->defined()) {
+    check_same_device(kBiasAct, "bias", *bias, x);
+    const bool per_channel = bias->dim() == 1 && bias->size(0) == channels;
+    const bool per_sample = bias->dim() == 2 && bias->size(0) == batch && bias->size(1) == channels;
+    MIRAGE_CHECK(per_channel || per_sample, kBiasAct, ": bias must have shape [", channels, "] or [",
+                batch, ", ", channels, "] for x of shape ", x.sizes(), ", got ", bias->sizes());
+    MIRAGE_CHECK(bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat,
+                kBiasAct, ": bias must have x's dtype (", x.scalar_type(), ") or float32, got ",
+                bias->scalar_type());
+  }
+  if (residual.has_value() && residual->defined()) {
+    check_same_device(kBiasAct, "residual", *residual, x);
+    MIRAGE_CHECK(residual->sizes() == x.sizes(), kBiasAct, ": residual must have x's shape ",
+                x.sizes(), ", got ", residual->sizes());
+    MIRAGE_CHECK(residual->scalar_type() == x.scalar_type(), kBiasAct,
+                ": residual must have x's dtype (", x.scalar_type(), "), got ",
+                residual->scalar_type());
+  }
+  bool known = false;
+  for (std::string_view name : kBiasActivations) known = known || activation == name;
+  MIRAGE_CHECK(known, kBiasAct,
+              ": activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"",
+              activation, "\"");
+  MIRAGE_CHECK(std::isfinite(scale), kBiasAct, ": scale must be finite, got ", scale);
+  return channels_shape(x);
+}
+
+at::Tensor broadcastable_bias(const at::Tensor& bias, const at::Tensor& x) {
+  std::vector<int64_t> shape(x.dim(), 1);
+  shape[1] = x.size(1);
+  if (bias.dim() == 2) shape[0] = x.size(0);
+  return bias.reshape(shape);
+}
+
+namespace {
+
+// The reference: float64 PyTorch ops, one step at a time as the op's definition reads.
+at::Tensor bias_act_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual, c10::string_view activation,
+                        double scale) {
+  const ChannelsShape shape = check_bias_act(x, bias, residual, activation, scale);
+  at::Tensor v = x.to(at::kDouble);
+  if (bias.has_value() && bias->defined()) v = v + broadcastable_bias(bias->to(at::kDouble), v);
+  if (activation == "silu") v = v / (1.0 + at::exp(-v));
+  if (activation == "gelu") v = 0.5 * v * (1.0 + at::erf(v / std::sqrt(2.0)));
+  if (activation == "gelu_tanh")
+    v = 0.5 * v * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v)));
+  if (activation == "relu") v = at::relu(v);
+  if (residual.has_value() && residual->defined()) v = v + residual->to(at::kDouble);
+  v = v * scale;
+  return v.to(x.scalar_type()).contiguous(shape.layout);
+}
+
+at::Tensor bias_act_meta(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual, c10::string_view activation,
+                         double scale) {
+  const ChannelsShape shape = check_bias_act(x, bias, residual, activation, scale);
+  return at::empty(x.sizes(), x.options().memory_format(shape.layout));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CPU, m) { m.impl("bias_act", &bias_act_cpu); }
+TORCH_LIBRARY_IMPL(mirage, Meta, m) { m.impl("bias_act", &bias_act_meta); }
+
+}  // namespace mirage::ops

@@ -1,0 +1,26 @@
+// mirage::bias_act: checks and shape shared by the CPU, Meta and CUDA kernels.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+#include "checks.h"
+
+namespace mirage::ops {
+
+inline constexpr std::string_view kBiasAct = "mirage::bias_act";
+
+// The activation names bias_act accepts, in the order of cuda::Activation.
+inline constexpr std::string_view kBiasActivations[] = {"none", "silu", "gelu", "gelu_tanh", "relu"};
+
+// Checks every argument; x's [N, C, *spatial] shape and the layout of the output.
+ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, std::string_view activation,
+                             double scale);
+
+// bias ([C] or [N, C]) reshaped to broadcast against x: [1, C, 1, ...] or [N, C, 1, ...].
+at::Tensor broadcastable_bias(const at::Tensor& bias, const at::Tensor& x);
+
+}  // namespace mirage::ops
