@@ -115,40 +115,38 @@ def test_resnet_block_matches_diffusers(name, channels_last):
         torch.testing.assert_close(fused(x, temb), block(x, temb), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize(("factor", "divisions"), [(1.0, 0), (2.0, 1)])
-def test_resnet_block_divides_only_by_an_output_scale_factor_other_than_1(factor, divisions):
-    block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4, output_scale_factor=factor).double().eval()
-    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
-    x, temb = randn(2, 8, 6, 6, dtype=torch.float64), randn(2, 10, dtype=torch.float64)
-    with torch.no_grad():
-        with OpCounter() as counter:
-            got = fused(x, temb)
-        torch.testing.assert_close(got, block(x, temb), atol=1e-12, rtol=1e-12)
-    assert counter.calls.count("aten.div") == divisions
-
-
-def test_resnet_block_folds_conv_biases_into_time_embedding_and_shortcut():
-    # PyTorch adds a convolution's bias in a pass of its own on the GPU: conv1's bias rides on the
-    # time embedding, conv2's on the 1x1 shortcut's, so conv1 and conv2 run without bias.
-    block = ResnetBlock2D(in_channels=8, out_channels=12, temb_channels=10, groups=4).double().eval()
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+@pytest.mark.parametrize("out_channels", [8, 12])  # identity and 1x1-conv shortcut
+def test_resnet_block_epilogues_run_in_bias_act(factor, out_channels):
+    # PyTorch adds a convolution's bias in a pass of its own on the GPU, then the time embedding,
+    # the residual and the division by output_scale_factor take a pass each. The fused block runs
+    # every convolution without bias and does all of that in two bias_act passes.
+    block = ResnetBlock2D(in_channels=8, out_channels=out_channels, temb_channels=10, groups=4,
+                          output_scale_factor=factor).double().eval()
     fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
     x, temb = randn(2, 8, 6, 6, dtype=torch.float64), randn(2, 10, dtype=torch.float64)
 
-    class ConvBiases(TorchDispatchMode):
+    class Calls(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.biases = []
+            self.conv_biases, self.ops = [], []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.overloadpacket is torch.ops.aten.convolution:
-                self.biases.append(args[2] is not None)
+                self.conv_biases.append(args[2] is not None)
+            self.ops.append(str(func.overloadpacket))
             return func(*args, **(kwargs or {}))
 
     with torch.no_grad():
-        with ConvBiases() as convs:
+        with Calls() as calls:
             got = fused(x, temb)
         torch.testing.assert_close(got, block(x, temb), atol=1e-12, rtol=1e-12)
-    assert convs.biases == [False, False, True]  # conv1, conv2, the shortcut (both biases)
+    assert not any(calls.conv_biases)
+    assert calls.ops.count("mirage.bias_act") == 2
+    assert calls.ops.count("aten.div") == 0
+    # Left: only adds of [N, C] / [C] bias vectors (the time embedding plus conv1's bias, and the
+    # shortcut's bias plus conv2's), never a full-tensor add.
+    assert calls.ops.count("aten.add") == (2 if out_channels != 8 else 1)
 
 
 @pytest.mark.parametrize("nonlinearity", ["mish", "gelu"])

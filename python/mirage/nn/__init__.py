@@ -1,11 +1,11 @@
 """Fused drop-in modules. Each loads (shares) the parameters of the torch module it replaces."""
 
 from .attention import FusedAttention
-from .conv import Conv2dAct
+from .conv import Conv2dAct, conv_bias_act
 from .geglu import GEGLU
 from .group_norm import GroupNorm
 from .layer_norm import LayerNorm
 from .resnet import ResnetBlock2D
 from .transformer import BasicTransformerBlock, Transformer2DModel
 
-__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel"]
+__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "conv_bias_act"]

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import ops
+
 # name -> the function applied to the convolution's output. "gelu_tanh" is nn.GELU(approximate="tanh").
 ACTIVATIONS = {
     "none": lambda x: x,
@@ -25,10 +27,9 @@ class Conv2dAct(nn.Conv2d):
     bias, so the batch norm costs nothing at run time. It stays an ``nn.Conv2d`` so dtype, device
     and ``channels_last`` conversions treat it like any convolution.
 
-    The activation still runs as a separate elementwise pass after the convolution. Fusing it into
-    the convolution's epilogue is pending a mirage conv op: the only fused epilogue torch exposes
-    is ``torch.cudnn_convolution_relu`` (ReLU only, nothing for SiLU/GELU), so this module uses
-    none of it and computes exactly what the unfused modules compute.
+    The bias and the activation run as one ``mirage.ops.bias_act`` pass after cuDNN's
+    convolution (see :func:`conv_bias_act`), where PyTorch spends two: its convolution adds the
+    bias in a kernel of its own, then the activation reads and writes the tensor again.
     """
 
     def __init__(self, *args, activation: str = "none", **kwargs) -> None:
@@ -73,7 +74,7 @@ class Conv2dAct(nn.Conv2d):
         return fused
 
     def forward(self, x: Tensor) -> Tensor:
-        return ACTIVATIONS[self.activation](super().forward(x))
+        return conv_bias_act(self, x, activation=self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
@@ -97,3 +98,40 @@ def batch_norm_affine(bn: nn.BatchNorm2d, channels: int) -> tuple[Tensor, Tensor
     beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(inv_std)
     scale = gamma * inv_std
     return scale, beta - bn.running_mean.detach().double() * scale
+
+
+def conv_bias_act(
+    conv: nn.Conv2d,
+    x: Tensor,
+    *,
+    shift: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    activation: str = "none",
+    scale: float = 1.0,
+) -> Tensor:
+    """``(activation(conv(x) + shift) + residual) * scale`` with the convolution's bias, the shift,
+    the activation, the residual add and the scale in one ``mirage.ops.bias_act`` pass.
+
+    PyTorch's convolution adds its bias in a separate broadcast kernel (a full read and write of
+    the output); here cuDNN runs without the bias and ``bias_act`` applies everything after it.
+
+    Args:
+        conv: an ``nn.Conv2d`` (or subclass) whose weight, bias and padding are used.
+        shift: None, ``(C,)`` or ``(N, C)`` added with the bias (e.g. a time embedding, or the
+            bias of a shortcut convolution whose output is ``residual``).
+        residual: None or a tensor of the output's shape. With a dtype other than the
+            convolution's output (mixed precision), the steps run as separate PyTorch ops so the
+            sum is promoted exactly as in the unfused code.
+        activation: one of :data:`ACTIVATIONS`.
+        scale: multiplies the result.
+    """
+    y = conv._conv_forward(x, conv.weight, None)
+    bias = conv.bias
+    if shift is not None:
+        bias = shift if bias is None else bias + shift
+    if residual is not None and residual.dtype != y.dtype:
+        if bias is not None:
+            y = y + bias.reshape(bias.shape + (1,) * (y.dim() - 2)).to(y.dtype)
+        y = ACTIVATIONS[activation](y) + residual
+        return y * scale if scale != 1.0 else y
+    return ops.bias_act(y, bias, residual, activation, scale)

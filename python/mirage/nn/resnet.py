@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .conv import conv_bias_act
 from .group_norm import GroupNorm
 
 TIME_EMBEDDING_NORMS = ("default", "scale_shift")
@@ -92,17 +93,17 @@ class ResnetBlock2D(nn.Module):
         if self.time_emb_proj is not None:
             if not self.skip_time_act:
                 temb = self.nonlinearity(temb)
-            temb = self.time_emb_proj(temb)[:, :, None, None]
+            temb = self.time_emb_proj(temb)
 
-        # conv1's bias rides on the time embedding ([N, C, 1, 1]) where that is added next: PyTorch
-        # adds a convolution's bias in a kernel of its own, a full pass over the activations.
-        fold_bias = (self.time_embedding_norm == "default" and temb is not None and
-                     type(self.conv1) is nn.Conv2d and self.conv1.bias is not None)
-        if fold_bias:
-            hidden_states = self.conv1._conv_forward(hidden_states, self.conv1.weight, None)
-            temb = temb + self.conv1.bias[:, None, None]
+        # PyTorch adds a convolution's bias in a kernel of its own, a full pass over the
+        # activations: conv1's bias and the [N, C] time embedding go in one bias_act pass instead.
+        if type(self.conv1) is nn.Conv2d and self.time_embedding_norm == "default":
+            hidden_states = conv_bias_act(self.conv1, hidden_states, shift=temb)
+            temb = None  # added
         else:
             hidden_states = self.conv1(hidden_states)
+            if temb is not None:
+                temb = temb[:, :, None, None]
 
         if self.time_embedding_norm == "scale_shift":
             if temb is None:
@@ -117,25 +118,26 @@ class ResnetBlock2D(nn.Module):
             hidden_states = self.norm2(hidden_states)
 
         hidden_states = self.dropout(hidden_states)
-        # With a 1x1 shortcut conv, conv2's bias joins the shortcut's (one bias pass, not two).
         shortcut = self.conv_shortcut
-        fold_bias = (type(shortcut) is nn.Conv2d and type(self.conv2) is nn.Conv2d and
-                     shortcut.bias is not None and self.conv2.bias is not None)
-        if fold_bias:
-            hidden_states = self.conv2._conv_forward(hidden_states, self.conv2.weight, None)
-        else:
-            hidden_states = self.conv2(hidden_states)
-
+        # conv2's bias, a 1x1 shortcut conv's bias, the residual add and 1 / output_scale_factor
+        # in one bias_act pass after conv2 (PyTorch: a bias pass per conv, the add, the division).
+        fuse_shortcut = shortcut is None or type(shortcut) is nn.Conv2d
+        shortcut_bias = None
         if shortcut is not None:
             # As diffusers: contiguous only in training, where DDP wants matching gradient strides.
             if self.training:
                 input_tensor = input_tensor.contiguous()
-            if fold_bias:
-                input_tensor = shortcut._conv_forward(input_tensor, shortcut.weight, shortcut.bias + self.conv2.bias)
+            if fuse_shortcut:
+                shortcut_bias = shortcut.bias
+                input_tensor = shortcut._conv_forward(input_tensor, shortcut.weight, None)
             else:
                 input_tensor = shortcut(input_tensor)
-
-        output = input_tensor + hidden_states
+        if type(self.conv2) is nn.Conv2d and fuse_shortcut:
+            return conv_bias_act(self.conv2, hidden_states, shift=shortcut_bias, residual=input_tensor,
+                                 scale=1.0 / self.output_scale_factor)
+        if shortcut_bias is not None:
+            input_tensor = input_tensor + shortcut_bias[:, None, None]
+        output = input_tensor + self.conv2(hidden_states)
         # Dividing by 1 changes no value; skipping it saves a kernel launch and a pass over the output.
         if self.output_scale_factor != 1.0:
             output = output / self.output_scale_factor

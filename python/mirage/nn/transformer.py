@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .conv import conv_bias_act
 from .layer_norm import LayerNorm
 
 logger = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ class Transformer2DModel(nn.Module):
         residual = hidden_states
         hidden_states = self.norm(hidden_states)
         if not self.use_linear_projection:
-            hidden_states = self.proj_in(hidden_states)
+            hidden_states = _conv(self.proj_in, hidden_states)
         inner_dim = hidden_states.shape[1]
         hidden_states = hidden_states.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim)
         if self.use_linear_projection:
@@ -267,10 +268,19 @@ class Transformer2DModel(nn.Module):
             hidden_states = self.proj_out(hidden_states)
         hidden_states = hidden_states.reshape(batch, height, width, -1).permute(0, 3, 1, 2)
         if not self.use_linear_projection:
-            hidden_states = self.proj_out(hidden_states)
-        output = hidden_states + residual
+            output = _conv(self.proj_out, hidden_states, residual)
+        else:
+            output = hidden_states + residual
         if not return_dict:
             return (output,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=output)
+
+
+def _conv(conv: nn.Module, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+    """``conv(x) (+ residual)``: for a plain ``nn.Conv2d``, its bias and the residual add in one
+    ``bias_act`` pass after the convolution (PyTorch spends a pass on each)."""
+    if type(conv) is nn.Conv2d:
+        return conv_bias_act(conv, x, residual=residual)
+    return conv(x) if residual is None else conv(x) + residual
