@@ -1,6 +1,6 @@
 """mirage.ff.md: velocity Verlet against ASE's, NVE energy conservation, the Langevin
-temperature, trajectories and logs, K-step replays, neighbor-capacity overflow recovery, bad
-input; on a GPU, graph replays against eager steps."""
+temperature and total momentum (fix_com), trajectories and logs, K-step replays, neighbor-capacity
+overflow recovery, bad input; on a GPU, graph replays against eager steps."""
 
 import io
 import sys
@@ -21,6 +21,7 @@ from mirage.ff import md  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+from common import DEVICES  # noqa: E402
 from forcefield.models import SchNet  # noqa: E402
 from test_ff_calculator import CapacityModel, benzene_atoms, graphed_on_cpu, periodic_atoms, small  # noqa: E402
 
@@ -109,6 +110,81 @@ def test_langevin_reaches_target_temperature():
     temperatures = np.array([r["temperature"] for r in records[40:]])
     assert abs(temperatures.mean() / target - 1) < 0.15, temperatures.mean()
     assert temperatures.std() > 0.05 * target  # the noise is really there
+
+
+class Springs(torch.nn.Module):
+    """Every atom on a spring to the atoms' mean position: translation invariant (the forces sum
+    to zero, so only the thermostat can change the total momentum), harmonic (no timestep bias
+    worth the name), a few tensor ops (cheap, capturable on a GPU)."""
+
+    def __init__(self, stiffness=1.0):  # eV / Å^2: a period of ~130 steps of 0.5 fs for hydrogen
+        super().__init__()
+        self.register_buffer("stiffness", torch.tensor(stiffness, dtype=torch.float64))
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        return 0.5 * self.stiffness * ((positions - positions.mean(0)) ** 2).sum()
+
+
+def springs_atoms(temperature_K=300.0, drift=0.0):
+    """Five atoms of four masses, thermalized, plus ``drift`` times the thermal scale of the total
+    momentum, sqrt(M kT), in a random direction."""
+    rng = np.random.default_rng(torch.initial_seed() % 2**32)
+    atoms = thermalized(ase.Atoms("HCNOH", positions=rng.normal(scale=0.5, size=(5, 3))), temperature_K)
+    masses = atoms.get_masses()
+    direction = rng.normal(size=3)
+    momentum = drift * np.sqrt(masses.sum() * units.kB * temperature_K) * direction / np.linalg.norm(direction)
+    atoms.set_momenta(atoms.get_momenta() + masses[:, None] * momentum / masses.sum())
+    return atoms
+
+
+def springs_run(device, fix_com, atoms, friction):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = Springs().to(device, dtype)
+    return md.VelocityVerlet(model, atoms, DT, thermostat=md.Langevin(300.0, friction, fix_com=fix_com),
+                             steps_per_replay=10, progress_every=None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fix_com", [True, False])
+def test_langevin_fix_com_keeps_the_total_momentum(device, fix_com):
+    # A total momentum to start with: the thermostat's friction would damp it, its noise move it.
+    atoms = springs_atoms(drift=1.0)
+    run = springs_run(device, fix_com, atoms, friction=0.1 / units.fs)  # decorrelates in 20 steps
+    scale = np.sqrt(atoms.get_masses().sum() * units.kB * 300.0)  # thermal spread of the total momentum
+    start = atoms.get_momenta().sum(0)
+    changes = []
+    for _ in range(10):
+        run.run(20, write_every=20)
+        changes.append(np.linalg.norm(run.atoms.get_momenta().sum(0) - start) / scale)
+    assert np.abs(run.atoms.positions - atoms.positions).max() > 0.05  # the atoms really moved
+    if fix_com:
+        assert max(changes) < (1e-10 if device == "cpu" else 1e-4), changes
+    else:
+        # Over 200 steps (10 friction times) the total momentum decays to a fresh thermal draw:
+        # a change below a tenth of its spread at all ten samples has odds far below 1e-6.
+        assert max(changes) > 0.1, changes
+
+
+@pytest.mark.parametrize("fix_com", [True, False])
+def test_langevin_temperature_counts_the_free_degrees_of_freedom(fix_com):
+    # With fix_com the thermostat samples 3N - 3 degrees of freedom (12 for these 5 atoms of four
+    # masses): counting 3N, or ASE's sqrt(N / (N - 1)) noise rescaling, would read 20 % or 25 %
+    # off. friction * dt = 0.5: the velocities decorrelate within ~2 steps, so the 2000 records
+    # after the first 50 are nearly independent, each spread by sqrt(2 / 12) = 0.41, so their
+    # mean's standard error is ~1 % (fix_com=False: 15 degrees of freedom, less); 5 % is five of them.
+    run = springs_run("cpu", fix_com, springs_atoms(drift=2.0), friction=1.0 / units.fs)
+    records = run.run(4100, write_every=2)
+    temperatures = np.array([r["temperature"] for r in records[50:]])
+    assert abs(temperatures.mean() / 300.0 - 1) < 0.05, temperatures.mean()
+    last = records[-1]
+    final = run.atoms
+    kinetic, momentum, mass = final.get_kinetic_energy(), final.get_momenta().sum(0), final.get_masses().sum()
+    assert last["kinetic"] == pytest.approx(kinetic, rel=1e-12)  # the record's energy is still the whole one
+    if fix_com:
+        expected = 2 * (kinetic - momentum @ momentum / (2 * mass)) / (12 * units.kB)
+    else:
+        expected = final.get_temperature()
+    assert last["temperature"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_trajectory_and_log(tmp_path):
@@ -265,6 +341,15 @@ def test_bad_atoms():
 def test_bad_langevin(temperature, friction, message):
     with pytest.raises(ValueError, match="mirage.ff.md.Langevin: " + message):
         md.Langevin(temperature, friction)
+
+
+def test_bad_fix_com():
+    with pytest.raises(ValueError, match="mirage.ff.md.Langevin: fix_com must be a bool, got 1"):
+        md.Langevin(300.0, 0.01, fix_com=1)
+    one = ase.Atoms("H", positions=[[0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"Langevin\(fix_com=True\) leaves a single atom nothing to thermostat"):
+        md.VelocityVerlet(Springs(), one, DT, thermostat=md.Langevin(300.0, 0.01))
+    md.VelocityVerlet(Springs(), one, DT, thermostat=md.Langevin(300.0, 0.01, fix_com=False)).run(2)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -3,6 +3,8 @@ examples/forcefield (energies, forces, cell gradients, force-training gradients)
 refusals (unknown models, structures it cannot rebuild, models whose math differs), the
 neighbor-capacity protocol and, on a GPU, CUDA-graph replay."""
 
+import dataclasses
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from forcefield import models as reference  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
 
+ff_optimize = importlib.import_module("mirage.ff.optimize")  # the module; mirage.ff.optimize is the function
 CUTOFF = 5.0
 MODELS = {"SchNet": reference.SchNet, "PaiNN": reference.PaiNN}
 
@@ -238,7 +241,9 @@ def test_report_counts_what_was_swapped(name, kind):
     assert result.style == f"{name}-style" and result.left_alone == []
     text = str(result)
     assert f"{count} x {kind}" in text and "mirage::neighbor_list" in text and "mirage::radial_basis" in text
-    assert "open cluster" in text and "periodic box" in text  # the probe's numbers
+    # The probe's numbers, one line per system.
+    assert "open cluster" in text and "periodic box" in text and "slab periodic along a and b" in text
+    assert len(result.verification) == 3
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -359,6 +364,40 @@ def test_model_whose_math_differs_is_refused_by_the_probe(cls, dtype):
     assert not result.swaps
     assert "does not compute the same energy/forces" in result.left_alone[0][1]
     assert "relative difference" in result.left_alone[0][1]
+
+
+def all_periodic(pbc):
+    return pbc | pbc.any()  # one periodic axis makes all three periodic
+
+
+def open_unless_all_periodic(pbc):
+    return pbc & pbc.all()  # mixed periodicity read as open
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("misread", [all_periodic, open_unless_all_periodic])
+def test_fused_model_wrong_only_for_mixed_pbc_is_refused(name, misread, monkeypatch):
+    """A fused model with the kind of bug the slab probe is there for: right for open and fully
+    periodic systems, wrong for a slab."""
+
+    class Misread(getattr(ff_fused, name)):
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            pbc = None if pbc is None else misread(torch.as_tensor(pbc))
+            return super().forward(atomic_numbers, positions, cell, pbc)
+
+    model = make_reference(name)
+    replacement = f"mirage.ff.fused.{name}"
+    recognizers = tuple(dataclasses.replace(r, build=Misread.from_model) if r.replacement == replacement else r
+                        for r in ff_optimize.RECOGNIZERS)
+    with monkeypatch.context() as patch:
+        patch.setattr(ff_optimize, "RECOGNIZERS", recognizers)
+        assert mirage.ff.optimize(model) is model
+    result = mirage.ff.report(model)
+    assert not result.swaps
+    # The probe stops at the first mismatch: the cluster and the box passed, the slab did not.
+    assert "does not compute the same energy/forces: slab periodic along a and b (18 atoms)" in \
+        result.left_alone[0][1], result.left_alone
+    swapped(model)  # the same model, mirage's fused one without the bug: accepted
 
 
 def test_model_that_fails_on_the_probe_is_left_alone():

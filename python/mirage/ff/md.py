@@ -58,14 +58,27 @@ class Langevin:
         temperature_K: the bath temperature in kelvin.
         friction: the friction coefficient in inverse ASE time units, as ASE's ``Langevin``
             (e.g. ``0.01 / ase.units.fs``: velocities decorrelate over 100 fs).
+        fix_com: keep the total momentum at its initial value, as ASE's ``Langevin(fixcm=True)``
+            (its default) keeps the centre of mass unperturbed. Without it the random kicks make
+            the centre of mass diffuse: the whole molecule drifts away, a periodic system flows
+            through its cell. The thermostat's velocity change (friction and noise) loses its
+            mass-weighted mean, so it acts on the motion relative to the centre of mass only,
+            whose 3N - 3 degrees of freedom it samples at ``temperature_K`` exactly; the records'
+            temperature counts those (as ``atoms.get_temperature()`` with ASE's ``FixCom``). ASE's
+            ``fixcm`` differs in detail: it rescales the noise by ``sqrt(N / (N - 1))`` so that
+            3N degrees of freedom read ``temperature_K`` (ASE deprecates it as not sampling NVT
+            exactly), and its friction still damps an initial total momentum.
     """
 
     temperature_K: float
     friction: float
+    fix_com: bool = True
 
     def __post_init__(self) -> None:
         _positive(self.temperature_K, "temperature_K", "mirage.ff.md.Langevin")
         _positive(self.friction, "friction", "mirage.ff.md.Langevin")
+        if not isinstance(self.fix_com, bool):
+            raise ValueError(f"mirage.ff.md.Langevin: fix_com must be a bool, got {self.fix_com!r}")
 
 
 class VelocityVerlet:
@@ -74,7 +87,8 @@ class VelocityVerlet:
     NVE without a thermostat; with ``thermostat=Langevin(T, friction)`` NVT by the BAOAB scheme
     (half kick, half drift, Ornstein-Uhlenbeck velocity update with ``torch.randn`` from the
     device's default generator, half drift, half kick; Leimkuhler and Matthews 2013), which keeps
-    configurational averages accurate to O(dt^2).
+    configurational averages accurate to O(dt^2). By default (``Langevin.fix_com``) the thermostat
+    leaves the total momentum unchanged.
 
     Args:
         model: ``energy = model(atomic_numbers, positions, cell, pbc)``.
@@ -93,7 +107,9 @@ class VelocityVerlet:
 
     Attributes:
         step: steps done so far. records: one dict per written step (``step``, ``time_fs``,
-        ``potential``, ``kinetic``, ``total`` in eV, ``temperature`` in K). steps_per_second:
+        ``potential``, ``kinetic``, ``total`` in eV, ``temperature`` in K: ``2 E_kin / (3 N k_B)``,
+        or with ``Langevin.fix_com`` the kinetic energy relative to the centre of mass over
+        ``(3 N - 3) k_B``). steps_per_second:
         the rate of the last :meth:`run` (host writes included).
     """
 
@@ -120,6 +136,11 @@ class VelocityVerlet:
             raise ValueError(f"{_WHO}: cuda_graph must be a bool, got {cuda_graph!r}")
         if progress_every is not None:
             _positive(progress_every, "progress_every", _WHO)
+        # The centre-of-mass motion is outside the thermostat's reach with fix_com: one atom has no other.
+        self._fix_com = thermostat is not None and thermostat.fix_com
+        if self._fix_com and len(atoms) == 1:
+            raise ValueError(f"{_WHO}: Langevin(fix_com=True) leaves a single atom nothing to thermostat "
+                             "(its only motion is the centre of mass's); use Langevin(..., fix_com=False)")
         self.model = model
         self.thermostat = thermostat
         self.steps_per_replay = steps_per_replay
@@ -165,6 +186,8 @@ class VelocityVerlet:
             c1 = math.exp(-self.thermostat.friction * self.timestep)
             kT = units.kB * self.thermostat.temperature_K
             state["noise_scales"] = torch.sqrt((1.0 - c1 * c1) * kT / masses)
+            if self._fix_com:
+                state["mass_fractions"] = masses / masses.sum()
         if self._periodic:
             state["cell"] = self._tensor(atoms.cell[:])
             state["pbc"] = self._tensor(np.asarray(atoms.pbc, dtype=bool), torch.bool)
@@ -201,7 +224,13 @@ class VelocityVerlet:
             else:
                 x.add_(v, alpha=0.5 * dt)
                 c1 = math.exp(-self.thermostat.friction * dt)
-                v.mul_(c1).addcmul_(torch.randn_like(v), state["noise_scales"])
+                if self._fix_com:
+                    # The O step's change of v (noise, friction) minus its mass-weighted mean:
+                    # sum_i m_i dv_i = 0, so the total momentum is untouched (pure tensor ops: capturable).
+                    kick = torch.randn_like(v).mul_(state["noise_scales"]).add_(v, alpha=c1 - 1.0)
+                    v.add_(kick.sub_((state["mass_fractions"] * kick).sum(0)))
+                else:
+                    v.mul_(c1).addcmul_(torch.randn_like(v), state["noise_scales"])
                 x.add_(v, alpha=0.5 * dt)
             self._forces(state)
             v.addcmul_(f, inverse_masses, value=0.5 * dt)
@@ -293,9 +322,14 @@ class VelocityVerlet:
             raise RuntimeError(f"{_WHO}: the state is not finite at step {self.step} (the simulation blew up); "
                                "use a smaller timestep or check the model")
         kinetic = 0.5 * float((self._masses[:, None] * velocities**2).sum())
+        thermal, degrees = kinetic, 3 * len(self._masses)
+        if self._fix_com:
+            # The centre of mass keeps its momentum, never thermalized: not part of the temperature.
+            momentum = (self._masses[:, None] * velocities).sum(0)
+            thermal -= 0.5 * float(momentum @ momentum) / self._masses.sum()
+            degrees -= 3
         record = dict(step=self.step, time_fs=self.step * self.timestep / units.fs, potential=potential,
-                      kinetic=kinetic, total=potential + kinetic,
-                      temperature=2.0 * kinetic / (3 * len(self._masses) * units.kB))
+                      kinetic=kinetic, total=potential + kinetic, temperature=2.0 * thermal / (degrees * units.kB))
         self.records.append(record)
         if trajectory is not None:
             trajectory.write(self._make_atoms(positions, velocities, forces, potential))

@@ -152,25 +152,41 @@ _PROBE_ELEMENTS = (1, 6, 7, 8)
 
 
 def _probe_systems(cutoff: float, num_species: int, dtype: torch.dtype, device: torch.device):
-    """(name, Z, positions, cell, pbc): an open cluster spanning past the cutoff and a triclinic box
-    at least twice the cutoff wide (where any periodic implementation agrees: minimum image),
-    deterministic, with a few atoms outside the box."""
+    """(name, Z, positions, cell, pbc), deterministic: an open cluster spanning past the cutoff; a
+    triclinic box at least twice the cutoff wide (where any periodic implementation agrees:
+    minimum image) with a few atoms outside it; and a slab periodic along a and b only (as wide),
+    for mixed periodicity, which the other two cannot check: its c vector is short, so a model
+    that made c periodic too would find pairs across it (244 pairs instead of 144, whatever the
+    cutoff), and one that took the slab as open would lose those across the a and b faces (54)."""
     gen = torch.Generator().manual_seed(20240611)
     elements = [z for z in _PROBE_ELEMENTS if z < num_species] or list(range(num_species))
+
+    def lattice(counts, jitter):  # fractional coordinates: a jittered grid of counts[0] x [1] x [2] points
+        grid = torch.tensor([[a, b, c] for a in range(counts[0]) for b in range(counts[1]) for c in range(counts[2])],
+                            dtype=torch.float64)
+        spacing = torch.tensor(counts, dtype=torch.float64)
+        return (grid + 0.5) / spacing + (torch.rand(grid.shape, generator=gen, dtype=torch.float64) - 0.5) * jitter
+
     grid = torch.tensor([[a, b, c] for a in range(3) for b in range(2) for c in range(2)], dtype=torch.float64)
     cluster = (grid * 0.55 + (torch.rand(grid.shape, generator=gen, dtype=torch.float64) - 0.5) * 0.2) * cutoff
     cell = torch.tensor([[2.2, 0.0, 0.0], [0.3, 2.1, 0.0], [0.2, 0.25, 2.3]], dtype=torch.float64) * cutoff
-    frac = torch.tensor([[a, b, c] for a in range(3) for b in range(3) for c in range(3)], dtype=torch.float64)
-    frac = (frac + 0.5) / 3 + (torch.rand(frac.shape, generator=gen, dtype=torch.float64) - 0.5) * 0.1
+    frac = lattice((3, 3, 3), 0.1)
     frac[::5] += torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64)  # unwrapped atoms
-    box = frac @ cell
+    # Two layers 0.55 cutoff apart, 1.1 cutoff per c vector: across c the layers would be 0.55 apart too.
+    slab_cell = torch.tensor([[2.2, 0.0, 0.0], [0.3, 2.1, 0.0], [0.2, 0.1, 1.1]], dtype=torch.float64) * cutoff
+    slab_frac = lattice((3, 3, 2), 0.1)
+    slab_frac[::5] += torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64)  # unwrapped along the periodic axes
+    slab_frac[1::6, 2] += 0.5  # upper-layer atoms above the cell: the open axis bounds nothing
     systems = []
-    for name, positions, box_cell in (("open cluster", cluster, None), ("triclinic periodic box", box, cell)):
+    for name, positions, system_cell, pbc in (
+            ("open cluster", cluster, None, None),
+            ("triclinic periodic box", frac @ cell, cell, (True, True, True)),
+            ("slab periodic along a and b", slab_frac @ slab_cell, slab_cell, (True, True, False))):
         picks = torch.randint(len(elements), (positions.shape[0],), generator=gen)
         z = torch.tensor(elements, dtype=torch.long)[picks].to(device)
-        pbc = None if box_cell is None else torch.ones(3, dtype=torch.bool, device=device)
         systems.append((f"{name} ({positions.shape[0]} atoms)", z, positions.to(device, dtype),
-                        None if box_cell is None else box_cell.to(device, dtype), pbc))
+                        None if system_cell is None else system_cell.to(device, dtype),
+                        None if pbc is None else torch.tensor(pbc, dtype=torch.bool, device=device)))
     return systems
 
 
@@ -225,8 +241,8 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     The model is recognised by its structure (see :meth:`mirage.ff.fused.SchNet.from_model` and
     :meth:`mirage.ff.fused.PaiNN.from_model`), rebuilt on mirage's ops with the same parameters
     (shared, not copied: training one trains the other), and checked against the original on
-    probe systems (an open cluster and a triclinic periodic box, energies and forces) in the
-    model's dtype and on its device. The model passed in is never changed.
+    probe systems (an open cluster, a triclinic periodic box and a slab periodic along two axes;
+    energies and forces) in the model's dtype and on its device. The model passed in is never changed.
 
     Args:
         model: the force field, ``energy = model(atomic_numbers, positions, cell=None, pbc=None)``.
