@@ -345,8 +345,12 @@ def test_compile_fullgraph_matches_eager(device):
     compiled = torch.compile(interaction, fullgraph=True)
     for _ in range(2):
         x, w, pairs = inputs(10, 32, 50, device=device)
-        got = compiled(x, w, pairs)
-        torch.testing.assert_close(got, interaction(x, w, pairs))
+        got, want = compiled(x, w, pairs), interaction(x, w, pairs)
+        # On CUDA the float32 atomic sums land in any order, so two runs differ by a few units of
+        # rounding of the sum of |terms| (one element at 1.5e-5 on an H200, past the table's 1e-5).
+        magnitude = interaction(x.abs(), w.abs(), pairs)
+        allowed = 1e-5 + 1.3e-6 * want.abs() + 8 * torch.finfo(torch.float32).eps * magnitude
+        assert ((got - want).abs() <= allowed).all(), ((got - want).abs() - allowed).max().item()
         assert not torch.equal(got, torch.zeros_like(got))
 
 
