@@ -149,6 +149,16 @@ def test_resnet_block_epilogues_run_in_bias_act(factor, out_channels):
     assert calls.ops.count("aten.add") == (2 if out_channels != 8 else 1)
 
 
+def test_resnet_block_without_time_projection_adds_temb_as_diffusers_does():
+    # No time_emb_proj: diffusers adds a given temb unprojected, broadcast from the last dimension.
+    block = ResnetBlock2D(in_channels=8, temb_channels=None, groups=4).double().eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    x, temb = randn(2, 8, 5, 8, dtype=torch.float64), randn(8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, temb), block(x, temb), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(fused(x, None), block(x, None), atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("nonlinearity", ["mish", "gelu"])
 def test_resnet_block_refuses_other_nonlinearities(nonlinearity):
     block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4, non_linearity=nonlinearity)

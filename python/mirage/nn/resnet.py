@@ -97,12 +97,14 @@ class ResnetBlock2D(nn.Module):
 
         # PyTorch adds a convolution's bias in a kernel of its own, a full pass over the
         # activations: conv1's bias and the [N, C] time embedding go in one bias_act pass instead.
-        if type(self.conv1) is nn.Conv2d and self.time_embedding_norm == "default":
+        # (Without time_emb_proj diffusers adds a given temb as it is, broadcast from the right.)
+        projected = self.time_emb_proj is not None
+        if type(self.conv1) is nn.Conv2d and self.time_embedding_norm == "default" and (projected or temb is None):
             hidden_states = conv_bias_act(self.conv1, hidden_states, shift=temb)
             temb = None  # added
         else:
             hidden_states = self.conv1(hidden_states)
-            if temb is not None:
+            if temb is not None and projected:
                 temb = temb[:, :, None, None]
 
         if self.time_embedding_norm == "scale_shift":
