@@ -65,8 +65,14 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
   const std::optional<at::Tensor> cast_residual =
       residual.has_value() ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
                            : std::nullopt;
-  return handles::bias_act().call(cached_cast(dtype, x, Device), bias, cast_residual, activation,
-                                  scale);
+  // The op takes a bias in x's dtype or float32; another one (say float16 under bfloat16
+  // autocast) is read in float32, where PyTorch's composite would promote it.
+  std::optional<at::Tensor> cast_bias = bias;
+  if (bias.has_value() && bias->defined() && bias->is_floating_point() &&
+      bias->scalar_type() != dtype && bias->scalar_type() != at::kFloat)
+    cast_bias = bias->to(at::kFloat);
+  return handles::bias_act().call(cached_cast(dtype, x, Device), cast_bias, cast_residual,
+                                  activation, scale);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>

@@ -54,7 +54,7 @@ cudaError_t launch_with(const BiasActParams& p, cudaStream_t stream) {
   const int64_t row_vecs = (p.channels_last ? p.channels : p.spatial) / V;
   const RowGrid g = row_grid(rows, row_vecs, kThreads);
   if (!g.valid) return cudaErrorInvalidValue;  // > 4e9 rows
-  if (rows * row_vecs * V <= INT32_MAX) {
+  if (g.fits_int(rows * row_vecs * V)) {
     bias_act_kernel<T, P, V, int><<<g.grid, g.block, 0, stream>>>(p, static_cast<int>(rows),
                                                                    static_cast<int>(row_vecs));
   } else {

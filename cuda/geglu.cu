@@ -49,7 +49,7 @@ cudaError_t launch_with(const GegluParams& p, cudaStream_t stream) {
   const RowGrid g = row_grid(p.rows, row_vecs, kThreads);
   if (!g.valid) return cudaErrorInvalidValue;  // > 4e9 rows
   const dim3 grid = g.grid, block = g.block;
-  if (p.rows * 2 * p.half_dim <= INT32_MAX) {
+  if (g.fits_int(p.rows * 2 * p.half_dim)) {
     launch_kernel<T, V>(p, static_cast<int>(row_vecs), grid, block, stream);
   } else {
     launch_kernel<T, V>(p, row_vecs, grid, block, stream);

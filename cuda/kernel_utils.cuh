@@ -87,6 +87,13 @@ __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + 
 struct RowGrid {
   dim3 grid, block;
   bool valid;  // false past 65535 x 65535 row blocks
+
+  // Whether every thread's (row, column) and offsets up to `elements` fit in an int: the grid
+  // covers whole blocks, so its rows and columns run past the tensor's.
+  bool fits_int(int64_t elements) const {
+    const int64_t rows = int64_t{grid.y} * grid.z * block.y, cols = int64_t{grid.x} * block.x;
+    return elements <= INT32_MAX && rows <= INT32_MAX && cols <= INT32_MAX;
+  }
 };
 
 inline RowGrid row_grid(int64_t rows, int64_t row_vecs, int threads) {

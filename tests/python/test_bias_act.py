@@ -232,3 +232,11 @@ def test_compile_fullgraph_matches_eager(device):
         got = compiled(x, bias, residual)
         torch.testing.assert_close(got, block(x, bias, residual), atol=1e-5, rtol=1e-5)
         assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_autocast_reads_a_bias_of_a_third_dtype_in_float32():
+    x, bias = randn(2, 8, 4, 4), randn(8, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.bias_act(x, bias, None, "silu")
+    assert y.dtype == torch.bfloat16
+    assert_matches(y, composite, (x.bfloat16(), bias.float(), None, "silu", 1.0), torch.bfloat16)

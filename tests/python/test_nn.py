@@ -72,3 +72,16 @@ def test_from_torch_refuses_what_it_cannot_replace():
         mirage.nn.GroupNorm(4, 10)
     with pytest.raises(ValueError, match="activation must be one of"):
         mirage.nn.GroupNorm(2, 4, activation="relu")
+
+
+def test_conv_bias_act_takes_what_bias_act_cannot_as_pytorch_does():
+    conv = torch.nn.Conv2d(3, 5, 3, padding=1).double()
+    # Unbatched (C, H, W) input: the bias goes along channels, as nn.Conv2d adds it.
+    x = torch.randn(3, 5, 5, dtype=torch.float64)
+    torch.testing.assert_close(mirage.nn.conv_bias_act(conv, x, activation="silu"), torch.nn.functional.silu(conv(x)))
+    # One time embedding (1, C) for a batch of 2, and a residual that broadcasts.
+    x, shift, residual = (torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.randn(1, 5, dtype=torch.float64),
+                          torch.randn(5, 1, 1, dtype=torch.float64))
+    want = (conv(x) + shift[:, :, None, None] + residual) * 0.5
+    torch.testing.assert_close(mirage.nn.conv_bias_act(conv, x, shift=shift, residual=residual, scale=0.5), want)
+    torch.testing.assert_close(mirage.nn.conv_bias_act(conv, x, shift=shift), conv(x) + shift[:, :, None, None])

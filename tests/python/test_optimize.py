@@ -149,6 +149,14 @@ def test_resnet_block_epilogues_run_in_bias_act(factor, out_channels):
     assert calls.ops.count("aten.add") == (2 if out_channels != 8 else 1)
 
 
+def test_resnet_block_broadcasts_one_time_embedding_over_the_batch():
+    block = ResnetBlock2D(in_channels=8, out_channels=12, temb_channels=10, groups=4).double().eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    x, temb = randn(3, 8, 6, 6, dtype=torch.float64), randn(1, 10, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, temb), block(x, temb), atol=1e-12, rtol=1e-12)
+
+
 def test_resnet_block_without_time_projection_adds_temb_as_diffusers_does():
     # No time_emb_proj: diffusers adds a given temb unprojected, broadcast from the last dimension.
     block = ResnetBlock2D(in_channels=8, temb_channels=None, groups=4).double().eval()

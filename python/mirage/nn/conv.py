@@ -116,22 +116,33 @@ def conv_bias_act(
     the output); here cuDNN runs without the bias and ``bias_act`` applies everything after it.
 
     Args:
-        conv: an ``nn.Conv2d`` (or subclass) whose weight, bias and padding are used.
-        shift: None, ``(C,)`` or ``(N, C)`` added with the bias (e.g. a time embedding, or the
-            bias of a shortcut convolution whose output is ``residual``).
-        residual: None or a tensor of the output's shape. With a dtype other than the
-            convolution's output (mixed precision), the steps run as separate PyTorch ops so the
-            sum is promoted exactly as in the unfused code.
+        conv: an ``nn.Conv2d``. Its ``forward`` is not called: only its weight, bias and
+            ``_conv_forward`` (stride, padding, padding mode, dilation, groups) are used.
+        shift: None, ``(C,)``, ``(N, C)`` or ``(1, C)`` added with the bias (e.g. a time
+            embedding, or the bias of a shortcut convolution whose output is ``residual``).
+        residual: None or a tensor added after the activation.
         activation: one of :data:`ACTIVATIONS`.
         scale: multiplies the result.
+
+    Where ``bias_act`` cannot take the arguments as they are, the same steps run as separate
+    PyTorch ops with PyTorch's broadcasting and type promotion (exactly the unfused code):
+    unbatched ``(C, H, W)`` input, float64 on CUDA, a residual of another dtype (autocast) or
+    shape, a shift that is neither per channel nor per sample.
     """
     y = conv._conv_forward(x, conv.weight, None)
     bias = conv.bias
     if shift is not None:
         bias = shift if bias is None else bias + shift
-    if residual is not None and residual.dtype != y.dtype:
+    if bias is not None and bias.dim() == 2 and bias.shape[0] == 1 and y.dim() == 4:
+        bias = bias.expand(y.shape[0], -1)  # one time embedding for the whole batch
+    fused = (y.dim() == 4 and not (y.is_cuda and y.dtype == torch.float64)
+             and (residual is None or (residual.dtype == y.dtype and residual.shape == y.shape))
+             and (bias is None or tuple(bias.shape) in ((y.shape[1],), (y.shape[0], y.shape[1]))))
+    if not fused:
         if bias is not None:
-            y = y + bias.reshape(bias.shape + (1,) * (y.dim() - 2)).to(y.dtype)
-        y = ACTIVATIONS[activation](y) + residual
+            y = y + bias.reshape(bias.shape + (1, 1)).to(y.dtype)
+        y = ACTIVATIONS[activation](y)
+        if residual is not None:
+            y = y + residual
         return y * scale if scale != 1.0 else y
     return ops.bias_act(y, bias, residual, activation, scale)
