@@ -1,5 +1,4 @@
 // GEGLU: one pass, 16-byte accesses when the half width and pointers allow it.
-#include <algorithm>
 #include <cstdint>
 
 #include "geglu.cuh"
@@ -10,10 +9,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One V-vector of a row a thread, one pass: blockIdx.x picks the tile of the row, blockIdx.z and
-// blockIdx.y (rows past gridDim.y's limit go on in z) with threadIdx.y the row. No division;
-// Index is int when x has fewer than 2^31 elements. The GELU form is a template argument: chosen
-// at run time, element by element, it cost 5% (H200, fp16 8192x2560: 18.59 us against 17.49).
+// One V-vector of a row a thread in a row_grid launch (no division); Index is int when the grid
+// and x fit in one. The GELU form is a template argument: chosen at run time, element by element,
+// it cost 5% (H200, fp16 8192x2560: 18.59 us against 17.49).
 template <typename T, int V, typename Index, GeluApprox kApprox>
 __global__ void __launch_bounds__(kThreads) geglu_kernel(GegluParams p, Index row_vecs) {
   const Index col = grid_col<Index>(), row = grid_row<Index>();
@@ -40,19 +38,17 @@ void launch_kernel(const GegluParams& p, Index row_vecs, dim3 grid, dim3 block,
 
 template <typename T, int V>
 cudaError_t launch_with(const GegluParams& p, cudaStream_t stream) {
-  // A row in the fewest tiles of <= 256 threads, spread evenly over them; then as many whole rows
-  // a block as fit. fp16 on an H200 (scratch/sweep_norms.cu), us, against the former grid-stride
-  // kernel with a 64-bit division: 8192x2560 19.45 -> 17.30, 2048x5120 10.84 -> 9.62, 512x10240
+  // The row grid against the former grid-stride kernel with a 64-bit division, fp16 on an H200
+  // (the sweep of docs/perf/norms.md), us: 8192x2560 19.45 -> 17.30, 2048x5120 10.84 -> 9.62, 512x10240
   // 6.28 -> 6.02. In the sweep 2 or 4 vectors a thread and cache hints were slower, and 128-thread
   // tiles won only at 512x10240 (5.73 against 5.98) and lost at the others (19.76, 11.18).
   const int64_t row_vecs = p.half_dim / V;
   const RowGrid g = row_grid(p.rows, row_vecs, kThreads);
   if (!g.valid) return cudaErrorInvalidValue;  // > 4e9 rows
-  const dim3 grid = g.grid, block = g.block;
   if (g.fits_int(p.rows * 2 * p.half_dim)) {
-    launch_kernel<T, V>(p, static_cast<int>(row_vecs), grid, block, stream);
+    launch_kernel<T, V>(p, static_cast<int>(row_vecs), g.grid, g.block, stream);
   } else {
-    launch_kernel<T, V>(p, row_vecs, grid, block, stream);
+    launch_kernel<T, V>(p, row_vecs, g.grid, g.block, stream);
   }
   return cudaGetLastError();
 }

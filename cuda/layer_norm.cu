@@ -137,9 +137,9 @@ void launch_kernel(const Args& a, dim3 grid, dim3 block, cudaStream_t stream) {
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Args& a, cudaStream_t stream) {
   // The smallest team (a power of two, 1 to kMaxTeam lanes) that holds the row in at most 3
-  // vectors a thread, one row a team, 256-thread blocks: what won in scratch/sweep_norms.cu (fp16,
-  // H200) at 8192x320 (16 lanes x 3; 8 x 5 and 32 x 2 were slower), 2048x640 (32 x 3) and 512x1280
-  // (64 x 3; a whole-row team of 160 x 1, not a power of two, was 5% faster). Two rows a team and
+  // vectors a thread, one row a team, 256-thread blocks: what won in the sweep of
+  // docs/perf/norms.md (fp16, H200) at 8192x320 (16 lanes x 3; 8 x 5 and 32 x 2 were slower),
+  // 2048x640 (32 x 3) and 512x1280 (64 x 3; a whole-row team of 160 x 1, not a power of two, was 5% faster). Two rows a team and
   // cache hints were slower, block size moved times by a few percent either way. This kernel, us:
   // 8192x320 6.25 -> 5.74, 2048x640 3.98 -> 3.37, 512x1280 3.94 -> 3.11; with a residual
   // 9.51 -> 7.52, 6.16 -> 4.62, 5.67 -> 3.75.

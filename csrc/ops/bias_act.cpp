@@ -2,6 +2,7 @@
 #include "bias_act.h"
 
 #include <cmath>
+#include <iterator>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -35,13 +36,17 @@ ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor
                 ": residual must have x's dtype (", x.scalar_type(), "), got ",
                 residual->scalar_type());
   }
-  bool known = false;
-  for (std::string_view name : kBiasActivations) known = known || activation == name;
-  MIRAGE_CHECK(known, kBiasAct,
+  MIRAGE_CHECK(bias_activation_index(activation) >= 0, kBiasAct,
               ": activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"",
               activation, "\"");
   MIRAGE_CHECK(std::isfinite(scale), kBiasAct, ": scale must be finite, got ", scale);
   return channels_shape(x);
+}
+
+int bias_activation_index(std::string_view activation) {
+  for (int i = 0; i < static_cast<int>(std::size(kBiasActivations)); ++i)
+    if (kBiasActivations[i] == activation) return i;
+  return -1;
 }
 
 at::Tensor broadcastable_bias(const at::Tensor& bias, const at::Tensor& x) {

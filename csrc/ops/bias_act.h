@@ -15,6 +15,9 @@ inline constexpr std::string_view kBiasAct = "mirage::bias_act";
 // The activation names bias_act accepts, in the order of cuda::Activation.
 inline constexpr std::string_view kBiasActivations[] = {"none", "silu", "gelu", "gelu_tanh", "relu"};
 
+// activation's position in kBiasActivations (its cuda::Activation value), or -1 if unknown.
+int bias_activation_index(std::string_view activation);
+
 // Checks every argument; x's [N, C, *spatial] shape and the layout of the output.
 ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, std::string_view activation,

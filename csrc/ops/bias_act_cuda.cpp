@@ -11,14 +11,6 @@
 namespace mirage::ops {
 namespace {
 
-cuda::Activation to_kernel_activation(std::string_view activation) {
-  if (activation == "silu") return cuda::Activation::kSilu;
-  if (activation == "gelu") return cuda::Activation::kGelu;
-  if (activation == "gelu_tanh") return cuda::Activation::kGeluTanh;
-  if (activation == "relu") return cuda::Activation::kRelu;
-  return cuda::Activation::kNone;
-}
-
 at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual, c10::string_view activation,
                          double scale) {
@@ -40,7 +32,7 @@ at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& b
   params.spatial = shape.spatial;
   params.channels_last = shape.layout != at::MemoryFormat::Contiguous;
   params.bias_per_sample = b.defined() && b.dim() == 2;
-  params.activation = to_kernel_activation(activation);
+  params.activation = static_cast<cuda::Activation>(bias_activation_index(activation));
   params.scale = static_cast<float>(scale);
   params.dtype = to_kernel_dtype(x.scalar_type());
   params.bias_dtype = to_kernel_dtype(b.defined() ? b.scalar_type() : x.scalar_type());

@@ -121,29 +121,23 @@ class ResnetBlock2D(nn.Module):
 
         hidden_states = self.dropout(hidden_states)
         shortcut = self.conv_shortcut
+        # As diffusers: contiguous only in training, where DDP wants matching gradient strides.
+        if shortcut is not None and self.training:
+            input_tensor = input_tensor.contiguous()
+        if type(self.conv2) is not nn.Conv2d or not (shortcut is None or type(shortcut) is nn.Conv2d):
+            if shortcut is not None:
+                input_tensor = shortcut(input_tensor)
+            output = input_tensor + self.conv2(hidden_states)
+            # Dividing by 1 changes no value; skipping it saves a kernel launch and a pass.
+            return output / self.output_scale_factor if self.output_scale_factor != 1.0 else output
         # conv2's bias, a 1x1 shortcut conv's bias, the residual add and 1 / output_scale_factor
         # in one bias_act pass after conv2 (PyTorch: a bias pass per conv, the add, the division).
-        fuse_shortcut = shortcut is None or type(shortcut) is nn.Conv2d
         shortcut_bias = None
         if shortcut is not None:
-            # As diffusers: contiguous only in training, where DDP wants matching gradient strides.
-            if self.training:
-                input_tensor = input_tensor.contiguous()
-            if fuse_shortcut:
-                shortcut_bias = shortcut.bias
-                input_tensor = shortcut._conv_forward(input_tensor, shortcut.weight, None)
-            else:
-                input_tensor = shortcut(input_tensor)
-        if type(self.conv2) is nn.Conv2d and fuse_shortcut:
-            return conv_bias_act(self.conv2, hidden_states, shift=shortcut_bias, residual=input_tensor,
-                                 scale=1.0 / self.output_scale_factor)
-        if shortcut_bias is not None:
-            input_tensor = input_tensor + shortcut_bias[:, None, None]
-        output = input_tensor + self.conv2(hidden_states)
-        # Dividing by 1 changes no value; skipping it saves a kernel launch and a pass over the output.
-        if self.output_scale_factor != 1.0:
-            output = output / self.output_scale_factor
-        return output
+            shortcut_bias = shortcut.bias
+            input_tensor = shortcut._conv_forward(input_tensor, shortcut.weight, None)
+        return conv_bias_act(self.conv2, hidden_states, shift=shortcut_bias, residual=input_tensor,
+                             scale=1.0 / self.output_scale_factor)
 
     def extra_repr(self) -> str:
         return (f"in_channels={self.in_channels}, out_channels={self.out_channels}, "
