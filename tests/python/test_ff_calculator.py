@@ -125,6 +125,13 @@ def graphed_on_cpu(driver, fn, max_entries):
     return driver
 
 
+def graphed_capacity_calculator():
+    """A Calculator around a seeded float64 CapacityModel, on its graph path with StandIn graphs."""
+    torch.manual_seed(0)
+    calc = mirage.ff.Calculator(CapacityModel(max_pairs=10_000).double())
+    return graphed_on_cpu(calc, calc._packed, 2)
+
+
 def small(cls, dtype=torch.float64, seed=0):
     torch.manual_seed(seed)
     return cls(hidden=16, num_interactions=2, num_rbf=8, cutoff=4.0).to(dtype).eval()
@@ -390,10 +397,7 @@ def test_graph_path_on_cpu():
 def test_graph_path_follows_numbers_cell_and_pbc_at_one_atom_count():
     # The graph path re-sends numbers, cell and pbc only when they change: each change must reach
     # the graph, each evaluation must equal a fresh eager one.
-    torch.manual_seed(0)
-    model = CapacityModel(max_pairs=10_000).double()
-    calc = mirage.ff.Calculator(model)
-    graphed_on_cpu(calc, calc._packed, 2)
+    calc = graphed_capacity_calculator()
     atoms = periodic_atoms(n=10)
     changes = [lambda a: None, lambda a: a.numbers.__setitem__(3, 9), lambda a: None,
                lambda a: a.set_cell(a.cell[:] * 1.05, scale_atoms=False), lambda a: a.set_pbc((True, True, False)),
@@ -402,7 +406,7 @@ def test_graph_path_follows_numbers_cell_and_pbc_at_one_atom_count():
         change(atoms)
         atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
         calc.calculate(atoms, ["energy", "forces", "stress"])
-        reference = mirage.ff.Calculator(model, cuda_graph=False)
+        reference = mirage.ff.Calculator(calc.model, cuda_graph=False)
         reference.calculate(atoms, ["energy", "forces", "stress"])
         for name in ("energy", "forces", "stress"):
             np.testing.assert_allclose(calc.results[name], reference.results[name], rtol=1e-12, atol=1e-14)
@@ -756,10 +760,7 @@ def test_works_under_inference_mode():
 
 def test_reset_drops_the_graphs():
     # The graphs hold the model as captured: reset() (after changing the model) must drop them.
-    torch.manual_seed(0)
-    model = CapacityModel(max_pairs=10_000).double()
-    calc = mirage.ff.Calculator(model)
-    graphed_on_cpu(calc, calc._packed, 2)
+    calc = graphed_capacity_calculator()
     atoms = periodic_atoms(n=9)
     calc.calculate(atoms, ["forces"])
     assert calc.graph_stats().entries == 1 and len(calc._buffers) == 1
