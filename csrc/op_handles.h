@@ -34,6 +34,9 @@ using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
 using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&);
+using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                            const at::Tensor&, const at::Tensor&, double,
+                                                            int64_t, at::TensorList, c10::string_view);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
@@ -58,6 +61,7 @@ MIRAGE_OP_HANDLE(message_passing, PairOpSig)
 MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
 MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
+MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

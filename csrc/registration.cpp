@@ -29,4 +29,9 @@ TORCH_LIBRARY(mirage, m) {
   m.def("vector_message_passing_backward(Tensor grad_scalar, Tensor grad_vector, Tensor x, "
         "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs) -> (Tensor grad_x, "
         "Tensor grad_filter, Tensor grad_vectors, Tensor grad_directions)");
+  // A whole SchNet energy and its gradient in the pair vectors, in one kernel (small systems).
+  // weights: 10 tensors per interaction then 4 for the readout; activations: comma-separated.
+  m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
+        "float cutoff, int num_rbf, Tensor[] weights, str activations) -> (Tensor energy, "
+        "Tensor grad_vectors)");
 }

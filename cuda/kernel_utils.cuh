@@ -147,13 +147,43 @@ __device__ __forceinline__ float gelu(float v, GeluApprox approximate) {
   return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));  // 1/sqrt(2)
 }
 
+// F.softplus (beta 1, threshold 20: the identity above it).
+__device__ __forceinline__ float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+
 __device__ __forceinline__ float activate(float v, Activation activation) {
   switch (activation) {
     case Activation::kSilu: return silu(v);
     case Activation::kGelu: return gelu(v, GeluApprox::kNone);
     case Activation::kGeluTanh: return gelu(v, GeluApprox::kTanh);
     case Activation::kRelu: return v > 0.0f ? v : (v == v ? 0.0f : v);  // NaN stays NaN, as torch.relu
+    case Activation::kTanh: return tanhf(v);
+    case Activation::kSoftplus: return softplus(v);
+    case Activation::kShiftedSoftplus: return softplus(v) - 0.6931471805599453f;  // log 2
     default: return v;
+  }
+}
+
+// d activate(v) / dv, as PyTorch's backward formulas compute it.
+__device__ __forceinline__ float activation_grad(float v, Activation activation) {
+  switch (activation) {
+    case Activation::kSilu: {
+      const float s = 1.0f / (1.0f + expf(-v));
+      return s * (1.0f + v * (1.0f - s));
+    }
+    case Activation::kGelu:  // Phi(v) + v phi(v)
+      return 0.5f * (1.0f + erff(v * 0.7071067811865476f)) + v * 0.3989422804014327f * expf(-0.5f * v * v);
+    case Activation::kGeluTanh: {
+      const float inner = 0.7978845608028654f * (v + 0.044715f * v * v * v), t = tanhf(inner);
+      return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * v * v);
+    }
+    case Activation::kRelu: return v > 0.0f ? 1.0f : 0.0f;
+    case Activation::kTanh: {
+      const float t = tanhf(v);
+      return 1.0f - t * t;
+    }
+    case Activation::kSoftplus:
+    case Activation::kShiftedSoftplus: return v > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-v));
+    default: return 1.0f;
   }
 }
 

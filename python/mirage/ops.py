@@ -10,7 +10,7 @@ passing ops run in the autocast dtype, like a matmul).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -280,3 +280,57 @@ def vector_message_passing(
     indices on the host, skips the pair and writes NaN to every output (gradients too).
     """
     return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs)
+
+
+def schnet_energy(
+    atomic_numbers: Tensor,
+    embedding: Tensor,
+    pairs: Tensor,
+    vectors: Tensor,
+    cutoff: float,
+    num_rbf: int,
+    weights: Sequence[Tensor],
+    activations: Sequence[str],
+) -> Tuple[Tensor, Tensor]:
+    """A whole SchNet energy and its gradient in the pair vectors, in one kernel.
+
+    Computes, with ``d = |vectors|``, a Gaussian basis of ``num_rbf`` centers evenly over
+    ``[0, cutoff]`` (width their spacing) and the cosine cutoff ``cos^2(pi d / 2 cutoff)`` (zero
+    from ``cutoff`` on)::
+
+        x = embedding[atomic_numbers]
+        per interaction: x += f2out(sum over pairs (i <- j) of in2f(x)[j] * filter(basis) * fcut)
+        energy = readout(x).sum()
+
+    with ``filter``, ``f2out`` and ``readout`` each ``Linear, activation, Linear``. This is
+    ``mirage.ff.SchNet`` (and ``examples/forcefield/models.py``'s SchNet) end to end. On CUDA it
+    is one launch: one thread-block cluster (Hopper; one block before it) for the whole model,
+    forward and backward, fast for molecules of up to a few hundred pairs and slower than the
+    layer-by-layer model beyond that (docs/perf/forcefield.md).
+
+    Args:
+        atomic_numbers: ``(N,)`` int64, rows of ``embedding``.
+        embedding: ``(Z, F)``; float32 (float64 too on the CPU). Every weight has its dtype and
+            device.
+        pairs: ``(2, P)`` int64; row 0 the receivers ``i``, row 1 the senders ``j``, any order.
+        vectors: ``(P, 3)``, ``r_j - r_i`` plus the cell shift; pairs at or past the cutoff (the
+            neighbor list's padding) add nothing.
+        cutoff: in the units of ``vectors``, > 0.
+        num_rbf: basis size, the filters' input width.
+        weights: per interaction ``filter.0.weight [H, R], filter.0.bias [H], filter.2.weight
+            [M, H], filter.2.bias [M], in2f.weight [M, F], in2f.bias [M], f2out.0.weight [K, M],
+            f2out.0.bias [K], f2out.2.weight [F, K], f2out.2.bias [F]`` (a bias may be empty,
+            ``[0]`` for a Linear without one), then ``readout.0.weight [Kr, F], readout.0.bias
+            [Kr], readout.2.weight [1, Kr], readout.2.bias [1]``; 1 to 8 interactions.
+        activations: ``interactions + 2`` names from ``shifted_softplus, softplus, silu, tanh,
+            gelu, relu``: the filters', each interaction's ``f2out``, the readout's.
+
+    Returns:
+        ``(energy, grad_vectors)``: a 0-dim tensor and ``d energy / d vectors`` ``(P, 3)``, in
+        the embedding's dtype. Differentiable in ``vectors`` (first order: forces and stress);
+        asking for a gradient in the embedding or weights, or for a second order, raises
+        ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
+        their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
+    """
+    return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
+                                          list(weights), ",".join(activations))

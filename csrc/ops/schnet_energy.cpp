@@ -1,0 +1,243 @@
+// mirage::schnet_energy: checks, the CPU reference and the Meta kernel.
+#include "schnet_energy.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "message.h"
+
+namespace mirage::ops {
+
+std::vector<std::string> split_activations(std::string_view activations) {
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = activations.find(',', start);
+    names.emplace_back(activations.substr(start, comma == std::string_view::npos ? std::string_view::npos
+                                                                                  : comma - start));
+    if (comma == std::string_view::npos) return names;
+    start = comma + 1;
+  }
+}
+
+namespace {
+
+constexpr std::string_view kWeightNames[] = {"filter.0.weight", "filter.0.bias", "filter.2.weight",
+                                             "filter.2.bias",   "in2f.weight",   "in2f.bias",
+                                             "f2out.0.weight",  "f2out.0.bias",  "f2out.2.weight",
+                                             "f2out.2.bias"};
+constexpr std::string_view kReadoutNames[] = {"readout.0.weight", "readout.0.bias", "readout.2.weight",
+                                              "readout.2.bias"};
+
+std::string weight_name(int64_t index, int64_t interactions) {
+  const int64_t readout = index - interactions * kSchnetWeightsPerInteraction;
+  if (readout >= 0) return message("weights[", index, "] (", kReadoutNames[readout], ")");
+  return message("weights[", index, "] (interactions.", index / kSchnetWeightsPerInteraction, ".",
+                 kWeightNames[index % kSchnetWeightsPerInteraction], ")");
+}
+
+// weights[index] is a Linear's weight [out, in] (bias: [out], or [0] for none) on embedding's
+// device and dtype.
+void check_weight(at::TensorList weights, int64_t index, int64_t interactions, const at::Tensor& embedding,
+                  std::vector<int64_t> shape) {
+  const at::Tensor& w = weights[index];
+  if (shape.size() == 1 && w.dim() == 1 && w.size(0) == 0) shape = {0};
+  MIRAGE_CHECK(w.device() == embedding.device(), kSchnetEnergy, ": ", weight_name(index, interactions),
+               " must be on embedding's device (", embedding.device(), "), got ", w.device());
+  MIRAGE_CHECK(w.scalar_type() == embedding.scalar_type(), kSchnetEnergy, ": ", weight_name(index, interactions),
+               " must have embedding's dtype (", embedding.scalar_type(), "), got ", w.scalar_type());
+  MIRAGE_CHECK(w.sizes() == at::IntArrayRef(shape), kSchnetEnergy, ": ", weight_name(index, interactions),
+               " must have shape ", at::IntArrayRef(shape), shape.size() == 1 ? " (or [0]: no bias)" : "",
+               ", got ", w.sizes());
+}
+
+}  // namespace
+
+SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
+                                int64_t num_rbf, at::TensorList weights, std::string_view activations) {
+  const auto dtype = embedding.scalar_type();
+  MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !embedding.is_cuda()), kSchnetEnergy,
+               ": embedding must be float32 (or float64 off the GPU), got ", dtype, " on ", embedding.device());
+  MIRAGE_CHECK(embedding.dim() == 2 && embedding.size(0) > 0 && embedding.size(1) > 0, kSchnetEnergy,
+               ": embedding must have shape [Z, F] with Z, F >= 1, got ", embedding.sizes());
+  const auto same_device = [&](const at::Tensor& t, std::string_view name) {
+    MIRAGE_CHECK(t.device() == embedding.device(), kSchnetEnergy, ": ", name, " must be on embedding's device (",
+                 embedding.device(), "), got ", t.device());
+  };
+  same_device(atomic_numbers, "atomic_numbers");
+  same_device(pairs, "pairs");
+  same_device(vectors, "vectors");
+  MIRAGE_CHECK(atomic_numbers.scalar_type() == at::kLong && atomic_numbers.dim() == 1, kSchnetEnergy,
+               ": atomic_numbers must be a 1-D int64 tensor [N], got ", atomic_numbers.scalar_type(), " of shape ",
+               atomic_numbers.sizes());
+  MIRAGE_CHECK(pairs.scalar_type() == at::kLong && pairs.dim() == 2 && pairs.size(0) == 2, kSchnetEnergy,
+               ": pairs must be an int64 tensor of shape [2, P], got ", pairs.scalar_type(), " of shape ",
+               pairs.sizes());
+  MIRAGE_CHECK(vectors.scalar_type() == dtype, kSchnetEnergy, ": vectors must have embedding's dtype (", dtype,
+               "), got ", vectors.scalar_type());
+  MIRAGE_CHECK(vectors.dim() == 2 && vectors.size(0) == pairs.size(1) && vectors.size(1) == 3, kSchnetEnergy,
+               ": vectors must have shape [P, 3] = [", pairs.size(1), ", 3] (P from pairs), got ", vectors.sizes());
+  MIRAGE_CHECK(atomic_numbers.size(0) > 0 || pairs.size(1) == 0, kSchnetEnergy,
+               ": atomic_numbers is empty (N=0) but pairs has ", pairs.size(1), " pairs to index");
+  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, kSchnetEnergy, ": cutoff must be finite and > 0, got ", cutoff);
+  const int64_t count = static_cast<int64_t>(weights.size());
+  const int64_t interactions = (count - kSchnetReadoutWeights) / kSchnetWeightsPerInteraction;
+  MIRAGE_CHECK(interactions >= 1 && interactions <= 8 &&
+                   count == interactions * kSchnetWeightsPerInteraction + kSchnetReadoutWeights,
+               kSchnetEnergy, ": weights must hold 10 tensors per interaction (1 to 8 of them) and 4 for the "
+               "readout, got ", count);
+  const std::vector<std::string> names = split_activations(activations);
+  MIRAGE_CHECK(static_cast<int64_t>(names.size()) == interactions + 2, kSchnetEnergy,
+               ": activations must name ", interactions + 2, " activations (filter, one update per interaction, "
+               "readout) separated by commas, got \"", activations, "\"");
+  for (const std::string& name : names) {
+    bool known = false;
+    for (std::string_view k : kSchnetActivations) known = known || name == k;
+    MIRAGE_CHECK(known, kSchnetEnergy, ": activation \"", name, "\" in activations is not one of shifted_softplus, "
+                 "softplus, silu, tanh, gelu, relu");
+  }
+
+  SchnetShape s{};
+  s.atoms = atomic_numbers.size(0);
+  s.pairs = pairs.size(1);
+  s.interactions = interactions;
+  s.features = embedding.size(1);
+  const at::Tensor& first = weights[0];
+  MIRAGE_CHECK(first.dim() == 2, kSchnetEnergy, ": ", weight_name(0, interactions),
+               " must be 2-D [H, R], got ", first.sizes());
+  s.filter_hidden = first.size(0);
+  s.rbf = first.size(1);
+  MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1, kSchnetEnergy, ": num_rbf (", num_rbf,
+               ") must be >= 1 and equal the filters' input width (", s.rbf, ")");
+  s.message_width = weights[2].dim() == 2 ? weights[2].size(0) : 0;
+  s.update_hidden = weights[6].dim() == 2 ? weights[6].size(0) : 0;
+  const int64_t r0 = interactions * kSchnetWeightsPerInteraction;
+  s.readout_hidden = weights[r0].dim() == 2 ? weights[r0].size(0) : 0;
+  for (int64_t t = 0; t < interactions; ++t) {
+    const int64_t b = t * kSchnetWeightsPerInteraction;
+    check_weight(weights, b, interactions, embedding, {s.filter_hidden, s.rbf});
+    check_weight(weights, b + 1, interactions, embedding, {s.filter_hidden});
+    check_weight(weights, b + 2, interactions, embedding, {s.message_width, s.filter_hidden});
+    check_weight(weights, b + 3, interactions, embedding, {s.message_width});
+    check_weight(weights, b + 4, interactions, embedding, {s.message_width, s.features});
+    check_weight(weights, b + 5, interactions, embedding, {s.message_width});
+    check_weight(weights, b + 6, interactions, embedding, {s.update_hidden, s.message_width});
+    check_weight(weights, b + 7, interactions, embedding, {s.update_hidden});
+    check_weight(weights, b + 8, interactions, embedding, {s.features, s.update_hidden});
+    check_weight(weights, b + 9, interactions, embedding, {s.features});
+  }
+  check_weight(weights, r0, interactions, embedding, {s.readout_hidden, s.features});
+  check_weight(weights, r0 + 1, interactions, embedding, {s.readout_hidden});
+  check_weight(weights, r0 + 2, interactions, embedding, {1, s.readout_hidden});
+  check_weight(weights, r0 + 3, interactions, embedding, {1});
+  MIRAGE_CHECK(s.message_width >= 1 && s.update_hidden >= 1 && s.readout_hidden >= 1 && s.filter_hidden >= 1,
+               kSchnetEnergy, ": every Linear must have at least one output");
+  return s;
+}
+
+namespace {
+
+at::Tensor activate(const at::Tensor& v, const std::string& name) {
+  if (name == "shifted_softplus") return at::softplus(v) - std::log(2.0);
+  if (name == "softplus") return at::softplus(v);
+  if (name == "silu") return at::silu(v);
+  if (name == "tanh") return at::tanh(v);
+  if (name == "gelu") return at::gelu(v);
+  return at::relu(v);
+}
+
+at::Tensor activation_grad(const at::Tensor& v, const std::string& name) {
+  if (name == "shifted_softplus" || name == "softplus") return at::where(v > 20, at::ones_like(v), at::sigmoid(v));
+  if (name == "silu") {
+    const at::Tensor s = at::sigmoid(v);
+    return s * (1 + v * (1 - s));
+  }
+  if (name == "tanh") return 1 - at::tanh(v).square();
+  if (name == "gelu") return 0.5 * (1 + at::erf(v * M_SQRT1_2)) + v * at::exp(-0.5 * v.square()) / std::sqrt(2 * M_PI);
+  return (v > 0).to(v.scalar_type());
+}
+
+// The reference: the forward, then its gradient written out layer by layer, in float64.
+std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                                     const at::Tensor& pairs, const at::Tensor& vectors,
+                                                     double cutoff, int64_t num_rbf, at::TensorList weights,
+                                                     c10::string_view activations) {
+  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                            activations);
+  const std::vector<std::string> act = split_activations(activations);
+  const int64_t* z = atomic_numbers.contiguous().const_data_ptr<int64_t>();
+  for (int64_t a = 0; a < s.atoms; ++a)
+    MIRAGE_CHECK(z[a] >= 0 && z[a] < embedding.size(0), kSchnetEnergy, ": atomic_numbers[", a, "] = ", z[a],
+                 " is out of range for embedding's ", embedding.size(0), " rows");
+  const at::Tensor idx = pairs.contiguous();
+  const int64_t* ij = idx.const_data_ptr<int64_t>();
+  for (int64_t e = 0; e < 2 * s.pairs; ++e)
+    MIRAGE_CHECK(ij[e] >= 0 && ij[e] < s.atoms, kSchnetEnergy, ": pairs[", e / s.pairs, ", ", e % s.pairs,
+                 "] = ", ij[e], " is out of range for N=", s.atoms, " atoms");
+
+  const auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
+  std::vector<at::Tensor> w;  // an absent bias ([0]) is undefined here, as at::linear takes it
+  for (const at::Tensor& t : weights) w.push_back(t.numel() == 0 ? at::Tensor() : f64(t));
+  const at::Tensor i = idx[0], j = idx[1];
+  const at::Tensor v = f64(vectors);
+  const at::Tensor d = v.norm(2, {1});
+  const double half_angle = M_PI / (2 * cutoff);
+  const at::Tensor inside = d < cutoff;
+  const at::Tensor fcut = at::where(inside, at::cos(half_angle * d).square(), 0.0);
+  const at::Tensor dfcut = at::where(inside, -half_angle * at::sin(2 * half_angle * d), 0.0);
+  const double spacing = num_rbf > 1 ? cutoff / (num_rbf - 1) : cutoff;
+  const at::Tensor zk = (d.unsqueeze(1) - at::arange(num_rbf, d.options()) * spacing) / spacing;
+  const at::Tensor basis = at::exp(-0.5 * zk.square());  // [P, R]
+
+  const int64_t T = s.interactions, r0 = T * kSchnetWeightsPerInteraction;
+  const auto weight = [&](int64_t t, int64_t k) -> const at::Tensor& { return w[t * kSchnetWeightsPerInteraction + k]; };
+  at::Tensor x = f64(embedding).index_select(0, atomic_numbers);
+  std::vector<at::Tensor> filter_pre, filter, h, q;
+  for (int64_t t = 0; t < T; ++t) {
+    filter_pre.push_back(at::linear(basis, weight(t, 0), weight(t, 1)));
+    filter.push_back(at::linear(activate(filter_pre[t], act[0]), weight(t, 2), weight(t, 3)));
+    h.push_back(at::linear(x, weight(t, 4), weight(t, 5)));
+    const at::Tensor messages = at::zeros_like(h[t]).index_add_(0, i, h[t].index_select(0, j) * filter[t] *
+                                                                          fcut.unsqueeze(1));
+    q.push_back(at::linear(messages, weight(t, 6), weight(t, 7)));
+    x = x + at::linear(activate(q[t], act[t + 1]), weight(t, 8), weight(t, 9));
+  }
+  const at::Tensor r = at::linear(x, w[r0], w[r0 + 1]);
+  const at::Tensor energy = at::linear(activate(r, act[T + 1]), w[r0 + 2], w[r0 + 3]).sum();
+
+  at::Tensor grad_x = at::matmul(activation_grad(r, act[T + 1]) * w[r0 + 2], w[r0]);
+  at::Tensor grad_basis = at::zeros_like(basis), grad_fcut = at::zeros_like(d);
+  for (int64_t t = T - 1; t >= 0; --t) {
+    const at::Tensor grad_q = at::matmul(grad_x, weight(t, 8)) * activation_grad(q[t], act[t + 1]);
+    const at::Tensor grad_m = at::matmul(grad_q, weight(t, 6)).index_select(0, i);  // per pair
+    const at::Tensor grad_w = grad_m * h[t].index_select(0, j);
+    const at::Tensor grad_h = at::zeros_like(h[t]).index_add_(0, j, grad_m * filter[t] * fcut.unsqueeze(1));
+    grad_fcut = grad_fcut + (grad_w * filter[t]).sum(1);
+    const at::Tensor grad_pre = at::matmul(grad_w * fcut.unsqueeze(1), weight(t, 2)) *
+                                activation_grad(filter_pre[t], act[0]);
+    grad_basis = grad_basis + at::matmul(grad_pre, weight(t, 0));
+    grad_x = grad_x + at::matmul(grad_h, weight(t, 4));
+  }
+  const at::Tensor grad_d = (grad_basis * basis * (-zk / spacing)).sum(1) + grad_fcut * dfcut;
+  const at::Tensor grad_vectors = at::where(d > 0, grad_d / d, 0.0).unsqueeze(1) * v;
+  return {energy.to(embedding.scalar_type()), grad_vectors.to(embedding.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> schnet_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                                      const at::Tensor& pairs, const at::Tensor& vectors,
+                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
+                                                      c10::string_view activations) {
+  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                            activations);
+  return {at::empty({}, embedding.options()), at::empty({s.pairs, 3}, embedding.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CPU, m) { m.impl("schnet_energy", &schnet_energy_cpu); }
+TORCH_LIBRARY_IMPL(mirage, Meta, m) { m.impl("schnet_energy", &schnet_energy_meta); }
+
+}  // namespace mirage::ops

@@ -1,0 +1,451 @@
+// mirage::schnet_energy: SchNet's energy and its gradient in the pair vectors in one launch.
+//
+// Small molecules are launch-bound: the layer-by-layer model is ~160 kernels per energy+forces
+// (docs/perf/forcefield.md), each too small to fill the GPU. Here one thread-block cluster runs
+// the whole forward and backward. Block b owns a contiguous range of atoms and every pair whose
+// receiving atom it owns, so messages, the filter networks and their backward stay inside the
+// block; blocks meet at a cluster barrier twice per interaction: after the in2f features h_t
+// (read by every block through the pairs' senders) and after the senders' gradients grad_h_t
+// (added by every block). Intermediates live in a global workspace (L2-resident at these sizes);
+// data written by another block is read with __ldcg, past the non-coherent L1.
+// Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
+#include <cooperative_groups.h>
+
+#include "kernel_utils.cuh"
+#include "schnet_energy.cuh"
+
+namespace mirage::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kRowTile = 4;     // rows a thread carries in registers in the matrix products
+constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
+constexpr float kPi = 3.14159265358979323846f;
+
+__host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
+
+// Offsets (in floats) of the workspace arrays; row strides are padded to 4 floats so that rows
+// are 16-byte aligned. [T] = one per interaction.
+struct Layout {
+  int64_t R4, H4, M4, F4, K4, Kr4;
+  int64_t pair_list;    // int [kMaxCluster][P]: each block's pairs
+  int64_t geometry;     // [P][4]: distance, cutoff function, its derivative
+  int64_t basis;        // [P][R4]
+  int64_t grad_basis;   // [P][R4], summed over interactions
+  int64_t grad_cutoff;  // [P]
+  int64_t filter_pre;   // [T][P][H4]: the filters' hidden layer before the activation
+  int64_t filter_tmp;   // [P][H4]: after it (forward), its gradient (backward)
+  int64_t filter_out;   // [T][P][M4]: the filters before the cutoff
+  int64_t grad_filter;  // [P][M4]
+  int64_t x;            // [N][F4]: atom features
+  int64_t h;            // [T][N][M4]: in2f(x), read by every block
+  int64_t grad_h;       // [T][N][M4]: added to by every block
+  int64_t m;            // [N][M4]: messages, later their gradient
+  int64_t q;            // [T][N][K4]: f2out's hidden layer before the activation
+  int64_t u;            // [N][K4]: after it, later the gradient before it
+  int64_t readout;      // [N][Kr4]: the readout's hidden layer, later its gradient
+  int64_t grad_x;       // [N][F4]
+  int64_t parts;        // [kMaxCluster]: each block's share of the energy
+  int64_t total;
+};
+
+__host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
+  Layout l{};
+  const int64_t N = p.num_atoms, P = p.num_pairs, T = p.num_interactions;
+  l.R4 = pad4(p.num_rbf);
+  l.H4 = pad4(p.filter_hidden);
+  l.M4 = pad4(p.message_width);
+  l.F4 = pad4(p.features);
+  l.K4 = pad4(p.update_hidden);
+  l.Kr4 = pad4(p.readout_hidden);
+  int64_t at = 0;
+  const auto take = [&at](int64_t floats) {
+    const int64_t offset = at;
+    at += pad4(floats);
+    return offset;
+  };
+  l.pair_list = take(kMaxCluster * P);
+  l.geometry = take(4 * P);
+  l.basis = take(P * l.R4);
+  l.grad_basis = take(P * l.R4);
+  l.grad_cutoff = take(P);
+  l.filter_pre = take(T * P * l.H4);
+  l.filter_tmp = take(P * l.H4);
+  l.filter_out = take(T * P * l.M4);
+  l.grad_filter = take(P * l.M4);
+  l.x = take(N * l.F4);
+  l.h = take(T * N * l.M4);
+  l.grad_h = take(T * N * l.M4);
+  l.m = take(N * l.M4);
+  l.q = take(T * N * l.K4);
+  l.u = take(N * l.K4);
+  l.readout = take(N * l.Kr4);
+  l.grad_x = take(N * l.F4);
+  l.parts = take(kMaxCluster);
+  l.total = at;
+  return l;
+}
+
+__device__ __forceinline__ float bias_at(const float* bias, int o) { return bias ? bias[o] : 0.0f; }
+
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();  // release/acquire at cluster scope: global writes too
+#else
+  __syncthreads();  // the launcher runs a single block here
+#endif
+}
+
+// A weight matrix seen as W(o, k) = w[o * out_stride + k * in_stride]: (out_stride, in_stride) =
+// (in, 1) multiplies by an nn.Linear weight's transpose (forward), (1, out) by the weight itself
+// (backward).
+struct Weight {
+  const float* w;
+  int64_t out_stride, in_stride;
+};
+
+// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * W(o, k)), the input rows being
+// `in_stride` floats apart and 16-byte aligned. Thread items are (o, tile of kRowTile rows), o
+// fastest: a warp reads one input row element (a broadcast) and 32 weights per step. With fewer
+// items than threads (an atom or two per block) the sum over k is split among threads too, the
+// parts added in `partial` (shared, kThreads * kRowTile floats). Every thread of the block calls it.
+template <class RowOf, class Store>
+__device__ __forceinline__ void product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                        Weight W, int outs, Store store, float* partial) {
+  const int tiles = (rows + kRowTile - 1) / kRowTile, items = outs * tiles;
+  int splits = 1;
+  while (2 * splits * items <= static_cast<int>(blockDim.x) && ins >= 32 * splits) splits *= 2;
+  const int chunk = static_cast<int>(pad4((ins + splits - 1) / splits));
+  const bool vector_in = ins % 4 == 0;
+  const bool vector_w = vector_in && W.in_stride == 1 && W.out_stride % 4 == 0 &&
+                        reinterpret_cast<uintptr_t>(W.w) % 16 == 0;
+  for (int work = threadIdx.x; work < items * splits; work += blockDim.x) {
+    const int item = work % items, split = work / items;
+    const int o = item % outs, tile = item / outs;
+    const int k0 = split * chunk, k1 = min(ins, k0 + chunk);
+    const float* row[kRowTile];
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t) row[t] = in + row_of(min(tile * kRowTile + t, rows - 1)) * in_stride;
+    const float* w = W.w + o * W.out_stride;
+    float acc[kRowTile] = {};
+    if (vector_w) {
+#pragma unroll 2
+      for (int k = k0; k < k1; k += 4) {
+        const float4 wv = *reinterpret_cast<const float4*>(w + k);
+#pragma unroll
+        for (int t = 0; t < kRowTile; ++t) {
+          const float4 a = *reinterpret_cast<const float4*>(row[t] + k);
+          acc[t] += a.x * wv.x + a.y * wv.y + a.z * wv.z + a.w * wv.w;
+        }
+      }
+    } else if (vector_in) {
+#pragma unroll 2
+      for (int k = k0; k < k1; k += 4) {
+        const float w0 = w[k * W.in_stride], w1 = w[(k + 1) * W.in_stride];
+        const float w2 = w[(k + 2) * W.in_stride], w3 = w[(k + 3) * W.in_stride];
+#pragma unroll
+        for (int t = 0; t < kRowTile; ++t) {
+          const float4 a = *reinterpret_cast<const float4*>(row[t] + k);
+          acc[t] += a.x * w0 + a.y * w1 + a.z * w2 + a.w * w3;
+        }
+      }
+    } else {
+      for (int k = k0; k < k1; ++k) {
+        const float wk = w[k * W.in_stride];
+#pragma unroll
+        for (int t = 0; t < kRowTile; ++t) acc[t] += row[t][k] * wk;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t) {
+      if (splits > 1) partial[work * kRowTile + t] = acc[t];
+      else if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, acc[t]);
+    }
+  }
+  if (splits == 1) return;
+  __syncthreads();
+  for (int item = threadIdx.x; item < items; item += blockDim.x) {
+    const int o = item % outs, tile = item / outs;
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t) {
+      float sum = 0.0f;
+      for (int split = 0; split < splits; ++split) sum += partial[(split * items + item) * kRowTile + t];
+      if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, sum);
+    }
+  }
+  __syncthreads();  // partial is free again
+}
+
+__global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_constant__ SchnetEnergyParams p) {
+  __shared__ int own_pairs, invalid;
+  __shared__ float scratch[32];
+  __shared__ float partial[kThreads * kRowTile];
+  const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
+  const int64_t N = p.num_atoms, P = p.num_pairs;
+  const int R = p.num_rbf, H = p.filter_hidden, M = p.message_width, F = p.features;
+  const int K = p.update_hidden, Kr = p.readout_hidden, T = p.num_interactions;
+  const Layout L = layout_of(p);
+  const int64_t R4 = L.R4, H4 = L.H4, M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
+  float* ws = static_cast<float*>(p.workspace);
+  int* pair_list = reinterpret_cast<int*>(ws + L.pair_list) + block * P;
+  float *geometry = ws + L.geometry, *basis = ws + L.basis, *grad_basis = ws + L.grad_basis;
+  float *grad_cutoff = ws + L.grad_cutoff, *filter_tmp = ws + L.filter_tmp, *grad_filter = ws + L.grad_filter;
+  float *x = ws + L.x, *m = ws + L.m, *u = ws + L.u, *readout = ws + L.readout, *grad_x = ws + L.grad_x;
+  const auto filter_pre = [&](int t) { return ws + L.filter_pre + t * P * H4; };
+  const auto filter_out = [&](int t) { return ws + L.filter_out + t * P * M4; };
+  const auto h = [&](int t) { return ws + L.h + t * N * M4; };
+  const auto grad_h = [&](int t) { return ws + L.grad_h + t * N * M4; };
+  const auto q = [&](int t) { return ws + L.q + t * N * K4; };
+  const int64_t* senders = p.pairs + P;
+
+  // This block's atoms [a0, a1) (an even split) and the pairs they receive. Every block checks
+  // every index, so all of them agree on leaving early (none waits at a barrier alone).
+  const int64_t a0 = block * N / blocks, a1 = (block + 1) * N / blocks;
+  const int na = static_cast<int>(a1 - a0);
+  if (tid == 0) own_pairs = invalid = 0;
+  __syncthreads();
+  for (int64_t e = tid; e < P; e += threads) {
+    const int64_t i = p.pairs[e], j = senders[e];
+    if (i < 0 || i >= N || j < 0 || j >= N) invalid = 1;
+    else if (i >= a0 && i < a1) pair_list[atomicAdd(&own_pairs, 1)] = static_cast<int>(e);
+  }
+  for (int64_t a = tid; a < N; a += threads)
+    if (p.atomic_numbers[a] < 0 || p.atomic_numbers[a] >= p.num_embeddings) invalid = 1;
+  __syncthreads();
+  if (invalid) {
+    for (int64_t e = block + static_cast<int64_t>(blocks) * tid; e < P; e += static_cast<int64_t>(blocks) * threads)
+      for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = __int_as_float(0x7fc00000);
+    if (block == 0 && tid == 0) *p.energy = __int_as_float(0x7fc00000);
+    return;
+  }
+  const int np = own_pairs;
+  const auto pair_row = [&](int r) -> int64_t { return pair_list[r]; };
+  const auto atom_row = [&](int r) -> int64_t { return a0 + r; };
+
+  for (int e = tid; e < T * na * M; e += threads) {
+    const int t = e / (na * M), rest = e % (na * M);
+    grad_h(t)[(a0 + rest / M) * M4 + rest % M] = 0.0f;
+  }
+  // Geometry and basis of the block's pairs. Cosine cutoff cos^2(pi d / 2c) below the cutoff,
+  // exactly zero (value and slope) from it on: the neighbor list's padding adds nothing.
+  const float half_angle = kPi / (2.0f * p.cutoff);
+  for (int r = tid; r < np; r += threads) {
+    const int64_t e = pair_list[r];
+    const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
+    const float d = sqrtf(vx * vx + vy * vy + vz * vz);
+    const bool inside = d < p.cutoff;
+    const float c = cosf(half_angle * d);
+    geometry[4 * e] = d;
+    geometry[4 * e + 1] = inside ? c * c : 0.0f;
+    geometry[4 * e + 2] = inside ? -half_angle * sinf(2.0f * half_angle * d) : 0.0f;
+    grad_cutoff[e] = 0.0f;
+  }
+  __syncthreads();
+  const float spacing = R > 1 ? p.cutoff / static_cast<float>(R - 1) : p.cutoff;
+  for (int e = tid; e < np * R; e += threads) {
+    const int64_t pair = pair_list[e / R];
+    const int k = e % R;
+    const float z = (geometry[4 * pair] - k * spacing) / spacing;
+    basis[pair * R4 + k] = expf(-0.5f * z * z);
+    grad_basis[pair * R4 + k] = 0.0f;
+  }
+  __syncthreads();
+
+  // Filters of every interaction: they depend on the distances only.
+  for (int t = 0; t < T; ++t) {
+    const SchnetInteraction& layer = p.interactions[t];
+    float* pre = filter_pre(t);
+    product(np, pair_row, basis, R4, R, Weight{layer.filter1_w, R, 1}, H, [&](int r, int o, float v) {
+      const int64_t at = pair_list[r] * H4 + o;
+      v += bias_at(layer.filter1_b, o);
+      pre[at] = v;
+      filter_tmp[at] = activate(v, p.filter_activation);
+    }, partial);
+    __syncthreads();
+    float* out = filter_out(t);
+    product(np, pair_row, filter_tmp, H4, H, Weight{layer.filter2_w, H, 1}, M,
+            [&](int r, int o, float v) { out[pair_list[r] * M4 + o] = v + bias_at(layer.filter2_b, o); }, partial);
+    __syncthreads();
+  }
+
+  // Forward over the atoms.
+  for (int e = tid; e < na * F; e += threads) {
+    const int64_t a = a0 + e / F;
+    x[a * F4 + e % F] = p.embedding[p.atomic_numbers[a] * F + e % F];
+  }
+  __syncthreads();
+  const auto features_to_h = [&](int t) {
+    const SchnetInteraction& layer = p.interactions[t];
+    float* out = h(t);
+    product(na, atom_row, x, F4, F, Weight{layer.in2f_w, F, 1}, M,
+            [&](int r, int o, float v) { out[(a0 + r) * M4 + o] = v + bias_at(layer.in2f_b, o); }, partial);
+  };
+  features_to_h(0);
+  cluster_sync();
+  for (int t = 0; t < T; ++t) {
+    const SchnetInteraction& layer = p.interactions[t];
+    for (int e = tid; e < na * M; e += threads) m[(a0 + e / M) * M4 + e % M] = 0.0f;
+    __syncthreads();
+    const float* ht = h(t);
+    const float* filters = filter_out(t);
+    for (int e = tid; e < np * M; e += threads) {
+      const int64_t pair = pair_list[e / M];
+      const int o = e % M;
+      const float w = filters[pair * M4 + o] * geometry[4 * pair + 1];
+      atomicAdd(&m[p.pairs[pair] * M4 + o], __ldcg(&ht[senders[pair] * M4 + o]) * w);
+    }
+    __syncthreads();
+    float* qt = q(t);
+    product(na, atom_row, m, M4, M, Weight{layer.f2out1_w, M, 1}, K, [&](int r, int o, float v) {
+      const int64_t at = (a0 + r) * K4 + o;
+      v += bias_at(layer.f2out1_b, o);
+      qt[at] = v;
+      u[at] = activate(v, layer.update_activation);
+    }, partial);
+    __syncthreads();
+    product(na, atom_row, u, K4, K, Weight{layer.f2out2_w, K, 1}, F,
+            [&](int r, int o, float v) { x[(a0 + r) * F4 + o] += v + bias_at(layer.f2out2_b, o); }, partial);
+    __syncthreads();
+    if (t + 1 < T) {
+      features_to_h(t + 1);
+      cluster_sync();
+    }
+  }
+  product(na, atom_row, x, F4, F, Weight{p.readout1_w, F, 1}, Kr,
+          [&](int r, int o, float v) { readout[(a0 + r) * Kr4 + o] = v + bias_at(p.readout1_b, o); }, partial);
+  __syncthreads();
+  float energy = 0.0f;
+  for (int e = tid; e < na * Kr; e += threads) {
+    const int64_t at = (a0 + e / Kr) * Kr4 + e % Kr;
+    const float v = readout[at];
+    energy += activate(v, p.readout_activation) * p.readout2_w[e % Kr];
+    readout[at] = activation_grad(v, p.readout_activation) * p.readout2_w[e % Kr];  // its gradient
+  }
+  energy = block_sum(energy, scratch);  // its barrier also orders the readout gradient's writes
+  if (tid == 0) ws[L.parts + block] = energy + na * bias_at(p.readout2_b, 0);
+
+  // Backward. grad_x = d energy / d x, interaction by interaction from the last.
+  product(na, atom_row, readout, Kr4, Kr, Weight{p.readout1_w, 1, F}, F,
+          [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] = v; }, partial);
+  __syncthreads();
+  for (int t = T - 1; t >= 0; --t) {
+    const SchnetInteraction& layer = p.interactions[t];
+    const float* qt = q(t);
+    product(na, atom_row, grad_x, F4, F, Weight{layer.f2out2_w, 1, K}, K, [&](int r, int o, float v) {
+      const int64_t at = (a0 + r) * K4 + o;
+      u[at] = v * activation_grad(qt[at], layer.update_activation);
+    }, partial);
+    __syncthreads();
+    product(na, atom_row, u, K4, K, Weight{layer.f2out1_w, 1, M}, M,
+            [&](int r, int o, float v) { m[(a0 + r) * M4 + o] = v; }, partial);
+    __syncthreads();
+    // Per pair (i <- j): grad_h[j] += grad_m[i] * w; grad_filter = grad_m[i] * h[j] * fcut;
+    // grad_cutoff += sum over features of grad_m[i] * h[j] * filter. One warp a pair.
+    const float* ht = h(t);
+    float* ght = grad_h(t);
+    const float* filters = filter_out(t);
+    const int lane = tid % 32;
+    for (int r = tid / 32; r < np; r += threads / 32) {
+      const int64_t pair = pair_list[r], i = p.pairs[pair], j = senders[pair];
+      const float fcut = geometry[4 * pair + 1];
+      float cutoff_sum = 0.0f;
+      for (int o = lane; o < M; o += 32) {
+        const float gm = m[i * M4 + o], f = filters[pair * M4 + o];
+        atomicAdd(&ght[j * M4 + o], gm * f * fcut);
+        const float gw = gm * __ldcg(&ht[j * M4 + o]);
+        cutoff_sum += gw * f;
+        grad_filter[pair * M4 + o] = gw * fcut;
+      }
+      cutoff_sum = warp_sum(cutoff_sum);
+      if (lane == 0) grad_cutoff[pair] += cutoff_sum;
+    }
+    __syncthreads();
+    const float* pre = filter_pre(t);
+    product(np, pair_row, grad_filter, M4, M, Weight{layer.filter2_w, 1, H}, H, [&](int r, int o, float v) {
+      const int64_t at = pair_list[r] * H4 + o;
+      filter_tmp[at] = v * activation_grad(pre[at], p.filter_activation);
+    }, partial);
+    __syncthreads();
+    product(np, pair_row, filter_tmp, H4, H, Weight{layer.filter1_w, 1, R}, R,
+            [&](int r, int o, float v) { grad_basis[pair_list[r] * R4 + o] += v; }, partial);
+    cluster_sync();  // grad_h(t) complete; every block's energy share written
+    if (t == T - 1 && block == 0 && tid == 0) {
+      float total = 0.0f;
+      for (int b = 0; b < blocks; ++b) total += __ldcg(&ws[L.parts + b]);
+      *p.energy = total;
+    }
+    for (int e = tid; e < na * M; e += threads) {
+      const int64_t at = (a0 + e / M) * M4 + e % M;
+      m[at] = __ldcg(&ght[at]);
+    }
+    __syncthreads();
+    product(na, atom_row, m, M4, M, Weight{layer.in2f_w, 1, F}, F,
+            [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] += v; }, partial);
+    __syncthreads();
+  }
+
+  // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
+  for (int r = tid; r < np; r += threads) {
+    const int64_t pair = pair_list[r];
+    const float d = geometry[4 * pair];
+    float grad_d = grad_cutoff[pair] * geometry[4 * pair + 2];
+    for (int k = 0; k < R; ++k) {
+      const float z = (d - k * spacing) / spacing;
+      grad_d -= grad_basis[pair * R4 + k] * basis[pair * R4 + k] * z / spacing;
+    }
+    const float scale = d > 0.0f ? grad_d / d : 0.0f;
+    for (int c = 0; c < 3; ++c) p.grad_vectors[3 * pair + c] = scale * p.vectors[3 * pair + c];
+  }
+}
+
+// The largest cluster this device runs the kernel in (1 below sm_90), per device.
+int cluster_limit() {
+  static int cached[64] = {};
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  if (device < 64 && cached[device] > 0) return cached[device];
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  int limit = 1;
+  if (major >= 9) {
+    limit = 8;  // portable
+    if (cudaFuncSetAttribute(schnet_energy_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+        cudaSuccess) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(kMaxCluster);
+      config.blockDim = dim3(kThreads);
+      int most = 0;
+      if (cudaOccupancyMaxPotentialClusterSize(&most, schnet_energy_kernel, &config) == cudaSuccess && most > 0)
+        limit = std::min(most, kMaxCluster);
+    }
+    cudaGetLastError();  // a refused query leaves the portable size; clear its error
+  }
+  if (device < 64) cached[device] = limit;
+  return limit;
+}
+
+}  // namespace
+
+size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
+  return static_cast<size_t>(layout_of(params).total) * sizeof(float);
+}
+
+cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
+  const int limit = cluster_limit();
+  const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = blocks;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  if (limit > 1) {
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, schnet_energy_kernel, params);
+}
+
+}  // namespace mirage::cuda

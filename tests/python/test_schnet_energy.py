@@ -1,0 +1,268 @@
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirage
+import mirage.ff
+from common import DEVICES, OpCounter, assert_error, capture_graph
+from tolerances import REDUCTION_ERROR_FACTOR, tolerance
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+ACTIVATIONS = {
+    "shifted_softplus": lambda v: F.softplus(v) - math.log(2.0),
+    "softplus": F.softplus,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+# name: (N, P, F, R, H, M, K, Kr, activations (filter, per interaction, readout), biases).
+# benzene: the benchmark's sizes, every pair. odd: widths that are no multiple of 4 (the kernel's
+# scalar paths), mixed activations, absent biases. many_atoms: more atoms than a cluster has
+# blocks. lonely: one atom, no pairs.
+CONFIGS = {
+    "benzene": (12, 132, 128, 20, 128, 128, 128, 64, ["shifted_softplus"] * 5, True),
+    "odd": (7, 41, 7, 3, 5, 6, 9, 3, ["silu", "tanh", "gelu", "softplus"], False),
+    "many_atoms": (40, 600, 32, 8, 32, 32, 32, 16, ["relu", "silu", "shifted_softplus"], True),
+    "lonely": (1, 0, 16, 4, 8, 8, 8, 4, ["shifted_softplus"] * 3, True),
+}
+CUTOFF = 4.0
+
+
+def make_inputs(name, device="cpu", dtype=torch.float64):
+    """(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations)."""
+    n, p, f, r, h, m, k, kr, activations, biases = CONFIGS[name]
+    interactions = len(activations) - 2
+
+    def linear(out_features, in_features, bias=True):
+        weight = torch.randn(out_features, in_features, dtype=torch.float64) / math.sqrt(in_features)
+        b = torch.randn(out_features, dtype=torch.float64) * 0.3 if bias else torch.empty(0, dtype=torch.float64)
+        return [weight, b]
+
+    weights = []
+    for _ in range(interactions):
+        weights += linear(h, r) + linear(m, h) + linear(m, f, biases) + linear(k, m) + linear(f, k, biases)
+    weights += linear(kr, f) + linear(1, kr)
+    embedding = torch.randn(10, f, dtype=torch.float64)
+    atomic_numbers = torch.randint(0, 10, (n,))
+    pairs = torch.randint(0, n, (2, p))
+    # Lengths from 0.4 to 1.1 cutoff (some pairs outside it), the last fifth the neighbor list's
+    # padding: exactly the cutoff.
+    directions = F.normalize(torch.randn(p, 3, dtype=torch.float64), dim=1)
+    lengths = 0.4 * CUTOFF + 0.7 * CUTOFF * torch.rand(p, 1, dtype=torch.float64)
+    lengths[p - p // 5:] = CUTOFF
+    vectors = directions * lengths
+
+    def to(t):
+        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+    return (to(atomic_numbers), to(embedding), to(pairs), to(vectors), CUTOFF, r, [to(w) for w in weights],
+            activations)
+
+
+def schnet_composite(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations):
+    """docs/ops.md's definition in plain torch; the energy and autograd's d energy / d vectors."""
+    vectors = vectors.detach().requires_grad_(True)
+    act = [ACTIVATIONS[name] for name in activations]
+
+    def linear(x, index):
+        bias = weights[index + 1]
+        return F.linear(x, weights[index], bias if bias.numel() else None)
+
+    d = vectors.norm(dim=1)
+    spacing = cutoff / (num_rbf - 1) if num_rbf > 1 else cutoff
+    basis = torch.exp(-0.5 * ((d[:, None] - torch.arange(num_rbf, dtype=d.dtype, device=d.device) * spacing)
+                              / spacing) ** 2)
+    fcut = torch.where(d < cutoff, torch.cos(d * math.pi / (2 * cutoff)) ** 2, 0.0)
+    x = embedding[atomic_numbers]
+    for t in range(len(activations) - 2):
+        b = 10 * t
+        w = linear(act[0](linear(basis, b)), b + 2) * fcut[:, None]
+        messages = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device).index_add_(
+            0, pairs[0], linear(x, b + 4)[pairs[1]] * w)
+        x = x + linear(act[t + 1](linear(messages, b + 6)), b + 8)
+    r0 = len(weights) - 4
+    energy = linear(act[-1](linear(x, r0)), r0 + 2).sum()
+    grad, = torch.autograd.grad(energy, vectors, allow_unused=True)
+    return energy.detach(), torch.zeros_like(vectors) if grad is None else grad
+
+
+# ---- equivalence ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_schnet_energy_matches_composite(device, name):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = make_inputs(name, device, dtype)
+    energy, grad = mirage.ops.schnet_energy(*args)
+    assert energy.shape == () and grad.shape == args[3].shape
+    assert energy.dtype == grad.dtype == dtype
+    ref_energy, ref_grad = schnet_composite(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else
+                                              [w.double() for w in a] if isinstance(a, list) and torch.is_tensor(a[0])
+                                              else a for a in args])
+    if dtype == torch.float64:
+        torch.testing.assert_close(energy, ref_energy, **tolerance(dtype))
+        torch.testing.assert_close(grad, ref_grad, **tolerance(dtype))
+        return
+    # float32 through a whole network: bounded by PyTorch's own float32 error on the same inputs.
+    torch_energy, torch_grad = schnet_composite(*args)
+    for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad)):
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
+        theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
+        assert ours_error <= REDUCTION_ERROR_FACTOR * theirs_error + tolerance(dtype)["atol"] * max(scale, 1.0), \
+            (name, ours_error, theirs_error, scale)
+
+
+def test_schnet_energy_gradcheck():
+    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = make_inputs("odd")
+    vectors.requires_grad_(True)
+    torch.autograd.gradcheck(
+        lambda v: mirage.ops.schnet_energy(atomic_numbers, embedding, pairs, v, cutoff, num_rbf, weights,
+                                           activations)[0], (vectors,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_opcheck(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("odd", device, dtype))
+    args[3].requires_grad_(True)
+    args[7] = ",".join(args[7])
+    torch.library.opcheck(torch.ops.mirage.schnet_energy.default, tuple(args))
+
+
+@pytest.mark.cuda
+def test_schnet_energy_cuda_graph_replays_new_vectors():
+    args = list(make_inputs("benzene", "cuda", torch.float32))
+    static = args[3].clone()
+    graph, (energy, grad) = capture_graph(lambda: mirage.ops.schnet_energy(*args[:3], static, *args[4:]))
+    for _ in range(3):
+        static.copy_(args[3] * (1 + 0.05 * torch.rand(args[3].shape[0], 1, device="cuda")))
+        graph.replay()
+        want_energy, want_grad = mirage.ops.schnet_energy(*args[:3], static, *args[4:])
+        torch.testing.assert_close(energy, want_energy, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-7)
+
+
+# ---- gradients it does not give ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_refuses_parameter_gradients(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = make_inputs("odd", device, dtype)
+    weights[2].requires_grad_(True)
+    vectors.requires_grad_(True)
+    energy, _ = mirage.ops.schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                         activations)
+    # Forces alone are fine although a weight requires grad...
+    grad, = torch.autograd.grad(energy, vectors, retain_graph=True)
+    assert torch.isfinite(grad).all()
+    # ...its gradient, or a second order, is an error.
+    with pytest.raises(RuntimeError, match="no gradient in the model's parameters"):
+        energy.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(energy, vectors, create_graph=True)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def _call(device, **changes):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    names = ["atomic_numbers", "embedding", "pairs", "vectors", "cutoff", "num_rbf", "weights", "activations"]
+    args = dict(zip(names, make_inputs("odd", device, dtype)))
+    for key, change in changes.items():
+        args[key] = change(args[key])
+    return mirage.ops.schnet_energy(**args)
+
+
+def _replace(index, value):
+    def change(weights):
+        weights = list(weights)
+        weights[index] = value(weights[index])
+        return weights
+    return change
+
+
+BAD = [
+    (dict(weights=lambda w: w[:-1]), "weights must hold 10 tensors per interaction"),
+    (dict(activations=lambda a: a[:-1]), "activations must name 4 activations"),
+    (dict(activations=lambda a: ["swish"] + a[1:]), "activation \"swish\" in activations is not one of"),
+    (dict(weights=_replace(2, lambda w: w[:, :-1])), "weights[2] (interactions.0.filter.2.weight) must have shape"),
+    (dict(weights=_replace(13, lambda w: w[:-1])), "weights[13] (interactions.1.filter.2.bias) must have shape"),
+    (dict(weights=_replace(20, lambda w: w.t())), "weights[20] (readout.0.weight) must have shape"),
+    (dict(weights=_replace(3, lambda w: w.to(torch.float16))), "weights[3] (interactions.0.filter.2.bias) must have "
+                                                              "embedding's dtype"),
+    (dict(num_rbf=lambda r: r + 1), "num_rbf (4) must be >= 1 and equal the filters' input width (3)"),
+    (dict(cutoff=lambda c: -1.0), "cutoff must be finite and > 0"),
+    (dict(cutoff=lambda c: float("nan")), "cutoff must be finite and > 0"),
+    (dict(vectors=lambda v: v[:, :2]), "vectors must have shape [P, 3] = [41, 3]"),
+    (dict(vectors=lambda v: v.to(torch.float16)), "vectors must have embedding's dtype"),
+    (dict(pairs=lambda p: p.int()), "pairs must be an int64 tensor of shape [2, P]"),
+    (dict(atomic_numbers=lambda z: z.float()), "atomic_numbers must be a 1-D int64 tensor"),
+    (dict(atomic_numbers=lambda z: z[:0]), "atomic_numbers is empty (N=0) but pairs has 41 pairs"),
+    (dict(embedding=lambda e: e.to(torch.int32)), "embedding must be float32"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changes, message", BAD)
+def test_schnet_energy_bad_input(device, changes, message):
+    assert_error(lambda d: _call(d, **changes), device, "mirage::schnet_energy: " + message)
+
+
+def test_schnet_energy_cpu_checks_indices():
+    def bad_pair(p):
+        p = p.clone()
+        p[1, 3] = 7
+        return p
+    assert_error(lambda d: _call(d, pairs=bad_pair), "cpu", "pairs[1, 3] = 7 is out of range for N=7 atoms")
+    assert_error(lambda d: _call(d, atomic_numbers=lambda z: z + 10), "cpu", "is out of range for embedding's 10 rows")
+
+
+@pytest.mark.cuda
+def test_schnet_energy_cuda_bad_indices_give_nan():
+    def bad_pair(p):
+        p = p.clone()
+        p[0, 5] = -1
+        return p
+    for changes in (dict(pairs=bad_pair), dict(atomic_numbers=lambda z: z + 10)):
+        energy, grad = _call("cuda", **changes)
+        assert torch.isnan(energy) and torch.isnan(grad).all()
+
+
+@pytest.mark.cuda
+def test_schnet_energy_cuda_device_mismatch():
+    assert_error(lambda d: _call(d, vectors=lambda v: v.cpu()), "cuda", "vectors must be on embedding's device")
+    assert_error(lambda d: _call(d, weights=_replace(4, lambda w: w.cpu())), "cuda",
+                 "weights[4] (interactions.0.in2f.weight) must be on embedding's device")
+
+
+# ---- the fused SchNet takes it in eval mode ---------------------------------------------------
+
+@pytest.mark.cuda
+def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
+    from forcefield.benzene import benzene
+    from forcefield.models import SchNet
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(SchNet().cuda())
+    numbers, positions = benzene(torch.float32, "cuda")
+    positions = positions.requires_grad_(True)
+
+    def energy_forces(training):
+        model.train(training)
+        with OpCounter() as ops:
+            energy = model(numbers, positions)
+        forces, = torch.autograd.grad(energy, positions)
+        return energy.detach(), -forces, ops.calls
+
+    layered_energy, layered_forces, layered_ops = energy_forces(True)
+    energy, forces, calls = energy_forces(False)
+    assert "mirage.schnet_energy" in calls and "mirage.schnet_energy" not in layered_ops
+    torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * layered_forces.abs().max().item())
