@@ -385,7 +385,11 @@ class SchNet(_FusedModel):
     Attributes:
         max_pairs: neighbor-list capacity (None: the first forward chooses it).
         num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
+        whole_model_max_pairs: the largest capacity that runs as one kernel in eval mode (see
+            :meth:`forward`); 0 turns that path off. Measured crossover: docs/perf/forcefield.md.
     """
+
+    whole_model_max_pairs = 256
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:
@@ -473,8 +477,17 @@ class SchNet(_FusedModel):
                 pbc: Optional[Tensor] = None) -> Tensor:
         """Energy (0-dim) of atoms ``atomic_numbers`` [N] at ``positions`` [N, 3] (Å), in an
         optional ``cell`` [3, 3] (rows the lattice vectors) with ``pbc`` [3] bools (no pbc: open
-        boundaries, as in the reference models)."""
-        pairs, _, distances = self._neighbors(positions, cell, pbc)
+        boundaries, as in the reference models).
+
+        In eval mode, on CUDA in float32 outside autocast, systems of at most
+        :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) run as one kernel,
+        ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
+        parameters and no double backward. Training mode takes the layer-by-layer path, which
+        has both."""
+        pairs, vectors, distances = self._neighbors(positions, cell, pbc)
+        if self._whole_model_kernel(positions):
+            return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
+                                     self._kernel_weights(), self._kernel_activations())[0]
         rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
         count = len(self.interactions)
         blocks = list(self.interactions)
@@ -501,6 +514,26 @@ class SchNet(_FusedModel):
             messages = ops.message_passing(F.linear(x, block.in2f.weight, block.in2f.bias), layer_filter, pairs)
             x = x + _mlp(messages, block.f2out, self.update_activations[t])
         return self._readout(x)
+
+    def _whole_model_kernel(self, positions: Tensor) -> bool:
+        """Whether this forward runs as one mirage::schnet_energy kernel (static: shapes, dtypes,
+        modes; never the data, so the choice is graph-safe)."""
+        return (not self.training and positions.is_cuda and positions.dtype == torch.float32
+                and self.embedding.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
+                and self._max_pairs is not None and self._max_pairs <= self.whole_model_max_pairs
+                and len(self.interactions) <= 8)
+
+    def _kernel_weights(self) -> List[Tensor]:
+        """mirage::schnet_energy's ``weights``: the parameters themselves (shared, never copied),
+        an empty tensor for each absent bias."""
+        none = self.embedding.weight.new_empty(0)
+        linears = [linear for block in self.interactions
+                   for linear in (block.filter[0], block.filter[2], block.in2f, block.f2out[0], block.f2out[2])]
+        linears += [self.readout[0], self.readout[2]]
+        return [t for linear in linears for t in (linear.weight, none if linear.bias is None else linear.bias)]
+
+    def _kernel_activations(self) -> List[str]:
+        return [self.filter_activation, *self.update_activations, self.readout_activation]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_rbf={self.num_rbf}, filter_activation={self.filter_activation!r}"
