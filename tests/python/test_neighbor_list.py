@@ -263,11 +263,13 @@ def test_empty_and_single_atom(device):
 # ---- differentiability ------------------------------------------------------------------------
 
 def cutoff_in_a_gap(pos, near, cell=None, pbc=None, batch=None):
-    """A cutoff near `near` in the middle of the widest gap between pair distances around it, so
+    """A cutoff within 0.5 of `near` in the middle of the widest gap between the pair distances
+    there (the window's ends count as gap ends: a random system may have no distance near it), so
     that finite-difference steps never move a pair across it."""
-    d = sorted(set(round(v, 9) for v in brute_force(pos, near + 1.0, cell, pbc, batch).values()))
-    candidates = [(b - a, (a + b) / 2) for a, b in zip(d, d[1:]) if abs((a + b) / 2 - near) < 0.5]
-    width, cutoff = max(candidates)
+    d = sorted(set(round(v, 9) for v in brute_force(pos, near + 1.0, cell, pbc, batch).values()
+                   if abs(v - near) < 0.5))
+    ends = [near - 0.5] + d + [near + 0.5]
+    width, cutoff = max((b - a, (a + b) / 2) for a, b in zip(ends, ends[1:]))
     assert width > 1e-3
     return cutoff
 
