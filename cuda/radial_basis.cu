@@ -6,12 +6,12 @@
 
 #include "kernel_utils.cuh"
 #include "radial_basis.cuh"
+#include "radial_functions.cuh"
 
 namespace mirage::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kPi = 3.14159265358979323846f;
 // Below this |x|, sin(x) / x is its Taylor series: exact to float64 rounding there, and the
 // autograd composite switches at the same point so that its derivatives stay finite at d = 0.
 constexpr float kSincSeriesBelow = 0.1f;
@@ -40,37 +40,13 @@ __device__ __forceinline__ void sinc_and_derivative(float x, float& value, float
   derivative = (cosine - value) / x;
 }
 
-// Zero from the cutoff on (so the padding of mirage::neighbor_list, at the cutoff, is zero).
-// NaN gives 0 here and NaN in the basis, so the product stays NaN.
-__device__ __forceinline__ float envelope(CutoffFn fn, float d, float cutoff) {
-  if (fn == CutoffFn::kNone) return 1.0f;
-  if (!(d < cutoff)) return 0.0f;
-  const float x = d / cutoff;
-  if (fn == CutoffFn::kCosine) return 0.5f * (cosf(kPi * x) + 1.0f);
-  // p = 6: 1 - 28 x^6 + 48 x^7 - 21 x^8, factored as (1 - x)^3 (1 + 3x + 6x^2 + 10x^3 + 15x^4 +
-  // 21x^5): near the cutoff the expanded sum cancels to an absolute error of ~1e-6, which the
-  // backward multiplies by the basis' slope; the factored form keeps its relative accuracy.
-  const float one_minus_x = 1.0f - x;
-  return one_minus_x * one_minus_x * one_minus_x *
-         (1.0f + x * (3.0f + x * (6.0f + x * (10.0f + x * (15.0f + 21.0f * x)))));
-}
-
-// d envelope / dd: 0 from the cutoff on, as the envelope is constant there.
-__device__ __forceinline__ float envelope_derivative(CutoffFn fn, float d, float cutoff) {
-  if (fn == CutoffFn::kNone || !(d < cutoff)) return 0.0f;
-  const float x = d / cutoff;
-  if (fn == CutoffFn::kCosine) return -0.5f * kPi / cutoff * sinf(kPi * x);
-  const float one_minus_x = 1.0f - x, x2 = x * x;  // -168 x^5 (1 - x)^2 / c
-  return -168.0f / cutoff * (x2 * x2 * x) * (one_minus_x * one_minus_x);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParams p) {
   const T* distances = static_cast<const T*>(p.distances);  // [count]
   T* out = static_cast<T*>(p.out);                          // [count, num]
   const int64_t total = p.count * p.num;
-  // Gaussian centers k * spacing over [0, cutoff], width the spacing; Bessel frequencies k pi / c.
-  const float spacing = p.num > 1 ? p.cutoff / static_cast<float>(p.num - 1) : p.cutoff;
+  // Bessel frequencies k pi / c; Gaussians: radial_functions.cuh.
+  const float spacing = gaussian_spacing(p.num, p.cutoff);
   const float bessel_scale = sqrtf(2.0f / p.cutoff);
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -79,8 +55,7 @@ __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParam
     const float d = to_float(distances[row]);
     float basis;
     if (p.kind == RadialBasisKind::kGaussian) {
-      const float z = (d - k * spacing) / spacing;
-      basis = expf(-0.5f * z * z);
+      basis = gaussian(d, k, spacing);
     } else {
       const float frequency = (k + 1) * kPi / p.cutoff;
       basis = bessel_scale * frequency * sinc(frequency * d);  // sqrt(2/c) sin(n pi d / c) / d
@@ -104,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) radial_basis_backward_kernel(RadialB
   // together whatever the other groups of the warp do.
   const unsigned mask =
       G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
-  const float spacing = p.num > 1 ? p.cutoff / static_cast<float>(p.num - 1) : p.cutoff;
+  const float spacing = gaussian_spacing(p.num, p.cutoff);
   const float bessel_scale = sqrtf(2.0f / p.cutoff);
   const int64_t groups = static_cast<int64_t>(gridDim.x) * (blockDim.x / G);
   for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / G;
@@ -115,9 +90,8 @@ __global__ void __launch_bounds__(kThreads) radial_basis_backward_kernel(RadialB
       const float g = to_float(grad[row * p.num + k]);
       float basis, derivative;
       if (p.kind == RadialBasisKind::kGaussian) {
-        const float z = (d - k * spacing) / spacing;
-        basis = expf(-0.5f * z * z);
-        derivative = -z / spacing * basis;
+        basis = gaussian(d, k, spacing);
+        derivative = gaussian_derivative(basis, d, k, spacing);
       } else {
         const float frequency = (k + 1) * kPi / p.cutoff;
         float value, slope;

@@ -12,6 +12,7 @@
 #include <cooperative_groups.h>
 
 #include "kernel_utils.cuh"
+#include "radial_functions.cuh"
 #include "schnet_energy.cuh"
 
 namespace mirage::cuda {
@@ -20,7 +21,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kRowTile = 4;     // rows a thread carries in registers in the matrix products
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
-constexpr float kPi = 3.14159265358979323846f;
 
 __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 
@@ -226,27 +226,23 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const int t = e / (na * M), rest = e % (na * M);
     grad_h(t)[(a0 + rest / M) * M4 + rest % M] = 0.0f;
   }
-  // Geometry and basis of the block's pairs. Cosine cutoff cos^2(pi d / 2c) below the cutoff,
-  // exactly zero (value and slope) from it on: the neighbor list's padding adds nothing.
-  const float half_angle = kPi / (2.0f * p.cutoff);
+  // Geometry and basis of the block's pairs. The cosine cutoff is exactly zero (value and slope)
+  // from the cutoff on: the neighbor list's padding adds nothing.
   for (int r = tid; r < np; r += threads) {
     const int64_t e = pair_list[r];
     const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
     const float d = sqrtf(vx * vx + vy * vy + vz * vz);
-    const bool inside = d < p.cutoff;
-    const float c = cosf(half_angle * d);
     geometry[4 * e] = d;
-    geometry[4 * e + 1] = inside ? c * c : 0.0f;
-    geometry[4 * e + 2] = inside ? -half_angle * sinf(2.0f * half_angle * d) : 0.0f;
+    geometry[4 * e + 1] = envelope(CutoffFn::kCosine, d, p.cutoff);
+    geometry[4 * e + 2] = envelope_derivative(CutoffFn::kCosine, d, p.cutoff);
     grad_cutoff[e] = 0.0f;
   }
   __syncthreads();
-  const float spacing = R > 1 ? p.cutoff / static_cast<float>(R - 1) : p.cutoff;
+  const float spacing = gaussian_spacing(R, p.cutoff);
   for (int e = tid; e < np * R; e += threads) {
     const int64_t pair = pair_list[e / R];
     const int k = e % R;
-    const float z = (geometry[4 * pair] - k * spacing) / spacing;
-    basis[pair * R4 + k] = expf(-0.5f * z * z);
+    basis[pair * R4 + k] = gaussian(geometry[4 * pair], k, spacing);
     grad_basis[pair * R4 + k] = 0.0f;
   }
   __syncthreads();
@@ -389,10 +385,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const int64_t pair = pair_list[r];
     const float d = geometry[4 * pair];
     float grad_d = grad_cutoff[pair] * geometry[4 * pair + 2];
-    for (int k = 0; k < R; ++k) {
-      const float z = (d - k * spacing) / spacing;
-      grad_d -= grad_basis[pair * R4 + k] * basis[pair * R4 + k] * z / spacing;
-    }
+    for (int k = 0; k < R; ++k)
+      grad_d += grad_basis[pair * R4 + k] * gaussian_derivative(basis[pair * R4 + k], d, k, spacing);
     const float scale = d > 0.0f ? grad_d / d : 0.0f;
     for (int c = 0; c < 3; ++c) p.grad_vectors[3 * pair + c] = scale * p.vectors[3 * pair + c];
   }

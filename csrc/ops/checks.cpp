@@ -56,4 +56,15 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p) {
   return p.has_value() && p->defined() ? p->contiguous() : at::Tensor();
 }
 
+void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes) {
+  const int64_t num_pairs = pairs.size(1);
+  const int64_t* idx = pairs.const_data_ptr<int64_t>();
+  for (int64_t row = 0; row < 2; ++row)
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const int64_t v = idx[row * num_pairs + p];
+      MIRAGE_CHECK(v >= 0 && v < num_nodes, op, ": pairs[", row, ", ", p, "] = ", v,
+                   " is out of range for N=", num_nodes, " rows");
+    }
+}
+
 }  // namespace mirage::ops

@@ -33,6 +33,10 @@ struct ChannelsShape {
 };
 ChannelsShape channels_shape(const at::Tensor& x);
 
+// Every entry of pairs ([2, P] int64 on the CPU, contiguous) in [0, num_nodes): the CPU
+// references read the indices anyway, so out-of-range ones raise there.
+void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes);
+
 // The parameter as a contiguous tensor, or undefined when absent.
 at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p);
 

@@ -33,18 +33,6 @@ void check_pairs(std::string_view op, std::string_view x_name, const at::Tensor&
                " has no rows (N=0) for pairs to index (P=", pairs.size(1), ")");
 }
 
-// The CPU references read the indices anyway: out-of-range ones raise here.
-void check_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes) {
-  const int64_t num_pairs = pairs.size(1);
-  const int64_t* idx = pairs.const_data_ptr<int64_t>();
-  for (int64_t row = 0; row < 2; ++row)
-    for (int64_t p = 0; p < num_pairs; ++p) {
-      const int64_t v = idx[row * num_pairs + p];
-      MIRAGE_CHECK(v >= 0 && v < num_nodes, op, ": pairs[", row, ", ", p, "] = ", v,
-                   " is out of range for N=", num_nodes, " rows");
-    }
-}
-
 }  // namespace
 
 std::vector<int64_t> check_message_passing(const at::Tensor& x, const at::Tensor& filter,
@@ -83,7 +71,7 @@ at::Tensor message_passing_cpu(const at::Tensor& x, const at::Tensor& filter,
   const std::vector<int64_t> shape = check_message_passing(x, filter, pairs);
   const at::Tensor idx = pairs.contiguous();
   const int64_t num_nodes = shape[0], features = shape[1], num_pairs = idx.size(1);
-  check_indices(kMessagePassing, idx, num_nodes);
+  check_pair_indices(kMessagePassing, idx, num_nodes);
   const at::Tensor x64 = x.to(at::kDouble).contiguous();
   const at::Tensor w64 = filter.to(at::kDouble).contiguous();
   at::Tensor out64 = at::zeros(shape, x64.options());
@@ -102,7 +90,7 @@ at::Tensor pair_product_cpu(const at::Tensor& a, const at::Tensor& b, const at::
   const std::vector<int64_t> shape = check_pair_product(a, b, pairs);
   const at::Tensor idx = pairs.contiguous();
   const int64_t num_pairs = shape[0], features = shape[1];
-  check_indices(kPairProduct, idx, a.size(0));
+  check_pair_indices(kPairProduct, idx, a.size(0));
   const at::Tensor a64 = a.to(at::kDouble).contiguous();
   const at::Tensor b64 = b.to(at::kDouble).contiguous();
   at::Tensor out64 = at::empty(shape, a64.options());

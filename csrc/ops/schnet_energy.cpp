@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "checks.h"
 #include "message.h"
 
 namespace mirage::ops {
@@ -168,15 +169,13 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations);
   const std::vector<std::string> act = split_activations(activations);
-  const int64_t* z = atomic_numbers.contiguous().const_data_ptr<int64_t>();
+  const at::Tensor numbers = atomic_numbers.contiguous();
+  const int64_t* z = numbers.const_data_ptr<int64_t>();
   for (int64_t a = 0; a < s.atoms; ++a)
     MIRAGE_CHECK(z[a] >= 0 && z[a] < embedding.size(0), kSchnetEnergy, ": atomic_numbers[", a, "] = ", z[a],
                  " is out of range for embedding's ", embedding.size(0), " rows");
   const at::Tensor idx = pairs.contiguous();
-  const int64_t* ij = idx.const_data_ptr<int64_t>();
-  for (int64_t e = 0; e < 2 * s.pairs; ++e)
-    MIRAGE_CHECK(ij[e] >= 0 && ij[e] < s.atoms, kSchnetEnergy, ": pairs[", e / s.pairs, ", ", e % s.pairs,
-                 "] = ", ij[e], " is out of range for N=", s.atoms, " atoms");
+  check_pair_indices(kSchnetEnergy, idx, s.atoms);
 
   const auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
   std::vector<at::Tensor> w;  // an absent bias ([0]) is undefined here, as at::linear takes it

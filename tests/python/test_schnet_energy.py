@@ -102,9 +102,9 @@ def test_schnet_energy_matches_composite(device, name):
     energy, grad = mirage.ops.schnet_energy(*args)
     assert energy.shape == () and grad.shape == args[3].shape
     assert energy.dtype == grad.dtype == dtype
-    ref_energy, ref_grad = schnet_composite(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else
-                                              [w.double() for w in a] if isinstance(a, list) and torch.is_tensor(a[0])
-                                              else a for a in args])
+    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = args
+    ref_energy, ref_grad = schnet_composite(atomic_numbers, embedding.double(), pairs, vectors.double(), cutoff,
+                                            num_rbf, [w.double() for w in weights], activations)
     if dtype == torch.float64:
         torch.testing.assert_close(energy, ref_energy, **tolerance(dtype))
         torch.testing.assert_close(grad, ref_grad, **tolerance(dtype))
@@ -220,7 +220,7 @@ def test_schnet_energy_cpu_checks_indices():
         p = p.clone()
         p[1, 3] = 7
         return p
-    assert_error(lambda d: _call(d, pairs=bad_pair), "cpu", "pairs[1, 3] = 7 is out of range for N=7 atoms")
+    assert_error(lambda d: _call(d, pairs=bad_pair), "cpu", "pairs[1, 3] = 7 is out of range for N=7 rows")
     assert_error(lambda d: _call(d, atomic_numbers=lambda z: z + 10), "cpu", "is out of range for embedding's 10 rows")
 
 
