@@ -198,16 +198,24 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const auto q = [&](int t) { return ws + L.q + t * N * K4; };
   const int64_t* senders = p.pairs + P;
 
-  // This block's atoms [a0, a1) (an even split) and the pairs they receive. Every block checks
-  // every index, so all of them agree on leaving early (none waits at a barrier alone).
+  // This block's atoms [a0, a1) (an even split) and the pairs they receive within the cutoff.
+  // Pairs at or beyond it add exactly nothing (the cosine cutoff's value and slope are 0 there),
+  // so they are left out, their gradient 0: the neighbor list's padding, pair (0, 0) at the
+  // cutoff, would otherwise pile onto atom 0's block (in MD, where molecules move apart, most of
+  // the capacity can be padding). Every block checks every index, so all of them agree on leaving
+  // early (none waits at a barrier alone).
   const int64_t a0 = block * N / blocks, a1 = (block + 1) * N / blocks;
   const int na = static_cast<int>(a1 - a0);
+  const auto beyond_cutoff = [&](int64_t e) {  // NaN is not: it stays in, to come out as NaN
+    const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
+    return sqrtf(vx * vx + vy * vy + vz * vz) >= p.cutoff;
+  };
   if (tid == 0) own_pairs = invalid = 0;
   __syncthreads();
   for (int64_t e = tid; e < P; e += threads) {
     const int64_t i = p.pairs[e], j = senders[e];
     if (i < 0 || i >= N || j < 0 || j >= N) invalid = 1;
-    else if (i >= a0 && i < a1) pair_list[atomicAdd(&own_pairs, 1)] = static_cast<int>(e);
+    else if (i >= a0 && i < a1 && !beyond_cutoff(e)) pair_list[atomicAdd(&own_pairs, 1)] = static_cast<int>(e);
   }
   for (int64_t a = tid; a < N; a += threads)
     if (p.atomic_numbers[a] < 0 || p.atomic_numbers[a] >= p.num_embeddings) invalid = 1;
@@ -218,6 +226,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     if (block == 0 && tid == 0) *p.energy = __int_as_float(0x7fc00000);
     return;
   }
+  for (int64_t e = tid; e < P; e += threads)  // after the index check: its NaNs must not race these
+    if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(e))
+      for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
   const int np = own_pairs;
   const auto pair_row = [&](int r) -> int64_t { return pair_list[r]; };
   const auto atom_row = [&](int r) -> int64_t { return a0 + r; };
@@ -226,8 +237,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const int t = e / (na * M), rest = e % (na * M);
     grad_h(t)[(a0 + rest / M) * M4 + rest % M] = 0.0f;
   }
-  // Geometry and basis of the block's pairs. The cosine cutoff is exactly zero (value and slope)
-  // from the cutoff on: the neighbor list's padding adds nothing.
+  // Geometry and basis of the block's pairs.
   for (int r = tid; r < np; r += threads) {
     const int64_t e = pair_list[r];
     const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];

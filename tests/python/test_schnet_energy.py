@@ -52,12 +52,12 @@ def make_inputs(name, device="cpu", dtype=torch.float64):
     embedding = torch.randn(10, f, dtype=torch.float64)
     atomic_numbers = torch.randint(0, 10, (n,))
     pairs = torch.randint(0, n, (2, p))
-    # Lengths from 0.4 to 1.1 cutoff (some pairs outside it), the last fifth the neighbor list's
-    # padding: exactly the cutoff.
+    # Lengths from 0.4 to 1.1 cutoff (some pairs outside it); the last fifth is the neighbor list's
+    # padding: pair (0, 0), vector (cutoff, 0, 0).
     directions = F.normalize(torch.randn(p, 3, dtype=torch.float64), dim=1)
-    lengths = 0.4 * CUTOFF + 0.7 * CUTOFF * torch.rand(p, 1, dtype=torch.float64)
-    lengths[p - p // 5:] = CUTOFF
-    vectors = directions * lengths
+    vectors = directions * (0.4 * CUTOFF + 0.7 * CUTOFF * torch.rand(p, 1, dtype=torch.float64))
+    pairs[:, p - p // 5:] = 0
+    vectors[p - p // 5:] = torch.tensor([CUTOFF, 0.0, 0.0], dtype=torch.float64)
 
     def to(t):
         return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
@@ -103,6 +103,8 @@ def test_schnet_energy_matches_composite(device, name):
     assert energy.shape == () and grad.shape == args[3].shape
     assert energy.dtype == grad.dtype == dtype
     atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = args
+    beyond = vectors.double().norm(dim=1) > cutoff * (1 + 1e-6)  # clear of float32 rounding
+    assert (grad[beyond] == 0).all() and (grad[vectors[:, 0] == cutoff] == 0).all()  # padding included
     ref_energy, ref_grad = schnet_composite(atomic_numbers, embedding.double(), pairs, vectors.double(), cutoff,
                                             num_rbf, [w.double() for w in weights], activations)
     if dtype == torch.float64:
