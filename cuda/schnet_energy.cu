@@ -104,9 +104,102 @@ struct Weight {
   int64_t out_stride, in_stride;
 };
 
+// Four consecutive weights w[o * stride + k .. + 3], zero past the ends (o >= outs, k >= ins).
+// `vector`: rows 16-byte aligned, so a whole float4 can be read (the stride is the row length).
+__device__ __forceinline__ float4 weights4(const float* w, int64_t stride, bool vector, int o, int k, int outs,
+                                           int ins) {
+  if (o >= outs || k >= ins) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float* at = w + o * stride + k;
+  if (vector) return *reinterpret_cast<const float4*>(at);
+  return make_float4(at[0], k + 1 < ins ? at[1] : 0.0f, k + 2 < ins ? at[2] : 0.0f, k + 3 < ins ? at[3] : 0.0f);
+}
+
+// x[k .. k + 3] of a 16-byte aligned row, zero from `ins` on (the padding is never written).
+__device__ __forceinline__ float4 row4(const float* x, int k, int ins) {
+  if (k >= ins) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 a = *reinterpret_cast<const float4*>(x + k);
+  if (k + 4 <= ins) return a;
+  return make_float4(a.x, k + 1 < ins ? a.y : 0.0f, k + 2 < ins ? a.z : 0.0f, 0.0f);
+}
+
+__device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
+  return fmaf(a.w, w.w, fmaf(a.z, w.z, fmaf(a.y, w.y, fmaf(a.x, w.x, acc))));
+}
+
+// kRows rows from `first` (clamped to the last row; what they add past it is dropped) times the
+// outputs o, o + 1 of this lane's group. See linear_product.
+template <int kRows, class RowOf, class Store>
+__device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
+                                            int ins, const float* w, int64_t w_stride, bool vector, int o, int outs,
+                                            Store store) {
+  const int lane = threadIdx.x % 32, li = lane % 8;
+  float acc[kRows][2] = {};
+  const float* x[kRows];
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) x[t] = in + row_of(min(first + t, rows - 1)) * in_stride;
+  for (int k0 = 0; k0 < ins; k0 += 128) {
+    float4 w0[4], w1[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int k = k0 + 4 * (li + 8 * c);
+      w0[c] = weights4(w, w_stride, vector, o, k, outs, ins);
+      w1[c] = weights4(w, w_stride, vector, o + 1, k, outs, ins);
+    }
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float4 a = row4(x[t], k0 + 4 * (li + 8 * c), ins);
+        acc[t][0] = dot4(acc[t][0], a, w0[c]);
+        acc[t][1] = dot4(acc[t][1], a, w1[c]);
+      }
+    }
+  }
+  // The group's 8 lanes add their parts: lanes 0-3 keep output o, lanes 4-7 output o + 1.
+  const bool upper = li & 4;
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) {
+    float v = (upper ? acc[t][1] : acc[t][0]) + __shfl_xor_sync(0xffffffffu, upper ? acc[t][0] : acc[t][1], 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    const int out = o + (upper ? 1 : 0);
+    if (li % 4 == 0 && first + t < rows && out < outs) store(first + t, out, v);
+  }
+}
+
+// nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o * w_stride + k]),
+// the input rows `in_stride` floats apart and 16-byte aligned. The weights' rows are contiguous in
+// k, so lanes go along k: a group of 8 lanes covers 128 inputs (lane l the float4s at 4 (l + 8 c),
+// so a group reads 128 consecutive bytes at once), holds the weights of two outputs in registers
+// and multiplies up to 4 rows by them; a warp is 4 groups (8 outputs), the block 128 outputs at a
+// time. The forward's Linears use it but for the filters' first (few inputs, the radial basis:
+// most lanes would idle), where `product` is faster. Against `product` (H200, benzene, one block
+// an atom): a 128 x 128 product of one row ~3-5k cycles instead of ~10-13k, of 11 pair rows ~12k
+// instead of ~21k; the whole kernel 219 -> 175 us. Every thread of the block calls it; it ends
+// with a barrier. Not inlined: its registers on top of the kernel's would spill.
+template <class RowOf, class Store>
+__device__ __noinline__ void linear_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                            const float* w, int64_t w_stride, int outs, Store store) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const bool vector = w_stride % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  for (int o0 = warp * 8; o0 < outs; o0 += warps * 8) {
+    const int o = o0 + 2 * (lane / 8);
+    int first = 0;
+    for (; first + 4 <= rows; first += 4)
+      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, w_stride, vector, o, outs, store);
+    if (rows - first >= 2)
+      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, w_stride, vector, o, outs, store);
+    else if (first < rows)
+      linear_tile<1>(first, rows, row_of, in, in_stride, ins, w, w_stride, vector, o, outs, store);
+  }
+  __syncthreads();
+}
+
 // For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * W(o, k)), the input rows being
 // `in_stride` floats apart and 16-byte aligned. Thread items are (o, tile of kRowTile rows), o
-// fastest: a warp reads one input row element (a broadcast) and 32 weights per step. With fewer
+// fastest: a warp reads one input row element (a broadcast) and 32 weights per step, consecutive
+// in the backward's use (W(o, k) = w[k][o]), so the backward's products and the filters' first
+// Linear (see linear_product) take it. With fewer
 // items than threads (an atom or two per block) the sum over k is split among threads too, the
 // parts added in `partial` (shared, kThreads * kRowTile floats). Every thread of the block calls it.
 template <class RowOf, class Store>
@@ -269,9 +362,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     }, partial);
     __syncthreads();
     float* out = filter_out(t);
-    product(np, pair_row, filter_tmp, H4, H, Weight{layer.filter2_w, H, 1}, M,
-            [&](int r, int o, float v) { out[pair_list[r] * M4 + o] = v + bias_at(layer.filter2_b, o); }, partial);
-    __syncthreads();
+    linear_product(np, pair_row, filter_tmp, H4, H, layer.filter2_w, H, M,
+                   [&](int r, int o, float v) { out[pair_list[r] * M4 + o] = v + bias_at(layer.filter2_b, o); });
   }
 
   // Forward over the atoms.
@@ -283,8 +375,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const auto features_to_h = [&](int t) {
     const SchnetInteraction& layer = p.interactions[t];
     float* out = h(t);
-    product(na, atom_row, x, F4, F, Weight{layer.in2f_w, F, 1}, M,
-            [&](int r, int o, float v) { out[(a0 + r) * M4 + o] = v + bias_at(layer.in2f_b, o); }, partial);
+    linear_product(na, atom_row, x, F4, F, layer.in2f_w, F, M,
+                   [&](int r, int o, float v) { out[(a0 + r) * M4 + o] = v + bias_at(layer.in2f_b, o); });
   };
   features_to_h(0);
   cluster_sync();
@@ -302,24 +394,21 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     }
     __syncthreads();
     float* qt = q(t);
-    product(na, atom_row, m, M4, M, Weight{layer.f2out1_w, M, 1}, K, [&](int r, int o, float v) {
+    linear_product(na, atom_row, m, M4, M, layer.f2out1_w, M, K, [&](int r, int o, float v) {
       const int64_t at = (a0 + r) * K4 + o;
       v += bias_at(layer.f2out1_b, o);
       qt[at] = v;
       u[at] = activate(v, layer.update_activation);
-    }, partial);
-    __syncthreads();
-    product(na, atom_row, u, K4, K, Weight{layer.f2out2_w, K, 1}, F,
-            [&](int r, int o, float v) { x[(a0 + r) * F4 + o] += v + bias_at(layer.f2out2_b, o); }, partial);
-    __syncthreads();
+    });
+    linear_product(na, atom_row, u, K4, K, layer.f2out2_w, K, F,
+                   [&](int r, int o, float v) { x[(a0 + r) * F4 + o] += v + bias_at(layer.f2out2_b, o); });
     if (t + 1 < T) {
       features_to_h(t + 1);
       cluster_sync();
     }
   }
-  product(na, atom_row, x, F4, F, Weight{p.readout1_w, F, 1}, Kr,
-          [&](int r, int o, float v) { readout[(a0 + r) * Kr4 + o] = v + bias_at(p.readout1_b, o); }, partial);
-  __syncthreads();
+  linear_product(na, atom_row, x, F4, F, p.readout1_w, F, Kr,
+                 [&](int r, int o, float v) { readout[(a0 + r) * Kr4 + o] = v + bias_at(p.readout1_b, o); });
   float energy = 0.0f;
   for (int e = tid; e < na * Kr; e += threads) {
     const int64_t at = (a0 + e / Kr) * Kr4 + e % Kr;

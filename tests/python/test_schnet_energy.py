@@ -147,8 +147,11 @@ def test_schnet_energy_cuda_graph_replays_new_vectors():
         static.copy_(args[3] * (1 + 0.05 * torch.rand(args[3].shape[0], 1, device="cuda")))
         graph.replay()
         want_energy, want_grad = mirage.ops.schnet_energy(*args[:3], static, *args[4:])
-        torch.testing.assert_close(energy, want_energy, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-7)
+        # Not bitwise: float atomics add the messages and the senders' gradients in whatever order
+        # the blocks reach them (two eager calls differ by up to ~4e-7 relative, H200); a replay
+        # that read stale inputs would be off by far more.
+        torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-6)
 
 
 # ---- gradients it does not give ---------------------------------------------------------------
