@@ -21,7 +21,8 @@ graphed peers also "device": the same calls queued behind a GPU sleep, so only G
 Force error: each peer's forces at the unjittered positions against the same model in float64
 (max abs and RMS over all components, eV/A). MD: steps/s of mirage.ff.md.VelocityVerlet (K
 steps per graph replay) and of ASE's VelocityVerlet driving mirage.ff.Calculator (Python
-included), counted over wall time, and ns/day at a 0.5 fs time step.
+included), counted over wall time, and ns/day at a 0.5 fs time step; SchNet on benzene runs
+its MD with the trained student's weights, so the molecule stays bound (see md_weights).
 
     python benchmarks/bench_forcefield.py [--models schnet,painn] [--systems benzene,box3k,box100k]
         [--peers eager,compile,eager+graph,mirage] [--no-md] [--json out.json] [--quick]
