@@ -103,6 +103,21 @@ def test_the_reference_radius_graph_is_refused_where_it_cannot_fit():
             bench.build_peer(peer, model, system, [], "schnet on box100k")
 
 
+def test_md_weights_take_the_trained_student_for_schnet_on_benzene():
+    from forcefield.train_student import load_student
+
+    benzene = bench.make_system("benzene", False, torch.device("cpu"))
+    model = SchNet(**bench.MODEL_CONFIG).eval()
+    trained, label = bench.md_weights("schnet", model, benzene)
+    assert label == "trained student" and trained is not model
+    student, _ = load_student()
+    for name, value in student.state_dict().items():
+        assert torch.equal(trained.state_dict()[name], value), name
+    small = SchNet(**bench.QUICK_MODEL_CONFIG).eval()
+    assert bench.md_weights("schnet", small, benzene) == (small, "random (the student has another size)")
+    assert bench.md_weights("painn", model, benzene) == (model, "random")
+
+
 def test_command_line_errors():
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--peers", "eager,nonsense"])

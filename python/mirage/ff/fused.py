@@ -389,7 +389,8 @@ class SchNet(_FusedModel):
             :meth:`forward`); 0 turns that path off. Measured crossover: docs/perf/forcefield.md.
     """
 
-    # H200, 23:06 UTC: one kernel 307 vs 382 µs at 380 pairs, 363 vs 391 at 552, 705 vs 538 at 2,256.
+    # H200, 2026-11-22 23:06 UTC: one kernel 307 vs 382 µs at 380 pairs, 363 vs 391 at 552, 705 vs 538
+    # at 2,256 (docs/perf/forcefield.md).
     whole_model_max_pairs = 512
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
