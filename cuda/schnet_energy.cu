@@ -9,6 +9,8 @@
 // (added by every block). Intermediates live in a global workspace (L2-resident at these sizes);
 // data written by another block is read with __ldcg, past the non-coherent L1.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
+#include <cfloat>
+
 #include <cooperative_groups.h>
 
 #include "kernel_utils.cuh"
@@ -104,22 +106,22 @@ struct Weight {
   int64_t out_stride, in_stride;
 };
 
-// Four consecutive weights w[o * stride + k .. + 3], zero past the ends (o >= outs, k >= ins).
-// `vector`: rows 16-byte aligned, so a whole float4 can be read (the stride is the row length).
-__device__ __forceinline__ float4 weights4(const float* w, int64_t stride, bool vector, int o, int k, int outs,
-                                           int ins) {
+// Four consecutive weights w[o][k .. k + 3] of a contiguous [outs][ins] matrix, zero past its
+// ends. `vector`: ins % 4 == 0 and w 16-byte aligned, so rows are too and a float4 holds no
+// element from beyond a row.
+__device__ __forceinline__ float4 weights4(const float* w, bool vector, int o, int k, int outs, int ins) {
   if (o >= outs || k >= ins) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float* at = w + o * stride + k;
+  const float* at = w + static_cast<int64_t>(o) * ins + k;
   if (vector) return *reinterpret_cast<const float4*>(at);
   return make_float4(at[0], k + 1 < ins ? at[1] : 0.0f, k + 2 < ins ? at[2] : 0.0f, k + 3 < ins ? at[3] : 0.0f);
 }
 
-// x[k .. k + 3] of a 16-byte aligned row, zero from `ins` on (the padding is never written).
+// x[k .. k + 3] of a 16-byte aligned row of `ins` values, zero from `ins` on; the row's padding
+// (never written) is not read.
 __device__ __forceinline__ float4 row4(const float* x, int k, int ins) {
+  if (k + 4 <= ins) return *reinterpret_cast<const float4*>(x + k);
   if (k >= ins) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float4 a = *reinterpret_cast<const float4*>(x + k);
-  if (k + 4 <= ins) return a;
-  return make_float4(a.x, k + 1 < ins ? a.y : 0.0f, k + 2 < ins ? a.z : 0.0f, 0.0f);
+  return make_float4(x[k], k + 1 < ins ? x[k + 1] : 0.0f, k + 2 < ins ? x[k + 2] : 0.0f, 0.0f);
 }
 
 __device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
@@ -130,8 +132,7 @@ __device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
 // outputs o, o + 1 of this lane's group. See linear_product.
 template <int kRows, class RowOf, class Store>
 __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
-                                            int ins, const float* w, int64_t w_stride, bool vector, int o, int outs,
-                                            Store store) {
+                                            int ins, const float* w, bool vector, int o, int outs, Store store) {
   const int lane = threadIdx.x % 32, li = lane % 8;
   float acc[kRows][2] = {};
   const float* x[kRows];
@@ -142,8 +143,8 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int k = k0 + 4 * (li + 8 * c);
-      w0[c] = weights4(w, w_stride, vector, o, k, outs, ins);
-      w1[c] = weights4(w, w_stride, vector, o + 1, k, outs, ins);
+      w0[c] = weights4(w, vector, o, k, outs, ins);
+      w1[c] = weights4(w, vector, o + 1, k, outs, ins);
     }
 #pragma unroll
     for (int t = 0; t < kRows; ++t) {
@@ -167,7 +168,7 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
   }
 }
 
-// nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o * w_stride + k]),
+// nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o][k]), w [outs][ins],
 // the input rows `in_stride` floats apart and 16-byte aligned. The weights' rows are contiguous in
 // k, so lanes go along k: a group of 8 lanes covers 128 inputs (lane l the float4s at 4 (l + 8 c),
 // so a group reads 128 consecutive bytes at once), holds the weights of two outputs in registers
@@ -179,18 +180,18 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // with a barrier. Not inlined: its registers on top of the kernel's would spill.
 template <class RowOf, class Store>
 __device__ __noinline__ void linear_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                            const float* w, int64_t w_stride, int outs, Store store) {
+                                            const float* w, int outs, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const bool vector = w_stride % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  const bool vector = ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   for (int o0 = warp * 8; o0 < outs; o0 += warps * 8) {
     const int o = o0 + 2 * (lane / 8);
     int first = 0;
     for (; first + 4 <= rows; first += 4)
-      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, w_stride, vector, o, outs, store);
+      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, vector, o, outs, store);
     if (rows - first >= 2)
-      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, w_stride, vector, o, outs, store);
+      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, vector, o, outs, store);
     else if (first < rows)
-      linear_tile<1>(first, rows, row_of, in, in_stride, ins, w, w_stride, vector, o, outs, store);
+      linear_tile<1>(first, rows, row_of, in, in_stride, ins, w, vector, o, outs, store);
   }
   __syncthreads();
 }
@@ -199,9 +200,9 @@ __device__ __noinline__ void linear_product(int rows, RowOf row_of, const float*
 // `in_stride` floats apart and 16-byte aligned. Thread items are (o, tile of kRowTile rows), o
 // fastest: a warp reads one input row element (a broadcast) and 32 weights per step, consecutive
 // in the backward's use (W(o, k) = w[k][o]), so the backward's products and the filters' first
-// Linear (see linear_product) take it. With fewer
-// items than threads (an atom or two per block) the sum over k is split among threads too, the
-// parts added in `partial` (shared, kThreads * kRowTile floats). Every thread of the block calls it.
+// Linear (see linear_product) take it. With fewer items than threads (an atom or two per block)
+// the sum over k is split among threads too, the parts added in `partial` (shared, kThreads *
+// kRowTile floats). Every thread of the block calls it.
 template <class RowOf, class Store>
 __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                         Weight W, int outs, Store store, float* partial) {
@@ -299,9 +300,10 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   // early (none waits at a barrier alone).
   const int64_t a0 = block * N / blocks, a1 = (block + 1) * N / blocks;
   const int na = static_cast<int>(a1 - a0);
-  const auto beyond_cutoff = [&](int64_t e) {  // NaN is not: it stays in, to come out as NaN
+  const auto beyond_cutoff = [&](int64_t e) {  // finite only: NaN and Inf stay in, to come out as NaN
     const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
-    return sqrtf(vx * vx + vy * vy + vz * vz) >= p.cutoff;
+    const float d = sqrtf(vx * vx + vy * vy + vz * vz);
+    return d >= p.cutoff && d <= FLT_MAX;
   };
   if (tid == 0) own_pairs = invalid = 0;
   __syncthreads();
@@ -362,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     }, partial);
     __syncthreads();
     float* out = filter_out(t);
-    linear_product(np, pair_row, filter_tmp, H4, H, layer.filter2_w, H, M,
+    linear_product(np, pair_row, filter_tmp, H4, H, layer.filter2_w, M,
                    [&](int r, int o, float v) { out[pair_list[r] * M4 + o] = v + bias_at(layer.filter2_b, o); });
   }
 
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const auto features_to_h = [&](int t) {
     const SchnetInteraction& layer = p.interactions[t];
     float* out = h(t);
-    linear_product(na, atom_row, x, F4, F, layer.in2f_w, F, M,
+    linear_product(na, atom_row, x, F4, F, layer.in2f_w, M,
                    [&](int r, int o, float v) { out[(a0 + r) * M4 + o] = v + bias_at(layer.in2f_b, o); });
   };
   features_to_h(0);
@@ -394,20 +396,20 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     }
     __syncthreads();
     float* qt = q(t);
-    linear_product(na, atom_row, m, M4, M, layer.f2out1_w, M, K, [&](int r, int o, float v) {
+    linear_product(na, atom_row, m, M4, M, layer.f2out1_w, K, [&](int r, int o, float v) {
       const int64_t at = (a0 + r) * K4 + o;
       v += bias_at(layer.f2out1_b, o);
       qt[at] = v;
       u[at] = activate(v, layer.update_activation);
     });
-    linear_product(na, atom_row, u, K4, K, layer.f2out2_w, K, F,
+    linear_product(na, atom_row, u, K4, K, layer.f2out2_w, F,
                    [&](int r, int o, float v) { x[(a0 + r) * F4 + o] += v + bias_at(layer.f2out2_b, o); });
     if (t + 1 < T) {
       features_to_h(t + 1);
       cluster_sync();
     }
   }
-  linear_product(na, atom_row, x, F4, F, p.readout1_w, F, Kr,
+  linear_product(na, atom_row, x, F4, F, p.readout1_w, Kr,
                  [&](int r, int o, float v) { readout[(a0 + r) * Kr4 + o] = v + bias_at(p.readout1_b, o); });
   float energy = 0.0f;
   for (int e = tid; e < na * Kr; e += threads) {

@@ -31,6 +31,9 @@ CONFIGS = {
     "odd": (7, 41, 7, 3, 5, 6, 9, 3, ["silu", "tanh", "gelu", "softplus"], False),
     "many_atoms": (40, 600, 32, 8, 32, 32, 32, 16, ["relu", "silu", "shifted_softplus"], True),
     "lonely": (1, 0, 16, 4, 8, 8, 8, 4, ["shifted_softplus"] * 3, True),
+    # Widths past 128 (a second pass over inputs and outputs in the CUDA products) and a few rows
+    # a block (the row tiles' remainders).
+    "wide": (30, 300, 133, 5, 260, 131, 129, 130, ["shifted_softplus", "silu", "tanh"], True),
 }
 CUTOFF = 4.0
 
@@ -154,6 +157,48 @@ def test_schnet_energy_cuda_graph_replays_new_vectors():
         torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_pairs_beyond_the_cutoff_add_nothing(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("benzene", device, dtype))
+    args[3] = F.normalize(args[3], dim=1) * (1.2 * CUTOFF)  # every pair outside
+    energy, grad = mirage.ops.schnet_energy(*args)
+    alone, _ = mirage.ops.schnet_energy(args[0], args[1], args[2][:, :0], args[3][:0], *args[4:])
+    torch.testing.assert_close(energy, alone, rtol=1e-6, atol=1e-6)
+    assert (grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_non_finite_vectors(device):
+    """An Inf vector is outside the cutoff but gives a NaN gradient (its Gaussians' slope is
+    inf * 0), a NaN vector makes everything NaN: on CUDA as in the float64 reference."""
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("odd", device, dtype))
+    vectors = args[3].clone()
+    vectors[2, 1] = float("inf")
+    energy, grad = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])
+    assert torch.isfinite(energy) and torch.isnan(grad[2]).all() and torch.isfinite(grad[:2]).all()
+    vectors[5, 0] = float("nan")
+    energy, grad = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])
+    assert torch.isnan(energy)
+
+
+@pytest.mark.cuda
+def test_schnet_energy_cuda_unaligned_weights():
+    """A weight whose storage starts 4 bytes off a 16-byte boundary takes the scalar loads."""
+    args = list(make_inputs("benzene", "cuda", torch.float32))
+    want_energy, want_grad = mirage.ops.schnet_energy(*args)
+    weights = list(args[6])
+    for index in (4, 8):  # in2f.weight, f2out.2.weight of the first interaction (linear_product)
+        w = weights[index]
+        shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
+        assert shifted.data_ptr() % 16 != 0
+        weights[index] = shifted
+    energy, grad = mirage.ops.schnet_energy(*args[:6], weights, args[7])
+    torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-6)
+
+
 # ---- gradients it does not give ---------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -271,3 +316,9 @@ def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
     assert "mirage.schnet_energy" in calls and "mirage.schnet_energy" not in layered_ops
     torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * layered_forces.abs().max().item())
+
+    # The limit is on the capacity: at it the kernel runs, one pair above it the layers do.
+    for capacity, one_kernel in ((model.whole_model_max_pairs, True), (model.whole_model_max_pairs + 1, False)):
+        model.max_pairs = capacity
+        _, _, calls = energy_forces(False)
+        assert ("mirage.schnet_energy" in calls) == one_kernel, capacity
