@@ -703,11 +703,13 @@ def print_report(rows, md_rows, systems_info, notes, reports, targets, peers, qu
         print(f"\nMD at {TIMESTEP_FS} fs from 300 K (steps/s over wall time, Python included; ns/day = steps/s x "
               f"{TIMESTEP_FS} fs; mirage md records the state every {MD_WRITE_EVERY} steps)")
         table = [dict(model=r["model"], system=r["system"], atoms=str(r["atoms"]), weights=r["weights"],
-                      driver=r["driver"], rate=table_cell(r, "steps_per_s", ".0f"), ms=table_cell(r, "ms_per_step", ".4f"),
+                      driver=r["driver"], rate=table_cell(r, "steps_per_s", ".0f"),
+                      ms=table_cell(r, "ms_per_step", ".4f"),
                       nsday=table_cell(r, "ns_per_day", ".1f"), temp=table_cell(r, "temperature_end_K", ".0f"),
                       pairs=table_cell(r, "pairs_end", "d"), status=r["status"][:70]) for r in md_rows]
         print_table(table, [("model", "model", "s"), ("system", "system", "s"), ("atoms", "atoms", "s"),
-                            ("weights", "weights", "s"), ("driver", "driver", "s"), ("rate", "steps/s", "s"), ("ms", "ms/step", "s"),
+                            ("weights", "weights", "s"), ("driver", "driver", "s"), ("rate", "steps/s", "s"),
+                            ("ms", "ms/step", "s"),
                             ("nsday", "ns/day", "s"), ("temp", "T end K", "s"), ("pairs", "pairs end", "s"),
                             ("status", "status", "s")])
     print("\nStatus of every cell that is not a number:")

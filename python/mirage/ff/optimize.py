@@ -111,8 +111,6 @@ class FFOptimizeReport:
         lines.append("  kept as PyTorch ops inside it: the embedding, the other Linear layers and activations"
                      + (", the updates" if self.style == "PaiNN-style" else "") + " (shared modules)")
         if self.style == "SchNet-style":
-            from .fused import SchNet
-
             lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions), systems of up to "
                          f"{SchNet.whole_model_max_pairs} pairs of neighbor capacity (SchNet.whole_model_max_pairs) "
                          "run as one mirage::schnet_energy kernel instead")
