@@ -5,8 +5,9 @@
 //    statistics, then normalize. Small groups (the deep U-Net levels).
 //  - resident (tensors that fit in the shared memory of the whole GPU): one cooperative kernel,
 //    one block per multiprocessor; each block copies its part of x into shared memory, writes the
-//    moments of its groups there, waits at a grid barrier, merges the moments of the blocks that
-//    share its groups and normalizes from shared memory. x is read once and y written once.
+//    shifted sums of its groups to the workspace, waits at a grid barrier, adds up the sums of
+//    the blocks that share its groups and normalizes from shared memory. x is read once and y
+//    written once.
 //    Channels-last blocks own rows of pixels (all groups); NCHW blocks own spans of one group.
 //    It replaced a Hopper thread-block-cluster kernel (pixels in registers, group sums through
 //    distributed shared memory) that was no faster at 2x640x32x32 and slower at larger sizes.
@@ -51,6 +52,11 @@ constexpr int kResidentThreads = 1024;
 // Measured on an H200 (docs/perf/norms.md): 2x640x32x32 (2560 vectors a group) 15.0 us fused.
 constexpr int64_t kSpansMinVecs = 2048;
 
+// The resident channels-last kernel's stride between the V planes of its lanes' sums: padded to
+// 2 more than a multiple of 16 float2, so the 16 channels a half-warp reads back (V planes, two
+// lanes) fall in distinct banks.
+__host__ __device__ __forceinline__ int resident_lane_stride(int lanes) { return (lanes + 15) / 16 * 16 + 2; }
+
 // A group (n, g) seen as `rows` rows of `row_vecs` V-wide vectors, `row_stride` elements apart.
 // NCHW: its cpg channels are the rows (HW each). Channels-last: its HW pixels are (cpg each, C apart).
 struct GroupView {
@@ -72,7 +78,8 @@ struct Args {
   int tiles;           // nhwc path: column tiles per sample
   int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
   int64_t resident_rows;  // resident path: pixel rows per block (chunks = blocks per sample)
-  Moments* partial;    // split and resident paths: [N * G, chunks]
+  Moments* partial;    // split paths: [N * G, chunks]
+  float2* sums;        // resident paths: [N * G, chunks] shifted sums (the same workspace)
   float2* stats;       // split paths: [N * G] (mean, rstd)
 };
 
@@ -433,20 +440,58 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
   }
 }
 
+// Resident paths. Their statistics are shifted sums per group, (sum(x - k), sum((x - k)^2)), with
+// a shift k near the group's mean that every block computes alike: with a common k the sums of
+// rows, channels and blocks simply add, so a block reduces once and the merge after the grid
+// barrier is a single read of the other blocks' sums. Measured on an H200 (docs/perf/norms.md):
+// with exact per-block moments (two passes, Chan merges reading the partials twice) the
+// reductions, not the bytes, set these kernels' time. The sums lose about log10(1 + (k - mean)^2
+// / var) digits to cancellation, so k is the mean of 32 values spread over the group (one value
+// could be an outlier), taken by a whole warp: shift_sample is this lane's, shift_of the mean,
+// which every lane gets, bit for bit the same in every block. The samples are loaded after the
+// block's tile has gone out: loaded before it, they delayed it by about 1 us (H200).
+template <typename T>
+__device__ __forceinline__ float shift_sample(const Args& a, int64_t n, int64_t g, int lane) {
+  const int64_t channel = lane % static_cast<int>(a.cpg), pixel = lane * a.spatial / 32;
+  const int64_t at = a.channels_last ? pixel * a.channels + channel : channel * a.spatial + pixel;
+  return to_float(static_cast<const T*>(a.x)[group_offset(a, n, g) + at]);
+}
+
+__device__ __forceinline__ float shift_of(float sample) { return warp_sum(sample) / 32.0f; }
+
+// (mean, rstd) of group ng from the shifted sums of its `chunks` blocks, by one whole warp (every
+// lane gets it); the sums are added in a fixed order, so results do not vary between runs.
+__device__ __forceinline__ float2 finalize_shifted(const Args& a, int64_t ng, float shift, float count, int lane) {
+  const float2* sums = a.sums + ng * a.chunks;
+  float s1 = 0.0f, s2 = 0.0f;
+  // Unrolled so that a lane's loads are in flight together: one trip to L2 rather than three at
+  // the 66 blocks of a sample (measured on an H200).
+#pragma unroll 4
+  for (int c = lane; c < a.chunks; c += 32) {
+    const float2 s = sums[c];
+    s1 += s.x;
+    s2 += s.y;
+  }
+  const float d = warp_sum(s1) / count;
+  // Rounding can take a near-constant group's s2 / count - d^2 just below zero.
+  const float var = fmaxf(warp_sum(s2) / count - d * d, 0.0f);
+  return make_float2(shift + d, rsqrtf(var + a.eps));
+}
+
 // resident path, channels-last. Block b of sample n = b / chunks owns pixel rows
 // [(b % chunks) * resident_rows, +resident_rows) of that sample: a contiguous span of x. Threads
 // are (row lane, column vector) pairs, so a thread always sees the same V channels.
-// Shared memory: the tile [rows][C] in T; per-thread sums [V][row lanes * column vectors]
-// (i outermost: lanes store to distinct banks); per-channel (weight, bias), later (scale, shift)
-// [C]; the sample's (mean, rstd) [G]; per-channel sums [C]; the block's group means and m2 [2][G].
-// Measured on an H200: the reductions, not the bytes, set this kernel's time, so they avoid
-// integer division in loops and the merge reuses the division-free finalize_group.
+// Shared memory: the tile [rows][C] in T; the threads' shifted sums [V][lane_stride] (i
+// outermost, so lanes store to distinct banks; the stride's padding spreads a group's channels
+// over the banks when warps read them back), whose space later holds the (scale, shift) planes;
+// per channel (weight, bias) [C]; per group the shift [G].
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixels_kernel(Args a) {
   extern __shared__ __align__(16) unsigned char resident_smem[];
   const int channels = static_cast<int>(a.channels), groups = static_cast<int>(a.groups);
   const int cpg = static_cast<int>(a.cpg), col_vecs = channels / V;
   const int row_lanes = blockDim.x / col_vecs, lanes = row_lanes * col_vecs;
+  const int lane_stride = resident_lane_stride(lanes);
   const int row_lane = threadIdx.x / col_vecs, col = threadIdx.x % col_vecs;
   const bool active = threadIdx.x < lanes;
   const int64_t n = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
@@ -455,12 +500,9 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
   const int64_t offset = (n * a.spatial + first_row) * channels;
 
   T* tile = reinterpret_cast<T*>(resident_smem);
-  float* lane_sums = reinterpret_cast<float*>(tile + a.resident_rows * channels);
-  float2* affine = reinterpret_cast<float2*>(lane_sums + V * lanes);
-  float2* sample_stats = affine + channels;
-  float* channel_sums = reinterpret_cast<float*>(sample_stats + groups);
-  float* group_mean = channel_sums + channels;
-  float* group_m2 = group_mean + groups;
+  float2* lane_sums = reinterpret_cast<float2*>(tile + a.resident_rows * channels);
+  float2* affine = lane_sums + V * lane_stride;
+  float* shifts = reinterpret_cast<float*>(affine + channels);
 
   // Global to shared memory without a stop in registers: every load of the block in flight at once.
   const T* x = static_cast<const T*>(a.x) + offset;
@@ -468,74 +510,86 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
     __pipeline_memcpy_async(tile + v * V, x + v * V, sizeof(T) * V);
   __pipeline_commit();
   for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) affine[ch] = affine_at<P>(a, ch);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int g = warp; g < groups; g += warps) {
+    const float shift = shift_of(shift_sample<T>(a, n, g, lane));
+    if (lane == 0) shifts[g] = shift;
+  }
   __pipeline_wait_prior(0);
   __syncthreads();
 
-  // Per-group sums of the threads' acc[V] into out[g] (times `scale`): rows, then channels.
-  const auto group_sums = [&](const float (&acc)[V], float* out, float scale) {
-    if (active) {
+  // The thread's V channels over its rows.
+  if (active) {
+    float shift[V], s1[V], s2[V];
+    int g = col * V / cpg, in_group = col * V - g * cpg;
 #pragma unroll
-      for (int i = 0; i < V; ++i) lane_sums[i * lanes + threadIdx.x] = acc[i];
+    for (int i = 0; i < V; ++i) {
+      if (in_group == cpg) ++g, in_group = 0;
+      shift[i] = shifts[g];
+      ++in_group;
+      s1[i] = s2[i] = 0.0f;
     }
-    __syncthreads();
-    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
-      const float* sums = lane_sums + (ch % V) * lanes + ch / V;
-      float total = 0.0f;
-      for (int r = 0; r < row_lanes; ++r) total += sums[r * col_vecs];
-      channel_sums[ch] = total;
-    }
-    __syncthreads();
-    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-      float total = 0.0f;
-      for (int c = g * cpg; c < (g + 1) * cpg; ++c) total += channel_sums[c];
-      out[g] = total * scale;
-    }
-    __syncthreads();
-  };
-  // The thread's V channels over its rows: sum(f(value, i)).
-  const auto row_sums = [&](auto f, float (&acc)[V]) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc[i] = 0.0f;
-    if (!active) return;
     for (int r = row_lane; r < rows; r += row_lanes) {
       float vals[V];
       load_packed<T, V>(tile + (r * col_vecs + col) * V, vals);
 #pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += f(vals[i], i);
+      for (int i = 0; i < V; ++i) {
+        const float d = vals[i] - shift[i];
+        s1[i] += d;
+        s2[i] = fmaf(d, d, s2[i]);
+      }
     }
-  };
-
-  // This block's moments per group, exactly: two passes over shared memory.
-  const float count = static_cast<float>(rows) * cpg;
-  float acc[V];
-  row_sums([](float v, int) { return v; }, acc);
-  group_sums(acc, group_mean, 1.0f / count);
-  float mean[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) mean[i] = active ? group_mean[(col * V + i) / cpg] : 0.0f;
-  row_sums([&](float v, int i) { return (v - mean[i]) * (v - mean[i]); }, acc);
-  group_sums(acc, group_m2, 1.0f);
-  for (int g = threadIdx.x; g < groups; g += blockDim.x)
-    a.partial[(n * groups + g) * a.chunks + chunk] = {count, group_mean[g], group_m2[g]};
+    for (int i = 0; i < V; ++i) lane_sums[i * lane_stride + threadIdx.x] = make_float2(s1[i], s2[i]);
+  }
+  __syncthreads();
+  // Per channel over the row lanes, a thread a channel, the total going to its row lane 0 entry;
+  // then per group over its channels, a warp a group.
+  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+    float2* sums = lane_sums + (ch % V) * lane_stride + ch / V;
+    float2 total = sums[0];
+#pragma unroll 4
+    for (int r = 1; r < row_lanes; ++r) {
+      const float2 s = sums[r * col_vecs];
+      total.x += s.x;
+      total.y += s.y;
+    }
+    sums[0] = total;
+  }
+  __syncthreads();
+  const auto channel_sums = [&](int ch) { return lane_sums[(ch % V) * lane_stride + ch / V]; };
+  for (int g = warp; g < groups; g += warps) {
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int c = lane; c < cpg; c += 32) {
+      const float2 s = channel_sums(g * cpg + c);
+      s1 += s.x;
+      s2 += s.y;
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    if (lane == 0) a.sums[(n * groups + g) * a.chunks + chunk] = make_float2(s1, s2);
+  }
 
   cooperative_groups::this_grid().sync();
 
-  // The sample's statistics: one warp per group merges the moments of the sample's blocks.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  // The sample's statistics, a warp a group, straight into its channels' (scale, shift) planes
+  // [V][col_vecs] (the sums' space, no longer read): a warp's reads of its columns' i-th channel
+  // below are then consecutive. Read from [C], 64 bytes a thread apart, they were 16-way bank
+  // conflicts (2 us at 2x320x64x64 on an H200).
+  float2* scale_shift = lane_sums;
+  const float count = static_cast<float>(a.spatial) * cpg;
   for (int g = warp; g < groups; g += warps) {
-    const float2 s = finalize_group(a, n * groups + g, lane);
-    if (lane == 0) sample_stats[g] = s;
-  }
-  __syncthreads();
-  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
-    const float2 s = sample_stats[ch / cpg], wb = affine[ch];
-    affine[ch] = make_float2(s.y * wb.x, wb.y - s.x * s.y * wb.x);
+    const float2 s = finalize_shifted(a, n * groups + g, shifts[g], count, lane);
+    for (int ch = g * cpg + lane; ch < (g + 1) * cpg; ch += 32) {
+      const float2 wb = affine[ch];
+      scale_shift[(ch % V) * col_vecs + ch / V] = make_float2(s.y * wb.x, wb.y - s.x * s.y * wb.x);
+    }
   }
   __syncthreads();
   if (!active) return;
   float2 ss[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) ss[i] = affine[col * V + i];
+  for (int i = 0; i < V; ++i) ss[i] = scale_shift[i * col_vecs + col];
   T* y = static_cast<T*>(a.y) + offset;
   for (int r = row_lane; r < rows; r += row_lanes) {
     float vals[V];
@@ -553,7 +607,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans_kernel(Args a) {
   extern __shared__ __align__(16) unsigned char resident_smem[];
-  __shared__ float scratch[32];
+  __shared__ float2 warp_sums[32];
   __shared__ float2 stats;
   const int64_t ng = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
   const int64_t n = ng / a.groups, g = ng % a.groups;
@@ -568,34 +622,38 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans
     __pipeline_memcpy_async(tile + v * V, x + v * V, sizeof(T) * V);
   __pipeline_commit();
   for (int c = threadIdx.x; c < a.cpg; c += blockDim.x) affine[c] = affine_at<P>(a, g * a.cpg + c);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float shift = shift_of(shift_sample<T>(a, n, g, lane));  // every warp alike: no exchange
   __pipeline_wait_prior(0);
   __syncthreads();
 
-  // This block's moments, exactly: two passes over shared memory.
-  const float count = static_cast<float>(vecs) * V;
-  float sum = 0.0f;
+  float s1 = 0.0f, s2 = 0.0f;
   for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
     float vals[V];
     load_packed<T, V>(tile + v * V, vals);
 #pragma unroll
-    for (int i = 0; i < V; ++i) sum += vals[i];
+    for (int i = 0; i < V; ++i) {
+      const float d = vals[i] - shift;
+      s1 += d;
+      s2 = fmaf(d, d, s2);
+    }
   }
-  const float mean = block_sum(sum, scratch) / count;
-  float m2 = 0.0f;
-  for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-    float vals[V];
-    load_packed<T, V>(tile + v * V, vals);
-#pragma unroll
-    for (int i = 0; i < V; ++i) m2 += (vals[i] - mean) * (vals[i] - mean);
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  if (lane == 0) warp_sums[warp] = make_float2(s1, s2);
+  __syncthreads();
+  if (warp == 0) {
+    const float2 s = lane < blockDim.x / 32 ? warp_sums[lane] : make_float2(0.0f, 0.0f);
+    s1 = warp_sum(s.x);
+    s2 = warp_sum(s.y);
+    if (lane == 0) a.sums[ng * a.chunks + chunk] = make_float2(s1, s2);
   }
-  m2 = block_sum(m2, scratch);
-  if (threadIdx.x == 0) a.partial[ng * a.chunks + chunk] = {count, mean, m2};
 
   cooperative_groups::this_grid().sync();
 
-  if (threadIdx.x < 32) {
-    const float2 s = finalize_group(a, ng, threadIdx.x);
-    if (threadIdx.x == 0) stats = s;
+  if (warp == 0) {
+    const float2 s = finalize_shifted(a, ng, shift, static_cast<float>(a.view.group_vecs) * V, lane);
+    if (lane == 0) stats = s;
   }
   __syncthreads();
   for (int c = threadIdx.x; c < a.cpg; c += blockDim.x) {
@@ -604,9 +662,16 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans
   }
   __syncthreads();
   T* y = static_cast<T*>(a.y) + offset;
-  const uint32_t spatial_vecs = static_cast<uint32_t>(a.spatial / V);
+  // The channel of vector v, stepped along with v: a division per vector cost more than the math.
+  const int spatial_vecs = static_cast<int>(a.spatial / V);
+  const int channel_step = blockDim.x / spatial_vecs, column_step = blockDim.x % spatial_vecs;
+  const int64_t first = begin + threadIdx.x;
+  int channel = static_cast<int>(first / spatial_vecs), column = static_cast<int>(first % spatial_vecs);
   for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-    const float2 ss = affine[static_cast<uint32_t>(begin + v) / spatial_vecs];
+    const float2 ss = affine[channel];
+    channel += channel_step;
+    column += column_step;
+    if (column >= spatial_vecs) column -= spatial_vecs, ++channel;
     float vals[V];
     load_packed<T, V>(tile + v * V, vals);
 #pragma unroll
@@ -644,10 +709,9 @@ bool resident_pixels_plan(const GroupNormParams& p, Plan& plan) {
   Args& a = plan.args;
   a.resident_rows = ceil_div(p.spatial, sms / p.batch);
   a.chunks = static_cast<int>(ceil_div(p.spatial, a.resident_rows));
-  const int64_t lanes = kResidentThreads / col_vecs * col_vecs;
-  const int64_t bytes = a.resident_rows * p.channels * elem + vec * lanes * sizeof(float) +
-                        p.channels * (sizeof(float2) + sizeof(float)) +
-                        p.groups * (2 * sizeof(float) + sizeof(float2));
+  const int lanes = static_cast<int>(kResidentThreads / col_vecs * col_vecs);
+  const int64_t bytes = a.resident_rows * p.channels * elem + vec * resident_lane_stride(lanes) * sizeof(float2) +
+                        p.channels * sizeof(float2) + p.groups * sizeof(float);
   if (!resident_fits(static_cast<size_t>(bytes))) return false;
   plan.shared_bytes = static_cast<size_t>(bytes);
   plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks));
@@ -841,6 +905,7 @@ cudaError_t launch_group_norm(const GroupNormParams& params, void* workspace, cu
   plan.args.partial = static_cast<Moments*>(workspace);
   // The (mean, rstd) array follows the moments, 8-byte aligned (Moments are 12 bytes).
   plan.args.stats = reinterpret_cast<float2*>(plan.args.partial + padded_moments(plan));
+  plan.args.sums = static_cast<float2*>(workspace);
   cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int kPack = kPackWidth<scalar_t>;

@@ -136,8 +136,11 @@ __device__ __forceinline__ float load_param(const void* p, DType dtype, int64_t 
   }
 }
 
-// v * sigmoid(v); the reciprocal of +inf is 0, so very negative v gives -0 rather than NaN.
-__device__ __forceinline__ float silu(float v) { return v * __frcp_rn(1.0f + __expf(-v)); }
+// v * sigmoid(v) with the hardware's approximate division (2 ulp). Against an IEEE reciprocal, on
+// an H200 (2026-11-23, bench_norms): bias_act 2x960x64x64 15.6 -> 14.4 us, group_norm+silu
+// 2x1280x16x16 NCHW 8.6 -> 7.1 us. Very negative v gives -0 rather than NaN: the approximate
+// reciprocal of +inf, and of anything above 2^126, is 0.
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 
 __device__ __forceinline__ float gelu(float v, GeluApprox approximate) {
   if (approximate == GeluApprox::kTanh) {

@@ -94,6 +94,20 @@ def test_large_offset_keeps_precision(device):
                    torch.float32, reduction=True)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (3, 96, 111, 113)])
+def test_cuda_large_offset_and_outliers_keep_precision(layout, shape):
+    # Shapes of the whole-GPU kernels, which sum around an estimate of each group's mean: an
+    # offset 100x the spread, and every group's first pixel 40 spreads out (where an estimate
+    # from one value would sit), must not cost float32 its precision.
+    x = randn(*shape, device="cuda", mean=100.0, std=1.0)
+    x[:, :, 0, 0] += 40.0
+    x = make_input(shape, layout, torch.float32, "cuda").copy_(x)
+    assert_matches(mirage.ops.group_norm(x, 32), composite, (x, 32, None, None, 1e-5, "none"),
+                   torch.float32, reduction=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_and_nan(device):
     empty = torch.empty(0, 8, 4, 4, device=device)
