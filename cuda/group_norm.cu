@@ -607,7 +607,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans_kernel(Args a) {
   extern __shared__ __align__(16) unsigned char resident_smem[];
-  __shared__ float2 warp_sums[32];
+  __shared__ float2 scratch[32];
   __shared__ float2 stats;
   const int64_t ng = blockIdx.x / a.chunks, chunk = blockIdx.x % a.chunks;
   const int64_t n = ng / a.groups, g = ng % a.groups;
@@ -638,16 +638,8 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans
       s2 = fmaf(d, d, s2);
     }
   }
-  s1 = warp_sum(s1);
-  s2 = warp_sum(s2);
-  if (lane == 0) warp_sums[warp] = make_float2(s1, s2);
-  __syncthreads();
-  if (warp == 0) {
-    const float2 s = lane < blockDim.x / 32 ? warp_sums[lane] : make_float2(0.0f, 0.0f);
-    s1 = warp_sum(s.x);
-    s2 = warp_sum(s.y);
-    if (lane == 0) a.sums[ng * a.chunks + chunk] = make_float2(s1, s2);
-  }
+  const float2 sums = block_sum(make_float2(s1, s2), scratch);
+  if (threadIdx.x == 0) a.sums[ng * a.chunks + chunk] = sums;
 
   cooperative_groups::this_grid().sync();
 

@@ -196,14 +196,18 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over all threads of a 1-D block whose size is a multiple of 32. scratch: >= 32 floats.
-// Every thread gets the result; scratch may be reused right after.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Two sums at once, in the same order as two warp_sum calls.
+__device__ __forceinline__ float2 warp_sum(float2 v) { return make_float2(warp_sum(v.x), warp_sum(v.y)); }
+
+// Sum over all threads of a 1-D block whose size is a multiple of 32, of a float or a float2.
+// scratch: >= 32 of them. Every thread gets the result; scratch may be reused right after.
+template <typename V>
+__device__ __forceinline__ V block_sum(V v, V* scratch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   v = warp_sum(v);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < warps ? scratch[lane] : 0.0f;
+  v = lane < warps ? scratch[lane] : V{};
   v = warp_sum(v);
   __syncthreads();
   return v;
