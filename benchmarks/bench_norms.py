@@ -1,5 +1,7 @@
-"""GroupNorm+SiLU, LayerNorm (plain and with the residual add), GEGLU and a convolution's
-epilogue (bias_act: bias + residual) at the SD-1.5 U-Net's shapes, fp16: mirage against PyTorch eager and torch.compile of the same composite, in one run.
+"""GroupNorm+SiLU, LayerNorm (plain and with the residual add), GEGLU, a convolution's epilogue
+(bias_act: bias + residual) and linear (a Linear with the residual add in its epilogue) at the
+SD-1.5 U-Net's shapes, fp16: mirage against PyTorch eager and torch.compile of the same
+composite, in one run.
 
 Every variant is timed as 100 back-to-back calls inside one CUDA graph (no launch overhead),
 cycling through enough input sets that no call finds its input in L2. GB/s counts the fewest
@@ -46,6 +48,17 @@ def geglu(x):
 def bias_residual(x, b, r):
     """What follows a convolution with a bias in a residual block: PyTorch's bias pass, then the add."""
     return (x + b[:, None, None]) + r
+
+
+def linear_residual(x, w, b, r):
+    """A transformer block's last Linear and its residual add, as diffusers writes them."""
+    return F.linear(x, w, b) + r
+
+
+# (tokens, in, out, with residual): proj_in and the attention outputs (no residual), proj_out and
+# the feed-forward's output Linear (residual), at 64x64, 32x32 and 16x16 latents.
+LINEAR_SHAPES = [(8192, 320, 320, False), (8192, 320, 320, True), (8192, 1280, 320, True),
+                 (2048, 2560, 640, True), (512, 5120, 1280, True)]
 
 
 def cases(quick: bool):
@@ -95,6 +108,16 @@ def cases(quick: bool):
 
         yield ("geglu", f"{tokens}x{2 * inner}", "", make_geglu, geglu, lambda x: mirage.ops.geglu(x),
                3 * 2 * tokens * inner)
+    for tokens, k, n, with_residual in LINEAR_SHAPES[:2] if quick else LINEAR_SHAPES:
+        def make_linear(tokens=tokens, k=k, n=n, with_residual=with_residual):
+            x = torch.randn(tokens, k, device="cuda", dtype=half)
+            w = torch.randn(n, k, device="cuda", dtype=half) / k ** 0.5
+            b = torch.randn(n, device="cuda", dtype=half)
+            return (x, w, b) + ((torch.randn(tokens, n, device="cuda", dtype=half),) if with_residual else ())
+
+        nbytes = 2 * (tokens * k + n * k + n + tokens * n * (2 if with_residual else 1))
+        yield ("linear+residual" if with_residual else "linear", f"{tokens}x{k}->{n}", "", make_linear,
+               linear_residual if with_residual else F.linear, mirage.ops.linear, nbytes)
 
 
 def main(argv=None) -> int:

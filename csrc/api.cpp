@@ -48,6 +48,11 @@ at::Tensor bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   return handles::bias_act().call(x, bias, residual, activation, scale);
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual) {
+  return handles::linear().call(x, weight, bias, residual);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,

@@ -75,6 +75,17 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
                                   activation, scale);
 }
 
+// As torch.nn.functional.linear: every operand in the autocast dtype (the sums stay float32).
+template <c10::DeviceType Device, c10::DispatchKey Key>
+at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& residual) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = at::autocast::get_autocast_dtype(Device);
+  return handles::linear().call(cached_cast(dtype, x, Device), cached_cast(dtype, weight, Device),
+                                cached_cast(dtype, bias, Device), cached_cast(dtype, residual, Device));
+}
+
 template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autocast(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
@@ -132,6 +143,7 @@ TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
   m.impl("add_layer_norm", &add_layer_norm_autocast<kDevice, kKey>);
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
   m.impl("bias_act", &bias_act_autocast<kDevice, kKey>);
+  m.impl("linear", &linear_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
   m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);
@@ -147,6 +159,7 @@ TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
   m.impl("add_layer_norm", &add_layer_norm_autocast<kDevice, kKey>);
   m.impl("geglu", &geglu_autocast<kDevice, kKey>);
   m.impl("bias_act", &bias_act_autocast<kDevice, kKey>);
+  m.impl("linear", &linear_autocast<kDevice, kKey>);
   m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
   m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
   m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);

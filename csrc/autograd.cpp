@@ -201,6 +201,23 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
   }
 };
 
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual) {
+    save_inputs(ctx, {x, weight, value_or_undefined(bias), value_or_undefined(residual)});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::linear().call(x, weight, bias, residual);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    return composite_backward(ctx, grad_outputs, [](const variable_list& in) {
+      at::Tensor y = at::linear(in[0], in[1], in[2].defined() ? std::optional<at::Tensor>(in[2]) : std::nullopt);
+      return variable_list{in[3].defined() ? y + in[3] : y};
+    });
+  }
+};
+
 // The inverse of [..., 3, 3] cells (rows are lattice vectors) from cross products: column k is
 // (a_{k+1} x a_{k+2}) / det. No solver, so no host sync checking for singular input (forces are
 // captured in CUDA graphs).
@@ -447,6 +464,12 @@ at::Tensor bias_act_autograd(const at::Tensor& x, const std::optional<at::Tensor
   return BiasActFunction::apply(x, bias, residual, activation, scale);
 }
 
+at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& residual) {
+  return LinearFunction::apply(x, weight, bias, residual);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autograd(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,
@@ -484,6 +507,7 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("geglu", &geglu_autograd);
   m.impl("bias_act", &bias_act_autograd);
+  m.impl("linear", &linear_autograd);
   m.impl("neighbor_list", &neighbor_list_autograd);
   m.impl("radial_basis", &radial_basis_autograd);
   m.impl("radial_basis_backward", &radial_basis_backward_autograd);

@@ -105,6 +105,31 @@ def bias_act(
     return torch.ops.mirage.bias_act(x, bias, residual, activation, scale)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias + residual``: ``torch.nn.functional.linear`` with a residual add, in one
+    pass over the output.
+
+    On CUDA this is one cuBLASLt matmul whose epilogue adds ``bias`` and ``residual`` (PyTorch
+    spends a second kernel and a full read and write of the output on the residual add). The
+    products are summed in float32 (TF32 for float32 input when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set, as for PyTorch's matmuls) and the result is
+    rounded once. The first eager call of each problem shape times cuBLASLt's candidate
+    algorithms on the real operands and keeps the fastest for the process; inside a CUDA graph
+    capture, with no earlier eager call, the heuristic's first choice runs.
+
+    Args:
+        x: ``(*, K)``, float32/float16/bfloat16 (float64 on the CPU); rows with a stride are read
+            in place, other layouts are copied first.
+        weight: ``(N, K)`` in ``x``'s dtype.
+        bias: None or ``(N,)`` in ``x``'s dtype.
+        residual: None or ``(*, N)`` (the output's shape) in ``x``'s dtype.
+
+    Returns:
+        ``(*, N)``, contiguous, in ``x``'s dtype.
+    """
+    return torch.ops.mirage.linear(x, weight, bias, residual)
+
+
 class NeighborList(NamedTuple):
     """The fixed-capacity outputs of :func:`neighbor_list` (``P = max_pairs``)."""
 

@@ -63,6 +63,15 @@ TEST_CASE("bias_act matches the PyTorch composite on CPU tensors", "[api]") {
   REQUIRE(y.is_contiguous(at::MemoryFormat::ChannelsLast));
 }
 
+TEST_CASE("linear is F.linear plus the residual on CPU tensors", "[api]") {
+  const at::Tensor x = at::randn({2, 3, 7}), weight = at::randn({5, 7}), bias = at::randn({5});
+  const at::Tensor residual = at::randn({2, 3, 5});
+  require_close(mirage::linear(x, weight, bias, residual), at::linear(x, weight, bias) + residual, 1e-5);
+  require_close(mirage::linear(x, weight), at::matmul(x, weight.t()), 1e-5);
+  REQUIRE(error_of([&] { mirage::linear(x, at::randn({5, 6})); }).find(
+              "mirage::linear: weight must have shape [out_features, 7]") != std::string::npos);
+}
+
 TEST_CASE("message passing ops match index_add / gather composites on CPU tensors", "[api]") {
   const at::Tensor pairs = at::randint(0, 7, {2, 40}, at::kLong);
   const at::Tensor i = pairs[0], j = pairs[1];

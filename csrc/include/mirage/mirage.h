@@ -50,6 +50,13 @@ at::Tensor bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias =
                     const std::optional<at::Tensor>& residual = std::nullopt,
                     std::string_view activation = "none", double scale = 1.0);
 
+// x @ weight^T + bias + residual for x [..., K], weight [N, K], bias [N], residual [..., N], one
+// dtype for all; summed in float32 and rounded once (on CUDA: one cuBLASLt matmul whose epilogue
+// adds bias and residual).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias = std::nullopt,
+                  const std::optional<at::Tensor>& residual = std::nullopt);
+
 // Pairs (i, j, image) with |r_j - r_i + shift| < cutoff, in fixed-capacity outputs:
 // (pairs [2, P] int64, shifts [P, 3], distances [P], num_pairs [1] int64 = the true count).
 // max_pairs = -1 means N * (N - 1); method is "auto", "direct" or "cell_list" (CUDA search).

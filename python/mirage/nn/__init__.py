@@ -5,7 +5,8 @@ from .conv import Conv2dAct, conv_bias_act
 from .geglu import GEGLU
 from .group_norm import GroupNorm
 from .layer_norm import LayerNorm
+from .linear import linear
 from .resnet import ResnetBlock2D
 from .transformer import BasicTransformerBlock, Transformer2DModel
 
-__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "conv_bias_act"]
+__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "conv_bias_act", "linear"]

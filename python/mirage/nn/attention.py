@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .group_norm import GroupNorm as MirageGroupNorm
 from .layer_norm import LayerNorm as MirageLayerNorm
+from .linear import linear
 
 
 def fuse_linears(linears: Sequence[nn.Linear]) -> nn.Linear:
@@ -143,7 +144,7 @@ class FusedAttention(nn.Module):
             mask = self._sdpa_mask(attention_mask, key.shape[0], key.shape[2])
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
         out = out.transpose(1, 2).flatten(2)
-        out = self.to_out[1](self.to_out[0](out))
+        out = self.to_out[1](linear(self.to_out[0], out))
 
         if image_size is not None:
             # (B, H*W, C) -> (B, C, H, W): a view in channels-last memory, which a channels-last
@@ -165,16 +166,16 @@ class FusedAttention(nn.Module):
     def _project(self, hidden_states: Tensor, encoder_hidden_states: Optional[Tensor]) -> Tuple[Tensor, ...]:
         if not self.is_cross_attention:
             if encoder_hidden_states is None:
-                return self._heads(self.to_qkv(hidden_states), 3)
+                return self._heads(linear(self.to_qkv, hidden_states), 3)
             # A self-attention module given a context: q and kv from the fused weight's row blocks
             # (views), as diffusers' to_q and to_k/to_v would compute them.
             weight, bias, inner = self.to_qkv.weight, self.to_qkv.bias, self.inner_dim
             query = F.linear(hidden_states, weight[:inner], None if bias is None else bias[:inner])
             kv = F.linear(encoder_hidden_states, weight[inner:], None if bias is None else bias[inner:])
         else:
-            query = self.to_q(hidden_states)
+            query = linear(self.to_q, hidden_states)
             context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-            kv = self.to_kv(context)
+            kv = linear(self.to_kv, context)
         return self._heads(query, 1) + self._heads(kv, 2)
 
     def _norm_encoder_hidden_states(self, encoder_hidden_states: Tensor) -> Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .. import ops
+from .linear import linear
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -35,7 +36,7 @@ class GEGLU(nn.Module):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # diffusers passes a deprecated `scale` argument positionally; it has no effect there either.
-        return ops.geglu(self.proj(hidden_states), self.approximate)
+        return ops.geglu(linear(self.proj, hidden_states), self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

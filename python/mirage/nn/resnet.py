@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from .conv import conv_bias_act
 from .group_norm import GroupNorm
+from .linear import linear
 
 TIME_EMBEDDING_NORMS = ("default", "scale_shift")
 
@@ -93,7 +94,7 @@ class ResnetBlock2D(nn.Module):
         if self.time_emb_proj is not None:
             if not self.skip_time_act:
                 temb = self.nonlinearity(temb)
-            temb = self.time_emb_proj(temb)
+            temb = linear(self.time_emb_proj, temb)
 
         # PyTorch adds a convolution's bias in a kernel of its own, a full pass over the
         # activations: conv1's bias and the [N, C] time embedding go in one bias_act pass instead.

@@ -6,8 +6,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import ops
 from .conv import conv_bias_act
 from .layer_norm import LayerNorm
+from .linear import autocast_casts, fusable, linear
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +145,9 @@ class BasicTransformerBlock(nn.Module):
             norm_hidden_states, hidden_states = _add_layer_norm(self.norm3, attn_output, hidden_states)
 
         if self._chunk_size is not None:
-            ff_output = self._chunked_feed_forward(norm_hidden_states)
+            hidden_states = self._chunked_feed_forward(norm_hidden_states) + hidden_states
         else:
-            ff_output = self.ff(norm_hidden_states)
-
-        hidden_states = ff_output + hidden_states
+            hidden_states = _feed_forward(self.ff, norm_hidden_states, hidden_states)
         if hidden_states.ndim == 4:
             hidden_states = hidden_states.squeeze(1)
         return hidden_states
@@ -167,6 +167,18 @@ class BasicTransformerBlock(nn.Module):
                 f"cross_attention={self.attn2 is not None and not self.double_self_attention}")
 
 
+def _feed_forward(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``ff(x) + residual``; for diffusers' ``FeedForward`` (its ``net`` modules run in order, as
+    its forward runs them) ending in an ``nn.Linear``, the add goes into that Linear's epilogue."""
+    net = getattr(ff, "net", None)
+    if (type(ff).__name__ != "FeedForward" or not type(ff).__module__.startswith("diffusers.")
+            or not isinstance(net, nn.ModuleList) or len(net) == 0 or type(net[-1]) is not nn.Linear):
+        return ff(x) + residual
+    for module in net[:-1]:
+        x = module(x)
+    return linear(net[-1], x, residual)
+
+
 def _layer_norm(name: str, norm: Optional[nn.Module], *, fuse: bool) -> nn.Module:
     """``norm`` checked to be a LayerNorm over the last dimension; as ``mirage.nn.LayerNorm`` (sharing
     its parameters) when ``fuse``, else as it is (optimize swaps it on its own)."""
@@ -183,19 +195,10 @@ def _add_layer_norm(norm: LayerNorm, attn_output: Tensor, residual: Tensor) -> T
     """``(norm(s), s)`` for ``s = attn_output + residual``: one kernel where the add is a plain
     same-dtype, same-shape add, else the add then the norm."""
     if attn_output.shape == residual.shape and attn_output.dtype == residual.dtype:
-        if not _autocast_casts(attn_output):
+        if not autocast_casts(attn_output):
             return norm(attn_output, residual)
     hidden_states = attn_output + residual
     return norm(hidden_states), hidden_states
-
-
-def _autocast_casts(x: Tensor) -> bool:
-    """Whether autocast is on for ``x``'s device with a dtype other than ``x``'s: the fused op would
-    then cast both operands before adding them, where the separate add adds them as they are."""
-    # Not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it (fullgraph breaks).
-    device_type = x.device.type
-    return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
-            and x.dtype != torch.get_autocast_dtype(device_type))
 
 
 class Transformer2DModel(nn.Module):
@@ -248,15 +251,9 @@ class Transformer2DModel(nn.Module):
         if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
             encoder_attention_mask = ((1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0).unsqueeze(1)
 
-        batch, _, height, width = hidden_states.shape
+        _, _, height, width = hidden_states.shape
         residual = hidden_states
-        hidden_states = self.norm(hidden_states)
-        if not self.use_linear_projection:
-            hidden_states = _conv(self.proj_in, hidden_states)
-        inner_dim = hidden_states.shape[1]
-        hidden_states = hidden_states.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim)
-        if self.use_linear_projection:
-            hidden_states = self.proj_in(hidden_states)
+        hidden_states = _project_in(self.proj_in, self.norm(hidden_states), self.use_linear_projection)
 
         for block in self.transformer_blocks:
             hidden_states = block(hidden_states, attention_mask=attention_mask,
@@ -264,13 +261,7 @@ class Transformer2DModel(nn.Module):
                                   encoder_attention_mask=encoder_attention_mask, timestep=timestep,
                                   cross_attention_kwargs=cross_attention_kwargs, class_labels=class_labels)
 
-        if self.use_linear_projection:
-            hidden_states = self.proj_out(hidden_states)
-        hidden_states = hidden_states.reshape(batch, height, width, -1).permute(0, 3, 1, 2)
-        if not self.use_linear_projection:
-            output = _conv(self.proj_out, hidden_states, residual)
-        else:
-            output = hidden_states + residual
+        output = _project_out(self.proj_out, hidden_states, residual, self.use_linear_projection, height, width)
         if not return_dict:
             return (output,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -284,3 +275,54 @@ def _conv(conv: nn.Module, x: Tensor, residual: Optional[Tensor] = None) -> Tens
     if type(conv) is nn.Conv2d:
         return conv_bias_act(conv, x, residual=residual)
     return conv(x) if residual is None else conv(x) + residual
+
+
+def _tokens(image: Tensor) -> Tensor:
+    """``(B, C, H, W)`` -> ``(B, H*W, C)``: a view when the image is channels-last."""
+    batch, channels, height, width = image.shape
+    return image.permute(0, 2, 3, 1).reshape(batch, height * width, channels)
+
+
+def _image(tokens: Tensor, height: int, width: int) -> Tensor:
+    """``(B, H*W, C)`` -> ``(B, C, H, W)``, a view: channels-last memory when the tokens are contiguous."""
+    return tokens.reshape(tokens.shape[0], height, width, -1).permute(0, 3, 1, 2)
+
+
+def _pointwise(conv: nn.Module) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """``(weight as (C_out, C_in), bias)`` of a plain 1x1 ``nn.Conv2d`` (a matmul over the
+    channels), else None."""
+    if (type(conv) is nn.Conv2d and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
+            and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding in ((0, 0), "valid")):
+        return conv.weight.flatten(1), conv.bias
+    return None
+
+
+def _project_in(proj: nn.Module, image: Tensor, linear_projection: bool) -> Tensor:
+    """``proj_in`` of the normalized image, as tokens ``(B, H*W, C)``. A 1x1 convolution of a
+    channels-last image is one matmul over the channels of its tokens, with the bias in the
+    matmul's epilogue (cuDNN's convolution would leave the bias to a pass of its own)."""
+    if linear_projection:
+        return linear(proj, _tokens(image))
+    pointwise = _pointwise(proj)
+    if pointwise is not None and image.is_contiguous(memory_format=torch.channels_last):
+        tokens = _tokens(image)
+        if fusable(*pointwise, tokens, None):
+            return ops.linear(tokens, *pointwise)
+    return _tokens(_conv(proj, image))
+
+
+def _project_out(proj: nn.Module, tokens: Tensor, residual: Tensor, linear_projection: bool, height: int,
+                 width: int) -> Tensor:
+    """``proj_out`` of the tokens plus the model's input ``residual``, as an image ``(B, C, H, W)``.
+    A channels-last ``residual`` is its tokens in memory, so the add goes into the matmul's
+    epilogue and the output is channels-last."""
+    if residual.is_contiguous(memory_format=torch.channels_last):
+        residual_tokens = _tokens(residual)
+        if linear_projection:
+            return _image(linear(proj, tokens, residual_tokens), height, width)
+        pointwise = _pointwise(proj)
+        if pointwise is not None and fusable(*pointwise, tokens, residual_tokens):
+            return _image(ops.linear(tokens, *pointwise, residual_tokens), height, width)
+    if linear_projection:
+        return _image(proj(tokens), height, width) + residual
+    return _conv(proj, _image(tokens, height, width), residual)

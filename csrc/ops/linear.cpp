@@ -1,0 +1,74 @@
+// mirage::linear: argument checks, CPU reference and Meta kernel.
+#include "linear.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "message.h"
+
+namespace mirage::ops {
+
+std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  const std::optional<at::Tensor>& residual) {
+  check_activation_dtype(kLinear, "x", x);
+  MIRAGE_CHECK(x.dim() >= 1, kLinear, ": x must have at least one dimension, got a scalar");
+  check_same_device(kLinear, "weight", weight, x);
+  const int64_t in_features = x.size(-1);
+  MIRAGE_CHECK(weight.dim() == 2 && weight.size(1) == in_features, kLinear,
+              ": weight must have shape [out_features, ", in_features, "] for x of shape ",
+              x.sizes(), ", got ", weight.sizes());
+  MIRAGE_CHECK(weight.scalar_type() == x.scalar_type(), kLinear, ": weight must have x's dtype (",
+              x.scalar_type(), "), got ", weight.scalar_type());
+  const int64_t out_features = weight.size(0);
+  if (bias.has_value() && bias->defined()) {
+    check_same_device(kLinear, "bias", *bias, x);
+    MIRAGE_CHECK(bias->dim() == 1 && bias->size(0) == out_features, kLinear,
+                ": bias must have shape [", out_features, "], got ", bias->sizes());
+    MIRAGE_CHECK(bias->scalar_type() == x.scalar_type(), kLinear, ": bias must have x's dtype (",
+                x.scalar_type(), "), got ", bias->scalar_type());
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  if (residual.has_value() && residual->defined()) {
+    check_same_device(kLinear, "residual", *residual, x);
+    MIRAGE_CHECK(residual->sizes() == at::IntArrayRef(shape), kLinear,
+                ": residual must have the output's shape ", at::IntArrayRef(shape), ", got ",
+                residual->sizes());
+    MIRAGE_CHECK(residual->scalar_type() == x.scalar_type(), kLinear,
+                ": residual must have x's dtype (", x.scalar_type(), "), got ",
+                residual->scalar_type());
+  }
+  return shape;
+}
+
+namespace {
+
+// The reference: PyTorch's linear in float32 (float64 for float64 input), the residual added to
+// its result, one rounding to x's dtype at the end, as the CUDA epilogue rounds. For float32 and
+// float64 input this is exactly F.linear(x, weight, bias) + residual.
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual) {
+  check_linear(x, weight, bias, residual);
+  const at::ScalarType acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor y = at::linear(x.to(acc), weight.to(acc),
+                            has_bias ? std::optional<at::Tensor>(bias->to(acc)) : std::nullopt);
+  if (residual.has_value() && residual->defined()) y = y + residual->to(acc);
+  return y.to(x.scalar_type()).contiguous();
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  return at::empty(check_linear(x, weight, bias, residual), x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CPU, m) { m.impl("linear", &linear_cpu); }
+TORCH_LIBRARY_IMPL(mirage, Meta, m) { m.impl("linear", &linear_meta); }
+
+}  // namespace mirage::ops

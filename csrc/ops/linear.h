@@ -1,0 +1,19 @@
+// mirage::linear: checks and shapes shared by the CPU, Meta and CUDA kernels.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace mirage::ops {
+
+inline constexpr std::string_view kLinear = "mirage::linear";
+
+// Checks every argument of x @ weight^T + bias + residual (x [..., K], weight [N, K], bias [N],
+// residual [..., N]; one dtype for all). Returns the output's shape, [..., N].
+std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  const std::optional<at::Tensor>& residual);
+
+}  // namespace mirage::ops

@@ -1,0 +1,47 @@
+"""``nn.Linear`` through :func:`mirage.ops.linear`, with a residual add in the matmul's epilogue."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+
+
+def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+    """``module(x) + residual`` (or ``module(x)``): for a plain ``nn.Linear``, one
+    :func:`mirage.ops.linear` call, a cuBLASLt matmul whose epilogue adds the bias and the residual
+    (PyTorch: the matmul, then a second kernel reading and writing the output for the add).
+
+    Where the op cannot take the operands as they are, the module runs as it is and PyTorch adds
+    the residual (exactly the unfused code): a module other than a plain ``nn.Linear``, operands of
+    different dtypes or devices, a residual of another shape (a broadcast), or a residual under an
+    autocast that would cast (PyTorch's add would then promote; the fused op would not).
+    """
+    if type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual):
+        return ops.linear(x, module.weight, module.bias, residual)
+    y = module(x)
+    return y if residual is None else y + residual
+
+
+def fusable(weight: Tensor, bias: Optional[Tensor], x: Tensor, residual: Optional[Tensor]) -> bool:
+    """Whether ``mirage.ops.linear(x, weight, bias, residual)`` computes what
+    ``F.linear(x, weight, bias) + residual`` computes, dtype and device included."""
+    if x.device != weight.device or x.dim() == 0 or (x.is_cuda and x.dtype == torch.float64):
+        return False
+    if autocast_casts(x) or autocast_casts(weight):
+        return residual is None  # the op's autocast casts x, weight and bias as F.linear's does
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False
+    return residual is None or (residual.dtype == x.dtype and residual.device == x.device
+                                and residual.shape == x.shape[:-1] + (weight.shape[0],))
+
+
+def autocast_casts(x: Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device with a dtype other than ``x``'s: a fused op would
+    then cast every operand before using it, where a separate PyTorch add uses them as they are."""
+    device_type = x.device.type
+    return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+            and x.dtype != torch.get_autocast_dtype(device_type))

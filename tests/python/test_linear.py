@@ -1,0 +1,279 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirage
+from common import DEVICES, DTYPES, assert_error, capture_graph, randn, strided
+from tolerances import tolerance
+
+# (x shape, out_features): 1-D x, one row, odd widths (no 16-byte rows), 3-D x, a wide K.
+SHAPES = [((7,), 5), ((1, 1), 1), ((3, 7), 5), ((2, 3, 13), 9), ((4, 769), 24), ((2, 5, 40), 320)]
+LAYOUTS = ["contiguous", "strided", "row_stride", "weight_transposed"]
+
+
+def composite(x, weight, bias, residual):
+    """What the op replaces: F.linear, then the residual add."""
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y + residual
+
+
+def rows_aligned(t):
+    """Whether t's rows start on 16-byte boundaries (what cuBLASLt's fast epilogues need)."""
+    pitch = t.stride(-2) if t.dim() >= 2 and t.shape[-2] > 1 else t.shape[-1]
+    return t.data_ptr() % 16 == 0 and (pitch * t.element_size()) % 16 == 0
+
+
+def assert_linear_close(got, x, weight, bias, residual):
+    """got == composite in float64, within the dtype's table (the output's rounding) plus the
+    float32 summation's worst case, K * 2^-24 * sum of |terms| (outputs that cancel to ~0 keep it).
+    On CUDA, operands not 16-byte aligned with both bias and residual take two roundings (the
+    residual in a second pass, docs/ops.md): one more rounding of the linear part is allowed there."""
+    dtype = x.dtype
+    args = [None if t is None else t.detach().double().cpu() for t in (x, weight, bias, residual)]
+    ref = composite(*args)
+    two_roundings = (got.is_cuda and bias is not None and residual is not None
+                     and not all(rows_aligned(t.contiguous() if t.stride(-1) != 1 else t)
+                                 for t in (x, weight, residual, got)))
+    terms = args[0].abs() @ args[1].abs().T
+    if args[2] is not None:
+        terms = terms + args[2].abs()
+    if args[3] is not None:
+        terms = terms + args[3].abs()
+    k = x.shape[-1]
+    tol = tolerance(dtype)
+    bound = tol["atol"] + tol["rtol"] * ref.abs() + k * 2.0**-24 * terms
+    if two_roundings:
+        bound = bound + torch.finfo(dtype).eps * F.linear(*args[:3]).abs()
+    assert got.dtype == dtype and got.shape == ref.shape and got.is_contiguous()
+    error = (got.double().cpu() - ref).abs()
+    worst = (error / bound).argmax()
+    assert (error <= bound).all(), (f"error {error.flatten()[worst].item():.3g} > bound {bound.flatten()[worst].item():.3g} "
+                                    f"(got {got.flatten()[worst].item():.6g}, expected {ref.flatten()[worst].item():.6g})")
+
+
+def arrange(x, layout):
+    if layout == "strided" and x.dim() > 0:
+        return strided(x)
+    if layout == "row_stride" and x.dim() >= 2:  # rows with a stride: a column slice of a wider tensor
+        wide = torch.full(x.shape[:-1] + (x.shape[-1] + 3,), float("nan"), dtype=x.dtype, device=x.device)
+        view = wide[..., 1:x.shape[-1] + 1]
+        view.copy_(x)
+        return view
+    return x
+
+
+def operands(x_shape, n, dtype, device, layout="contiguous"):
+    k = x_shape[-1]
+    x = arrange(randn(*x_shape, dtype=dtype, device=device), layout)
+    if layout == "weight_transposed":
+        weight = randn(k, n, dtype=dtype, device=device, std=k**-0.5).T  # column-major [n, k]
+    else:
+        weight = arrange(randn(n, k, dtype=dtype, device=device, std=k**-0.5), layout)
+    bias = randn(n, dtype=dtype, device=device)
+    residual = arrange(randn(*x_shape[:-1], n, dtype=dtype, device=device), layout)
+    return x, weight, bias, residual
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_composite(device, dtype, layout, shape):
+    x, weight, bias, residual = operands(*shape, dtype, device, layout)
+    for b, r in [(bias, residual), (None, None), (bias, None), (None, residual)]:
+        assert_linear_close(mirage.ops.linear(x, weight, b, r), x, weight, b, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_equals_pytorch_exactly_on_the_cpu_or_within_summation_error(device):
+    x, weight, bias, residual = operands((6, 33), 17, torch.float32, device)
+    got = mirage.ops.linear(x, weight, bias, residual)
+    if device == "cpu":  # the CPU reference is F.linear, then the add
+        assert torch.equal(got, composite(x, weight, bias, residual))
+    else:
+        assert_linear_close(got, x, weight, bias, residual)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_zero_width(device):
+    weight, bias = randn(4, 3, device=device), randn(4, device=device)
+    assert mirage.ops.linear(torch.empty(0, 3, device=device), weight, bias).shape == (0, 4)
+    assert mirage.ops.linear(randn(2, 3, device=device), torch.empty(0, 3, device=device)).shape == (2, 0)
+    # K = 0: no products, the output is bias + residual
+    residual = randn(2, 4, device=device)
+    got = mirage.ops.linear(torch.empty(2, 0, device=device), torch.empty(4, 0, device=device), bias, residual)
+    torch.testing.assert_close(got, bias + residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_inf_propagate(device):
+    x, weight, bias, residual = operands((4, 16), 8, torch.float32, device)
+    x[1, 3] = float("nan")
+    residual[2, 5] = float("inf")
+    y = mirage.ops.linear(x, weight, bias, residual)
+    assert torch.isnan(y[1]).all()
+    assert torch.isinf(y[2, 5])
+    finite = torch.ones_like(y, dtype=torch.bool)
+    finite[1] = False
+    finite[2, 5] = False
+    assert torch.isfinite(y[finite]).all()
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda d: mirage.ops.linear(torch.tensor(1.0, device=d), torch.randn(2, 1, device=d)),
+         "mirage::linear: x must have at least one dimension, got a scalar"),
+        (lambda d: mirage.ops.linear(torch.ones(2, 3, dtype=torch.int32, device=d), torch.ones(2, 3, device=d)),
+         "mirage::linear: x must be float32, float16 or bfloat16"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 5, device=d)),
+         "mirage::linear: weight must have shape [out_features, 3] for x of shape [2, 3], got [4, 5]"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(3, device=d)),
+         "mirage::linear: weight must have shape [out_features, 3] for x of shape [2, 3], got [3]"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d, dtype=torch.float16)),
+         "mirage::linear: weight must have x's dtype (Float), got Half"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d), torch.randn(3, device=d)),
+         "mirage::linear: bias must have shape [4], got [3]"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d),
+                                     torch.randn(4, device=d, dtype=torch.bfloat16)),
+         "mirage::linear: bias must have x's dtype (Float), got BFloat16"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d), None,
+                                     torch.randn(2, 3, device=d)),
+         "mirage::linear: residual must have the output's shape [2, 4], got [2, 3]"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d), None,
+                                     torch.randn(4, device=d)),
+         "mirage::linear: residual must have the output's shape [2, 4], got [4]"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d), None,
+                                     torch.randn(2, 4, device=d, dtype=torch.float16)),
+         "mirage::linear: residual must have x's dtype (Float), got Half"),
+    ],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(call, message, device):
+    assert_error(call, device, message)
+
+
+@pytest.mark.cuda
+def test_cuda_rejects_mixed_devices_and_float64():
+    x = torch.randn(2, 3, device="cuda")
+    assert_error(lambda d: mirage.ops.linear(x, torch.randn(4, 3)), "cuda",
+                 "mirage::linear: weight must be on the same device as x (x on cuda:0, weight on cpu)")
+    assert_error(lambda d: mirage.ops.linear(x, torch.randn(4, 3, device="cuda"), torch.randn(4)), "cuda",
+                 "mirage::linear: bias must be on the same device as x (x on cuda:0, bias on cpu)")
+    assert_error(lambda d: mirage.ops.linear(x, torch.randn(4, 3, device="cuda"), None, torch.randn(2, 4)), "cuda",
+                 "mirage::linear: residual must be on the same device as x (x on cuda:0, residual on cpu)")
+    assert_error(lambda d: mirage.ops.linear(x.double(), torch.randn(4, 3, device="cuda").double()), "cuda",
+                 "mirage::linear: x must be float32, float16 or bfloat16 (float64 off the GPU)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    x, weight, bias, residual = (t.requires_grad_(requires_grad) for t in operands((2, 3, 6), 5, torch.float32, device))
+    torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, bias, residual))
+    torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, None, None))
+
+
+def test_gradcheck():
+    x, weight, bias, residual = (t.requires_grad_() for t in operands((2, 3, 4), 5, torch.float64, "cpu"))
+    assert torch.autograd.gradcheck(mirage.ops.linear, (x, weight, bias, residual))
+    assert torch.autograd.gradgradcheck(mirage.ops.linear, (x, weight, bias, residual))
+    assert torch.autograd.gradcheck(lambda x, w: mirage.ops.linear(x, w), (x, weight))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_match_pytorch(device):
+    x, weight, bias, residual = (t.requires_grad_() for t in operands((3, 2, 16), 8, torch.float32, device))
+    grad = randn(3, 2, 8, device=device)
+    mirage.ops.linear(x, weight, bias, residual).backward(grad)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias, residual)]
+    composite(*leaves).backward(grad)
+    for ours, theirs in zip((x, weight, bias, residual), leaves):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    x, weight, bias, residual = operands((4, 24), 8, torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.linear(x, weight, bias, residual)
+    assert y.dtype == torch.bfloat16
+    assert_linear_close(y, *(t.bfloat16() for t in (x, weight, bias, residual)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    weight, bias = randn(12, 20, device=device, std=0.2), randn(12, device=device)
+
+    def block(x, residual):
+        return mirage.ops.linear(torch.relu(x), weight, bias, residual)
+
+    compiled = torch.compile(block, fullgraph=True)
+    for _ in range(2):  # new inputs each call: the compiled graph must not have baked them in
+        x, residual = randn(3, 20, device=device), randn(3, 12, device=device)
+        got = compiled(x, residual)
+        torch.testing.assert_close(got, block(x, residual), atol=1e-5, rtol=1e-5)
+        assert_linear_close(got, torch.relu(x), weight, bias, residual)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(8192, 320, 320), (8192, 1280, 320), (2048, 640, 5120), (2, 1280, 320)])
+def test_cuda_unet_shapes(dtype, m, k, n):
+    x, weight, bias, residual = operands((m, k), n, dtype, "cuda")
+    for b, r in [(bias, residual), (bias, None), (None, None)]:
+        assert_linear_close(mirage.ops.linear(x, weight, b, r), x, weight, b, r)
+
+
+@pytest.mark.cuda
+def test_cuda_misaligned_operands():
+    # Views one element into their storage: 2-byte (float16) alignment, and an odd-offset bias.
+    m, k, n = 64, 40, 24
+    storage = [randn(size + 1, dtype=torch.float16, device="cuda") for size in (m * k, n * k, n, m * n)]
+    x, weight, bias, residual = (s[1:].view(shape) if len(shape) > 1 else s[1:]
+                                 for s, shape in zip(storage, ((m, k), (n, k), (n,), (m, n))))
+    assert x.data_ptr() % 16 != 0 and bias.data_ptr() % 16 != 0
+    assert_linear_close(mirage.ops.linear(x, weight, bias, residual), x, weight, bias, residual)
+
+
+@pytest.mark.cuda
+def test_cuda_agrees_with_cpu_reference():
+    x, weight, bias, residual = operands((5, 3, 48), 36, torch.float32, "cpu")
+    expected = mirage.ops.linear(x, weight, bias, residual)
+    got = mirage.ops.linear(x.cuda(), weight.cuda(), bias.cuda(), residual.cuda())
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_cuda_graph_replays_new_inputs(warm_up):
+    # Without an eager call first the shape is new inside the capture (no timing possible there):
+    # the heuristic's first algorithm must be captured and give the same values.
+    m, k, n = (256, 96, 80) if warm_up else (264, 104, 88)
+    x, weight, bias, residual = (torch.empty_like(t).copy_(t) for t in operands((m, k), n, torch.float16, "cuda"))
+    if warm_up:
+        graph, y = capture_graph(lambda: mirage.ops.linear(x, weight, bias, residual))
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mirage.ops.linear(x, weight, bias, residual)
+    for _ in range(3):
+        for buf in (x, weight, bias, residual):
+            buf.copy_(randn(*buf.shape, device="cuda", dtype=buf.dtype, std=0.3))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_linear_close(y, x, weight, bias, residual)
+
+
+@pytest.mark.cuda
+def test_cuda_tf32_follows_pytorch_setting():
+    x, weight, bias, residual = operands((512, 256), 128, torch.float32, "cuda")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert_linear_close(mirage.ops.linear(x, weight, bias, residual), x, weight, bias, residual)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        got = mirage.ops.linear(x, weight, bias, residual)
+        torch.testing.assert_close(got, composite(x, weight, bias, residual), atol=0.05, rtol=0.01)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
