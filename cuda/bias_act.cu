@@ -16,8 +16,11 @@ __global__ void __launch_bounds__(kThreads) bias_act_kernel(BiasActParams p, Ind
   const Index col = grid_col<Index>(), row = grid_row<Index>();
   if (col >= row_vecs || row >= rows) return;
   const Index e = (row * row_vecs + col) * V;
-  float value[V];
+  // Both loads are issued before any arithmetic: the residual's read waiting for the activation
+  // would cost a second memory round trip per thread.
+  float value[V], r[V];
   load_packed<T, V>(static_cast<const T*>(p.x) + e, value);
+  if (p.residual != nullptr) load_packed<T, V>(static_cast<const T*>(p.residual) + e, r);
   if (p.bias != nullptr) {
     const P* bias = static_cast<const P*>(p.bias);
     const Index channels = static_cast<Index>(p.channels);
@@ -36,8 +39,6 @@ __global__ void __launch_bounds__(kThreads) bias_act_kernel(BiasActParams p, Ind
 #pragma unroll
   for (int i = 0; i < V; ++i) value[i] = activate(value[i], p.activation);
   if (p.residual != nullptr) {
-    float r[V];
-    load_packed<T, V>(static_cast<const T*>(p.residual) + e, r);
 #pragma unroll
     for (int i = 0; i < V; ++i) value[i] += r[i];
   }
