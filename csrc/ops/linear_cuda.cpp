@@ -1,7 +1,7 @@
 // mirage::linear on CUDA: one cuBLASLt matmul whose epilogue adds the bias and the residual, so
 // x @ weight^T + bias + residual costs one pass over the output instead of PyTorch's two or three.
 // The algorithm is timed, not guessed: cuBLASLt's first heuristic pick was up to 1.6x slower than
-// its best candidate at the U-Net's [8192, 320] x [320, 320] (docs/perf/unet.md), so the first
+// its best candidate at the U-Net's [8192, 320] x [320, 320] (docs/perf/norms.md), so the first
 // eager call of each problem times the heuristic's candidates and keeps the fastest.
 #include <algorithm>
 #include <array>
