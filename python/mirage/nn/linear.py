@@ -42,6 +42,7 @@ def fusable(weight: Tensor, bias: Optional[Tensor], x: Tensor, residual: Optiona
 def autocast_casts(x: Tensor) -> bool:
     """Whether autocast is on for ``x``'s device with a dtype other than ``x``'s: a fused op would
     then cast every operand before using it, where a separate PyTorch add uses them as they are."""
+    # Not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it (fullgraph breaks).
     device_type = x.device.type
     return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
             and x.dtype != torch.get_autocast_dtype(device_type))
