@@ -1,5 +1,6 @@
 """GroupNorm+SiLU, LayerNorm (plain and with the residual add), GEGLU, a convolution's epilogue
-(bias_act: bias + residual) and linear (a Linear with the residual add in its epilogue) at the
+(bias_act: bias + residual), linear (a Linear with the residual add in its epilogue) and the
+time-embedding projection (linear with an input SiLU, two rows) at the
 SD-1.5 U-Net's shapes, fp16: mirage against PyTorch eager and torch.compile of the same
 composite, in one run.
 
@@ -61,6 +62,16 @@ LINEAR_SHAPES = [(8192, 320, 320, False), (8192, 320, 320, True), (8192, 1280, 3
                  (2048, 2560, 640, True), (512, 5120, 1280, True)]
 
 
+def time_embedding(t, w, b, conv_bias):
+    """A ResnetBlock2D's time-embedding projection, then conv1's bias added to it (diffusers adds
+    both to the convolution's output; mirage folds them into one [N, C] shift)."""
+    return F.linear(F.silu(t), w, b) + conv_bias
+
+
+# (in, out) of the SD-1.5 U-Net's time-embedding projections (batch 2).
+TIME_EMBEDDING_SHAPES = [(1280, 320), (1280, 640), (1280, 1280)]
+
+
 def cases(quick: bool):
     """(op, shape label, layout, make_inputs, eager fn, mirage fn, bytes moved)."""
     half = torch.float16
@@ -118,6 +129,13 @@ def cases(quick: bool):
         nbytes = 2 * (tokens * k + n * k + n + tokens * n * (2 if with_residual else 1))
         yield ("linear+residual" if with_residual else "linear", f"{tokens}x{k}->{n}", "", make_linear,
                linear_residual if with_residual else F.linear, mirage.ops.linear, nbytes)
+    for k, n in TIME_EMBEDDING_SHAPES[:1] if quick else TIME_EMBEDDING_SHAPES:
+        def make_time_embedding(k=k, n=n):
+            return (torch.randn(2, k, device="cuda", dtype=half), torch.randn(n, k, device="cuda", dtype=half) / k ** 0.5,
+                    torch.randn(n, device="cuda", dtype=half), torch.randn(n, device="cuda", dtype=half))
+
+        yield ("time embedding", f"2x{k}->{n}", "", make_time_embedding, time_embedding,
+               lambda t, w, b, c: mirage.ops.linear(t, w, b, c.expand(2, -1), "silu"), 2 * (2 * k + n * k + 4 * n))
 
 
 def main(argv=None) -> int:

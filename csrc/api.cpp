@@ -49,8 +49,8 @@ at::Tensor bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual) {
-  return handles::linear().call(x, weight, bias, residual);
+                  const std::optional<at::Tensor>& residual, std::string_view input_activation) {
+  return handles::linear().call(x, weight, bias, residual, input_activation);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(

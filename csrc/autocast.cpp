@@ -79,11 +79,12 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
 template <c10::DeviceType Device, c10::DispatchKey Key>
 at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& residual) {
+                           const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
   return handles::linear().call(cached_cast(dtype, x, Device), cached_cast(dtype, weight, Device),
-                                cached_cast(dtype, bias, Device), cached_cast(dtype, residual, Device));
+                                cached_cast(dtype, bias, Device), cached_cast(dtype, residual, Device),
+                                input_activation);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>

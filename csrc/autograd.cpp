@@ -17,6 +17,7 @@
 
 #include "op_handles.h"
 #include "ops/bias_act.h"
+#include "ops/linear.h"
 #include "ops/message.h"
 #include "ops/schnet_energy.h"
 
@@ -204,17 +205,21 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& residual) {
+                            const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
     save_inputs(ctx, {x, weight, value_or_undefined(bias), value_or_undefined(residual)});
+    ctx->saved_data["input_activation"] = std::string(input_activation);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return handles::linear().call(x, weight, bias, residual);
+    return handles::linear().call(x, weight, bias, residual, input_activation);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    return composite_backward(ctx, grad_outputs, [](const variable_list& in) {
-      at::Tensor y = at::linear(in[0], in[1], in[2].defined() ? std::optional<at::Tensor>(in[2]) : std::nullopt);
+    const std::string activation = ctx->saved_data["input_activation"].toStringRef();
+    const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
+      at::Tensor y = at::linear(ops::apply_activation(in[0], activation), in[1],
+                                in[2].defined() ? std::optional<at::Tensor>(in[2]) : std::nullopt);
       return variable_list{in[3].defined() ? y + in[3] : y};
     });
+    return {grads[0], grads[1], grads[2], grads[3], at::Tensor()};
   }
 };
 
@@ -466,8 +471,8 @@ at::Tensor bias_act_autograd(const at::Tensor& x, const std::optional<at::Tensor
 
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& residual) {
-  return LinearFunction::apply(x, weight, bias, residual);
+                           const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
+  return LinearFunction::apply(x, weight, bias, residual, input_activation);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autograd(

@@ -22,7 +22,7 @@ using GegluSig = at::Tensor(const at::Tensor&, c10::string_view);
 using BiasActSig = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
                               const std::optional<at::Tensor>&, c10::string_view, double);
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                             const std::optional<at::Tensor>&);
+                             const std::optional<at::Tensor>&, c10::string_view);
 using NeighborListSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, int64_t, bool, c10::string_view);

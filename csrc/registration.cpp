@@ -12,8 +12,10 @@ TORCH_LIBRARY(mirage, m) {
   // A convolution's epilogue in one pass: (activation(x + bias) + residual) * scale.
   m.def("bias_act(Tensor x, Tensor? bias=None, Tensor? residual=None, str activation=\"none\", "
         "float scale=1.0) -> Tensor");
-  // x @ weight^T + bias + residual, the bias and residual added in the matmul's epilogue.
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  // input_activation(x) @ weight^T + bias + residual, the bias and residual added in the matmul's
+  // epilogue.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, "
+        "str input_activation=\"none\") -> Tensor");
   // Force fields (docs/ops.md): a fixed-capacity neighbor list, a fused radial basis, and message
   // passing over the pairs with its gather-product companion (each one's gradient is the other).
   m.def("neighbor_list(Tensor positions, float cutoff, Tensor? cell=None, Tensor? pbc=None, "

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "bias_act.h"
 #include "checks.h"
 #include "message.h"
 
@@ -11,8 +12,12 @@ namespace mirage::ops {
 
 std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias,
-                                  const std::optional<at::Tensor>& residual) {
+                                  const std::optional<at::Tensor>& residual,
+                                  std::string_view input_activation) {
   check_activation_dtype(kLinear, "x", x);
+  MIRAGE_CHECK(bias_activation_index(input_activation) >= 0, kLinear,
+              ": input_activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"",
+              input_activation, "\"");
   MIRAGE_CHECK(x.dim() >= 1, kLinear, ": x must have at least one dimension, got a scalar");
   check_same_device(kLinear, "weight", weight, x);
   const int64_t in_features = x.size(-1);
@@ -43,18 +48,27 @@ std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
   return shape;
 }
 
+at::Tensor apply_activation(const at::Tensor& x, std::string_view activation) {
+  if (activation == "silu") return at::silu(x);
+  if (activation == "gelu") return at::gelu(x);
+  if (activation == "gelu_tanh") return at::gelu(x, "tanh");
+  if (activation == "relu") return at::relu(x);
+  return x;
+}
+
 namespace {
 
-// The reference: PyTorch's linear in float32 (float64 for float64 input), the residual added to
-// its result, one rounding to x's dtype at the end, as the CUDA epilogue rounds. For float32 and
-// float64 input this is exactly F.linear(x, weight, bias) + residual.
+// The reference: the activation in x's dtype, then PyTorch's linear in float32 (float64 for
+// float64 input), the residual added to its result, one rounding to x's dtype at the end, as the
+// CUDA epilogue rounds. For float32 and float64 input this is exactly
+// F.linear(activation(x), weight, bias) + residual.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias,
-                      const std::optional<at::Tensor>& residual) {
-  check_linear(x, weight, bias, residual);
+                      const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
+  check_linear(x, weight, bias, residual, input_activation);
   const at::ScalarType acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor y = at::linear(x.to(acc), weight.to(acc),
+  at::Tensor y = at::linear(apply_activation(x, input_activation).to(acc), weight.to(acc),
                             has_bias ? std::optional<at::Tensor>(bias->to(acc)) : std::nullopt);
   if (residual.has_value() && residual->defined()) y = y + residual->to(acc);
   return y.to(x.scalar_type()).contiguous();
@@ -62,8 +76,8 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
-  return at::empty(check_linear(x, weight, bias, residual), x.options());
+                       const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
+  return at::empty(check_linear(x, weight, bias, residual, input_activation), x.options());
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // mirage::linear on CUDA: one cuBLASLt matmul whose epilogue adds the bias and the residual, so
-// x @ weight^T + bias + residual costs one pass over the output instead of PyTorch's two or three.
+// x @ weight^T + bias + residual costs one pass over the output instead of PyTorch's two or three;
+// for up to 8 rows (time embeddings) one kernel of mirage's own, the input activation included.
 // The algorithm is timed, not guessed: cuBLASLt's first heuristic pick was up to 1.6x slower than
 // its best candidate at the U-Net's [8192, 320] x [320, 320] (docs/perf/norms.md), so the first
 // eager call of each problem times the heuristic's candidates and keeps the fastest.
@@ -18,6 +19,9 @@
 #include <cublasLt.h>
 #include <torch/library.h>
 
+#include "../../cuda/linear.cuh"
+#include "bias_act.h"
+#include "cuda_utils.h"
 #include "linear.h"
 #include "message.h"
 
@@ -143,16 +147,45 @@ cublasLtMatmulAlgo_t choose_algorithm(const ProblemKey& key, const Descriptors& 
   return results[best].algo;
 }
 
-at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight,
+// Up to kSmallLinearMaxRows rows: mirage's kernel, the activation applied as x is read. A
+// residual whose rows repeat (stride 0: a bias broadcast over the batch) is read in place.
+void small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual, std::string_view activation, at::Tensor& y,
+                  int64_t m, int64_t n, int64_t k) {
+  const at::Tensor rows = as_rows(x, m, k), weight_rows = as_rows(weight, n, k);
+  const at::Tensor bias_vector = contiguous_or_undefined(bias);
+  at::Tensor residual_rows;
+  if (residual.has_value() && residual->defined()) {
+    residual_rows = residual->reshape({m, n});
+    if (n > 1 && residual_rows.stride(1) != 1) residual_rows = residual_rows.contiguous();
+  }
+  cuda::SmallLinearParams params{};
+  params.x = rows.const_data_ptr();
+  params.weight = weight_rows.const_data_ptr();
+  params.bias = data_or_null(bias_vector);
+  params.residual = data_or_null(residual_rows);
+  params.y = y.mutable_data_ptr();
+  params.m = m;
+  params.n = n;
+  params.k = k;
+  params.ldx = row_stride(rows);
+  params.ldw = row_stride(weight_rows);
+  params.ldr = residual_rows.defined() && m > 1 ? residual_rows.stride(0) : 0;
+  params.activation = static_cast<cuda::Activation>(bias_activation_index(activation));
+  params.dtype = to_kernel_dtype(x.scalar_type());
+  check_launch(kLinear, cuda::launch_small_linear(params, c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
-  const std::vector<int64_t> shape = check_linear(x, weight, bias, residual);
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty(shape, x.options());
+                       const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
+  const std::vector<int64_t> shape = check_linear(x_in, weight, bias, residual, input_activation);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor y = at::empty(shape, x_in.options());
   const bool has_bias = bias.has_value() && bias->defined();
   const bool has_residual = residual.has_value() && residual->defined();
-  const int64_t k = x.size(-1), n = weight.size(0);
-  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  const int64_t k = x_in.size(-1), n = weight.size(0);
+  const int64_t m = c10::multiply_integers(x_in.sizes().slice(0, x_in.dim() - 1));
   if (y.numel() == 0) return y;
   if (k == 0) {  // no products: each sum is 0
     y.zero_();
@@ -160,6 +193,12 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight,
     if (has_residual) y.add_(*residual);
     return y;
   }
+  if (m <= cuda::kSmallLinearMaxRows && m * k <= cuda::kSmallLinearMaxInputs) {
+    small_linear(x_in, weight, bias, residual, input_activation, y, m, n, k);
+    return y;
+  }
+  // cuBLASLt takes no activation of its operands: past the few-rows kernel it is a pass of its own.
+  const at::Tensor x = apply_activation(x_in, input_activation);
   const at::Tensor a = as_rows(weight, n, k), b = as_rows(x, m, k);
   const at::Tensor residual_rows = has_residual ? as_rows(*residual, m, n) : at::Tensor();
   const size_t element = x.element_size();

@@ -105,9 +105,15 @@ def bias_act(
     return torch.ops.mirage.bias_act(x, bias, residual, activation, scale)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
-    """``x @ weight.T + bias + residual``: ``torch.nn.functional.linear`` with a residual add, in one
-    pass over the output.
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    input_activation: str = "none",
+) -> Tensor:
+    """``activation(x) @ weight.T + bias + residual``: ``torch.nn.functional.linear`` with a residual
+    add (and an activation of its input), in one pass over the output.
 
     On CUDA this is one cuBLASLt matmul whose epilogue adds ``bias`` and ``residual`` (PyTorch
     spends a second kernel and a full read and write of the output on the residual add). The
@@ -115,19 +121,24 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: O
     ``torch.backends.cuda.matmul.allow_tf32`` is set, as for PyTorch's matmuls) and the result is
     rounded once. The first eager call of each problem shape times cuBLASLt's candidate
     algorithms on the real operands and keeps the fastest for the process; inside a CUDA graph
-    capture, with no earlier eager call, the heuristic's first choice runs.
+    capture, with no earlier eager call, the heuristic's first choice runs. Up to 8 rows (a
+    diffusion model's time embedding) run in one kernel of mirage's own instead, the activation
+    applied as ``x`` is read; past that the activation is a pass of its own.
 
     Args:
         x: ``(*, K)``, float32/float16/bfloat16 (float64 on the CPU); rows with a stride are read
             in place, other layouts are copied first.
         weight: ``(N, K)`` in ``x``'s dtype.
         bias: None or ``(N,)`` in ``x``'s dtype.
-        residual: None or ``(*, N)`` (the output's shape) in ``x``'s dtype.
+        residual: None or ``(*, N)`` (the output's shape) in ``x``'s dtype; rows that repeat (an
+            expanded ``(N,)`` bias) are read in place by the few-rows kernel.
+        input_activation: ``"none"``, ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``,
+            applied to ``x`` first and rounded to its dtype, as ``F.silu(x)`` etc. would be.
 
     Returns:
         ``(*, N)``, contiguous, in ``x``'s dtype.
     """
-    return torch.ops.mirage.linear(x, weight, bias, residual)
+    return torch.ops.mirage.linear(x, weight, bias, residual, input_activation)
 
 
 class NeighborList(NamedTuple):

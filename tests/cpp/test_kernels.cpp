@@ -18,6 +18,7 @@
 #include "geglu.cuh"
 #include "group_norm.cuh"
 #include "layer_norm.cuh"
+#include "linear.cuh"
 #include "message_passing.cuh"
 #include "neighbor_list.cuh"
 #include "radial_basis.cuh"
@@ -873,3 +874,44 @@ TEST_CASE("launch_vector_message_passing writes NaN for out-of-range pairs", "[v
     }
   }
 }
+
+namespace {
+
+void check_small_linear(int64_t m, int64_t n, int64_t k, bool broadcast_residual) {
+  INFO("m=" << m << " n=" << n << " k=" << k << " broadcast_residual=" << broadcast_residual);
+  std::vector<float> x = random_values(m * k), w = random_values(n * k, 0.0f, 0.3f), b = random_values(n),
+                     r = random_values(broadcast_residual ? n : m * n);
+  Device<float> dx(x), dw(w), db(b), dr(r), dy(m * n);
+  const int64_t ldr = broadcast_residual ? 0 : n;
+  std::vector<double> want(m * n);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double sum = double(b[j]) + r[i * ldr + j];
+      for (int64_t c = 0; c < k; ++c) {
+        const double v = x[i * k + c];
+        sum += v / (1.0 + std::exp(-v)) * w[j * k + c];  // silu(x) @ w^T
+      }
+      want[i * n + j] = sum;
+    }
+  }
+  mc::SmallLinearParams p{dx.ptr, dw.ptr, db.ptr, dr.ptr, dy.ptr, m, n, k, k, k, ldr,
+                          mc::Activation::kSilu, mc::DType::kFloat32};
+  REQUIRE(mc::launch_small_linear(p, nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  require_close(dy.read(), want, 1e-4, 1e-4);
+}
+
+}  // namespace
+
+TEST_CASE("launch_small_linear matches the host reference", "[linear]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  for (const bool broadcast : {false, true}) {
+    check_small_linear(2, 24, 40, broadcast);   // 16-byte weight rows
+    check_small_linear(8, 33, 37, broadcast);   // scalar path, the most rows
+    check_small_linear(1, 300, 1280, broadcast);
+  }
+  mc::SmallLinearParams too_many{};
+  too_many.m = mc::kSmallLinearMaxRows + 1;
+  REQUIRE(mc::launch_small_linear(too_many, nullptr) == cudaErrorInvalidValue);
+}
+

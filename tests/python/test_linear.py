@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
+from mirage.nn.conv import ACTIVATIONS
 from common import DEVICES, DTYPES, assert_error, capture_graph, randn, strided
 from tolerances import tolerance
 
@@ -23,13 +24,16 @@ def rows_aligned(t):
     return t.data_ptr() % 16 == 0 and (pitch * t.element_size()) % 16 == 0
 
 
-def assert_linear_close(got, x, weight, bias, residual):
+def assert_linear_close(got, x, weight, bias, residual, activation="none"):
     """got == composite in float64, within the dtype's table (the output's rounding) plus the
     float32 summation's worst case, K * 2^-24 * sum of |terms| (outputs that cancel to ~0 keep it).
     On CUDA, operands not 16-byte aligned with both bias and residual take two roundings (the
-    residual in a second pass, docs/ops.md): one more rounding of the linear part is allowed there."""
+    residual in a second pass, docs/ops.md): one more rounding of the linear part is allowed there.
+    An input activation's output is rounded to the dtype before the matmul: one rounding of each
+    activated x is allowed for."""
     dtype = x.dtype
     args = [None if t is None else t.detach().double().cpu() for t in (x, weight, bias, residual)]
+    args[0] = ACTIVATIONS[activation](args[0])
     ref = composite(*args)
     two_roundings = (got.is_cuda and bias is not None and residual is not None
                      and not all(rows_aligned(t.contiguous() if t.stride(-1) != 1 else t)
@@ -44,6 +48,8 @@ def assert_linear_close(got, x, weight, bias, residual):
     bound = tol["atol"] + tol["rtol"] * ref.abs() + k * 2.0**-24 * terms
     if two_roundings:
         bound = bound + torch.finfo(dtype).eps * F.linear(*args[:3]).abs()
+    if activation != "none":
+        bound = bound + torch.finfo(dtype).eps * (args[0].abs() @ args[1].abs().T)
     assert got.dtype == dtype and got.shape == ref.shape and got.is_contiguous()
     error = (got.double().cpu() - ref).abs()
     worst = (error / bound).argmax()
@@ -119,6 +125,38 @@ def test_nan_and_inf_propagate(device):
     assert torch.isfinite(y[finite]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("rows", [1, 2, 8, 9])  # up to 8: the few-rows kernel on CUDA; 9: cuBLASLt
+def test_input_activation(device, dtype, activation, rows):
+    x, weight, bias, residual = operands((rows, 40), 24, dtype, device)
+    got = mirage.ops.linear(x, weight, bias, residual, activation)
+    assert_linear_close(got, x, weight, bias, residual, activation)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k", [7, 40, 1280])  # no 16-byte rows, 16-byte rows, a time embedding's width
+def test_few_rows(device, dtype, layout, k):
+    x, weight, bias, residual = operands((2, k), 33, dtype, device, layout)
+    for b, r in [(bias, residual), (None, None)]:
+        assert_linear_close(mirage.ops.linear(x, weight, b, r, "silu"), x, weight, b, r, "silu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [2, 20])
+def test_residual_with_repeated_rows(device, rows):
+    # A bias broadcast over the batch (ResnetBlock2D folds conv1's bias into its time embedding so).
+    x, weight, bias, _ = operands((rows, 64), 48, torch.float16, device)
+    shared = randn(48, dtype=torch.float16, device=device)
+    residual = shared.expand(rows, -1)
+    assert residual.stride(0) == 0
+    got = mirage.ops.linear(x, weight, bias, residual, "silu")
+    assert_linear_close(got, x, weight, bias, residual.contiguous(), "silu")
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
@@ -146,6 +184,8 @@ def test_nan_and_inf_propagate(device):
         (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d), None,
                                      torch.randn(2, 4, device=d, dtype=torch.float16)),
          "mirage::linear: residual must have x's dtype (Float), got Half"),
+        (lambda d: mirage.ops.linear(torch.randn(2, 3, device=d), torch.randn(4, 3, device=d), None, None, "tanh"),
+         "mirage::linear: input_activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"tanh\""),
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)
@@ -172,6 +212,7 @@ def test_opcheck(device, requires_grad):
     x, weight, bias, residual = (t.requires_grad_(requires_grad) for t in operands((2, 3, 6), 5, torch.float32, device))
     torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, bias, residual))
     torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, None, None))
+    torch.library.opcheck(torch.ops.mirage.linear.default, (x[0, :2], weight, bias, residual[0, :2], "silu"))
 
 
 def test_gradcheck():
@@ -179,6 +220,9 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(mirage.ops.linear, (x, weight, bias, residual))
     assert torch.autograd.gradgradcheck(mirage.ops.linear, (x, weight, bias, residual))
     assert torch.autograd.gradcheck(lambda x, w: mirage.ops.linear(x, w), (x, weight))
+    silu = lambda x, w, b, r: mirage.ops.linear(x, w, b, r, "silu")  # noqa: E731
+    assert torch.autograd.gradcheck(silu, (x, weight, bias, residual))
+    assert torch.autograd.gradgradcheck(silu, (x, weight, bias, residual))
 
 
 @pytest.mark.parametrize("device", DEVICES)

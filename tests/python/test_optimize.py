@@ -144,9 +144,10 @@ def test_resnet_block_epilogues_run_in_bias_act(factor, out_channels):
     assert not any(calls.conv_biases)
     assert calls.ops.count("mirage.bias_act") == 2
     assert calls.ops.count("aten.div") == 0
-    # Left: only adds of [N, C] / [C] bias vectors (the time embedding plus conv1's bias, and the
-    # shortcut's bias plus conv2's), never a full-tensor add.
-    assert calls.ops.count("aten.add") == (2 if out_channels != 8 else 1)
+    # The time embedding's SiLU, projection and conv1's bias are one mirage.linear. Left: only the
+    # add of the shortcut's bias to conv2's ([C] vectors), never a full-tensor add.
+    assert calls.ops.count("mirage.linear") == 1 and calls.ops.count("aten.silu") == 0
+    assert calls.ops.count("aten.add") == (1 if out_channels != 8 else 0)
 
 
 def test_resnet_block_broadcasts_one_time_embedding_over_the_batch():

@@ -50,12 +50,14 @@ at::Tensor bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias =
                     const std::optional<at::Tensor>& residual = std::nullopt,
                     std::string_view activation = "none", double scale = 1.0);
 
-// x @ weight^T + bias + residual for x [..., K], weight [N, K], bias [N], residual [..., N], one
-// dtype for all; summed in float32 and rounded once (on CUDA: one cuBLASLt matmul whose epilogue
-// adds bias and residual).
+// input_activation(x) @ weight^T + bias + residual for x [..., K], weight [N, K], bias [N],
+// residual [..., N], one dtype for all; summed in float32 and rounded once (on CUDA: one cuBLASLt
+// matmul whose epilogue adds bias and residual, or for up to 8 rows one kernel of mirage's own).
+// input_activation is "none", "silu", "gelu", "gelu_tanh" or "relu".
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias = std::nullopt,
-                  const std::optional<at::Tensor>& residual = std::nullopt);
+                  const std::optional<at::Tensor>& residual = std::nullopt,
+                  std::string_view input_activation = "none");
 
 // Pairs (i, j, image) with |r_j - r_i + shift| < cutoff, in fixed-capacity outputs:
 // (pairs [2, P] int64, shifts [P, 3], distances [P], num_pairs [1] int64 = the true count).

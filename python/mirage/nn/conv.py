@@ -108,6 +108,7 @@ def conv_bias_act(
     residual: Optional[Tensor] = None,
     activation: str = "none",
     scale: float = 1.0,
+    conv_bias: bool = True,
 ) -> Tensor:
     """``(activation(conv(x) + shift) + residual) * scale`` with the convolution's bias, the shift,
     the activation, the residual add and the scale in one ``mirage.ops.bias_act`` pass.
@@ -123,6 +124,8 @@ def conv_bias_act(
         residual: None or a tensor added after the activation.
         activation: one of :data:`ACTIVATIONS`.
         scale: multiplies the result.
+        conv_bias: False leaves out the convolution's bias (a caller that folded it into
+            ``shift`` already).
 
     Where ``bias_act`` cannot take the arguments as they are, the same steps run as separate
     PyTorch ops with PyTorch's broadcasting and type promotion (exactly the unfused code):
@@ -130,7 +133,7 @@ def conv_bias_act(
     shape, a shift that is neither per channel nor per sample.
     """
     y = conv._conv_forward(x, conv.weight, None)
-    bias = conv.bias
+    bias = conv.bias if conv_bias else None
     if shift is not None:
         bias = shift if bias is None else bias + shift
     if bias is not None and bias.dim() == 2 and bias.shape[0] == 1 and y.dim() == 4:

@@ -8,12 +8,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .conv import ACTIVATIONS
 
 
-def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-    """``module(x) + residual`` (or ``module(x)``): for a plain ``nn.Linear``, one
-    :func:`mirage.ops.linear` call, a cuBLASLt matmul whose epilogue adds the bias and the residual
-    (PyTorch: the matmul, then a second kernel reading and writing the output for the add).
+def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None, input_activation: str = "none") -> Tensor:
+    """``module(activation(x)) + residual`` (or without the residual): for a plain ``nn.Linear``,
+    one :func:`mirage.ops.linear` call, a cuBLASLt matmul whose epilogue adds the bias and the
+    residual (PyTorch: the matmul, then a second kernel reading and writing the output for the
+    add), or for up to 8 rows mirage's own kernel, which applies the activation as it reads ``x``.
+    ``input_activation`` is one of :data:`mirage.nn.conv.ACTIVATIONS`.
 
     Where the op cannot take the operands as they are, the module runs as it is and PyTorch adds
     the residual (exactly the unfused code): a module other than a plain ``nn.Linear``, operands of
@@ -21,8 +24,8 @@ def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None) -> T
     autocast that would cast (PyTorch's add would then promote; the fused op would not).
     """
     if type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual):
-        return ops.linear(x, module.weight, module.bias, residual)
-    y = module(x)
+        return ops.linear(x, module.weight, module.bias, residual, input_activation)
+    y = module(ACTIVATIONS[input_activation](x))
     return y if residual is None else y + residual
 
 

@@ -91,17 +91,24 @@ class ResnetBlock2D(nn.Module):
             input_tensor = self.downsample(input_tensor)
             hidden_states = self.downsample(hidden_states)
 
-        if self.time_emb_proj is not None:
-            if not self.skip_time_act:
-                temb = self.nonlinearity(temb)
-            temb = linear(self.time_emb_proj, temb)
-
         # PyTorch adds a convolution's bias in a kernel of its own, a full pass over the
         # activations: conv1's bias and the [N, C] time embedding go in one bias_act pass instead.
         # (Without time_emb_proj diffusers adds a given temb as it is, broadcast from the right.)
         projected = self.time_emb_proj is not None
-        if type(self.conv1) is nn.Conv2d and self.time_embedding_norm == "default" and (projected or temb is None):
-            hidden_states = conv_bias_act(self.conv1, hidden_states, shift=temb)
+        fused_conv1 = type(self.conv1) is nn.Conv2d and self.time_embedding_norm == "default" and (projected or temb is None)
+        conv1_bias_in_temb = False
+        if projected:
+            # The SiLU (from_diffusers checked the nonlinearity) is applied as the projection
+            # reads temb, and conv1's bias joins the projection's epilogue as a residual broadcast
+            # over the batch: one kernel for a few samples, where diffusers spends three.
+            residual = None
+            if fused_conv1 and self.conv1.bias is not None and temb.dim() == 2:
+                residual = self.conv1.bias.expand(temb.shape[0], -1)
+                conv1_bias_in_temb = True
+            temb = linear(self.time_emb_proj, temb, residual, "none" if self.skip_time_act else "silu")
+
+        if fused_conv1:
+            hidden_states = conv_bias_act(self.conv1, hidden_states, shift=temb, conv_bias=not conv1_bias_in_temb)
             temb = None  # added
         else:
             hidden_states = self.conv1(hidden_states)
