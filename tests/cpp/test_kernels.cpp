@@ -909,9 +909,14 @@ TEST_CASE("launch_small_linear matches the host reference", "[linear]") {
     check_small_linear(2, 24, 40, broadcast);   // 16-byte weight rows
     check_small_linear(8, 33, 37, broadcast);   // scalar path, the most rows
     check_small_linear(1, 300, 1280, broadcast);
+    check_small_linear(5, 17, 2048, broadcast);  // the up-to-8-rows instance below 8; past the prefetched inputs
   }
   mc::SmallLinearParams too_many{};
   too_many.m = mc::kSmallLinearMaxRows + 1;
   REQUIRE(mc::launch_small_linear(too_many, nullptr) == cudaErrorInvalidValue);
+  mc::SmallLinearParams too_wide{};
+  too_wide.m = 2;
+  too_wide.k = mc::kSmallLinearMaxInputs / 2 + 1;
+  REQUIRE(mc::launch_small_linear(too_wide, nullptr) == cudaErrorInvalidValue);
 }
 

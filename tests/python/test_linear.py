@@ -128,7 +128,8 @@ def test_nan_and_inf_propagate(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
-@pytest.mark.parametrize("rows", [1, 2, 8, 9])  # up to 8: the few-rows kernel on CUDA; 9: cuBLASLt
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])  # up to 8: the few-rows kernel on CUDA (two instances:
+# up to 2 rows and up to 8); 9: cuBLASLt
 def test_input_activation(device, dtype, activation, rows):
     x, weight, bias, residual = operands((rows, 40), 24, dtype, device)
     got = mirage.ops.linear(x, weight, bias, residual, activation)
@@ -138,7 +139,9 @@ def test_input_activation(device, dtype, activation, rows):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("k", [7, 40, 1280])  # no 16-byte rows, 16-byte rows, a time embedding's width
+# No 16-byte rows, 16-byte rows, a time embedding's width, and past the 2,048 inputs a warp of the
+# few-rows kernel loads before staging x (its main loop).
+@pytest.mark.parametrize("k", [7, 40, 1280, 2560])
 def test_few_rows(device, dtype, layout, k):
     x, weight, bias, residual = operands((2, k), 33, dtype, device, layout)
     for b, r in [(bias, residual), (None, None)]:
@@ -212,7 +215,8 @@ def test_opcheck(device, requires_grad):
     x, weight, bias, residual = (t.requires_grad_(requires_grad) for t in operands((2, 3, 6), 5, torch.float32, device))
     torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, bias, residual))
     torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, None, None))
-    torch.library.opcheck(torch.ops.mirage.linear.default, (x[0, :2], weight, bias, residual[0, :2], "silu"))
+    for activation in ("silu", "gelu_tanh"):
+        torch.library.opcheck(torch.ops.mirage.linear.default, (x[0, :2], weight, bias, residual[0, :2], activation))
 
 
 def test_gradcheck():
@@ -234,6 +238,30 @@ def test_gradients_match_pytorch(device):
     composite(*leaves).backward(grad)
     for ours, theirs in zip((x, weight, bias, residual), leaves):
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_nn_linear_fuses_a_plain_linear():
+    module = torch.nn.Linear(24, 8)
+    x, residual = randn(3, 24), randn(3, 8)
+    with torch.no_grad():
+        got = mirage.nn.linear(module, x, residual, "silu")
+        assert torch.equal(got, mirage.ops.linear(x, module.weight, module.bias, residual, "silu"))
+
+
+def test_nn_linear_under_autocast_activates_before_casting():
+    # Under a casting autocast the op would cast x before its activation; PyTorch activates in
+    # float32 and casts after. nn.linear must then run the unfused code, bit for bit.
+    module = torch.nn.Linear(24, 8)
+    x = randn(3, 24)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mirage.nn.linear(module, x, None, "silu")
+        expected = module(F.silu(x))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+def test_nn_linear_rejects_an_unknown_activation():
+    with pytest.raises(ValueError, match="mirage.nn.linear: input_activation must be one of none, relu, silu"):
+        mirage.nn.linear(torch.nn.Linear(4, 2), randn(1, 4), None, "tanh")
 
 
 def test_autocast_runs_in_the_autocast_dtype():
@@ -278,6 +306,24 @@ def test_cuda_misaligned_operands():
                                  for s, shape in zip(storage, ((m, k), (n, k), (n,), (m, n))))
     assert x.data_ptr() % 16 != 0 and bias.data_ptr() % 16 != 0
     assert_linear_close(mirage.ops.linear(x, weight, bias, residual), x, weight, bias, residual)
+
+
+@pytest.mark.cuda
+def test_cuda_few_rows_misaligned_x_with_aligned_rows():
+    # x one element into its storage: the pointer is off 16 bytes while its row pitch (80 bytes) is
+    # not, so the few-rows kernel must check the pointer itself to stay off 16-byte loads.
+    storage = randn(2 * 40 + 1, dtype=torch.float16, device="cuda")
+    x = storage[1:].view(2, 40)
+    _, weight, bias, residual = operands((2, 40), 24, torch.float16, "cuda")
+    assert x.data_ptr() % 16 != 0 and (x.stride(0) * x.element_size()) % 16 == 0
+    assert_linear_close(mirage.ops.linear(x, weight, bias, residual, "silu"), x, weight, bias, residual, "silu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1536, 1544])  # 8 x 1536 = 12,288 values: the few-rows kernel's most; then cuBLASLt
+def test_cuda_few_rows_size_limit(k):
+    x, weight, bias, residual = operands((8, k), 40, torch.float16, "cuda")
+    assert_linear_close(mirage.ops.linear(x, weight, bias, residual, "silu"), x, weight, bias, residual, "silu")
 
 
 @pytest.mark.cuda

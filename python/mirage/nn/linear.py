@@ -20,10 +20,15 @@ def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None, inpu
 
     Where the op cannot take the operands as they are, the module runs as it is and PyTorch adds
     the residual (exactly the unfused code): a module other than a plain ``nn.Linear``, operands of
-    different dtypes or devices, a residual of another shape (a broadcast), or a residual under an
-    autocast that would cast (PyTorch's add would then promote; the fused op would not).
+    different dtypes or devices, a residual of another shape (a broadcast), or, under an autocast
+    that would cast, a residual (PyTorch's add would then promote; the fused op would not) or an
+    input activation (the op would cast x before activating it, PyTorch after).
     """
-    if type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual):
+    if input_activation not in ACTIVATIONS:
+        raise ValueError(f"mirage.nn.linear: input_activation must be one of {', '.join(ACTIVATIONS)}, "
+                         f"got {input_activation!r}")
+    if (type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual)
+            and (input_activation == "none" or not autocast_casts(x))):
         return ops.linear(x, module.weight, module.bias, residual, input_activation)
     y = module(ACTIVATIONS[input_activation](x))
     return y if residual is None else y + residual
@@ -31,7 +36,8 @@ def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None, inpu
 
 def fusable(weight: Tensor, bias: Optional[Tensor], x: Tensor, residual: Optional[Tensor]) -> bool:
     """Whether ``mirage.ops.linear(x, weight, bias, residual)`` computes what
-    ``F.linear(x, weight, bias) + residual`` computes, dtype and device included."""
+    ``F.linear(x, weight, bias) + residual`` computes, dtype and device included (an input
+    activation under a casting autocast is the caller's to check: see :func:`linear`)."""
     if x.device != weight.device or x.dim() == 0 or (x.is_cuda and x.dtype == torch.float64):
         return False
     if autocast_casts(x) or autocast_casts(weight):
