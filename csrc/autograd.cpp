@@ -191,10 +191,7 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
     const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
       at::Tensor v = in[0];
       if (in[1].defined()) v = v + ops::broadcastable_bias(*in_dtype_of(in[1], v), v);
-      if (activation == "silu") v = at::silu(v);
-      if (activation == "gelu") v = at::gelu(v);
-      if (activation == "gelu_tanh") v = at::gelu(v, "tanh");
-      if (activation == "relu") v = at::relu(v);
+      v = ops::apply_activation(v, activation);
       if (in[2].defined()) v = v + in[2];
       return variable_list{v * scale};
     });

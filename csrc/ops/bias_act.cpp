@@ -36,9 +36,7 @@ ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor
                 ": residual must have x's dtype (", x.scalar_type(), "), got ",
                 residual->scalar_type());
   }
-  MIRAGE_CHECK(bias_activation_index(activation) >= 0, kBiasAct,
-              ": activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"",
-              activation, "\"");
+  check_bias_activation(kBiasAct, "activation", activation);
   MIRAGE_CHECK(std::isfinite(scale), kBiasAct, ": scale must be finite, got ", scale);
   return channels_shape(x);
 }
@@ -47,6 +45,19 @@ int bias_activation_index(std::string_view activation) {
   for (int i = 0; i < static_cast<int>(std::size(kBiasActivations)); ++i)
     if (kBiasActivations[i] == activation) return i;
   return -1;
+}
+
+void check_bias_activation(std::string_view op, std::string_view argument, std::string_view activation) {
+  MIRAGE_CHECK(bias_activation_index(activation) >= 0, op, ": ", argument,
+              " must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"", activation, "\"");
+}
+
+at::Tensor apply_activation(const at::Tensor& x, std::string_view activation) {
+  if (activation == "silu") return at::silu(x);
+  if (activation == "gelu") return at::gelu(x);
+  if (activation == "gelu_tanh") return at::gelu(x, "tanh");
+  if (activation == "relu") return at::relu(x);
+  return x;
 }
 
 at::Tensor broadcastable_bias(const at::Tensor& bias, const at::Tensor& x) {

@@ -18,6 +18,13 @@ inline constexpr std::string_view kBiasActivations[] = {"none", "silu", "gelu", 
 // activation's position in kBiasActivations (its cuda::Activation value), or -1 if unknown.
 int bias_activation_index(std::string_view activation);
 
+// Throws, naming op and argument, unless activation is one of kBiasActivations.
+void check_bias_activation(std::string_view op, std::string_view argument, std::string_view activation);
+
+// activation(x) with PyTorch's ops, in x's dtype (differentiable): the backward's of bias_act and
+// linear, linear's CPU reference and, on CUDA past its few-rows kernel, a pass of its own.
+at::Tensor apply_activation(const at::Tensor& x, std::string_view activation);
+
 // Checks every argument; x's [N, C, *spatial] shape and the layout of the output.
 ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, std::string_view activation,

@@ -15,9 +15,7 @@ std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& residual,
                                   std::string_view input_activation) {
   check_activation_dtype(kLinear, "x", x);
-  MIRAGE_CHECK(bias_activation_index(input_activation) >= 0, kLinear,
-              ": input_activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"",
-              input_activation, "\"");
+  check_bias_activation(kLinear, "input_activation", input_activation);
   MIRAGE_CHECK(x.dim() >= 1, kLinear, ": x must have at least one dimension, got a scalar");
   check_same_device(kLinear, "weight", weight, x);
   const int64_t in_features = x.size(-1);
@@ -46,14 +44,6 @@ std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
                 residual->scalar_type());
   }
   return shape;
-}
-
-at::Tensor apply_activation(const at::Tensor& x, std::string_view activation) {
-  if (activation == "silu") return at::silu(x);
-  if (activation == "gelu") return at::gelu(x);
-  if (activation == "gelu_tanh") return at::gelu(x, "tanh");
-  if (activation == "relu") return at::relu(x);
-  return x;
 }
 
 namespace {

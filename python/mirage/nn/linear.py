@@ -27,21 +27,22 @@ def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None, inpu
     if input_activation not in ACTIVATIONS:
         raise ValueError(f"mirage.nn.linear: input_activation must be one of {', '.join(ACTIVATIONS)}, "
                          f"got {input_activation!r}")
-    if (type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual)
-            and (input_activation == "none" or not autocast_casts(x))):
+    if type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual, input_activation):
         return ops.linear(x, module.weight, module.bias, residual, input_activation)
     y = module(ACTIVATIONS[input_activation](x))
     return y if residual is None else y + residual
 
 
-def fusable(weight: Tensor, bias: Optional[Tensor], x: Tensor, residual: Optional[Tensor]) -> bool:
-    """Whether ``mirage.ops.linear(x, weight, bias, residual)`` computes what
-    ``F.linear(x, weight, bias) + residual`` computes, dtype and device included (an input
-    activation under a casting autocast is the caller's to check: see :func:`linear`)."""
+def fusable(weight: Tensor, bias: Optional[Tensor], x: Tensor, residual: Optional[Tensor],
+            input_activation: str = "none") -> bool:
+    """Whether ``mirage.ops.linear(x, weight, bias, residual, input_activation)`` computes what
+    ``F.linear(activation(x), weight, bias) + residual`` computes, dtype and device included."""
     if x.device != weight.device or x.dim() == 0 or (x.is_cuda and x.dtype == torch.float64):
         return False
     if autocast_casts(x) or autocast_casts(weight):
-        return residual is None  # the op's autocast casts x, weight and bias as F.linear's does
+        # The op's autocast casts x, weight and bias as F.linear's does; but it casts x before the
+        # activation, where PyTorch activates first.
+        return residual is None and (input_activation == "none" or not autocast_casts(x))
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
     return residual is None or (residual.dtype == x.dtype and residual.device == x.device
