@@ -1,8 +1,9 @@
 """GroupNorm+SiLU, LayerNorm (plain and with the residual add), GEGLU, a convolution's epilogue
 (bias_act: bias + residual), linear (a Linear with the residual add in its epilogue) and the
-time-embedding projection (linear with an input SiLU, two rows) at the
-SD-1.5 U-Net's shapes, fp16: mirage against PyTorch eager and torch.compile of the same
-composite, in one run.
+time-embedding projection (linear with an input SiLU, two rows), and the U-Net's up-sampling
+(nearest 2x, then a 3x3 convolution; mirage: 2x2 sub-pixel convolutions and subpixel_shuffle,
+also timed alone against its PyTorch composite) at the SD-1.5 U-Net's shapes, fp16: mirage
+against PyTorch eager and torch.compile of the same composite, in one run.
 
 Every variant is timed as 100 back-to-back calls inside one CUDA graph (no launch overhead),
 cycling through enough input sets that no call finds its input in L2. GB/s counts the fewest
@@ -72,6 +73,31 @@ def time_embedding(t, w, b, conv_bias):
 TIME_EMBEDDING_SHAPES = [(1280, 320), (1280, 640), (1280, 1280)]
 
 
+def upsample_conv(x, w, b, folded):
+    """diffusers' Upsample2D: nearest 2x, then the 3x3 convolution (``folded`` is mirage's)."""
+    return F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), w, b, padding=1)
+
+
+def subpixel_upsample_conv(x, w, b, folded):
+    return mirage.ops.subpixel_shuffle(F.conv2d(x, folded, None, padding=1), b)
+
+
+def subpixel_shuffle(x, b):
+    """mirage.ops.subpixel_shuffle in PyTorch ops: one strided copy per parity, then the bias."""
+    n, c4, h1, w1 = x.shape
+    c, h, w = c4 // 4, h1 - 1, w1 - 1
+    out = torch.empty((n, c, 2 * h, 2 * w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    for p in (0, 1):
+        for q in (0, 1):
+            g = 2 * p + q
+            out[:, :, p::2, q::2] = x[:, g * c:(g + 1) * c, p:p + h, q:q + w]
+    return out.add_(b.view(-1, 1, 1))
+
+
+# (batch, channels, height, width) entering the SD-1.5 U-Net's three Upsample2D blocks.
+UPSAMPLE_SHAPES = [(2, 1280, 8, 8), (2, 1280, 16, 16), (2, 640, 32, 32)]
+
+
 def cases(quick: bool):
     """(op, shape label, layout, make_inputs, eager fn, mirage fn, bytes moved)."""
     half = torch.float16
@@ -136,6 +162,25 @@ def cases(quick: bool):
 
         yield ("time embedding", f"2x{k}->{n}", "", make_time_embedding, time_embedding,
                lambda t, w, b, c: mirage.ops.linear(t, w, b, c.expand(2, -1), "silu"), 2 * (2 * k + n * k + 4 * n))
+    for n, c, h, w in UPSAMPLE_SHAPES[1:2] if quick else UPSAMPLE_SHAPES:
+        label = f"{n}x{c}x{h}x{w}"
+
+        def make_upsample(n=n, c=c, h=h, w=w):
+            x = torch.randn(n, c, h, w, device="cuda", dtype=half).contiguous(memory_format=torch.channels_last)
+            weight = (torch.randn(c, c, 3, 3, device="cuda") / (3 * c ** 0.5)).contiguous(memory_format=torch.channels_last)
+            return x, weight.half(), torch.randn(c, device="cuda", dtype=half), mirage.ops.subpixel_weight(weight).half()
+
+        # Inputs read once, the 3x3 weights and the output written once (the upsampled image is
+        # not counted: avoiding it is the point).
+        yield ("upsample+conv3x3", label, "channels_last", make_upsample, upsample_conv, subpixel_upsample_conv,
+               2 * (n * c * h * w + 9 * c * c + 4 * n * c * h * w))
+
+        def make_shuffle(n=n, c=c, h=h, w=w):
+            x = torch.randn(n, 4 * c, h + 1, w + 1, device="cuda", dtype=half)
+            return x.contiguous(memory_format=torch.channels_last), torch.randn(c, device="cuda", dtype=half)
+
+        yield ("subpixel_shuffle", f"{n}x{4 * c}x{h + 1}x{w + 1}", "channels_last", make_shuffle, subpixel_shuffle,
+               mirage.ops.subpixel_shuffle, 2 * 2 * 4 * n * c * h * w)  # the values it reads, and writes
 
 
 def main(argv=None) -> int:
@@ -147,6 +192,7 @@ def main(argv=None) -> int:
         print("bench_norms needs a CUDA GPU", file=sys.stderr)
         return 2
 
+    torch.backends.cudnn.benchmark = True  # as bench_unet: cuDNN times its algorithms per shape
     facts = device_facts()
     copy_gbs = copy_bandwidth_gbs()
     print(f"{facts['gpu']}, torch {facts['torch']}, CUDA {facts['cuda']}, {facts['date']}")

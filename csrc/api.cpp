@@ -53,6 +53,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return handles::linear().call(x, weight, bias, residual, input_activation);
 }
 
+at::Tensor subpixel_shuffle(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  return handles::subpixel_shuffle().call(x, bias);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,

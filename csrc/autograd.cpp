@@ -20,6 +20,7 @@
 #include "ops/linear.h"
 #include "ops/message.h"
 #include "ops/schnet_energy.h"
+#include "ops/subpixel_shuffle.h"
 
 namespace mirage::autograd {
 namespace {
@@ -217,6 +218,20 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       return variable_list{in[3].defined() ? y + in[3] : y};
     });
     return {grads[0], grads[1], grads[2], grads[3], at::Tensor()};
+  }
+};
+
+struct SubpixelShuffleFunction : torch::autograd::Function<SubpixelShuffleFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+    save_inputs(ctx, {x, value_or_undefined(bias)});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::subpixel_shuffle().call(x, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    return composite_backward(ctx, grad_outputs, [](const variable_list& in) {
+      return variable_list{ops::subpixel_shuffle_composite(in[0], in[1])};
+    });
   }
 };
 
@@ -472,6 +487,10 @@ at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
   return LinearFunction::apply(x, weight, bias, residual, input_activation);
 }
 
+at::Tensor subpixel_shuffle_autograd(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  return SubpixelShuffleFunction::apply(x, bias);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autograd(
     const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
     const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch,
@@ -510,6 +529,7 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("geglu", &geglu_autograd);
   m.impl("bias_act", &bias_act_autograd);
   m.impl("linear", &linear_autograd);
+  m.impl("subpixel_shuffle", &subpixel_shuffle_autograd);
   m.impl("neighbor_list", &neighbor_list_autograd);
   m.impl("radial_basis", &radial_basis_autograd);
   m.impl("radial_basis_backward", &radial_basis_backward_autograd);

@@ -23,6 +23,7 @@ using BiasActSig = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>
                               const std::optional<at::Tensor>&, c10::string_view, double);
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                              const std::optional<at::Tensor>&, c10::string_view);
+using SubpixelShuffleSig = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&);
 using NeighborListSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, int64_t, bool, c10::string_view);
@@ -57,6 +58,7 @@ MIRAGE_OP_HANDLE(add_layer_norm, AddLayerNormSig)
 MIRAGE_OP_HANDLE(geglu, GegluSig)
 MIRAGE_OP_HANDLE(bias_act, BiasActSig)
 MIRAGE_OP_HANDLE(linear, LinearSig)
+MIRAGE_OP_HANDLE(subpixel_shuffle, SubpixelShuffleSig)
 MIRAGE_OP_HANDLE(neighbor_list, NeighborListSig)
 MIRAGE_OP_HANDLE(radial_basis, RadialBasisSig)
 MIRAGE_OP_HANDLE(radial_basis_backward, RadialBasisBackwardSig)

@@ -16,6 +16,9 @@ TORCH_LIBRARY(mirage, m) {
   // epilogue.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, "
         "str input_activation=\"none\") -> Tensor");
+  // Nearest 2x upsampling + 3x3 convolution in sub-pixel form: interleaves the four parities of
+  // a 2x2 convolution's output x [N, 4C, H+1, W+1] into [N, C, 2H, 2W] and adds the bias.
+  m.def("subpixel_shuffle(Tensor x, Tensor? bias=None) -> Tensor");
   // Force fields (docs/ops.md): a fixed-capacity neighbor list, a fused radial basis, and message
   // passing over the pairs with its gather-product companion (each one's gradient is the other).
   m.def("neighbor_list(Tensor positions, float cutoff, Tensor? cell=None, Tensor? pbc=None, "

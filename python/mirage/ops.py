@@ -151,6 +151,57 @@ class NeighborList(NamedTuple):
     num_pairs: Tensor  #: ``(1,)`` int64: the true count, which may exceed ``P``
 
 
+def subpixel_weight(weight: Tensor) -> Tensor:
+    """A 3x3 convolution kernel that follows nearest 2x upsampling, as four 2x2 kernels on the
+    small image, one per output parity: the ``weight`` of :func:`subpixel_shuffle`'s convolution.
+
+    Nearest upsampling repeats each pixel twice per axis, so at an even output row the kernel's
+    top row reads the row above and its middle and bottom rows both read the pixel's own row;
+    at an odd row the top and middle rows read the own row and the bottom row the one below.
+    Summing the taps that read the same pixel leaves 2x2 taps (4 of 9 multiply-adds per output
+    pixel). Summed in float32 (float64 for float64 weights) and rounded once to ``weight``'s
+    dtype; differentiable.
+
+    Args:
+        weight: ``(C_out, C_in, 3, 3)``.
+
+    Returns:
+        ``(4 * C_out, C_in, 2, 2)``: the kernels of parities (0, 0), (0, 1), (1, 0), (1, 1), in
+        ``weight``'s dtype and memory format.
+    """
+    if weight.dim() != 4 or weight.shape[-2:] != (3, 3):
+        raise ValueError(f"mirage.ops.subpixel_weight: weight must be (C_out, C_in, 3, 3), got {tuple(weight.shape)}")
+    compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    # taps[parity, small-image offset, kernel tap]: which kernel taps read each 2x2 offset.
+    taps = torch.tensor([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], dtype=compute, device=weight.device)
+    folded = torch.einsum("pay,qbx,oiyx->pqoiab", taps, taps, weight.to(compute))
+    folded = folded.reshape(4 * weight.shape[0], weight.shape[1], 2, 2).to(weight.dtype)
+    if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
+        folded = folded.contiguous(memory_format=torch.channels_last)
+    return folded
+
+
+def subpixel_shuffle(x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Nearest 2x upsampling followed by a 3x3 convolution, without the upsampled image: given
+    ``x = conv2d(image, subpixel_weight(w), padding=1)``, returns ``conv2d(interpolate(image,
+    scale_factor=2, mode="nearest"), w, bias, padding=1)``.
+
+    ``out[n, c, 2i+p, 2j+q] = x[n, (2p+q) C + c, i+p, j+q] + bias[c]``: the four parities of
+    ``x`` interleaved (parity ``(p, q)`` shifted by ``(p, q)``, since its 2x2 window starts one
+    row and column later), with the bias added in float32 and rounded once. One pass that reads
+    about what it writes; the convolution does 4 of the 9 multiply-adds per output pixel.
+
+    Args:
+        x: ``(N, 4C, H+1, W+1)``, float32/float16/bfloat16 (float64 on the CPU); read
+            channels-last (other layouts are copied to it first).
+        bias: None or ``(C,)`` in ``x``'s dtype or float32.
+
+    Returns:
+        ``(N, C, 2H, 2W)`` in ``x``'s dtype, channels-last.
+    """
+    return torch.ops.mirage.subpixel_shuffle(x, bias)
+
+
 def neighbor_list(
     positions: Tensor,
     cutoff: float,

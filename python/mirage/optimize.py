@@ -48,6 +48,8 @@ class Swap:
             ``ValueError(reason)`` for a configuration it cannot reproduce.
         opaque: when an instance is left alone, leave everything inside it alone too (its code
             may depend on the exact types of its children).
+        candidate: instances it returns False for are no candidates: neither swapped nor
+            reported (an ``Upsample2D`` without a convolution has nothing to fold into).
     """
 
     module: str
@@ -56,6 +58,7 @@ class Swap:
     replacement: str
     build: Callable[[nn.Module], nn.Module]
     opaque: bool = False
+    candidate: Optional[Callable[[nn.Module], bool]] = None
 
     def resolve(self) -> Optional[type]:
         defining = sys.modules.get(self.module)
@@ -89,6 +92,12 @@ def _build_attention(attention: nn.Module) -> nn.Module:
     from .nn.attention import from_diffusers_attention
 
     return from_diffusers_attention(attention)
+
+
+def _build_upsample(block: nn.Module) -> nn.Module:
+    from .nn.upsample import Upsample2D
+
+    return Upsample2D.from_diffusers(block)
 
 
 def _build_geglu(module: nn.Module) -> nn.Module:
@@ -135,6 +144,9 @@ BLOCK_SWAPS: Tuple[Swap, ...] = (
     Swap("diffusers.models.attention_processor", "Attention", "Attention",
          "mirage fused attention (one QKV GEMM, SDPA)", _build_attention, opaque=True),
     Swap("diffusers.models.activations", "GEGLU", "GEGLU", "mirage.nn.GEGLU", _build_geglu),
+    Swap("diffusers.models.upsampling", "Upsample2D", "Upsample2D",
+         "mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)", _build_upsample,
+         candidate=lambda block: block.use_conv and not block.use_conv_transpose),
 )
 
 # Stage 3: single torch norms wherever they remain, after the pattern pass has fused the
@@ -177,7 +189,9 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             return visited[id(module)][1]
         replacement = module
         swap = by_type.get(type(module))
-        if swap is not None:
+        if swap is not None and swap.candidate is not None and not swap.candidate(module):
+            pass  # not a candidate: nothing to swap, nothing to report
+        elif swap is not None:
             try:
                 replacement = swap.build(module)
                 result.swaps.append((swap.kind, name))
@@ -354,8 +368,13 @@ class OptimizedModule(nn.Module):
         self.autocast_dtype = autocast_dtype
         self.channels_last = channels_last
         self.graphs: Optional[GraphCache] = GraphCache(self._run, max_graphs, verbose=verbose) if max_graphs else None
+        # Modules holding weights derived from others (mirage.nn.Upsample2D's folded kernels):
+        # a graph replay skips their forward, so they check for changed weights here.
+        self._derived = [m for m in module.modules() if hasattr(m, "refresh_derived_weights")]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for derived in self._derived:
+            derived.refresh_derived_weights()
         if self.channels_last:
             args, kwargs = pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs))
         if self.graphs is not None:

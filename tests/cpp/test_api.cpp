@@ -72,6 +72,19 @@ TEST_CASE("linear is F.linear plus the residual on CPU tensors", "[api]") {
               "mirage::linear: weight must have shape [out_features, 7]") != std::string::npos);
 }
 
+TEST_CASE("subpixel_shuffle of the folded convolution is upsampling then the 3x3 convolution", "[api]") {
+  const at::Tensor image = at::randn({2, 3, 4, 5}, at::kDouble), weight = at::randn({6, 3, 3, 3}, at::kDouble);
+  const at::Tensor bias = at::randn({6}, at::kDouble);
+  // The 2x2 kernel of output parity (p, q): taps[p] sums the 3x3 rows that read the same row.
+  const at::Tensor taps = at::tensor({1., 0., 0., 0., 1., 1., 1., 1., 0., 0., 0., 1.}, at::kDouble).view({2, 2, 3});
+  const at::Tensor folded = at::einsum("pay,qbx,oiyx->pqoiab", {taps, taps, weight}).reshape({24, 3, 2, 2});
+  const at::Tensor parities = at::conv2d(image, folded, {}, 1, 1);
+  const at::Tensor upsampled = at::upsample_nearest2d(image, {8, 10});
+  require_close(mirage::subpixel_shuffle(parities, bias), at::conv2d(upsampled, weight, bias, 1, 1), 1e-10);
+  REQUIRE(error_of([&] { mirage::subpixel_shuffle(at::randn({1, 6, 3, 3})); }).find(
+              "mirage::subpixel_shuffle: x's channels must be a multiple of 4") != std::string::npos);
+}
+
 TEST_CASE("message passing ops match index_add / gather composites on CPU tensors", "[api]") {
   const at::Tensor pairs = at::randint(0, 7, {2, 40}, at::kLong);
   const at::Tensor i = pairs[0], j = pairs[1];

@@ -22,6 +22,7 @@
 #include "message_passing.cuh"
 #include "neighbor_list.cuh"
 #include "radial_basis.cuh"
+#include "subpixel_shuffle.cuh"
 #include "vector_message_passing.cuh"
 
 namespace mc = mirage::cuda;
@@ -920,3 +921,39 @@ TEST_CASE("launch_small_linear matches the host reference", "[linear]") {
   REQUIRE(mc::launch_small_linear(too_wide, nullptr) == cudaErrorInvalidValue);
 }
 
+
+template <typename T>
+void check_subpixel_shuffle(int64_t n, int64_t c, int64_t h, int64_t w, bool with_bias) {
+  INFO("n=" << n << " c=" << c << " h=" << h << " w=" << w << " bias=" << with_bias
+            << " half=" << (!std::is_same_v<T, float>));
+  std::vector<float> x = random_values(n * (h + 1) * (w + 1) * 4 * c), bias = random_values(c);
+  Device<T> dx(x), dout(n * 4 * h * w * c);
+  Device<float> dbias(bias);
+  std::vector<double> want(dout.n);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t oy = 0; oy < 2 * h; ++oy)
+      for (int64_t ox = 0; ox < 2 * w; ++ox)
+        for (int64_t ch = 0; ch < c; ++ch) {
+          const int64_t p = oy % 2, q = ox % 2, sy = oy / 2 + p, sx = ox / 2 + q;
+          const double value = x[((s * (h + 1) + sy) * (w + 1) + sx) * 4 * c + (2 * p + q) * c + ch];
+          want[((s * 2 * h + oy) * 2 * w + ox) * c + ch] = value + (with_bias ? bias[ch] : 0.0);
+        }
+  mc::SubpixelShuffleParams p{dx.ptr, with_bias ? dbias.ptr : nullptr, dout.ptr, n, h, w, c, dtype_of<T>(),
+                              !std::is_same_v<T, float>};
+  REQUIRE(mc::launch_subpixel_shuffle(p, nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const double tol = std::is_same_v<T, float> ? 1e-6 : 1e-3;  // one rounding of value + bias
+  require_close(dout.read(), want, tol, tol);
+}
+
+TEST_CASE("launch_subpixel_shuffle matches the host reference", "[subpixel_shuffle]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  for (const bool with_bias : {false, true}) {
+    check_subpixel_shuffle<float>(2, 3, 4, 5, with_bias);    // scalar path
+    check_subpixel_shuffle<float>(1, 8, 3, 3, with_bias);    // 16-byte vectors
+    check_subpixel_shuffle<__half>(2, 16, 5, 2, with_bias);  // 16-byte vectors, float32 bias
+    check_subpixel_shuffle<__half>(1, 13, 1, 7, with_bias);  // scalar path
+  }
+  mc::SubpixelShuffleParams empty{};
+  REQUIRE(mc::launch_subpixel_shuffle(empty, nullptr) == cudaSuccess);
+}

@@ -12,7 +12,8 @@ def test_info_lists_build_and_ops():
     out = subprocess.run([sys.executable, "-m", "mirage", "info"], check=True, capture_output=True, text=True).stdout
     assert f"mirage {mirage.__version__}" in out
     assert f"torch {torch.__version__}" in out
-    for op in ("mirage::group_norm", "mirage::layer_norm", "mirage::add_layer_norm", "mirage::geglu", "mirage::bias_act"):
+    for op in ("mirage::group_norm", "mirage::layer_norm", "mirage::add_layer_norm", "mirage::geglu", "mirage::bias_act",
+               "mirage::subpixel_shuffle"):
         assert op in out
 
 

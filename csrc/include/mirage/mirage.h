@@ -59,6 +59,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& residual = std::nullopt,
                   std::string_view input_activation = "none");
 
+// conv3x3(nearest_2x(image)) + bias in sub-pixel form: given x = conv2d(image, w2, padding=1)
+// with w2 the 3x3 kernel folded into one 2x2 kernel per output parity ([4C, Cin, 2, 2], parity
+// 2p + q major; docs/ops.md), returns out[n, c, 2i+p, 2j+q] = x[n, (2p+q)C + c, i+p, j+q] +
+// bias[c]. x is [N, 4C, H+1, W+1]; out [N, C, 2H, 2W] is channels-last.
+at::Tensor subpixel_shuffle(const at::Tensor& x, const std::optional<at::Tensor>& bias = std::nullopt);
+
 // Pairs (i, j, image) with |r_j - r_i + shift| < cutoff, in fixed-capacity outputs:
 // (pairs [2, P] int64, shifts [P, 3], distances [P], num_pairs [1] int64 = the true count).
 // max_pairs = -1 means N * (N - 1); method is "auto", "direct" or "cell_list" (CUDA search).

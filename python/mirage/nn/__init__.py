@@ -8,5 +8,6 @@ from .layer_norm import LayerNorm
 from .linear import linear
 from .resnet import ResnetBlock2D
 from .transformer import BasicTransformerBlock, Transformer2DModel
+from .upsample import Upsample2D
 
-__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "conv_bias_act", "linear"]
+__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "Upsample2D", "conv_bias_act", "linear"]

@@ -1,0 +1,125 @@
+"""diffusers' ``Upsample2D`` (nearest 2x upsampling, then a 3x3 convolution) in sub-pixel form."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops
+
+
+class Upsample2D(nn.Module):
+    """diffusers' ``Upsample2D`` (0.42.1) without the upsampled image.
+
+    diffusers upsamples ``x`` to twice its size by repeating each pixel (``F.interpolate``,
+    nearest) and convolves that with a 3x3 kernel. Every output pixel of one parity (even or odd
+    row, even or odd column) then reads the same 2x2 pixels of ``x`` through sums of the 3x3
+    taps, so this module convolves ``x`` itself with those 2x2 kernels, one set per parity
+    (:func:`mirage.ops.subpixel_weight`), and interleaves the four results, adding the bias on
+    the way (:func:`mirage.ops.subpixel_shuffle`). Same function; 4 instead of 9 multiply-adds
+    per output pixel, and neither the upsampled image nor PyTorch's bias pass. The sums of taps
+    are rounded once to the weights' dtype, so results differ from diffusers' by rounding.
+
+    Built with :meth:`from_diffusers`; it keeps the block's convolution (state-dict keys are
+    unchanged) and holds the 2x2 kernels as a derived tensor of its own (16/9 of the
+    convolution's weight in memory), refolded whenever the convolution's weight changes:
+    replaced (``.to()``, ``.half()``), or changed in place (``load_state_dict``, ``copy_``),
+    which :class:`mirage.OptimizedModule` checks before each call, graphs included. Only changes
+    through ``.data`` go unnoticed (they bypass PyTorch's version counter). With gradients
+    enabled on the weight, the kernels are folded on every call, differentiably.
+
+    An ``output_size`` other than twice the input's (a U-Net's odd-sized skip connection) is
+    upsampled by interpolation as diffusers does, then convolved with the 3x3 kernel.
+    """
+
+    def __init__(self) -> None:
+        # Built only by from_diffusers: the block's own submodules are its state.
+        super().__init__()
+        self._folded: Optional[Tensor] = None
+        self._folded_key: Optional[Tuple] = None
+
+    @classmethod
+    def from_diffusers(cls, block: nn.Module) -> "Upsample2D":
+        """The sub-pixel module for a diffusers ``Upsample2D``, sharing its submodules.
+
+        Raises:
+            ValueError: the block's configuration is not nearest 2x upsampling followed by a
+                plain 3x3, stride-1, padding-1 ``nn.Conv2d`` (the message says what differs).
+        """
+        if block.use_conv_transpose:
+            raise ValueError("a transposed convolution upsamples by itself: there is no upsampled image to avoid")
+        if not block.use_conv:
+            raise ValueError("no convolution follows the upsampling: nothing to fold it into")
+        if not block.interpolate:
+            raise ValueError("interpolate=False: the block does not upsample")
+        conv = block.conv if block.name == "conv" else block.Conv2d_0
+        geometry = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
+        if type(conv) is not nn.Conv2d or geometry != ((3, 3), (1, 1), (1, 1), (1, 1), 1, "zeros"):
+            raise ValueError("its convolution is not a plain 3x3 nn.Conv2d with stride 1, padding 1, dilation 1, "
+                             f"one group and zero padding (got {type(conv).__name__} {geometry})")
+        fused = cls()
+        for attribute in ("channels", "out_channels", "use_conv", "use_conv_transpose", "name", "interpolate"):
+            setattr(fused, attribute, getattr(block, attribute))
+        fused.norm = block.norm
+        # Under the block's attribute name, so that state-dict keys stay the same.
+        setattr(fused, "conv" if block.name == "conv" else "Conv2d_0", conv)
+        return fused.train(block.training)
+
+    @property
+    def _conv(self) -> nn.Conv2d:
+        return self.conv if self.name == "conv" else self.Conv2d_0
+
+    def refresh_derived_weights(self) -> None:
+        """Refolds the 2x2 kernels if the convolution's weight changed since they were folded.
+
+        A weight changed in place is refolded into the same tensor, so a CUDA graph captured
+        earlier reads the new kernels; a replaced one (another dtype, device or layout) gets a new
+        tensor (graphs must then be captured again, as for the weight itself).
+        """
+        weight = self._conv.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, weight.stride())
+        if key == self._folded_key:
+            return
+        # Outside inference mode: the kernels must stay usable (and refoldable) outside it.
+        with torch.no_grad(), torch.inference_mode(False):
+            folded = ops.subpixel_weight(weight)
+            old = self._folded
+            if old is not None and (old.dtype, old.device, old.stride()) == (folded.dtype, folded.device, folded.stride()):
+                old.copy_(folded)
+            else:
+                self._folded = folded
+        self._folded_key = key
+
+    def _subpixel_weight(self) -> Tensor:
+        weight = self._conv.weight
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
+            return ops.subpixel_weight(weight)
+        self.refresh_derived_weights()
+        return self._folded
+
+    def forward(self, hidden_states: Tensor, output_size: Optional[Sequence[int]] = None, *args, **kwargs) -> Tensor:
+        # diffusers accepts (and ignores) a deprecated `scale` argument here; so does this module.
+        if hidden_states.dim() != 4 or hidden_states.shape[1] != self.channels:
+            raise ValueError(f"mirage.nn.Upsample2D: hidden_states must be (N, {self.channels}, H, W), "
+                             f"got {tuple(hidden_states.shape)}")
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        conv = self._conv
+        height, width = hidden_states.shape[-2:]
+        if output_size is not None and tuple(output_size) != (2 * height, 2 * width):
+            # Not 2x: diffusers' interpolation (and its workarounds for PyTorch's NHWC kernel).
+            scale = max(f / s for f, s in zip(output_size, (height, width)))
+            if hidden_states.shape[0] >= 64 or hidden_states.numel() * scale > 2**31:
+                hidden_states = hidden_states.contiguous()
+            return conv(F.interpolate(hidden_states, size=output_size, mode="nearest"))
+        parities = F.conv2d(hidden_states, self._subpixel_weight(), None, padding=1)
+        bias = conv.bias
+        if bias is not None and bias.dtype not in (parities.dtype, torch.float32):
+            bias = bias.float()  # e.g. a float16 bias under a bfloat16 autocast
+        return ops.subpixel_shuffle(parities, bias)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, out_channels={self.out_channels}"
