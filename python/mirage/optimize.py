@@ -94,6 +94,18 @@ def _build_attention(attention: nn.Module) -> nn.Module:
     return from_diffusers_attention(attention)
 
 
+def _build_up_block(block: nn.Module) -> nn.Module:
+    from .nn.up_blocks import UpBlock2D
+
+    return UpBlock2D.from_diffusers(block)
+
+
+def _build_cross_attn_up_block(block: nn.Module) -> nn.Module:
+    from .nn.up_blocks import CrossAttnUpBlock2D
+
+    return CrossAttnUpBlock2D.from_diffusers(block)
+
+
 def _build_upsample(block: nn.Module) -> nn.Module:
     from .nn.upsample import Upsample2D
 
@@ -130,6 +142,11 @@ def _build_layer_norm(norm: nn.Module) -> nn.Module:
 # residual add → norm pairs inside them fuse; this runs before the pattern pass, which cannot trace
 # diffusers' Python control flow.
 BLOCK_SWAPS: Tuple[Swap, ...] = (
+    # Their resnets, transformers and up-samplers are swapped inside them (children_swappable).
+    Swap("diffusers.models.unets.unet_2d_blocks", "UpBlock2D", "UpBlock2D",
+         "mirage.nn.UpBlock2D (skip connections concatenated as rows)", _build_up_block),
+    Swap("diffusers.models.unets.unet_2d_blocks", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
+         "mirage.nn.CrossAttnUpBlock2D (skip connections concatenated as rows)", _build_cross_attn_up_block),
     Swap("diffusers.models.resnet", "ResnetBlock2D", "ResnetBlock2D",
          "mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)", _build_resnet_block),
     # Its attentions, GEGLU and norm1 are swapped inside it by this and the later stages

@@ -21,6 +21,7 @@ from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
 from diffusers.models.transformers.transformer_2d import Transformer2DModel  # noqa: E402
+from diffusers.models.unets.unet_2d_blocks import CrossAttnUpBlock2D, UpBlock2D  # noqa: E402
 from diffusers.models.upsampling import Upsample2D  # noqa: E402
 
 # Whole models compound float32 rounding over tens of layers (the CPU reference kernels
@@ -53,6 +54,8 @@ def expected_counts(model):
             counts["Transformer2DModel"] += 1
         elif type(module) is Upsample2D and module.use_conv and not module.use_conv_transpose:
             counts["Upsample2D"] += 1
+        elif type(module) in (UpBlock2D, CrossAttnUpBlock2D):
+            counts[type(module).__name__] += 1
     for module in model.modules():
         if id(module) not in consumed and type(module) in (nn.GroupNorm, nn.LayerNorm):
             counts[type(module).__name__] += 1
@@ -414,7 +417,7 @@ def test_report_refuses_models_optimize_did_not_return():
 def test_report_string_and_settings(capsys):
     optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float16, cuda_graph=True)
     text = str(mirage.report(optimized))
-    assert text.startswith("mirage.optimize(UNet2DConditionModel): 38 swapped, 0 left alone")
+    assert text.startswith("mirage.optimize(UNet2DConditionModel): 40 swapped, 0 left alone")
     assert "8  ResnetBlock2D -> mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)" in text
     assert "4  BasicTransformerBlock -> mirage.nn.BasicTransformerBlock (residual add+LayerNorm fused)" in text
     assert "1  Upsample2D -> mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)" in text
@@ -423,7 +426,7 @@ def test_report_string_and_settings(capsys):
     assert "CUDA graphs: off (skipped: the model is on cpu" in text
     err = capsys.readouterr().err
     assert "mirage: optimize UNet2DConditionModel: swapping modules" in err
-    assert "mirage: optimize UNet2DConditionModel: 38 swapped, 0 left alone" in err
+    assert "mirage: optimize UNet2DConditionModel: 40 swapped, 0 left alone" in err
 
 
 def test_bad_arguments():

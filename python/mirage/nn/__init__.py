@@ -8,6 +8,7 @@ from .layer_norm import LayerNorm
 from .linear import linear
 from .resnet import ResnetBlock2D
 from .transformer import BasicTransformerBlock, Transformer2DModel
+from .up_blocks import CrossAttnUpBlock2D, UpBlock2D, cat_channels
 from .upsample import Upsample2D
 
-__all__ = ["BasicTransformerBlock", "Conv2dAct", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "Upsample2D", "conv_bias_act", "linear"]
+__all__ = ["BasicTransformerBlock", "Conv2dAct", "CrossAttnUpBlock2D", "FusedAttention", "GEGLU", "GroupNorm", "LayerNorm", "ResnetBlock2D", "Transformer2DModel", "UpBlock2D", "Upsample2D", "cat_channels", "conv_bias_act", "linear"]
