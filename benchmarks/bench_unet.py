@@ -1,5 +1,5 @@
-"""Whole-model benchmark of issue 3: diffusers' SD-1.5-shaped UNet2DConditionModel (random
-weights) and a plain Conv-BN-SiLU + attention net, fp16, side by side in one process:
+"""Whole-model benchmark of issue 3: diffusers' SD-1.5-shaped UNet2DConditionModel and VAE decoder
+(random weights) and a plain Conv-BN-SiLU + attention net, fp16, side by side in one process:
 
   eager        fp16, channels_last, plain PyTorch
   eager+graph  the same, captured by hand in one CUDA graph (static inputs, copy in, clone out)
@@ -12,7 +12,7 @@ frames/s, speedup of mirage over the best peer, the extra GPU memory the variant
 beyond the weights, the time to the first result (compile / optimize + capture), and the relative
 L2 error against an fp32 eager forward.
 
-    python benchmarks/bench_unet.py [--models unet,plain] [--batches 2,1] [--peers ...] [--json out.json]
+    python benchmarks/bench_unet.py [--models unet,vae,plain] [--batches 2,1] [--peers ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -61,6 +61,27 @@ def unet_inputs(batch: int, dtype: torch.dtype):
     return (sample, timestep), {"encoder_hidden_states": context}
 
 
+# SD-1.5's AutoencoderKL; the benchmark runs its decoder (a 64x64 latent to a 512x512 image).
+SD15_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=512,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+)
+
+
+def build_vae_decoder():
+    from diffusers import AutoencoderKL
+
+    with torch.device("cuda"):
+        model = AutoencoderKL(**SD15_VAE)
+    return model.decoder.eval()
+
+
+def vae_inputs(batch: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return (torch.randn(batch, 4, 64, 64, device="cuda", generator=g).to(dtype),), {}
+
+
 def build_plain():
     from plain_net import PlainNet
 
@@ -74,7 +95,8 @@ def plain_inputs(batch: int, dtype: torch.dtype):
     return (torch.randn(batch, 3, 64, 64, device="cuda", generator=g).to(dtype),), {}
 
 
-MODELS = {"unet": (build_unet, unet_inputs), "plain": (build_plain, plain_inputs)}
+MODELS = {"unet": (build_unet, unet_inputs), "vae": (build_vae_decoder, vae_inputs),
+          "plain": (build_plain, plain_inputs)}
 
 
 def first_tensor(out):
