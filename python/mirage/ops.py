@@ -174,7 +174,10 @@ def subpixel_weight(weight: Tensor) -> Tensor:
     compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
     # taps[parity, small-image offset, kernel tap]: which kernel taps read each 2x2 offset.
     taps = torch.tensor([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], dtype=compute, device=weight.device)
-    folded = torch.einsum("pay,qbx,oiyx->pqoiab", taps, taps, weight.to(compute))
+    # Not under autocast, which would run the einsum in float16/bfloat16; on a copy, which views
+    # can be taken of (not of a weight whose storage was made under inference mode).
+    with torch.autocast(weight.device.type, enabled=False):
+        folded = torch.einsum("pay,qbx,oiyx->pqoiab", taps, taps, weight.to(compute, copy=True))
     folded = folded.reshape(4 * weight.shape[0], weight.shape[1], 2, 2).to(weight.dtype)
     if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
         folded = folded.contiguous(memory_format=torch.channels_last)

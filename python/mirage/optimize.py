@@ -389,9 +389,17 @@ class OptimizedModule(nn.Module):
         # a graph replay skips their forward, so they check for changed weights here.
         self._derived = [m for m in module.modules() if hasattr(m, "refresh_derived_weights")]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def refresh_derived_weights(self, force: bool = False) -> None:
+        """Recomputes the weights swapped modules derive from the model's (``mirage.nn.Upsample2D``'s
+        folded kernels) where those changed, or all of them with ``force``: after changes PyTorch's
+        version counter does not see (writes through ``.data``). In place, so graphs stay valid.
+        Every call does the unforced check first."""
         for derived in self._derived:
-            derived.refresh_derived_weights()
+            derived.refresh_derived_weights(force)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # compiled, the modules fold inside the graph
+            self.refresh_derived_weights()
         if self.channels_last:
             args, kwargs = pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs))
         if self.graphs is not None:

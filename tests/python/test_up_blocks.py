@@ -25,6 +25,13 @@ def test_cat_channels_is_torch_cat(device, dtype, shapes, layouts):
         assert got.is_contiguous(memory_format=CL)
 
 
+@pytest.mark.parametrize("shapes", [((0, 3, 2, 2), (0, 4, 2, 2)), ((2, 0, 2, 2), (2, 4, 2, 2)), ((2, 3, 0, 2), (2, 4, 0, 2))])
+def test_cat_channels_of_empty_tensors(shapes):
+    a, b = (torch.empty(*shape).contiguous(memory_format=CL) for shape in shapes)
+    got = mirage.nn.cat_channels(a, b)
+    assert got.shape == torch.cat([a, b], dim=1).shape
+
+
 def test_cat_channels_strided_3d_and_mismatched_inputs():
     a = randn(2, 6, 4, 4).contiguous(memory_format=CL)[:, :, ::2]  # channels-last, not dense
     b = randn(2, 3, 2, 4)
@@ -126,3 +133,10 @@ def test_optimize_swaps_up_blocks_and_their_children():
     assert type(up_blocks[0].upsamplers[0]) is mirage.nn.Upsample2D
     assert type(up_blocks[1].attentions[0]) is mirage.nn.Transformer2DModel
     assert up_blocks[1].has_cross_attention and not hasattr(up_blocks[0], "has_cross_attention")
+
+
+def test_cat_channels_compiles_fullgraph():
+    a = randn(2, 4, 3, 5).contiguous(memory_format=CL)
+    b = randn(2, 6, 3, 5).contiguous(memory_format=CL)
+    compiled = torch.compile(mirage.nn.cat_channels, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(a, b), torch.cat([a, b], dim=1))

@@ -54,13 +54,19 @@ def test_shuffle_matches_composite(device, dtype, shape, bias_dtype, kind):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_misaligned_bias_takes_the_scalar_path(dtype):
-    # 16 channels allow 16-byte vectors, but a bias 4 bytes into its storage does not. (A
-    # misaligned x is no case: the op copies an x that is not channels-last-contiguous.)
+@pytest.mark.parametrize("bias_offset", [1, 4])
+def test_cuda_misaligned_operands_take_the_scalar_path(dtype, bias_offset):
+    # 16 channels allow 16-byte vectors, but not a float32 bias 4 bytes into its storage, nor one
+    # 16 bytes in (a float32 vector of 8 needs 32), nor an x one element into its storage.
     c = 16
     x = randn(2, 4 * c, 6, 7, dtype=dtype, device="cuda").contiguous(memory_format=torch.channels_last)
-    bias = randn(c + 1, device="cuda")[1:]
+    bias = randn(c + bias_offset, device="cuda")[bias_offset:]
     assert_matches(mirage.ops.subpixel_shuffle(x, bias), composite, (x, bias), dtype)
+    flat = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:]
+    shifted = flat.view(2, 6, 7, 4 * c).permute(0, 3, 1, 2)  # channels-last, misaligned
+    shifted.copy_(x)
+    assert shifted.is_contiguous(memory_format=torch.channels_last)
+    assert_matches(mirage.ops.subpixel_shuffle(shifted, bias), composite, (x, bias), dtype)
 
 
 @pytest.mark.cuda
@@ -149,6 +155,14 @@ def test_bias_on_another_device():
 def test_subpixel_weight_bad_shape():
     with pytest.raises(ValueError, match=r"mirage.ops.subpixel_weight: weight must be \(C_out, C_in, 3, 3\), got \(4, 2, 2, 2\)"):
         mirage.ops.subpixel_weight(torch.randn(4, 2, 2, 2))
+
+
+def test_subpixel_weight_sums_in_float32_under_autocast():
+    weight = randn(6, 5, 3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        folded = mirage.ops.subpixel_weight(weight)
+    assert folded.dtype == torch.float32
+    torch.testing.assert_close(folded, mirage.ops.subpixel_weight(weight), atol=0, rtol=0)
 
 
 def test_subpixel_weight_keeps_dtype_and_layout():
@@ -261,7 +275,68 @@ def test_upsample2d_refolds_after_in_place_and_replacing_changes():
         torch.testing.assert_close(fused(x), block(x), **tolerance(torch.float64))
         assert fused._folded is folded
         fused.float()  # replaced: a new tensor
+        assert fused._folded is None  # dropped with the conversion, not left on the old device
         torch.testing.assert_close(fused(x.float()), block.float()(x.float()), **tolerance(torch.float32))
+        # A new Parameter (assign=True) is refolded, whatever its address and version.
+        state = {k: v.float() * 0.5 for k, v in block.state_dict().items()}
+        block.load_state_dict(state)
+        fused.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+        torch.testing.assert_close(fused(x.float()), block(x.float()), **tolerance(torch.float32))
+        # Writes through .data escape the version counter: seen after a forced refresh.
+        block.conv.weight.data += 1
+        fused.conv.weight.data += 1
+        fused.refresh_derived_weights(force=True)
+        torch.testing.assert_close(fused(x.float()), block(x.float()), **tolerance(torch.float32))
+    copy.deepcopy(fused)  # the folded kernels are a plain tensor, no autograd graph
+    assert not fused._folded.requires_grad
+
+
+def test_upsample2d_with_a_replaced_convolution_runs_it():
+    # A LoRA wrapper (or any module) in place of the convolution: its weight is not what it
+    # computes, so the module interpolates and calls it, as diffusers does.
+    class Wrapped(torch.nn.Module):
+        def __init__(self, conv):
+            super().__init__()
+            self.base = conv
+            self.weight = conv.weight
+
+        def forward(self, x):
+            return self.base(x) + 1.0
+
+    block = diffusers_block()
+    fused = mirage.nn.Upsample2D.from_diffusers(copy.deepcopy(block))
+    fused.conv = Wrapped(fused.conv)
+    block.conv = Wrapped(block.conv)
+    x = randn(1, 8, 3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), block(x), **tolerance(torch.float64))
+
+
+def test_upsample2d_built_under_inference_mode():
+    # Weights made under torch.inference_mode have no version counter (optimize(dtype=None)
+    # keeps them as they are).
+    with torch.inference_mode():
+        model = torch.nn.Sequential(DiffusersUpsample2D(8, use_conv=True))
+        reference = copy.deepcopy(model)
+        optimized = mirage.optimize(model, dtype=None, verbose=False)
+        x = randn(2, 8, 3, 3)
+        got = optimized(x)
+        assert got.dtype == torch.float16  # autocast on the CPU
+        torch.testing.assert_close(got.float(), reference(x), atol=2e-2, rtol=2e-2)
+
+
+def test_optimized_module_refreshes_and_compiles():
+    model = torch.nn.Sequential(DiffusersUpsample2D(8, use_conv=True))
+    reference = copy.deepcopy(model)
+    optimized = mirage.optimize(model, dtype=torch.float32, verbose=False)
+    x = randn(2, 8, 3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), reference(x), **tolerance(torch.float32))
+        for m in (reference, optimized.module):
+            m[0].conv.weight.mul_(-2)  # in place: the next call refolds
+        torch.testing.assert_close(optimized(x), reference(x), **tolerance(torch.float32))
+        compiled = torch.compile(optimized, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), reference(x), **tolerance(torch.float32))
 
 
 def test_upsample2d_gradients_reach_the_3x3_weight():
@@ -291,3 +366,13 @@ def test_optimized_graph_replay_sees_weights_loaded_in_place():
         optimized.module.load_state_dict(state)
         torch.testing.assert_close(optimized(x), reference(x), **assert_close_fp16)
     assert mirage.report(optimized).graphs.misses == 1  # the second call replayed the first graph
+
+
+def test_upsample2d_compiles_fullgraph():
+    # Under torch.compile the 2x2 kernels are folded inside the graph (no cache to consult).
+    block = diffusers_block()
+    fused = mirage.nn.Upsample2D.from_diffusers(copy.deepcopy(block))
+    x = randn(2, 8, 5, 7, dtype=torch.float64)
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), block(x), **tolerance(torch.float64))

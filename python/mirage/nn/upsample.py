@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import weakref
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+
+
+def _version(tensor: Tensor) -> Optional[int]:
+    """The tensor's version counter, or None for one made under torch.inference_mode (or whose
+    storage was, as after ``param.data = ...`` there), which has none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 class Upsample2D(nn.Module):
@@ -26,20 +36,25 @@ class Upsample2D(nn.Module):
     Built with :meth:`from_diffusers`; it keeps the block's convolution (state-dict keys are
     unchanged) and holds the 2x2 kernels as a derived tensor of its own (16/9 of the
     convolution's weight in memory), refolded whenever the convolution's weight changes:
-    replaced (``.to()``, ``.half()``), or changed in place (``load_state_dict``, ``copy_``),
-    which :class:`mirage.OptimizedModule` checks before each call, graphs included. Only changes
-    through ``.data`` go unnoticed (they bypass PyTorch's version counter). With gradients
-    enabled on the weight, the kernels are folded on every call, differentiably.
+    replaced (``.to()``, ``.half()``, ``load_state_dict(assign=True)``), or changed in place
+    (``load_state_dict``, ``copy_``), which :class:`mirage.OptimizedModule` checks before each
+    call, graphs included. Changes PyTorch's version counter does not see go unnoticed: writes
+    through ``.data`` (PEFT's default LoRA merge) and in-place changes to weights created under
+    ``torch.inference_mode``; call :meth:`refresh_derived_weights` with ``force=True`` after
+    those. With gradients enabled on the weight, the kernels are folded on every call,
+    differentiably.
 
     An ``output_size`` other than twice the input's (a U-Net's odd-sized skip connection) is
-    upsampled by interpolation as diffusers does, then convolved with the 3x3 kernel.
+    upsampled by interpolation as diffusers does, then convolved with the 3x3 kernel; so is
+    every input once the convolution has been replaced by another module (a LoRA wrapper).
     """
 
     def __init__(self) -> None:
         # Built only by from_diffusers: the block's own submodules are its state.
         super().__init__()
         self._folded: Optional[Tensor] = None
-        self._folded_key: Optional[Tuple] = None
+        self._folded_key: Optional[Tuple[Any, ...]] = None
+        self._folded_from: Optional[weakref.ref] = None  # the Parameter folded
 
     @classmethod
     def from_diffusers(cls, block: nn.Module) -> "Upsample2D":
@@ -72,26 +87,39 @@ class Upsample2D(nn.Module):
     def _conv(self) -> nn.Conv2d:
         return self.conv if self.name == "conv" else self.Conv2d_0
 
-    def refresh_derived_weights(self) -> None:
-        """Refolds the 2x2 kernels if the convolution's weight changed since they were folded.
+    def refresh_derived_weights(self, force: bool = False) -> None:
+        """Refolds the 2x2 kernels if the convolution's weight changed since they were folded (or
+        always, with ``force``).
 
         A weight changed in place is refolded into the same tensor, so a CUDA graph captured
         earlier reads the new kernels; a replaced one (another dtype, device or layout) gets a new
         tensor (graphs must then be captured again, as for the weight itself).
         """
         weight = self._conv.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, weight.stride())
-        if key == self._folded_key:
+        version = _version(weight)
+        key = (weight.data_ptr(), version, weight.dtype, weight.device, weight.stride())
+        # The Parameter itself too: a new tensor may be given a freed one's address and version.
+        same_weight = self._folded_from is not None and self._folded_from() is weight
+        if same_weight and key == self._folded_key and not force:
             return
-        # Outside inference mode: the kernels must stay usable (and refoldable) outside it.
-        with torch.no_grad(), torch.inference_mode(False):
-            folded = ops.subpixel_weight(weight)
+        # Without autograd (the fold is a constant of the weight), and outside inference mode, so
+        # that the kernels stay usable and refoldable outside it; but for an inference weight,
+        # which only inference mode can read into a new tensor (it cannot change unseen anyway).
+        with torch.inference_mode(version is None), torch.no_grad():
+            folded = ops.subpixel_weight(weight.detach())
             old = self._folded
-            if old is not None and (old.dtype, old.device, old.stride()) == (folded.dtype, folded.device, folded.stride()):
+            if (version is not None and old is not None and not old.is_inference()
+                    and (old.dtype, old.device, old.stride()) == (folded.dtype, folded.device, folded.stride())):
                 old.copy_(folded)
             else:
                 self._folded = folded
-        self._folded_key = key
+        self._folded_key, self._folded_from = key, weakref.ref(weight)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cpu(), .half(): the folded kernels would stay where they were until the next
+        # call; they are folded again from the converted weight instead.
+        self._folded, self._folded_key, self._folded_from = None, None, None
+        return super()._apply(fn, *args, **kwargs)
 
     def _subpixel_weight(self) -> Tensor:
         weight = self._conv.weight
@@ -109,8 +137,10 @@ class Upsample2D(nn.Module):
             hidden_states = self.norm(hidden_states.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         conv = self._conv
         height, width = hidden_states.shape[-2:]
-        if output_size is not None and tuple(output_size) != (2 * height, 2 * width):
-            # Not 2x: diffusers' interpolation (and its workarounds for PyTorch's NHWC kernel).
+        replaced = type(conv) is not nn.Conv2d  # e.g. a LoRA wrapper: its weight is not what it computes
+        if replaced or (output_size is not None and tuple(output_size) != (2 * height, 2 * width)):
+            # diffusers' interpolation (and its workarounds for PyTorch's NHWC kernel).
+            output_size = (2 * height, 2 * width) if output_size is None else output_size
             scale = max(f / s for f, s in zip(output_size, (height, width)))
             if hidden_states.shape[0] >= 64 or hidden_states.numel() * scale > 2**31:
                 hidden_states = hidden_states.contiguous()
