@@ -1,9 +1,10 @@
-"""Where the GPU time of one SD-1.5-shaped U-Net forward goes (fp16, batch 2, channels_last):
-kernels of the mirage-optimized model and of torch.compile's, by category, from torch.profiler.
+"""Where the GPU time of one SD-1.5-shaped U-Net forward (or VAE decode) goes (fp16,
+channels_last): kernels of the mirage-optimized model and of torch.compile's, by category, from
+torch.profiler.
 
 Graphs are off here (the profiler sees the kernels one by one; a graph replays the same ones).
 
-    python benchmarks/profile_unet.py [--top 25]
+    python benchmarks/profile_unet.py [--model unet|vae] [--batch 2] [--top 25]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import copy
 import torch
 
 import mirage
-from bench_unet import build_unet, to_channels_last, unet_inputs
+from bench_unet import MODELS, to_channels_last
 from harness import categorizer, kernel_times, print_kernel_report
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
@@ -31,11 +32,14 @@ category = categorizer(CATEGORIES, "other elementwise/reduction")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="unet", choices=("unet", "vae"))
+    parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
     opts = parser.parse_args()
     torch.backends.cudnn.benchmark = True
-    model = build_unet()
-    args, kwargs = unet_inputs(2, torch.float16)
+    build, make_inputs = MODELS[opts.model]
+    model = build()
+    args, kwargs = make_inputs(opts.batch, torch.float16)
     args = to_channels_last(args)
     with torch.inference_mode():
         fp16 = copy.deepcopy(model).half().to(memory_format=torch.channels_last)

@@ -156,6 +156,30 @@ def test_resnet_block_epilogues_run_in_bias_act(factor, out_channels):
     assert calls.ops.count("aten.add") == (1 if out_channels != 8 else 0)
 
 
+@pytest.mark.parametrize("config", [dict(temb_channels=None, time_embedding_norm="group"),  # the VAE's
+                                    dict(temb_channels=10, time_embedding_norm="scale_shift")])
+def test_resnet_block_conv1_bias_runs_in_bias_act_in_every_mode(config):
+    # Without a time embedding to add (the VAE's "group" blocks) or with one that modulates after
+    # norm2 (scale_shift), conv1's bias still goes in a bias_act pass, not in PyTorch's own.
+    block = ResnetBlock2D(in_channels=8, groups=4, **config).double().eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    x = randn(2, 8, 6, 6, dtype=torch.float64)
+    temb = randn(2, 10, dtype=torch.float64) if config["temb_channels"] else None
+    biases = []
+
+    class ConvBiases(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.convolution:
+                biases.append(args[2] is not None)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with ConvBiases():
+            got = fused(x, temb)
+        torch.testing.assert_close(got, block(x, temb), atol=1e-12, rtol=1e-12)
+    assert biases == [False, False]
+
+
 def test_resnet_block_broadcasts_one_time_embedding_over_the_batch():
     block = ResnetBlock2D(in_channels=8, out_channels=12, temb_channels=10, groups=4).double().eval()
     fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()

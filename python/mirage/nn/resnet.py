@@ -92,28 +92,32 @@ class ResnetBlock2D(nn.Module):
             hidden_states = self.downsample(hidden_states)
 
         # PyTorch adds a convolution's bias in a kernel of its own, a full pass over the
-        # activations: conv1's bias and the [N, C] time embedding go in one bias_act pass instead.
-        # (Without time_emb_proj diffusers adds a given temb as it is, broadcast from the right.)
+        # activations: conv1's bias and the [N, C] time embedding ("default" mode) go in one
+        # bias_act pass instead, and in the other modes the bias alone. (Without time_emb_proj
+        # diffusers adds a given temb as it is, broadcast from the right: that stays unfused.)
         projected = self.time_emb_proj is not None
-        fused_conv1 = type(self.conv1) is nn.Conv2d and self.time_embedding_norm == "default" and (projected or temb is None)
+        add_temb = self.time_embedding_norm == "default" and temb is not None
+        fused_conv1 = type(self.conv1) is nn.Conv2d and (projected or not add_temb)
         conv1_bias_in_temb = False
         if projected:
             # The SiLU (from_diffusers checked the nonlinearity) is applied as the projection
             # reads temb, and conv1's bias joins the projection's epilogue as a residual broadcast
             # over the batch: one kernel for a few samples, where diffusers spends three.
             residual = None
-            if fused_conv1 and self.conv1.bias is not None and temb.dim() == 2:
+            if fused_conv1 and add_temb and self.conv1.bias is not None and temb.dim() == 2:
                 residual = self.conv1.bias.expand(temb.shape[0], -1)
                 conv1_bias_in_temb = True
             temb = linear(self.time_emb_proj, temb, residual, "none" if self.skip_time_act else "silu")
 
         if fused_conv1:
-            hidden_states = conv_bias_act(self.conv1, hidden_states, shift=temb, conv_bias=not conv1_bias_in_temb)
-            temb = None  # added
+            hidden_states = conv_bias_act(self.conv1, hidden_states, shift=temb if add_temb else None,
+                                          conv_bias=not conv1_bias_in_temb)
         else:
             hidden_states = self.conv1(hidden_states)
-            if temb is not None and projected:
-                temb = temb[:, :, None, None]
+        if fused_conv1 and add_temb:
+            temb = None  # added
+        elif temb is not None and projected:
+            temb = temb[:, :, None, None]
 
         if self.time_embedding_norm == "scale_shift":
             if temb is None:
