@@ -19,6 +19,9 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .graphs import GraphCache, GraphCacheStats, progress
+from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
+                 Transformer2DModel, UpBlock2D, Upsample2D)
+from .nn.attention import from_diffusers_attention
 
 __all__ = ["OptimizeReport", "OptimizedModule", "Swap", "optimize", "report"]
 
@@ -65,15 +68,7 @@ class Swap:
         return getattr(defining, self.name, None) if defining is not None else None
 
 
-def _build_resnet_block(block: nn.Module) -> nn.Module:
-    from .nn.resnet import ResnetBlock2D
-
-    return ResnetBlock2D.from_diffusers(block)
-
-
 def _build_transformer_block(block: nn.Module) -> nn.Module:
-    from .nn.transformer import BasicTransformerBlock
-
     fused = BasicTransformerBlock.from_diffusers(block)
     for name in ("norm2", "norm3"):
         norm = getattr(fused, name)
@@ -83,38 +78,7 @@ def _build_transformer_block(block: nn.Module) -> nn.Module:
     return fused
 
 
-def _build_transformer_2d(model: nn.Module) -> nn.Module:
-    from .nn.transformer import Transformer2DModel
-    return Transformer2DModel.from_diffusers(model)
-
-
-def _build_attention(attention: nn.Module) -> nn.Module:
-    from .nn.attention import from_diffusers_attention
-
-    return from_diffusers_attention(attention)
-
-
-def _build_up_block(block: nn.Module) -> nn.Module:
-    from .nn.up_blocks import UpBlock2D
-
-    return UpBlock2D.from_diffusers(block)
-
-
-def _build_cross_attn_up_block(block: nn.Module) -> nn.Module:
-    from .nn.up_blocks import CrossAttnUpBlock2D
-
-    return CrossAttnUpBlock2D.from_diffusers(block)
-
-
-def _build_upsample(block: nn.Module) -> nn.Module:
-    from .nn.upsample import Upsample2D
-
-    return Upsample2D.from_diffusers(block)
-
-
 def _build_geglu(module: nn.Module) -> nn.Module:
-    from .nn.geglu import GEGLU
-
     try:
         # diffusers' GEGLU gates with the exact (erf) GELU.
         return GEGLU.from_torch(module, approximate="none")
@@ -122,15 +86,7 @@ def _build_geglu(module: nn.Module) -> nn.Module:
         raise ValueError(str(error)) from None
 
 
-def _build_group_norm(norm: nn.Module) -> nn.Module:
-    from .nn.group_norm import GroupNorm
-
-    return GroupNorm.from_torch(norm)
-
-
 def _build_layer_norm(norm: nn.Module) -> nn.Module:
-    from .nn.layer_norm import LayerNorm
-
     fused = LayerNorm.from_torch(norm)
     if fused.normalized_shape > LAYER_NORM_MAX_WIDTH:
         raise ValueError(f"normalized width {fused.normalized_shape} exceeds the {LAYER_NORM_MAX_WIDTH} "
@@ -144,32 +100,33 @@ def _build_layer_norm(norm: nn.Module) -> nn.Module:
 BLOCK_SWAPS: Tuple[Swap, ...] = (
     # Their resnets, transformers and up-samplers are swapped inside them (children_swappable).
     Swap("diffusers.models.unets.unet_2d_blocks", "UpBlock2D", "UpBlock2D",
-         "mirage.nn.UpBlock2D (skip connections concatenated as rows)", _build_up_block),
+         "mirage.nn.UpBlock2D (skip connections concatenated as rows)", UpBlock2D.from_diffusers),
     Swap("diffusers.models.unets.unet_2d_blocks", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
-         "mirage.nn.CrossAttnUpBlock2D (skip connections concatenated as rows)", _build_cross_attn_up_block),
+         "mirage.nn.CrossAttnUpBlock2D (skip connections concatenated as rows)",
+         CrossAttnUpBlock2D.from_diffusers),
     Swap("diffusers.models.resnet", "ResnetBlock2D", "ResnetBlock2D",
-         "mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)", _build_resnet_block),
+         "mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)", ResnetBlock2D.from_diffusers),
     # Its attentions, GEGLU and norm1 are swapped inside it by this and the later stages
     # (mirage.nn.BasicTransformerBlock.children_swappable).
     Swap("diffusers.models.attention", "BasicTransformerBlock", "BasicTransformerBlock",
          "mirage.nn.BasicTransformerBlock (residual add+LayerNorm fused)", _build_transformer_block),
     # Its norm, blocks and projections are swapped inside it (children_swappable).
     Swap("diffusers.models.transformers.transformer_2d", "Transformer2DModel", "Transformer2DModel",
-         "mirage.nn.Transformer2DModel (no NCHW copy at its end)", _build_transformer_2d),
+         "mirage.nn.Transformer2DModel (no NCHW copy at its end)", Transformer2DModel.from_diffusers),
     # Attention's processors test `isinstance(norm_cross, nn.LayerNorm)`: swapping its norms alone
     # would break it, hence opaque.
     Swap("diffusers.models.attention_processor", "Attention", "Attention",
-         "mirage fused attention (one QKV GEMM, SDPA)", _build_attention, opaque=True),
+         "mirage fused attention (one QKV GEMM, SDPA)", from_diffusers_attention, opaque=True),
     Swap("diffusers.models.activations", "GEGLU", "GEGLU", "mirage.nn.GEGLU", _build_geglu),
     Swap("diffusers.models.upsampling", "Upsample2D", "Upsample2D",
-         "mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)", _build_upsample,
+         "mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)", Upsample2D.from_diffusers,
          candidate=lambda block: block.use_conv and not block.use_conv_transpose),
 )
 
 # Stage 3: single torch norms wherever they remain, after the pattern pass has fused the
 # GroupNorm → SiLU pairs it can see.
 NORM_SWAPS: Tuple[Swap, ...] = (
-    Swap("torch.nn", "GroupNorm", "GroupNorm", "mirage.nn.GroupNorm", _build_group_norm),
+    Swap("torch.nn", "GroupNorm", "GroupNorm", "mirage.nn.GroupNorm", GroupNorm.from_torch),
     Swap("torch.nn", "LayerNorm", "LayerNorm", "mirage.nn.LayerNorm", _build_layer_norm),
 )
 
@@ -393,7 +350,7 @@ class OptimizedModule(nn.Module):
         """Recomputes the weights swapped modules derive from the model's (``mirage.nn.Upsample2D``'s
         folded kernels) where those changed, or all of them with ``force``: after changes PyTorch's
         version counter does not see (writes through ``.data``). In place, so graphs stay valid.
-        Every call does the unforced check first."""
+        ``forward`` runs the unforced check before every call."""
         for derived in self._derived:
             derived.refresh_derived_weights(force)
 
