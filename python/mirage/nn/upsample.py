@@ -12,6 +12,11 @@ from torch import Tensor, nn
 from .. import ops
 
 
+def _conv_attribute(name: str) -> str:
+    """Where diffusers' Upsample2D keeps its convolution (its ``name`` argument picks it)."""
+    return "conv" if name == "conv" else "Conv2d_0"
+
+
 def _version(tensor: Tensor) -> Optional[int]:
     """The tensor's version counter, or None for one made under torch.inference_mode (or whose
     storage was, as after ``param.data = ...`` there), which has none."""
@@ -70,7 +75,7 @@ class Upsample2D(nn.Module):
             raise ValueError("no convolution follows the upsampling: nothing to fold it into")
         if not block.interpolate:
             raise ValueError("interpolate=False: the block does not upsample")
-        conv = block.conv if block.name == "conv" else block.Conv2d_0
+        conv = getattr(block, _conv_attribute(block.name))
         geometry = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
         if type(conv) is not nn.Conv2d or geometry != ((3, 3), (1, 1), (1, 1), (1, 1), 1, "zeros"):
             raise ValueError("its convolution is not a plain 3x3 nn.Conv2d with stride 1, padding 1, dilation 1, "
@@ -80,12 +85,12 @@ class Upsample2D(nn.Module):
             setattr(fused, attribute, getattr(block, attribute))
         fused.norm = block.norm
         # Under the block's attribute name, so that state-dict keys stay the same.
-        setattr(fused, "conv" if block.name == "conv" else "Conv2d_0", conv)
+        setattr(fused, _conv_attribute(block.name), conv)
         return fused.train(block.training)
 
     @property
     def _conv(self) -> nn.Conv2d:
-        return self.conv if self.name == "conv" else self.Conv2d_0
+        return getattr(self, _conv_attribute(self.name))
 
     def refresh_derived_weights(self, force: bool = False) -> None:
         """Refolds the 2x2 kernels if the convolution's weight changed since they were folded (or
