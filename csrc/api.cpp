@@ -1,9 +1,17 @@
 // The public C++ API (include/mirage/mirage.h): thin calls through the dispatcher.
 #include "mirage/mirage.h"
 
+#include <algorithm>
+#include <climits>
 #include <sstream>
 
 #include "op_handles.h"
+
+#if MIRAGE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
+#include "../cuda/cfconv.cuh"
+#endif
 
 #ifndef MIRAGE_VERSION
 #error "MIRAGE_VERSION must be defined by the build"
@@ -17,6 +25,17 @@ BuildInfo build_info() {
   for (std::string arch; std::getline(archs, arch, ',');)
     if (!arch.empty()) info.cuda_archs.push_back(arch);
   return info;
+}
+
+bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
+#if MIRAGE_WITH_CUDA
+  if (!device.is_cuda()) return true;
+  const auto narrow = [](int64_t v) { return static_cast<int>(std::clamp<int64_t>(v, 0, INT32_MAX)); };
+  const c10::cuda::CUDAGuard guard(device);
+  return cuda::cfconv_supported(narrow(num_rbf), narrow(hidden), narrow(width));
+#else
+  return !device.is_cuda();
+#endif
 }
 
 at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,

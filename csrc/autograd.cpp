@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include "op_handles.h"
@@ -693,5 +694,77 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_autograd(const at::Tensor& atom
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) { m.impl("schnet_energy", &schnet_energy_autograd); }
+
+// mirage::cfconv: the gradients in x, basis and envelope come from the fused backward op, which
+// reads the filters the forward returned. Like schnet_energy it serves forces (and stress) of a
+// model in eval mode: no gradient in the filter network's parameters and no double backward
+// (mirage.ff.SchNet in training mode takes the layer-by-layer path); asking for either raises.
+namespace {
+
+// Absent biases travel through the autograd Function as empty tensors (its inputs must be defined);
+// a present one has at least one element (checked).
+at::Tensor or_empty(const std::optional<at::Tensor>& bias, const at::Tensor& like) {
+  return bias.has_value() ? *bias : like.new_empty({0});
+}
+
+std::optional<at::Tensor> optional(const at::Tensor& bias) {
+  return bias.numel() > 0 ? std::optional<at::Tensor>(bias) : std::nullopt;
+}
+
+struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& basis,
+                               const at::Tensor& envelope, const at::Tensor& weight1, const at::Tensor& bias1,
+                               const at::Tensor& weight2, const at::Tensor& bias2, const at::Tensor& pairs,
+                               c10::string_view activation) {
+    at::Tensor out, filters;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(out, filters) = handles::cfconv().call(x, basis, envelope, pairs, weight1, optional(bias1), weight2,
+                                                      optional(bias2), activation);
+    }
+    ctx->save_for_backward({x, basis, envelope, pairs, filters, weight1, bias1, weight2});
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->mark_non_differentiable({filters});
+    return {out, filters};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    using ops::kCfconv;
+    MIRAGE_CHECK(!at::GradMode::is_enabled(), kCfconv,
+                 ": double backward (create_graph=True, as training on forces needs) is not available; "
+                 "put the model in training mode (model.train()) to take the layer-by-layer path");
+    for (int k = 3; k <= 6; ++k)
+      MIRAGE_CHECK(!ctx->needs_input_grad(k), kCfconv,
+                   ": no gradient in the filter network's parameters (weight1, bias1, weight2, bias2); put the "
+                   "model in training mode (model.train()) to take the layer-by-layer path");
+    variable_list grads(9);  // x, basis, envelope, four parameters, pairs, activation
+    if (!grad_outputs[0].defined()) return grads;
+    const variable_list s = ctx->get_saved_variables();
+    std::tie(grads[0], grads[1], grads[2]) = handles::cfconv_backward().call(
+        grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5], optional(s[6]), s[7],
+        ctx->saved_data["activation"].toStringRef());
+    return grads;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> cfconv_autograd(const at::Tensor& x, const at::Tensor& basis,
+                                                   const at::Tensor& envelope, const at::Tensor& pairs,
+                                                   const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                                                   const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+                                                   c10::string_view activation) {
+  // Checked here first: past this point an empty bias would read as an absent one.
+  ops::check_cfconv(ops::kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+  const variable_list out = CfconvFunction::apply(x, basis, envelope, weight1, or_empty(bias1, weight1), weight2,
+                                                  or_empty(bias2, weight2), pairs, activation);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+// cfconv_backward itself is not differentiable (see above): a clear error if asked to be.
+TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
+  m.impl("cfconv", &cfconv_autograd);
+  m.impl("cfconv_backward", torch::autograd::autogradNotImplementedFallback());
+}
 
 }  // namespace mirage::autograd

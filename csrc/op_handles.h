@@ -41,6 +41,14 @@ using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view);
 
+using CfconvSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&,
+                                                     const std::optional<at::Tensor>&, const at::Tensor&,
+                                                     const std::optional<at::Tensor>&, c10::string_view);
+using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view);
+
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
@@ -67,6 +75,8 @@ MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
 MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
 MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
+MIRAGE_OP_HANDLE(cfconv, CfconvSig)
+MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

@@ -21,4 +21,10 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       "What the library was built with: version, torch and CUDA versions, GPU architectures.");
+  m.def(
+      "cfconv_supported",
+      [](int64_t num_rbf, int64_t hidden, int64_t width, const std::string& device) {
+        return mirage::cfconv_supported(num_rbf, hidden, width, c10::Device(device));
+      },
+      "Whether mirage::cfconv takes a filter network of these sizes on this device (a torch device string).");
 }

@@ -41,4 +41,12 @@ TORCH_LIBRARY(mirage, m) {
   m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
         "float cutoff, int num_rbf, Tensor[] weights, str activations) -> (Tensor energy, "
         "Tensor grad_vectors)");
+  // SchNet's continuous-filter convolution with its filter network fused in (larger systems):
+  // out = sum over pairs of x[j] * (W2 act(W1 basis + b1) + b2) * envelope; also returns the
+  // filters (before the envelope), which its backward reads.
+  m.def("cfconv(Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor weight1, Tensor? bias1, "
+        "Tensor weight2, Tensor? bias2, str activation) -> (Tensor out, Tensor filters)");
+  m.def("cfconv_backward(Tensor grad, Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor filters, "
+        "Tensor weight1, Tensor? bias1, Tensor weight2, str activation) -> (Tensor grad_x, Tensor grad_basis, "
+        "Tensor grad_envelope)");
 }

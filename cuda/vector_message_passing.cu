@@ -30,24 +30,6 @@ size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 __device__ __forceinline__ bool in_range(int64_t i, int64_t n) { return i >= 0 && i < n; }
 
-// out[0 .. V) += v. With V = 4 (out 16-byte aligned, as the launchers check) Hopper adds the four
-// in one vector atomic: a quarter of the atomic requests, which bound the scatter. Older GPUs get
-// four scalar atomics from their own code path of this fat binary.
-template <int V>
-__device__ __forceinline__ void atomic_add(float* out, const float (&v)[V]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kVector = V == 4;
-#else
-  constexpr bool kVector = false;
-#endif
-  if constexpr (kVector) {
-    atomicAdd(reinterpret_cast<float4*>(out), make_float4(v[0], v[1], v[2], v[3]));
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) atomicAdd(out + e, v[e]);
-  }
-}
-
 // The run of pairs of this warp: [begin, begin + count). count <= 0 when the warp has none.
 struct PairRun {
   int64_t begin;

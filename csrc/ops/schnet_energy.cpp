@@ -1,4 +1,5 @@
-// mirage::schnet_energy: checks, the CPU reference and the Meta kernel.
+// mirage::schnet_energy and mirage::cfconv (with its backward): checks, the CPU references and the Meta
+// kernels.
 #include "schnet_energy.h"
 
 #include <cmath>
@@ -236,7 +237,152 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_meta(const at::Tensor& atomic_n
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mirage, CPU, m) { m.impl("schnet_energy", &schnet_energy_cpu); }
-TORCH_LIBRARY_IMPL(mirage, Meta, m) { m.impl("schnet_energy", &schnet_energy_meta); }
+CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
+                         const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
+                         const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
+                         const std::optional<at::Tensor>& bias2, std::string_view activation) {
+  const auto dtype = x.scalar_type();
+  MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !x.is_cuda()), op,
+               ": x must be float32 (or float64 off the GPU), got ", dtype, " on ", x.device());
+  MIRAGE_CHECK(x.dim() == 2, op, ": x must be 2-D [N, M], got shape ", x.sizes());
+  const auto like_x = [&](const at::Tensor& t, std::string_view name) {
+    MIRAGE_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(), "), got ",
+                 t.device());
+    MIRAGE_CHECK(t.scalar_type() == dtype, op, ": ", name, " must have x's dtype (", dtype, "), got ",
+                 t.scalar_type());
+  };
+  like_x(basis, "basis");
+  like_x(envelope, "envelope");
+  like_x(weight1, "weight1");
+  like_x(weight2, "weight2");
+  MIRAGE_CHECK(pairs.device() == x.device(), op, ": pairs must be on x's device (", x.device(), "), got ",
+               pairs.device());
+  MIRAGE_CHECK(pairs.scalar_type() == at::kLong && pairs.dim() == 2 && pairs.size(0) == 2, op,
+               ": pairs must be an int64 tensor of shape [2, P], got ", pairs.scalar_type(), " of shape ",
+               pairs.sizes());
+  CfconvShape s{};
+  s.nodes = x.size(0);
+  s.width = x.size(1);
+  s.pairs = pairs.size(1);
+  MIRAGE_CHECK(s.nodes > 0 || s.pairs == 0, op, ": x has no rows (N=0) for pairs to index (P=", s.pairs, ")");
+  MIRAGE_CHECK(weight1.dim() == 2 && weight1.size(0) >= 1 && weight1.size(1) >= 1, op,
+               ": weight1 must be 2-D [H, R] with H, R >= 1, got shape ", weight1.sizes());
+  s.hidden = weight1.size(0);
+  s.rbf = weight1.size(1);
+  MIRAGE_CHECK(basis.dim() == 2 && basis.size(0) == s.pairs && basis.size(1) == s.rbf, op,
+               ": basis must have shape [P, R] = [", s.pairs, ", ", s.rbf, "] (P from pairs, R from weight1), got ",
+               basis.sizes());
+  MIRAGE_CHECK(envelope.dim() == 1 && envelope.size(0) == s.pairs, op, ": envelope must have shape [P] = [",
+               s.pairs, "], got ", envelope.sizes());
+  MIRAGE_CHECK(weight2.dim() == 2 && weight2.size(0) == s.width && weight2.size(1) == s.hidden, op,
+               ": weight2 must have shape [M, H] = [", s.width, ", ", s.hidden, "] (M from x, H from weight1), got ",
+               weight2.sizes());
+  const auto check_bias = [&](const std::optional<at::Tensor>& b, std::string_view name, int64_t size) {
+    if (!b.has_value()) return;
+    like_x(*b, name);
+    MIRAGE_CHECK(b->dim() == 1 && b->size(0) == size, op, ": ", name, " must have shape [", size, "], got ",
+                 b->sizes());
+  };
+  check_bias(bias1, "bias1", s.hidden);
+  check_bias(bias2, "bias2", s.width);
+  bool known = false;
+  for (std::string_view k : kSchnetActivations) known = known || activation == k;
+  MIRAGE_CHECK(known, op, ": activation \"", activation, "\" is not one of shifted_softplus, softplus, silu, "
+               "tanh, gelu, relu");
+  return s;
+}
+
+void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
+                           const CfconvShape& s) {
+  for (const auto& [t, name] : {std::pair{&grad, "grad"}, std::pair{&filters, "filters"}}) {
+    MIRAGE_CHECK(t->device() == x.device(), kCfconvBackward, ": ", name, " must be on x's device (", x.device(),
+                 "), got ", t->device());
+    MIRAGE_CHECK(t->scalar_type() == x.scalar_type(), kCfconvBackward, ": ", name, " must have x's dtype (",
+                 x.scalar_type(), "), got ", t->scalar_type());
+  }
+  MIRAGE_CHECK(grad.sizes() == x.sizes(), kCfconvBackward, ": grad must have x's shape ", x.sizes(), ", got ",
+               grad.sizes());
+  MIRAGE_CHECK(filters.dim() == 2 && filters.size(0) == s.pairs && filters.size(1) == s.width, kCfconvBackward,
+               ": filters must have shape [P, M] = [", s.pairs, ", ", s.width, "], got ", filters.sizes());
+}
+
+namespace {
+
+at::Tensor optional_f64(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->to(at::kDouble) : at::Tensor();
+}
+
+// The references, in float64 from the definitions (docs/ops.md).
+std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
+                                              const at::Tensor& pairs, const at::Tensor& weight1,
+                                              const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
+                                              const std::optional<at::Tensor>& bias2, c10::string_view activation) {
+  const CfconvShape s =
+      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+  const at::Tensor idx = pairs.contiguous();
+  check_pair_indices(kCfconv, idx, s.nodes);
+  const std::string act(activation);
+  const at::Tensor hidden = activate(at::linear(basis.to(at::kDouble), weight1.to(at::kDouble), optional_f64(bias1)), act);
+  const at::Tensor filters = at::linear(hidden, weight2.to(at::kDouble), optional_f64(bias2));
+  const at::Tensor messages = x.to(at::kDouble).index_select(0, idx[1]) * filters * envelope.to(at::kDouble).unsqueeze(1);
+  const at::Tensor out = at::zeros({s.nodes, s.width}, messages.options()).index_add_(0, idx[0], messages);
+  return {out.to(x.scalar_type()), filters.to(x.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
+    const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation) {
+  const CfconvShape s =
+      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
+  check_cfconv_backward(grad, filters, x, s);
+  const at::Tensor idx = pairs.contiguous();
+  check_pair_indices(kCfconvBackward, idx, s.nodes);
+  const at::Tensor f = filters.to(at::kDouble), e = envelope.to(at::kDouble).unsqueeze(1);
+  const at::Tensor grad_i = grad.to(at::kDouble).index_select(0, idx[0]);
+  const at::Tensor grad_filter = grad_i * x.to(at::kDouble).index_select(0, idx[1]);
+  const at::Tensor grad_x = at::zeros({s.nodes, s.width}, f.options()).index_add_(0, idx[1], grad_i * f * e);
+  const at::Tensor grad_envelope = (grad_filter * f).sum(1);
+  const at::Tensor w1 = weight1.to(at::kDouble);
+  const at::Tensor pre = at::linear(basis.to(at::kDouble), w1, optional_f64(bias1));
+  const at::Tensor grad_pre = at::matmul(grad_filter * e, weight2.to(at::kDouble)) * activation_grad(pre, std::string(activation));
+  const at::Tensor grad_basis = at::matmul(grad_pre, w1);
+  const auto dtype = x.scalar_type();
+  return {grad_x.to(dtype), grad_basis.to(dtype), grad_envelope.to(dtype)};
+}
+
+std::tuple<at::Tensor, at::Tensor> cfconv_meta(const at::Tensor& x, const at::Tensor& basis,
+                                               const at::Tensor& envelope, const at::Tensor& pairs,
+                                               const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                                               const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+                                               c10::string_view activation) {
+  const CfconvShape s =
+      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+  return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
+    const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation) {
+  const CfconvShape s =
+      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
+  check_cfconv_backward(grad, filters, x, s);
+  return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.rbf}, x.options()),
+          at::empty({s.pairs}, x.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CPU, m) {
+  m.impl("schnet_energy", &schnet_energy_cpu);
+  m.impl("cfconv", &cfconv_cpu);
+  m.impl("cfconv_backward", &cfconv_backward_cpu);
+}
+TORCH_LIBRARY_IMPL(mirage, Meta, m) {
+  m.impl("schnet_energy", &schnet_energy_meta);
+  m.impl("cfconv", &cfconv_meta);
+  m.impl("cfconv_backward", &cfconv_backward_meta);
+}
 
 }  // namespace mirage::ops

@@ -1,6 +1,7 @@
-// mirage::schnet_energy: checks and shapes shared by the CPU, Meta and CUDA kernels.
+// mirage::schnet_energy and mirage::cfconv: checks and shapes shared by the CPU, Meta and CUDA kernels.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,5 +31,23 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
 
 // `activations` ("filter,update_0,...,update_{T-1},readout") split at the commas.
 std::vector<std::string> split_activations(std::string_view activations);
+
+// mirage::cfconv and mirage::cfconv_backward, SchNet's interaction for larger systems.
+inline constexpr std::string_view kCfconv = "mirage::cfconv";
+inline constexpr std::string_view kCfconvBackward = "mirage::cfconv_backward";
+
+struct CfconvShape {
+  int64_t nodes, pairs, rbf, hidden, width;  // N, P, R, H, M
+};
+
+// Checks every argument shared by the two ops (not the index values) and returns the sizes.
+CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
+                         const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
+                         const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
+                         const std::optional<at::Tensor>& bias2, std::string_view activation);
+
+// The backward's own arguments: grad [N, M] and filters [P, M], as x.
+void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
+                           const CfconvShape& s);
 
 }  // namespace mirage::ops

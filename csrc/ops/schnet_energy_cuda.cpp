@@ -1,9 +1,12 @@
-// mirage::schnet_energy on CUDA.
+// mirage::schnet_energy and mirage::cfconv (with its backward) on CUDA.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <ATen/Context.h>
+
+#include "../../cuda/cfconv.cuh"
 #include "../../cuda/schnet_energy.cuh"
 #include "cuda_utils.h"
 #include "schnet_energy.h"
@@ -87,8 +90,110 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
   return {energy, grad_vectors};
 }
 
+// t as a contiguous tensor whose data is 16-byte aligned (the kernels move rows as float4): a
+// copy only for a view that starts at an odd offset.
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// The filter network for the kernels; `held` keeps the contiguous copies alive until the launch.
+cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, const at::Tensor& weight1,
+                                   const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
+                                   const std::optional<at::Tensor>& bias2, c10::string_view activation,
+                                   std::vector<at::Tensor>& held) {
+  MIRAGE_CHECK(cuda::cfconv_supported(static_cast<int>(std::min<int64_t>(s.rbf, INT32_MAX)),
+                                      static_cast<int>(std::min<int64_t>(s.hidden, INT32_MAX)),
+                                      static_cast<int>(std::min<int64_t>(s.width, INT32_MAX))),
+               op, ": the CUDA kernels take a filter network with H == M, 64 or 128 wide, and R <= 64 basis "
+               "functions, on a GPU with TF32 tensor cores and ~200 KB of shared memory per block (sm_80, sm_90); "
+               "got R=", s.rbf, ", H=", s.hidden, ", M=", s.width, " (use mirage::message_passing with the filters "
+               "computed by PyTorch otherwise)");
+  MIRAGE_CHECK(s.nodes < INT32_MAX, op, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
+  const auto ptr = [&held](const at::Tensor& t) {
+    held.push_back(aligned(t));
+    return held.back().const_data_ptr<float>();
+  };
+  cuda::CfconvWeights w{};
+  w.w1 = ptr(weight1);
+  w.b1 = bias1.has_value() ? ptr(*bias1) : nullptr;
+  w.w2 = ptr(weight2);
+  w.b2 = bias2.has_value() ? ptr(*bias2) : nullptr;
+  w.num_rbf = static_cast<int>(s.rbf);
+  w.width = static_cast<int>(s.width);
+  w.activation = kernel_activation(std::string(activation));
+  w.tf32 = at::globalContext().allowTF32CuBLAS();
+  return w;
+}
+
+std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Tensor& basis,
+                                               const at::Tensor& envelope, const at::Tensor& pairs,
+                                               const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                                               const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+                                               c10::string_view activation) {
+  const CfconvShape s =
+      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> held;
+  cuda::CfconvParams p{};
+  p.weights = cfconv_weights(kCfconv, s, weight1, bias1, weight2, bias2, activation, held);
+  const at::Tensor xc = aligned(x), basis_c = basis.contiguous(), envelope_c = envelope.contiguous();
+  const at::Tensor idx = pairs.contiguous();
+  at::Tensor out = at::empty({s.nodes, s.width}, x.options());
+  at::Tensor filters = at::empty({s.pairs, s.width}, x.options());
+  const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));  // zeroed on the stream
+  p.x = xc.const_data_ptr<float>();
+  p.basis = basis_c.const_data_ptr<float>();
+  p.envelope = envelope_c.const_data_ptr<float>();
+  p.pairs = idx.const_data_ptr<int64_t>();
+  p.out = out.mutable_data_ptr<float>();
+  p.filters = filters.mutable_data_ptr<float>();
+  p.invalid = invalid.mutable_data_ptr<int>();
+  p.num_nodes = s.nodes;
+  p.num_pairs = s.pairs;
+  check_launch(kCfconv, cuda::launch_cfconv(p, c10::cuda::getCurrentCUDAStream()));
+  return {out, filters};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
+    const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation) {
+  const CfconvShape s =
+      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
+  check_cfconv_backward(grad, filters, x, s);
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> held;
+  cuda::CfconvBackwardParams p{};
+  p.weights = cfconv_weights(kCfconvBackward, s, weight1, bias1, weight2, std::nullopt, activation, held);
+  const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
+  const at::Tensor basis_c = basis.contiguous(), envelope_c = envelope.contiguous(), idx = pairs.contiguous();
+  at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());
+  at::Tensor grad_basis = at::empty({s.pairs, s.rbf}, x.options());
+  at::Tensor grad_envelope = at::empty({s.pairs}, x.options());
+  const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));
+  p.grad = grad_c.const_data_ptr<float>();
+  p.x = xc.const_data_ptr<float>();
+  p.basis = basis_c.const_data_ptr<float>();
+  p.envelope = envelope_c.const_data_ptr<float>();
+  p.pairs = idx.const_data_ptr<int64_t>();
+  p.filters = filters_c.const_data_ptr<float>();
+  p.grad_x = grad_x.mutable_data_ptr<float>();
+  p.grad_basis = grad_basis.mutable_data_ptr<float>();
+  p.grad_envelope = grad_envelope.mutable_data_ptr<float>();
+  p.invalid = invalid.mutable_data_ptr<int>();
+  p.num_nodes = s.nodes;
+  p.num_pairs = s.pairs;
+  check_launch(kCfconvBackward, cuda::launch_cfconv_backward(p, c10::cuda::getCurrentCUDAStream()));
+  return {grad_x, grad_basis, grad_envelope};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mirage, CUDA, m) { m.impl("schnet_energy", &schnet_energy_cuda); }
+TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
+  m.impl("schnet_energy", &schnet_energy_cuda);
+  m.impl("cfconv", &cfconv_cuda);
+  m.impl("cfconv_backward", &cfconv_backward_cuda);
+}
 
 }  // namespace mirage::ops

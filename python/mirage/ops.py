@@ -425,3 +425,67 @@ def schnet_energy(
     """
     return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
                                           list(weights), ",".join(activations))
+
+
+def cfconv(
+    x: Tensor,
+    basis: Tensor,
+    envelope: Tensor,
+    pairs: Tensor,
+    weight1: Tensor,
+    bias1: Optional[Tensor],
+    weight2: Tensor,
+    bias2: Optional[Tensor],
+    activation: str = "shifted_softplus",
+) -> Tensor:
+    """SchNet's continuous-filter convolution with its filter network fused in.
+
+    With ``filters[p] = weight2 @ act(weight1 @ basis[p] + bias1) + bias2`` (the filter network,
+    ``Linear, activation, Linear``)::
+
+        out[i] = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p] * envelope[p]
+
+    i.e. ``message_passing(x, filter_net(basis) * envelope[:, None], pairs)``. On CUDA one kernel
+    computes the filters on tensor cores a tile of pairs at a time and scatters the messages,
+    so none of the ``[P, H]`` intermediates goes to memory: for the larger systems, where the
+    filter network dominates a SchNet step (docs/perf/forcefield.md).
+
+    Precision on CUDA follows ``torch.backends.cuda.matmul``'s float32 setting: by default each
+    float32 operand of the products is split into two TF32 parts and three tensor-core products
+    are added (float32 accuracy, docs/ops.md); with TF32 allowed (``allow_tf32`` /
+    ``fp32_precision = "tf32"``) the operands are rounded to TF32 once, 3x fewer products.
+
+    Args:
+        x: ``(N, M)`` sender features; float32 (float64 too on the CPU). The floating inputs
+            share its dtype and device.
+        basis: ``(P, R)`` radial basis per pair.
+        envelope: ``(P,)`` the cutoff function per pair (0 drops a pair's message).
+        pairs: ``(2, P)`` int64; row 0 the receivers ``i``, row 1 the senders ``j``, any order
+            (receiver-sorted, as ``neighbor_list`` returns them, is the fast case).
+        weight1, bias1: the first Linear, ``(H, R)`` and ``(H,)`` or None.
+        weight2, bias2: the second Linear, ``(M, H)`` and ``(M,)`` or None.
+        activation: between them; one of ``shifted_softplus, softplus, silu, tanh, gelu, relu``.
+
+    Returns:
+        ``(N, M)`` in x's dtype. Differentiable in ``x``, ``basis`` and ``envelope`` (first
+        order: forces and stress) through a fused backward op
+        (``torch.ops.mirage.cfconv_backward``); asking for a gradient in the weights or for a
+        second order raises ``RuntimeError``. CUDA takes ``H == M`` of 64 or 128 and
+        ``R <= 64`` on sm_80/sm_90 GPUs and raises ``RuntimeError`` otherwise. No autocast
+        policy. Indices outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA returns NaN
+        everywhere (gradients too).
+    """
+    return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation)[0]
+
+
+def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
+    """Whether :func:`cfconv` runs a filter network of ``num_rbf`` inputs, ``hidden`` units and
+    ``width`` outputs on ``device``: always on the CPU; on CUDA when ``hidden == width`` is 64 or
+    128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores and the kernels' ~160-210 KB of shared
+    memory per block (sm_80, sm_90)."""
+    from . import _C
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return bool(_C.cfconv_supported(int(num_rbf), int(hidden), int(width), str(device)))

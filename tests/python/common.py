@@ -1,13 +1,26 @@
 """Shared by the op tests: devices, dtypes, input makers and the reference comparison."""
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# The force-field ops' activations by name (mirage.ff's), in plain PyTorch: the references.
+FF_ACTIVATIONS = {
+    "shifted_softplus": lambda v: F.softplus(v) - math.log(2.0),
+    "softplus": F.softplus,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
 
 
 def randn(*shape, dtype=torch.float32, device="cpu", mean=0.3, std=1.7):

@@ -8,19 +8,10 @@ import torch.nn.functional as F
 
 import mirage
 import mirage.ff
-from common import DEVICES, OpCounter, assert_error, capture_graph
+from common import DEVICES, FF_ACTIVATIONS, OpCounter, assert_error, capture_graph
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-ACTIVATIONS = {
-    "shifted_softplus": lambda v: F.softplus(v) - math.log(2.0),
-    "softplus": F.softplus,
-    "silu": F.silu,
-    "tanh": torch.tanh,
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
 
 # name: (N, P, F, R, H, M, K, Kr, activations (filter, per interaction, readout), biases).
 # benzene: the benchmark's sizes, every pair. odd: widths that are no multiple of 4 (the kernel's
@@ -71,7 +62,7 @@ def make_inputs(name, device="cpu", dtype=torch.float64):
 def schnet_composite(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations):
     """docs/ops.md's definition in plain torch; the energy and autograd's d energy / d vectors."""
     vectors = vectors.detach().requires_grad_(True)
-    act = [ACTIVATIONS[name] for name in activations]
+    act = [FF_ACTIVATIONS[name] for name in activations]
 
     def linear(x, index):
         bias = weights[index + 1]

@@ -25,6 +25,7 @@ forward chooses it from the system) and the ``[1]`` int64 buffer ``num_pairs``, 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -113,6 +114,11 @@ def _cosine_cutoff(d: Tensor, cutoff: float) -> Tensor:
     (d == c); without it cos^2 would leave ~1e-15 there in float32.
     """
     return torch.where(d < cutoff, torch.cos(d * (math.pi / (2.0 * cutoff))).square(), 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cfconv_supported(num_rbf: int, hidden: int, width: int, device: torch.device) -> bool:
+    return ops.cfconv_supported(num_rbf, hidden, width, device)
 
 
 def _stack(tensors: Sequence[Tensor]) -> Tensor:
@@ -392,6 +398,10 @@ class SchNet(_FusedModel):
     # H200, 2026-11-22 23:06 UTC: one kernel 307 vs 382 µs at 380 pairs, 363 vs 391 at 552, 705 vs 538
     # at 2,256 (docs/perf/forcefield.md).
     whole_model_max_pairs = 512
+    #: Larger systems in eval mode on CUDA run each interaction as one mirage::cfconv (filter
+    #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
+    #: the batched filter GEMMs (for comparisons).
+    fused_interactions = True
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:
@@ -484,13 +494,38 @@ class SchNet(_FusedModel):
         In eval mode, on CUDA in float32 outside autocast, systems of at most
         :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) run as one kernel,
         ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
-        parameters and no double backward. Training mode takes the layer-by-layer path, which
-        has both."""
+        parameters and no double backward. Larger systems under the same conditions run each
+        interaction as one ``mirage::cfconv`` (filter network, cutoff and message passing fused;
+        :attr:`fused_interactions`), with the same two limits. Training mode takes the
+        layer-by-layer path, which has both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                      self._kernel_weights(), self._kernel_activations())[0]
         rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
+        if self._fused_interactions(positions):
+            envelope = _cosine_cutoff(distances, self.cutoff)
+
+            def messages(t: int, block: nn.Module, h: Tensor) -> Tensor:
+                first, second = block.filter[0], block.filter[2]
+                return ops.cfconv(h, rbf, envelope, pairs, first.weight, first.bias, second.weight, second.bias,
+                                  self.filter_activation)
+        else:
+            # unbind, not filters[t]: its backward stacks the T gradients in one pass, where each
+            # select's backward would fill a zero [T, P, M] tensor and the T of them be summed.
+            filters = self._filters(rbf, distances).unbind(0)
+
+            def messages(t: int, block: nn.Module, h: Tensor) -> Tensor:
+                return ops.message_passing(h, filters[t], pairs)
+
+        x = self.embedding(atomic_numbers)
+        for t, block in enumerate(self.interactions):
+            h = F.linear(x, block.in2f.weight, block.in2f.bias)
+            x = x + _mlp(messages(t, block, h), block.f2out, self.update_activations[t])
+        return self._readout(x)
+
+    def _filters(self, rbf: Tensor, distances: Tensor) -> Tensor:
+        """Every interaction's filters times the cutoff, ``[T, P, M]``, as batched GEMMs."""
         count = len(self.interactions)
         blocks = list(self.interactions)
         first, second = [block.filter[0] for block in blocks], [block.filter[2] for block in blocks]
@@ -508,14 +543,18 @@ class SchNet(_FusedModel):
             filters = torch.baddbmm(bias.unsqueeze(1), F.softplus(hidden), weight)
         else:
             filters = _batched_linear(ACTIVATIONS[self.filter_activation](hidden), second)
-        filters = filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)  # [T, P, M]
-        x = self.embedding(atomic_numbers)
-        # unbind, not filters[t]: its backward stacks the T gradients in one pass, where each
-        # select's backward would fill a zero [T, P, M] tensor and the T of them be summed.
-        for t, (block, layer_filter) in enumerate(zip(blocks, filters.unbind(0))):
-            messages = ops.message_passing(F.linear(x, block.in2f.weight, block.in2f.bias), layer_filter, pairs)
-            x = x + _mlp(messages, block.f2out, self.update_activations[t])
-        return self._readout(x)
+        return filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)
+
+    def _fused_interactions(self, positions: Tensor) -> bool:
+        """Whether the interactions run as mirage::cfconv (the filter network fused with the
+        message passing): the eval-mode conditions of the one-kernel path, and sizes its CUDA
+        kernels take (static: never the data, so the choice is graph-safe)."""
+        if not (self.fused_interactions and not self.training and positions.is_cuda
+                and positions.dtype == torch.float32 and self.embedding.weight.dtype == torch.float32
+                and not torch.is_autocast_enabled("cuda")):
+            return False
+        first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
+        return _cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
 
     def _whole_model_kernel(self, positions: Tensor) -> bool:
         """Whether this forward runs as one mirage::schnet_energy kernel (static: shapes, dtypes,

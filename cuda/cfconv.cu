@@ -1,0 +1,484 @@
+// mirage::cfconv and its backward: the filter network, the envelope and the message scatter of
+// one SchNet interaction in one pass over the pairs.
+//
+// Layer by layer, a 3,000-atom box (139k pairs, 128 features) writes and reads [P, 128] float32
+// tensors about a dozen times per interaction (the hidden layer, its activation, the filters, the
+// enveloped filters, their gradients) and runs the filter products on CUDA cores
+// (docs/perf/forcefield.md). Here each block keeps the filter network in shared memory, takes
+// 128 pairs at a time and runs its products on tensor cores (TF32 mma.sync; by default each
+// float32 operand is split into a TF32 high part and a TF32 remainder and three products are
+// added, which keeps float32 accuracy): the hidden layer goes to shared memory, the filters
+// come out in registers, and the messages are scattered with vector atomics, one per run of
+// equal receivers. Only the filters [P, M] go to memory, for the backward, which recomputes the
+// hidden layer's pre-activation from the basis (a product with K = R) instead of storing it.
+#include <cmath>
+
+#include "cfconv.cuh"
+#include "kernel_utils.cuh"
+
+namespace mirage::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 128;                    // pairs per tile
+constexpr int kWarpsAlongColumns = 4;         // the [kTile, D] products: 4 x 4 warps of 32 x D/4
+constexpr int kRowsPerWarp = kTile / kWarps;  // rows of a warp in the per-pair passes
+constexpr int kMaxRbf = 64;
+
+__device__ __forceinline__ uint32_t to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+
+// v = hi + lo with both parts TF32 (lo only when kSplit).
+template <bool kSplit>
+__device__ __forceinline__ void split(float v, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(v);
+  if constexpr (kSplit) lo = to_tf32(v - __uint_as_float(hi));
+}
+
+// c += a b for one m16n8k8 TF32 tile (fragments in the PTX ISA's layout).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// acc[m][n] += sum over k < K of a(row, k) b(k, col) for this warp's M x N m16n8 tiles at rows
+// row0 + 16 m and columns col0 + 8 n (the accumulator layout of the PTX ISA: element e of a
+// tile is row g + 8 (e / 2), column 2 t + e % 2 with g = lane / 4, t = lane % 4). K is a
+// multiple of 8; a and b read shared memory.
+template <int M, int N, bool kSplit, typename A, typename B>
+__device__ __forceinline__ void mma_tiles(int K, int row0, int col0, A&& a, B&& b, float (&acc)[M][N][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll 2
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    uint32_t a_hi[M][4], a_lo[M][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int row = row0 + m * 16 + g;
+      split<kSplit>(a(row, k0 + t), a_hi[m][0], a_lo[m][0]);
+      split<kSplit>(a(row + 8, k0 + t), a_hi[m][1], a_lo[m][1]);
+      split<kSplit>(a(row, k0 + t + 4), a_hi[m][2], a_lo[m][2]);
+      split<kSplit>(a(row + 8, k0 + t + 4), a_hi[m][3], a_lo[m][3]);
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const int col = col0 + n * 8 + g;
+      uint32_t b_hi[2], b_lo[2];
+      split<kSplit>(b(k0 + t, col), b_hi[0], b_lo[0]);
+      split<kSplit>(b(k0 + t + 4, col), b_hi[1], b_lo[1]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if constexpr (kSplit) {  // the small terms first
+          mma_tf32(acc[m][n], a_lo[m], b_hi);
+          mma_tf32(acc[m][n], a_hi[m], b_lo);
+        }
+        mma_tf32(acc[m][n], a_hi[m], b_hi);
+      }
+    }
+  }
+}
+
+// This warp's part of a [kTile, D] product: rows row0() .. +32, columns col0() .. + D/4.
+template <int D>
+struct WarpTile {
+  static constexpr int kM = 2, kN = D / 32;
+  using Acc = float[kM][kN][4];
+  __device__ static int row0() { return (threadIdx.x / 32 / kWarpsAlongColumns) * 32; }
+  __device__ static int col0() { return (threadIdx.x / 32 % kWarpsAlongColumns) * (D / kWarpsAlongColumns); }
+  // f(m, n, e, row, col) for each accumulator element.
+  template <typename F>
+  __device__ static void for_each(F&& f) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          f(m, n, e, row0() + m * 16 + g + (e >= 2 ? 8 : 0), col0() + n * 8 + 2 * t + (e & 1));
+  }
+  __device__ static void zero(Acc& acc) {
+    for_each([&](int m, int n, int e, int, int) { acc[m][n][e] = 0.0f; });
+  }
+};
+
+// Shared-memory layout in floats. Row strides are padded so that the fragment reads of the
+// products spread over the banks: the tile's rows and the forward's W2 rows by 4 (lane (g, t)
+// reads row g, column t), the backward's W2 rows by 8 (it reads row t, column g), and the basis
+// and W1 rows (R rounded up to 8, zero-filled) by 4.
+template <int D, bool kBackward>
+struct Layout {
+  static constexpr int kLdTile = D + 4;
+  static constexpr int kLdW2 = kBackward ? D + 8 : D + 4;
+  int rbf8;      // R rounded up to a multiple of 8: the products' K (or N) over the basis
+  int ld_basis;  // rbf8 + 4
+  int w2, tile, w1, b1, b2, basis, envelope, receivers, senders, total;
+
+  __host__ __device__ explicit Layout(int num_rbf) {
+    rbf8 = (num_rbf + 7) / 8 * 8;
+    ld_basis = rbf8 + 4;
+    w2 = 0;
+    tile = w2 + D * kLdW2;
+    w1 = tile + kTile * kLdTile;
+    b1 = w1 + D * ld_basis;
+    b2 = b1 + D;
+    basis = b2 + D;
+    envelope = basis + kTile * ld_basis;
+    receivers = envelope + kTile;  // ints from here on
+    senders = receivers + kTile;
+    total = senders + kTile;
+  }
+  __host__ __device__ size_t bytes() const { return static_cast<size_t>(total) * 4; }
+};
+
+// The block's constant operands: W2 ([M, H], padded rows), W1 ([H, R], rows padded with zeros),
+// b1, b2.
+template <int D, bool kBackward>
+__device__ void load_weights(const CfconvWeights& w, const Layout<D, kBackward>& l, float* smem) {
+  constexpr int kVecs = D / 4, kPerThread = D * kVecs / kThreads;
+  float v[kPerThread][4];  // every load in flight before the first store
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int e = threadIdx.x + k * kThreads, row = e / kVecs, col = (e - row * kVecs) * 4;
+    load_packed<float, 4>(w.w2 + row * D + col, v[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int e = threadIdx.x + k * kThreads, row = e / kVecs, col = (e - row * kVecs) * 4;
+    store_packed<float, 4>(smem + l.w2 + row * Layout<D, kBackward>::kLdW2 + col, v[k]);
+  }
+  for (int e = threadIdx.x; e < D * l.rbf8; e += kThreads) {
+    const int h = e / l.rbf8, r = e - h * l.rbf8;
+    smem[l.w1 + h * l.ld_basis + r] = r < w.num_rbf ? w.w1[h * w.num_rbf + r] : 0.0f;
+  }
+  for (int e = threadIdx.x; e < D; e += kThreads) {
+    smem[l.b1 + e] = w.b1 != nullptr ? w.b1[e] : 0.0f;
+    smem[l.b2 + e] = w.b2 != nullptr ? w.b2[e] : 0.0f;
+  }
+}
+
+// The tile's pairs: receivers (-1 for padding rows and pairs with an index out of range, which
+// also raise *invalid), senders, envelopes (0 for padding) and the basis rows (zero-filled).
+template <int D, bool kBackward>
+__device__ void load_pairs(const int64_t* pairs, const float* basis, const float* envelope, int64_t num_pairs,
+                           int64_t num_nodes, int num_rbf, int64_t base, const Layout<D, kBackward>& l, float* smem,
+                           int* invalid) {
+  int* receivers = reinterpret_cast<int*>(smem + l.receivers);
+  int* senders = reinterpret_cast<int*>(smem + l.senders);
+  for (int row = threadIdx.x; row < kTile; row += kThreads) {
+    const int64_t p = base + row;
+    int i = -1, j = 0;
+    float e = 0.0f;
+    if (p < num_pairs) {
+      const int64_t pi = pairs[p], pj = pairs[num_pairs + p];
+      if (pi >= 0 && pi < num_nodes && pj >= 0 && pj < num_nodes) {
+        i = static_cast<int>(pi);
+        j = static_cast<int>(pj);
+      } else {
+        *invalid = 1;  // every writer stores the same value
+      }
+      e = envelope[p];
+    }
+    receivers[row] = i;
+    senders[row] = j;
+    smem[l.envelope + row] = e;
+  }
+  const int64_t rows = std::min<int64_t>(kTile, num_pairs - base);
+  for (int e = threadIdx.x; e < kTile * l.rbf8; e += kThreads) {
+    const int row = e / l.rbf8, r = e - row * l.rbf8;
+    smem[l.basis + row * l.ld_basis + r] = row < rows && r < num_rbf ? basis[(base + row) * num_rbf + r] : 0.0f;
+  }
+}
+
+// The per-pair passes: a warp walks kRowsPerWarp consecutive rows of the tile, D/4 lanes per row
+// (each a float4 of columns), 32/(D/4) groups of lanes splitting the rows between them. Rows are
+// read a few at a time before any atomic, so their loads overlap.
+template <int D>
+struct RowWalk {
+  static constexpr int kLanesPerRow = D / 4;
+  static constexpr int kGroups = 32 / kLanesPerRow;
+  static constexpr int kRows = kRowsPerWarp / kGroups;
+  int first, col;
+  __device__ RowWalk() {
+    const int lane = threadIdx.x % 32;
+    first = (threadIdx.x / 32) * kRowsPerWarp + (lane / kLanesPerRow) * kRows;
+    col = (lane % kLanesPerRow) * 4;
+  }
+};
+
+// z = W1 basis + b1 for this warp's M x N tiles of the [kTile, D] hidden layer from row row0 on,
+// on tensor cores.
+template <int D, bool kBackward, bool kSplit, int M>
+__device__ __forceinline__ void hidden_pre_activation(const Layout<D, kBackward>& l, const float* smem, int row0,
+                                                      float (&z)[M][D / 32][4]) {
+  using W = WarpTile<D>;
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < W::kN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[m][n][e] = smem[l.b1 + W::col0() + n * 8 + 2 * t + (e & 1)];
+  mma_tiles<M, W::kN, kSplit>(
+      l.rbf8, row0, W::col0(), [&](int row, int k) { return smem[l.basis + row * l.ld_basis + k]; },
+      [&](int k, int col) { return smem[l.w1 + col * l.ld_basis + k]; }, z);
+}
+
+template <int D, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
+  using W = WarpTile<D>;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const Layout<D, false> l(p.weights.num_rbf);
+  constexpr int kLd = Layout<D, false>::kLdTile, kLdW2 = Layout<D, false>::kLdW2;
+  const int* receivers = reinterpret_cast<const int*>(smem + l.receivers);
+  const int* senders = reinterpret_cast<const int*>(smem + l.senders);
+  float* tile = smem + l.tile;
+  load_weights<D, false>(p.weights, l, smem);
+  const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t base = t * kTile;
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    __syncthreads();  // the previous tile's readers are done with the shared arrays
+    load_pairs<D, false>(p.pairs, p.basis, p.envelope, p.num_pairs, p.num_nodes, p.weights.num_rbf, base, l, smem,
+                         p.invalid);
+    __syncthreads();
+    typename W::Acc acc;
+    hidden_pre_activation<D, false, kSplit>(l, smem, W::row0(), acc);
+    W::for_each([&](int m, int n, int e, int row, int col) {
+      tile[row * kLd + col] = activate(acc[m][n][e], p.weights.activation);
+    });
+    __syncthreads();
+    W::for_each([&](int m, int n, int e, int, int col) { acc[m][n][e] = smem[l.b2 + col]; });
+    mma_tiles<W::kM, W::kN, kSplit>(
+        D, W::row0(), W::col0(), [&](int row, int k) { return tile[row * kLd + k]; },
+        [&](int k, int col) { return smem[l.w2 + col * kLdW2 + k]; }, acc);
+    __syncthreads();  // every warp has read the hidden layer: the tile takes the filters
+    W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
+    __syncthreads();
+    // Save the filters; scatter x[j] * filter * envelope, one atomic per run of equal receivers.
+    const RowWalk<D> walk;
+    float sum[4] = {};
+    int run = -1;
+    constexpr int kBatch = 4;
+    for (int k0 = 0; k0 < RowWalk<D>::kRows; k0 += kBatch) {
+      float f[kBatch][4], x[kBatch][4];
+      int receiver[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int row = walk.first + k0 + k;
+        receiver[k] = row < rows ? receivers[row] : -1;
+        if (row < rows) {
+          load_packed<float, 4>(tile + row * kLd + walk.col, f[k]);
+          store_packed<float, 4>(p.filters + (base + row) * D + walk.col, f[k]);
+          const float e = smem[l.envelope + row];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) f[k][c] *= e;
+        }
+        if (receiver[k] >= 0) load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (receiver[k] < 0) continue;
+        if (receiver[k] != run) {
+          if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
+          run = receiver[k];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) sum[c] = 0.0f;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sum[c] = fmaf(x[k][c], f[k][c], sum[c]);
+      }
+    }
+    if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
+  }
+}
+
+template <int D, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p) {
+  using W = WarpTile<D>;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const Layout<D, true> l(p.weights.num_rbf);
+  constexpr int kLd = Layout<D, true>::kLdTile, kLdW2 = Layout<D, true>::kLdW2;
+  const int* receivers = reinterpret_cast<const int*>(smem + l.receivers);
+  const int* senders = reinterpret_cast<const int*>(smem + l.senders);
+  float* tile = smem + l.tile;
+  load_weights<D, true>(p.weights, l, smem);
+  const int R = p.weights.num_rbf;
+  const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t base = t * kTile;
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    __syncthreads();
+    load_pairs<D, true>(p.pairs, p.basis, p.envelope, p.num_pairs, p.num_nodes, R, base, l, smem, p.invalid);
+    __syncthreads();
+    // Per pair: grad_x[j] += grad[i] * filter * envelope; the filter's gradient grad[i] * x[j]
+    // gives the envelope's (dotted with the filter) and, times the envelope, the tile.
+    {
+      const RowWalk<D> walk;
+      constexpr int kBatch = 2;  // three operand rows a row: more spills registers
+      for (int k0 = 0; k0 < RowWalk<D>::kRows; k0 += kBatch) {
+        float f[kBatch][4], g[kBatch][4], x[kBatch][4];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int row = walk.first + k0 + k, i = receivers[row];
+          if (i >= 0) {
+            load_packed<float, 4>(p.filters + (base + row) * D + walk.col, f[k]);
+            load_packed<float, 4>(p.grad + static_cast<int64_t>(i) * D + walk.col, g[k]);
+            load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int row = walk.first + k0 + k;
+          float grad_pre[4] = {}, gx[4];
+          float dot = 0.0f;
+          if (receivers[row] >= 0) {
+            const float e = smem[l.envelope + row];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              gx[c] = g[k][c] * f[k][c] * e;
+              const float grad_filter = g[k][c] * x[k][c];
+              dot = fmaf(grad_filter, f[k][c], dot);
+              grad_pre[c] = grad_filter * e;
+            }
+            atomic_add<4>(p.grad_x + static_cast<int64_t>(senders[row]) * D + walk.col, gx);
+          }
+          store_packed<float, 4>(tile + row * kLd + walk.col, grad_pre);
+#pragma unroll
+          for (int offset = RowWalk<D>::kLanesPerRow / 2; offset > 0; offset >>= 1)
+            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+          if (walk.col == 0 && row < rows) p.grad_envelope[base + row] = dot;
+        }
+      }
+    }
+    __syncthreads();
+    // The hidden layer's gradient: (tile W2) * act'(z), z recomputed on tensor cores 16 rows at a
+    // time (fewer live registers).
+    typename W::Acc acc;
+    W::zero(acc);
+    mma_tiles<W::kM, W::kN, kSplit>(
+        D, W::row0(), W::col0(), [&](int row, int k) { return tile[row * kLd + k]; },
+        [&](int k, int col) { return smem[l.w2 + k * kLdW2 + col]; }, acc);
+#pragma unroll
+    for (int m = 0; m < W::kM; ++m) {
+      float z[1][W::kN][4];
+      hidden_pre_activation<D, true, kSplit>(l, smem, W::row0() + 16 * m, z);
+#pragma unroll
+      for (int n = 0; n < W::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][n][e] *= activation_grad(z[0][n][e], p.weights.activation);
+    }
+    __syncthreads();  // every warp has read the tile: it takes the hidden layer's gradient
+    W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
+    __syncthreads();
+    // grad_basis = that gradient times W1: m16n8 tiles of [kTile, R], spread over the warps.
+    const int col_tiles = l.rbf8 / 8;
+    for (int task = threadIdx.x / 32; task < (kTile / 16) * col_tiles; task += kWarps) {
+      const int row0 = (task / col_tiles) * 16, col0 = (task % col_tiles) * 8;
+      float out[1][1][4] = {};
+      mma_tiles<1, 1, kSplit>(
+          D, row0, col0, [&](int row, int k) { return tile[row * kLd + k]; },
+          [&](int k, int col) { return smem[l.w1 + k * l.ld_basis + col]; }, out);
+      const int lane = threadIdx.x % 32;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + lane / 4 + (e >= 2 ? 8 : 0), r = col0 + 2 * (lane % 4) + (e & 1);
+        if (row < rows && r < R) p.grad_basis[(base + row) * R + r] = out[0][0][e];
+      }
+    }
+  }
+}
+
+// An index out of range anywhere turns every output NaN.
+__global__ void poison_kernel(const int* invalid, float* a, int64_t na, float* b, int64_t nb, float* c, int64_t nc) {
+  if (*invalid == 0) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < na + nb + nc; e += stride) {
+    if (e < na) a[e] = NAN;
+    else if (e < na + nb) b[e - na] = NAN;
+    else c[e - na - nb] = NAN;
+  }
+}
+
+template <int D, bool kBackward>
+size_t shared_bytes(int num_rbf) {
+  return Layout<D, kBackward>(num_rbf).bytes();
+}
+
+int max_shared_bytes() {
+  int device = 0, bytes = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return bytes;
+}
+
+// Launches a kernel with its shared memory on min(tiles, SMs) blocks (one block per SM).
+template <typename Params>
+cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, cudaStream_t stream) {
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(bytes));
+  if (status != cudaSuccess) return status;
+  const int64_t tiles = ceil_div(params.num_pairs, kTile);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(tiles, sm_count())), kThreads, bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+unsigned poison_grid(int64_t elements) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(elements, 256), 4LL * sm_count())));
+}
+
+}  // namespace
+
+bool cfconv_supported(int num_rbf, int hidden, int width) {
+  if (hidden != width || (width != 64 && width != 128) || num_rbf < 1 || num_rbf > kMaxRbf) return false;
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const size_t needed = width == 64 ? std::max(shared_bytes<64, false>(num_rbf), shared_bytes<64, true>(num_rbf))
+                                    : std::max(shared_bytes<128, false>(num_rbf), shared_bytes<128, true>(num_rbf));
+  return major >= 8 && needed <= static_cast<size_t>(max_shared_bytes());
+}
+
+cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
+  const int64_t out_elements = params.num_nodes * params.weights.width;
+  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
+  if (status == cudaSuccess) status = cudaMemsetAsync(params.out, 0, out_elements * sizeof(float), stream);
+  if (status != cudaSuccess || params.num_pairs == 0) return status;
+  const CfconvWeights& w = params.weights;
+  status = w.width == 64 ? launch(w.tf32 ? cfconv_kernel<64, false> : cfconv_kernel<64, true>, params,
+                                  shared_bytes<64, false>(w.num_rbf), stream)
+                         : launch(w.tf32 ? cfconv_kernel<128, false> : cfconv_kernel<128, true>, params,
+                                  shared_bytes<128, false>(w.num_rbf), stream);
+  if (status != cudaSuccess) return status;
+  const int64_t filter_elements = params.num_pairs * params.weights.width;
+  poison_kernel<<<poison_grid(out_elements + filter_elements), 256, 0, stream>>>(
+      params.invalid, params.out, out_elements, params.filters, filter_elements, nullptr, 0);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream) {
+  const int64_t x_elements = params.num_nodes * params.weights.width;
+  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
+  if (status == cudaSuccess) status = cudaMemsetAsync(params.grad_x, 0, x_elements * sizeof(float), stream);
+  if (status != cudaSuccess || params.num_pairs == 0) return status;
+  const CfconvWeights& w = params.weights;
+  status = w.width == 64 ? launch(w.tf32 ? cfconv_backward_kernel<64, false> : cfconv_backward_kernel<64, true>,
+                                  params, shared_bytes<64, true>(w.num_rbf), stream)
+                         : launch(w.tf32 ? cfconv_backward_kernel<128, false> : cfconv_backward_kernel<128, true>,
+                                  params, shared_bytes<128, true>(w.num_rbf), stream);
+  if (status != cudaSuccess) return status;
+  const int64_t basis_elements = params.num_pairs * params.weights.num_rbf;
+  poison_kernel<<<poison_grid(x_elements + basis_elements + params.num_pairs), 256, 0, stream>>>(
+      params.invalid, params.grad_x, x_elements, params.grad_basis, basis_elements, params.grad_envelope,
+      params.num_pairs);
+  return cudaGetLastError();
+}
+
+}  // namespace mirage::cuda

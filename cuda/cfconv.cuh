@@ -1,0 +1,66 @@
+// mirage::cfconv: SchNet's continuous-filter convolution with its filter network fused in, and
+// its backward (docs/ops.md). float32, on tensor cores (sm_80 and sm_90: the kernels keep a
+// filter weight and a 128-pair tile in shared memory).
+//   filters[p] = W2 act(W1 basis[p] + b1) + b2                    [P, M]
+//   out[i]     = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p] * envelope[p]
+// Host-includable.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace mirage::cuda {
+
+// The filter network's parameters, nn.Linear layout, contiguous; a null bias is zero.
+struct CfconvWeights {
+  const float* w1;  // [H, R]
+  const float* b1;  // [H]
+  const float* w2;  // [M, H]
+  const float* b2;  // [M]
+  int num_rbf;      // R
+  int width;        // H == M: 64 or 128 (cfconv_supported)
+  Activation activation;
+  // The products' precision: false splits every float32 operand into two TF32 parts and adds
+  // three tensor-core products (float32-accurate, the default); true rounds the operands to TF32
+  // once (torch's allow_tf32 for matmuls).
+  bool tf32;
+};
+
+struct CfconvParams {
+  CfconvWeights weights;
+  const float* x;         // [N, M] contiguous, 16-byte aligned
+  const float* basis;     // [P, R] contiguous
+  const float* envelope;  // [P]
+  const int64_t* pairs;   // [2, P]: row 0 receivers i, row 1 senders j
+  float* out;             // [N, M], 16-byte aligned
+  float* filters;         // [P, M], 16-byte aligned
+  int* invalid;           // device flag (4 bytes of scratch), zeroed by the launcher
+  int64_t num_nodes, num_pairs;
+};
+
+struct CfconvBackwardParams {
+  CfconvWeights weights;
+  const float* grad;      // [N, M]: the gradient of out, 16-byte aligned
+  const float* x;         // [N, M], 16-byte aligned
+  const float* basis;     // [P, R]
+  const float* envelope;  // [P]
+  const int64_t* pairs;   // [2, P]
+  const float* filters;   // [P, M] (cfconv's second output), 16-byte aligned
+  float* grad_x;          // [N, M], 16-byte aligned
+  float* grad_basis;      // [P, R]
+  float* grad_envelope;   // [P]
+  int* invalid;           // as above
+  int64_t num_nodes, num_pairs;
+};
+
+// Whether the kernels take these sizes on the current device (H == M in {64, 128}, R <= 64,
+// enough shared memory per block, tensor cores with TF32).
+bool cfconv_supported(int num_rbf, int hidden, int width);
+
+// Pairs with an index outside [0, num_nodes) are skipped and turn every output NaN (no host sync).
+cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream);
+cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream);
+
+}  // namespace mirage::cuda

@@ -1,0 +1,356 @@
+"""mirage::cfconv (SchNet's continuous-filter convolution with the filter network fused in) and its
+backward, against plain PyTorch."""
+
+import math
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirage
+import mirage.ff
+from common import DEVICES, FF_ACTIVATIONS, OpCounter, assert_error, capture_graph, strided
+from tolerances import REDUCTION_ERROR_FACTOR, tolerance
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+# name: (N, P, R, H, M, activation, biases, receiver-sorted pairs). The CUDA kernels take H == M of
+# 64 or 128: schnet is the benchmark's filter network over several 128-pair tiles and a partial
+# one; narrow the 64-wide kernels, unsorted pairs (one atomic per pair) and no biases; tiny a
+# single short tile with one basis function. odd runs on the CPU only (H != M, widths that are no
+# multiple of 4).
+CONFIGS = {
+    "schnet": (40, 700, 20, 128, 128, "shifted_softplus", True, True),
+    "narrow": (17, 300, 7, 64, 64, "silu", False, False),
+    "tiny": (5, 3, 1, 64, 64, "tanh", True, True),
+    "gelu_relu": (9, 200, 33, 128, 128, "gelu", True, True),
+    "relu": (9, 150, 64, 64, 64, "relu", True, False),
+    "no_pairs": (4, 0, 20, 128, 128, "shifted_softplus", True, True),
+    "odd": (7, 41, 3, 5, 6, "softplus", True, False),
+}
+CUDA_CONFIGS = [name for name in CONFIGS if name != "odd"]
+
+
+def make_inputs(name, device="cpu", dtype=torch.float64):
+    """(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation); the last fifth of the
+    pairs is the neighbor list's padding: pair (0, 0) with envelope 0."""
+    n, p, r, h, m, activation, biases, sort = CONFIGS[name]
+    pairs = torch.randint(0, n, (2, p))
+    if sort:
+        pairs = pairs[:, torch.argsort(pairs[0], stable=True)]
+    envelope = torch.rand(p, dtype=torch.float64) * 0.9 + 0.1
+    pairs[:, p - p // 5:] = 0
+    envelope[p - p // 5:] = 0.0
+    x = torch.randn(n, m, dtype=torch.float64)
+    basis = torch.rand(p, r, dtype=torch.float64)
+    weight1 = torch.randn(h, r, dtype=torch.float64) * 2 / math.sqrt(r)
+    weight2 = torch.randn(m, h, dtype=torch.float64) / math.sqrt(h)
+    bias1 = torch.randn(h, dtype=torch.float64) * 0.5 if biases else None
+    bias2 = torch.randn(m, dtype=torch.float64) * 0.5 if biases else None
+
+    def to(t):
+        return None if t is None else t.to(device=device, dtype=dtype)
+    return (to(x), to(basis), to(envelope), pairs.to(device), to(weight1), to(bias1), to(weight2), to(bias2),
+            activation)
+
+
+def cfconv_composite(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation):
+    """docs/ops.md's definition in plain PyTorch."""
+    filters = F.linear(FF_ACTIVATIONS[activation](F.linear(basis, weight1, bias1)), weight2, bias2)
+    messages = x[pairs[1]] * filters * envelope[:, None]
+    return torch.zeros_like(x).index_add_(0, pairs[0], messages)
+
+
+def grads_of(function, args, grad_out):
+    """(out, d out.grad_out / d (x, basis, envelope)) of function(*args)."""
+    leaves = [args[k].detach().requires_grad_(True) for k in range(3)]
+    out = function(*leaves, *args[3:])
+    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    return [out.detach()] + [torch.zeros_like(a) if g is None else g for g, a in zip(grads, leaves)]
+
+
+@contextmanager
+def tf32_matmuls(allow):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def max_error(got, ref):
+    return (got.double() - ref).abs().max().item() if ref.numel() else 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cfconv_matches_composite(device, name):
+    """Output and the three gradients. float32 on CUDA (operands split into two TF32 parts): within
+    a small factor of PyTorch's own float32 error against float64 (TF32 off)."""
+    if device == "cuda" and name not in CUDA_CONFIGS:
+        pytest.skip("the CUDA kernels take H == M of 64 or 128")
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = make_inputs(name, device, dtype)
+    grad_out = torch.randn_like(args[0])
+    got = grads_of(mirage.ops.cfconv, args, grad_out)
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref = grads_of(cfconv_composite, args64, grad_out.double())
+    for g, r in zip(got, ref):
+        assert g.dtype == dtype and g.shape == r.shape
+    if dtype == torch.float64:
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, **tolerance(dtype))
+        return
+    with tf32_matmuls(False):
+        theirs = grads_of(cfconv_composite, args, grad_out)
+    for what, g, t, r in zip(("out", "grad_x", "grad_basis", "grad_envelope"), got, theirs, ref):
+        scale = r.abs().max().item() if r.numel() else 0.0
+        assert max_error(g, r) <= REDUCTION_ERROR_FACTOR * max_error(t, r) + tolerance(dtype)["atol"] * max(scale, 1.0), \
+            (name, what, max_error(g, r), max_error(t, r), scale)
+
+
+@pytest.mark.cuda
+def test_cfconv_tf32_follows_torchs_matmul_setting():
+    """With TF32 allowed the operands are rounded once: errors of TF32's size (10-bit mantissa),
+    clearly above the default's, and within a TF32 bound."""
+    args = make_inputs("schnet", "cuda", torch.float32)
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref = cfconv_composite(*args64)
+    scale = ref.abs().max().item()
+    with tf32_matmuls(False):
+        split = mirage.ops.cfconv(*args)
+    with tf32_matmuls(True):
+        tf32 = mirage.ops.cfconv(*args)
+    assert max_error(split, ref) < 1e-5 * scale
+    assert 10 * max_error(split, ref) < max_error(tf32, ref) < 1e-2 * scale
+
+
+def test_cfconv_gradcheck():
+    x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("odd")
+    for t in (x, basis, envelope):
+        t.requires_grad_(True)
+    torch.autograd.gradcheck(
+        lambda x, basis, envelope: mirage.ops.cfconv(x, basis, envelope, pairs, w1, b1, w2, b2, activation),
+        (x, basis, envelope))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_cfconv_opcheck(device, requires_grad):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = make_inputs("narrow", device, dtype)
+    for k in range(3):
+        args[k].requires_grad_(requires_grad)
+    torch.library.opcheck(torch.ops.mirage.cfconv.default, args)
+    out, filters = torch.ops.mirage.cfconv(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    x, basis, envelope, pairs, w1, b1, w2, _, activation = args
+    backward_args = (torch.randn_like(out), x.detach(), basis.detach(), envelope.detach(), pairs, filters, w1, b1,
+                     w2, activation)
+    torch.library.opcheck(torch.ops.mirage.cfconv_backward.default, backward_args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_filters_output_is_the_filter_network(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("narrow", device, dtype)
+    _, filters = torch.ops.mirage.cfconv(x, basis, envelope, pairs, w1, b1, w2, b2, activation)
+    with tf32_matmuls(False):
+        want = F.linear(FF_ACTIVATIONS[activation](F.linear(basis, w1, b1)), w2, b2)
+    torch.testing.assert_close(filters, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_strided_inputs(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("schnet", device, dtype))
+    want = mirage.ops.cfconv(*args)
+    for k in (0, 1, 2, 4, 5, 6, 7):
+        args[k] = strided(args[k])
+    torch.testing.assert_close(mirage.ops.cfconv(*args), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_cfconv_cuda_unaligned_inputs():
+    """Rows start 4 bytes off a 16-byte boundary: the op copies them to aligned storage."""
+    args = list(make_inputs("schnet", "cuda", torch.float32))
+    grad_out = torch.randn_like(args[0])
+    want = grads_of(mirage.ops.cfconv, args, grad_out)
+    for k in (0, 6):  # x and weight2 (float4 rows)
+        shifted = torch.empty(args[k].numel() + 1, device="cuda")[1:].view_as(args[k]).copy_(args[k])
+        assert shifted.data_ptr() % 16 != 0
+        args[k] = shifted
+    got = grads_of(mirage.ops.cfconv, args, grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cfconv_cuda_graph_replays_new_inputs():
+    args = list(make_inputs("schnet", "cuda", torch.float32))
+    static = [args[k].clone() for k in range(3)]
+    graph, out = capture_graph(lambda: mirage.ops.cfconv(*static, *args[3:]))
+    for _ in range(3):
+        for s, a in zip(static, args[:3]):
+            s.copy_(a * (1 + 0.1 * torch.rand_like(a)))
+        graph.replay()
+        # Not bitwise: float atomics add in whatever order the blocks reach them.
+        torch.testing.assert_close(out, mirage.ops.cfconv(*static, *args[3:]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_compile_fullgraph_matches_eager(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = make_inputs("narrow", device, dtype)
+
+    def interaction(x, basis, envelope):
+        return F.silu(mirage.ops.cfconv(x * 2, basis, envelope, *args[3:])).sum()
+
+    compiled = torch.compile(interaction, fullgraph=True)
+    for scale in (1.0, 0.5):
+        x, basis, envelope = (a * scale for a in args[:3])
+        torch.testing.assert_close(compiled(x, basis, envelope), interaction(x, basis, envelope), rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_nan_propagates(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("narrow", device, dtype))
+    n, p = args[0].shape[0], args[1].shape[0]
+    args[1] = args[1].clone()
+    args[1][0, 0] = float("nan")  # pair 0's basis: its receiver's row, and only it
+    out = mirage.ops.cfconv(*args)
+    receiver = args[3][0, 0].item()
+    assert torch.isnan(out[receiver]).any()
+    others = [i for i in range(n) if i != receiver]
+    assert torch.isfinite(out[others]).all() and p > 0
+
+
+# ---- gradients it does not give ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_refuses_parameter_gradients_and_double_backward(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("narrow", device, dtype)
+    w2.requires_grad_(True)
+    basis.requires_grad_(True)
+    out = mirage.ops.cfconv(x, basis, envelope, pairs, w1, b1, w2, b2, activation).square().sum()
+    grad, = torch.autograd.grad(out, basis, retain_graph=True)  # fine although w2 requires grad
+    assert torch.isfinite(grad).all()
+    with pytest.raises(RuntimeError, match="no gradient in the filter network's parameters"):
+        out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out, basis, create_graph=True)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def _call(device, **changes):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    names = ["x", "basis", "envelope", "pairs", "weight1", "bias1", "weight2", "bias2", "activation"]
+    args = dict(zip(names, make_inputs("narrow", device, dtype)))
+    args["bias1"] = torch.zeros_like(args["weight1"][:, 0])
+    for key, change in changes.items():
+        args[key] = change(args[key])
+    return mirage.ops.cfconv(**args)
+
+
+BAD = [
+    (dict(x=lambda t: t.half()), "x must be float32 (or float64 off the GPU)"),
+    (dict(x=lambda t: t[None]), "x must be 2-D [N, M]"),
+    (dict(basis=lambda t: t.float() if t.dtype == torch.float64 else t.double()), "basis must have x's dtype"),
+    (dict(basis=lambda t: t[:, :-1]), "basis must have shape [P, R] = [300, 7]"),
+    (dict(envelope=lambda t: t[:-1]), "envelope must have shape [P] = [300]"),
+    (dict(pairs=lambda t: t.int()), "pairs must be an int64 tensor of shape [2, P]"),
+    (dict(pairs=lambda t: t[:1]), "pairs must be an int64 tensor of shape [2, P]"),
+    (dict(weight1=lambda t: t[0]), "weight1 must be 2-D [H, R]"),
+    (dict(weight2=lambda t: t[:, :-1]), "weight2 must have shape [M, H] = [64, 64]"),
+    (dict(bias1=lambda t: t[:-1]), "bias1 must have shape [64]"),
+    (dict(bias2=lambda t: torch.zeros(3, dtype=torch.float64)), "bias2 must"),
+    (dict(activation=lambda a: "swish"), "activation \"swish\" is not one of"),
+    (dict(x=lambda t: t[:0]), "x has no rows (N=0) for pairs to index"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changes, message", BAD)
+def test_cfconv_bad_input(device, changes, message):
+    assert_error(lambda d: _call(d, **changes), device, "mirage::cfconv: " + message)
+
+
+def test_cfconv_backward_bad_input():
+    x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("narrow")
+    out, filters = torch.ops.mirage.cfconv(x, basis, envelope, pairs, w1, b1, w2, b2, activation)
+    with pytest.raises(RuntimeError, match=r"mirage::cfconv_backward: grad must have x's shape"):
+        torch.ops.mirage.cfconv_backward(out[:-1], x, basis, envelope, pairs, filters, w1, b1, w2, activation)
+    with pytest.raises(RuntimeError, match=r"mirage::cfconv_backward: filters must have shape \[P, M\]"):
+        torch.ops.mirage.cfconv_backward(out, x, basis, envelope, pairs, filters[:, :-1], w1, b1, w2, activation)
+
+
+def test_cfconv_cpu_checks_indices():
+    with pytest.raises(RuntimeError, match="mirage::cfconv"):
+        _call("cpu", pairs=lambda t: t.clone().index_fill_(1, torch.tensor([3]), 17))
+
+
+@pytest.mark.cuda
+def test_cfconv_cuda_bad_indices_give_nan():
+    args = list(make_inputs("narrow", "cuda", torch.float32))
+    args[3] = args[3].clone()
+    args[3][1, 5] = 17
+    for k in range(3):
+        args[k].requires_grad_(True)
+    out = mirage.ops.cfconv(*args)
+    assert torch.isnan(out).all()
+    grads = torch.autograd.grad(out.sum(), args[:3])
+    assert all(torch.isnan(g).all() for g in grads)
+
+
+@pytest.mark.cuda
+def test_cfconv_cuda_sizes_it_does_not_take():
+    args = list(make_inputs("odd", "cuda", torch.float32))
+    assert not mirage.ops.cfconv_supported(3, 5, 6, "cuda")
+    with pytest.raises(RuntimeError, match="mirage::cfconv: the CUDA kernels take a filter network with H == M"):
+        mirage.ops.cfconv(*args)
+    assert mirage.ops.cfconv_supported(20, 128, 128, "cuda") and mirage.ops.cfconv_supported(3, 5, 6, "cpu")
+
+
+@pytest.mark.cuda
+def test_cfconv_cuda_device_mismatch():
+    assert_error(lambda d: _call(d, basis=lambda t: t.cpu()), "cuda", "mirage::cfconv: basis must be on x's device")
+    assert_error(lambda d: _call(d, pairs=lambda t: t.cpu()), "cuda", "mirage::cfconv: pairs must be on x's device")
+
+
+# ---- the fused SchNet takes it in eval mode beyond the one-kernel limit -------------------------
+
+@pytest.mark.cuda
+def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces():
+    from forcefield.models import SchNet
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(SchNet().cuda())
+    n = 60
+    numbers = torch.randint(1, 9, (n,), device="cuda")
+    positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)  # ~40 neighbours each
+
+    def energy_forces(training, fused=True):
+        model.train(training)
+        model.fused_interactions = fused
+        with OpCounter() as ops:
+            energy = model(numbers, positions)
+            forces, = torch.autograd.grad(energy, positions)
+        return energy.detach(), -forces, ops.calls
+
+    layered_energy, layered_forces, layered_ops = energy_forces(True)
+    energy, forces, calls = energy_forces(False)
+    assert model.max_pairs > model.whole_model_max_pairs
+    assert calls.count("mirage.cfconv") == len(model.interactions) and "mirage.cfconv" not in layered_ops
+    assert "mirage.cfconv_backward" in calls
+    scale = layered_forces.abs().max().item()
+    torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * scale)
+    _, _, calls = energy_forces(False, fused=False)
+    assert "mirage.cfconv" not in calls
