@@ -12,6 +12,7 @@
 // equal receivers. Only the filters [P, M] go to memory, for the backward, which recomputes the
 // hidden layer's pre-activation from the basis (a product with K = R) instead of storing it.
 #include <cmath>
+#include <type_traits>
 
 #include "cfconv.cuh"
 #include "kernel_utils.cuh"
@@ -211,6 +212,35 @@ struct RowWalk {
   }
 };
 
+// The filter network's activation and its slope. SchNet's shifted softplus (kSsp) is inlined
+// with the hardware's exp and log (absolute error ~4e-7, against float32 rounding of the
+// filters' ~1e-7 relative; measured equal to PyTorch's float32 error within the tests' factor);
+// the other activations take one out-of-line call, which keeps the unrolled loops that use
+// them small (instruction-cache misses stalled the kernel when all six were inlined there).
+__device__ __noinline__ float any_activation(float v, Activation activation) { return activate(v, activation); }
+__device__ __noinline__ float any_activation_grad(float v, Activation activation) {
+  return activation_grad(v, activation);
+}
+
+template <bool kSsp>
+__device__ __forceinline__ float filter_activation(float v, Activation activation) {
+  if constexpr (kSsp) {  // softplus(v) - log 2 = max(v, 0) + log(1 + exp(-|v|)) - log 2; v above 20 as F.softplus
+    return v > 20.0f ? v - 0.6931471805599453f
+                     : fmaxf(v, 0.0f) + __logf(1.0f + __expf(-fabsf(v))) - 0.6931471805599453f;
+  } else {
+    return any_activation(v, activation);
+  }
+}
+
+template <bool kSsp>
+__device__ __forceinline__ float filter_activation_grad(float v, Activation activation) {
+  if constexpr (kSsp) {  // sigmoid(v); 1 above 20 as F.softplus' backward
+    return v > 20.0f ? 1.0f : __fdividef(1.0f, 1.0f + __expf(-v));
+  } else {
+    return any_activation_grad(v, activation);
+  }
+}
+
 // z = W1 basis + b1 for this warp's M x N tiles of the [kTile, D] hidden layer from row row0 on,
 // on tensor cores.
 template <int D, bool kBackward, bool kSplit, int M>
@@ -229,7 +259,7 @@ __device__ __forceinline__ void hidden_pre_activation(const Layout<D, kBackward>
       [&](int k, int col) { return smem[l.w1 + col * l.ld_basis + k]; }, z);
 }
 
-template <int D, bool kSplit>
+template <int D, bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
@@ -251,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
     typename W::Acc acc;
     hidden_pre_activation<D, false, kSplit>(l, smem, W::row0(), acc);
     W::for_each([&](int m, int n, int e, int row, int col) {
-      tile[row * kLd + col] = activate(acc[m][n][e], p.weights.activation);
+      tile[row * kLd + col] = filter_activation<kSsp>(acc[m][n][e], p.weights.activation);
     });
     __syncthreads();
     W::for_each([&](int m, int n, int e, int, int col) { acc[m][n][e] = smem[l.b2 + col]; });
@@ -299,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   }
 }
 
-template <int D, bool kSplit>
+template <int D, bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p) {
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
@@ -373,25 +403,28 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 #pragma unroll
       for (int n = 0; n < W::kN; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][n][e] *= activation_grad(z[0][n][e], p.weights.activation);
+        for (int e = 0; e < 4; ++e) acc[m][n][e] *= filter_activation_grad<kSsp>(z[0][n][e], p.weights.activation);
     }
     __syncthreads();  // every warp has read the tile: it takes the hidden layer's gradient
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     __syncthreads();
-    // grad_basis = that gradient times W1: m16n8 tiles of [kTile, R], spread over the warps.
+    // grad_basis = that gradient times W1: [kTile, R] in tasks of 32 x 8 (two accumulator
+    // chains a warp), spread over the warps.
     const int col_tiles = l.rbf8 / 8;
-    for (int task = threadIdx.x / 32; task < (kTile / 16) * col_tiles; task += kWarps) {
-      const int row0 = (task / col_tiles) * 16, col0 = (task % col_tiles) * 8;
-      float out[1][1][4] = {};
-      mma_tiles<1, 1, kSplit>(
+    for (int task = threadIdx.x / 32; task < (kTile / 32) * col_tiles; task += kWarps) {
+      const int row0 = (task / col_tiles) * 32, col0 = (task % col_tiles) * 8;
+      float out[2][1][4] = {};
+      mma_tiles<2, 1, kSplit>(
           D, row0, col0, [&](int row, int k) { return tile[row * kLd + k]; },
           [&](int k, int col) { return smem[l.w1 + k * l.ld_basis + col]; }, out);
       const int lane = threadIdx.x % 32;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + lane / 4 + (e >= 2 ? 8 : 0), r = col0 + 2 * (lane % 4) + (e & 1);
-        if (row < rows && r < R) p.grad_basis[(base + row) * R + r] = out[0][0][e];
-      }
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + m * 16 + lane / 4 + (e >= 2 ? 8 : 0), r = col0 + 2 * (lane % 4) + (e & 1);
+          if (row < rows && r < R) p.grad_basis[(base + row) * R + r] = out[m][0][e];
+        }
     }
   }
 }
@@ -430,6 +463,19 @@ cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, c
   return cudaGetLastError();
 }
 
+// f(width, split, ssp) with the weights' runtime choices as compile-time constants.
+template <typename F>
+cudaError_t dispatch(const CfconvWeights& w, F&& f) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  const auto by_activation = [&](auto width, auto split) {
+    return w.activation == Activation::kShiftedSoftplus ? f(width, split, Yes{}) : f(width, split, No{});
+  };
+  const auto by_precision = [&](auto width) { return w.tf32 ? by_activation(width, No{}) : by_activation(width, Yes{}); };
+  return w.width == 64 ? by_precision(std::integral_constant<int, 64>{})
+                       : by_precision(std::integral_constant<int, 128>{});
+}
+
 unsigned poison_grid(int64_t elements) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(elements, 256), 4LL * sm_count())));
 }
@@ -451,11 +497,10 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
   if (status == cudaSuccess) status = cudaMemsetAsync(params.out, 0, out_elements * sizeof(float), stream);
   if (status != cudaSuccess || params.num_pairs == 0) return status;
-  const CfconvWeights& w = params.weights;
-  status = w.width == 64 ? launch(w.tf32 ? cfconv_kernel<64, false> : cfconv_kernel<64, true>, params,
-                                  shared_bytes<64, false>(w.num_rbf), stream)
-                         : launch(w.tf32 ? cfconv_kernel<128, false> : cfconv_kernel<128, true>, params,
-                                  shared_bytes<128, false>(w.num_rbf), stream);
+  status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
+    return launch(cfconv_kernel<width(), split(), ssp()>, params, shared_bytes<width(), false>(params.weights.num_rbf),
+                  stream);
+  });
   if (status != cudaSuccess) return status;
   const int64_t filter_elements = params.num_pairs * params.weights.width;
   poison_kernel<<<poison_grid(out_elements + filter_elements), 256, 0, stream>>>(
@@ -468,11 +513,10 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStrea
   cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
   if (status == cudaSuccess) status = cudaMemsetAsync(params.grad_x, 0, x_elements * sizeof(float), stream);
   if (status != cudaSuccess || params.num_pairs == 0) return status;
-  const CfconvWeights& w = params.weights;
-  status = w.width == 64 ? launch(w.tf32 ? cfconv_backward_kernel<64, false> : cfconv_backward_kernel<64, true>,
-                                  params, shared_bytes<64, true>(w.num_rbf), stream)
-                         : launch(w.tf32 ? cfconv_backward_kernel<128, false> : cfconv_backward_kernel<128, true>,
-                                  params, shared_bytes<128, true>(w.num_rbf), stream);
+  status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
+    return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
+                  shared_bytes<width(), true>(params.weights.num_rbf), stream);
+  });
   if (status != cudaSuccess) return status;
   const int64_t basis_elements = params.num_pairs * params.weights.num_rbf;
   poison_kernel<<<poison_grid(x_elements + basis_elements + params.num_pairs), 256, 0, stream>>>(
