@@ -715,15 +715,16 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& basis,
                                const at::Tensor& envelope, const at::Tensor& weight1, const at::Tensor& bias1,
                                const at::Tensor& weight2, const at::Tensor& bias2, const at::Tensor& pairs,
-                               c10::string_view activation) {
+                               c10::string_view activation, bool tf32) {
     at::Tensor out, filters;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, filters) = handles::cfconv().call(x, basis, envelope, pairs, weight1, optional(bias1), weight2,
-                                                      optional(bias2), activation);
+                                                      optional(bias2), activation, tf32);
     }
     ctx->save_for_backward({x, basis, envelope, pairs, filters, weight1, bias1, weight2});
     ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["tf32"] = tf32;
     ctx->mark_non_differentiable({filters});
     return {out, filters};
   }
@@ -737,12 +738,12 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
       MIRAGE_CHECK(!ctx->needs_input_grad(k), kCfconv,
                    ": no gradient in the filter network's parameters (weight1, bias1, weight2, bias2); put the "
                    "model in training mode (model.train()) to take the layer-by-layer path");
-    variable_list grads(9);  // x, basis, envelope, four parameters, pairs, activation
+    variable_list grads(10);  // x, basis, envelope, four parameters, pairs, activation, tf32
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();
     std::tie(grads[0], grads[1], grads[2]) = handles::cfconv_backward().call(
         grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5], optional(s[6]), s[7],
-        ctx->saved_data["activation"].toStringRef());
+        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["tf32"].toBool());
     return grads;
   }
 };
@@ -751,11 +752,11 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autograd(const at::Tensor& x, const at
                                                    const at::Tensor& envelope, const at::Tensor& pairs,
                                                    const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                                   c10::string_view activation) {
+                                                   c10::string_view activation, bool tf32) {
   // Checked here first: past this point an empty bias would read as an absent one.
   ops::check_cfconv(ops::kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
   const variable_list out = CfconvFunction::apply(x, basis, envelope, weight1, or_empty(bias1, weight1), weight2,
-                                                  or_empty(bias2, weight2), pairs, activation);
+                                                  or_empty(bias2, weight2), pairs, activation, tf32);
   return {out[0], out[1]};
 }
 

@@ -44,10 +44,11 @@ using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
 using CfconvSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                      const at::Tensor&, const at::Tensor&,
                                                      const std::optional<at::Tensor>&, const at::Tensor&,
-                                                     const std::optional<at::Tensor>&, c10::string_view);
+                                                     const std::optional<at::Tensor>&, c10::string_view, bool);
 using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view);
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
+    bool);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {

@@ -43,10 +43,12 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor grad_vectors)");
   // SchNet's continuous-filter convolution with its filter network fused in (larger systems):
   // out = sum over pairs of x[j] * (W2 act(W1 basis + b1) + b2) * envelope; also returns the
-  // filters (before the envelope), which its backward reads.
+  // filters (before the envelope), which its backward reads. tf32: the CUDA products round their
+  // operands to TF32 once instead of splitting them into two TF32 parts (float32 accuracy).
   m.def("cfconv(Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor weight1, Tensor? bias1, "
-        "Tensor weight2, Tensor? bias2, str activation) -> (Tensor out, Tensor filters)");
+        "Tensor weight2, Tensor? bias2, str activation, bool tf32=False) -> (Tensor out, Tensor filters)");
   m.def("cfconv_backward(Tensor grad, Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor filters, "
-        "Tensor weight1, Tensor? bias1, Tensor weight2, str activation) -> (Tensor grad_x, Tensor grad_basis, "
+        "Tensor weight1, Tensor? bias1, Tensor weight2, str activation, bool tf32=False) -> (Tensor grad_x, "
+        "Tensor grad_basis, "
         "Tensor grad_envelope)");
 }

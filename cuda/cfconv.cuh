@@ -1,6 +1,6 @@
 // mirage::cfconv: SchNet's continuous-filter convolution with its filter network fused in, and
-// its backward (docs/ops.md). float32, on tensor cores (sm_80 and sm_90: the kernels keep a
-// filter weight and a 128-pair tile in shared memory).
+// its backward (docs/ops.md). float32, on tensor cores (sm_80 on, where the shared memory per
+// block holds a filter weight and a 128-pair tile: cfconv_supported).
 //   filters[p] = W2 act(W1 basis[p] + b1) + b2                    [P, M]
 //   out[i]     = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p] * envelope[p]
 // Host-includable.
@@ -24,7 +24,7 @@ struct CfconvWeights {
   Activation activation;
   // The products' precision: false splits every float32 operand into two TF32 parts and adds
   // three tensor-core products (float32-accurate, the default); true rounds the operands to TF32
-  // once (torch's allow_tf32 for matmuls).
+  // once (the op's tf32 argument).
   bool tf32;
 };
 

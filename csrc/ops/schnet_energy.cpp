@@ -316,7 +316,8 @@ at::Tensor optional_f64(const std::optional<at::Tensor>& t) {
 std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
                                               const at::Tensor& pairs, const at::Tensor& weight1,
                                               const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
-                                              const std::optional<at::Tensor>& bias2, c10::string_view activation) {
+                                              const std::optional<at::Tensor>& bias2, c10::string_view activation,
+                                              bool /*tf32: the reference is float64*/) {
   const CfconvShape s =
       check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
   const at::Tensor idx = pairs.contiguous();
@@ -332,7 +333,8 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Ten
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
-    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation) {
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation,
+    bool /*tf32: the reference is float64*/) {
   const CfconvShape s =
       check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
   check_cfconv_backward(grad, filters, x, s);
@@ -355,7 +357,7 @@ std::tuple<at::Tensor, at::Tensor> cfconv_meta(const at::Tensor& x, const at::Te
                                                const at::Tensor& envelope, const at::Tensor& pairs,
                                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                               c10::string_view activation) {
+                                               c10::string_view activation, bool /*tf32*/) {
   const CfconvShape s =
       check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options())};
@@ -364,7 +366,8 @@ std::tuple<at::Tensor, at::Tensor> cfconv_meta(const at::Tensor& x, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
-    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation) {
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation,
+    bool /*tf32*/) {
   const CfconvShape s =
       check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
   check_cfconv_backward(grad, filters, x, s);

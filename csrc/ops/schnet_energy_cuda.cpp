@@ -4,8 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <ATen/Context.h>
-
 #include "../../cuda/cfconv.cuh"
 #include "../../cuda/schnet_energy.cuh"
 #include "cuda_utils.h"
@@ -100,13 +98,14 @@ at::Tensor aligned(const at::Tensor& t) {
 // The filter network for the kernels; `held` keeps the contiguous copies alive until the launch.
 cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, const at::Tensor& weight1,
                                    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
-                                   const std::optional<at::Tensor>& bias2, c10::string_view activation,
+                                   const std::optional<at::Tensor>& bias2, c10::string_view activation, bool tf32,
                                    std::vector<at::Tensor>& held) {
   MIRAGE_CHECK(cuda::cfconv_supported(static_cast<int>(std::min<int64_t>(s.rbf, INT32_MAX)),
                                       static_cast<int>(std::min<int64_t>(s.hidden, INT32_MAX)),
                                       static_cast<int>(std::min<int64_t>(s.width, INT32_MAX))),
                op, ": the CUDA kernels take a filter network with H == M, 64 or 128 wide, and R <= 64 basis "
-               "functions, on a GPU with TF32 tensor cores and ~200 KB of shared memory per block (sm_80, sm_90); "
+               "functions, on a GPU with TF32 tensor cores and the shared memory per block they need (163-205 KiB at "
+               "width 128: Hopper; 74-105 KiB at width 64); "
                "got R=", s.rbf, ", H=", s.hidden, ", M=", s.width, " (use mirage::message_passing with the filters "
                "computed by PyTorch otherwise)");
   MIRAGE_CHECK(s.nodes < INT32_MAX, op, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
@@ -122,7 +121,7 @@ cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, co
   w.num_rbf = static_cast<int>(s.rbf);
   w.width = static_cast<int>(s.width);
   w.activation = kernel_activation(std::string(activation));
-  w.tf32 = at::globalContext().allowTF32CuBLAS();
+  w.tf32 = tf32;
   return w;
 }
 
@@ -130,13 +129,13 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Te
                                                const at::Tensor& envelope, const at::Tensor& pairs,
                                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                               c10::string_view activation) {
+                                               c10::string_view activation, bool tf32) {
   const CfconvShape s =
       check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> held;
   cuda::CfconvParams p{};
-  p.weights = cfconv_weights(kCfconv, s, weight1, bias1, weight2, bias2, activation, held);
+  p.weights = cfconv_weights(kCfconv, s, weight1, bias1, weight2, bias2, activation, tf32, held);
   const at::Tensor xc = aligned(x), basis_c = basis.contiguous(), envelope_c = envelope.contiguous();
   const at::Tensor idx = pairs.contiguous();
   at::Tensor out = at::empty({s.nodes, s.width}, x.options());
@@ -158,14 +157,14 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
-    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation) {
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation, bool tf32) {
   const CfconvShape s =
       check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
   check_cfconv_backward(grad, filters, x, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> held;
   cuda::CfconvBackwardParams p{};
-  p.weights = cfconv_weights(kCfconvBackward, s, weight1, bias1, weight2, std::nullopt, activation, held);
+  p.weights = cfconv_weights(kCfconvBackward, s, weight1, bias1, weight2, std::nullopt, activation, tf32, held);
   const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
   const at::Tensor basis_c = basis.contiguous(), envelope_c = envelope.contiguous(), idx = pairs.contiguous();
   at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());

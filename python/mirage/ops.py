@@ -437,6 +437,7 @@ def cfconv(
     weight2: Tensor,
     bias2: Optional[Tensor],
     activation: str = "shifted_softplus",
+    tf32: Optional[bool] = None,
 ) -> Tensor:
     """SchNet's continuous-filter convolution with its filter network fused in.
 
@@ -450,10 +451,9 @@ def cfconv(
     so none of the ``[P, H]`` intermediates goes to memory: for the larger systems, where the
     filter network dominates a SchNet step (docs/perf/forcefield.md).
 
-    Precision on CUDA follows ``torch.backends.cuda.matmul``'s float32 setting: by default each
-    float32 operand of the products is split into two TF32 parts and three tensor-core products
-    are added (float32 accuracy, docs/ops.md); with TF32 allowed (``allow_tf32`` /
-    ``fp32_precision = "tf32"``) the operands are rounded to TF32 once, 3x fewer products.
+    Precision on CUDA: by default each float32 operand of the products is split into two TF32
+    parts and three tensor-core products are added (float32 accuracy, docs/ops.md); with ``tf32``
+    the operands are rounded to TF32 once (3x fewer products; forces ~1e-3 relative off).
 
     Args:
         x: ``(N, M)`` sender features; float32 (float64 too on the CPU). The floating inputs
@@ -465,24 +465,47 @@ def cfconv(
         weight1, bias1: the first Linear, ``(H, R)`` and ``(H,)`` or None.
         weight2, bias2: the second Linear, ``(M, H)`` and ``(M,)`` or None.
         activation: between them; one of ``shifted_softplus, softplus, silu, tanh, gelu, relu``.
+        tf32: TF32 products; None (default) follows PyTorch's float32 matmul setting when called
+            (:func:`tf32_matmuls`; ``mirage.ff.Calculator(precision="tf32")`` sets it), so a
+            captured CUDA graph keeps the choice made at capture. torch.compile cannot trace
+            that read (a graph break): give ``tf32`` under ``fullgraph=True``.
 
     Returns:
         ``(N, M)`` in x's dtype. Differentiable in ``x``, ``basis`` and ``envelope`` (first
         order: forces and stress) through a fused backward op
         (``torch.ops.mirage.cfconv_backward``); asking for a gradient in the weights or for a
         second order raises ``RuntimeError``. CUDA takes ``H == M`` of 64 or 128 and
-        ``R <= 64`` on sm_80/sm_90 GPUs and raises ``RuntimeError`` otherwise. No autocast
+        ``R <= 64`` where the GPU has the shared memory (:func:`cfconv_supported`) and raises
+        ``RuntimeError`` otherwise. No autocast
         policy. Indices outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA returns NaN
         everywhere (gradients too).
     """
-    return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation)[0]
+    if tf32 is None:
+        tf32 = tf32_matmuls()
+    return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32)[0]
+
+
+def tf32_matmuls() -> bool:
+    """Whether PyTorch lets float32 CUDA matmuls use TF32 now: ``torch.backends.cuda.matmul``'s
+    ``fp32_precision`` (inheriting ``torch.backends.fp32_precision`` while ``"none"``), which
+    ``allow_tf32 = True`` and ``torch.set_float32_matmul_precision("high")`` set as well; on
+    torch before 2.9, ``allow_tf32``. Read through the newer API where it exists: the legacy
+    getter raises once both have been used."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return bool(matmul.allow_tf32)
+    precision = matmul.fp32_precision
+    if precision == "none":
+        precision = torch.backends.fp32_precision
+    return precision == "tf32"
 
 
 def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     """Whether :func:`cfconv` runs a filter network of ``num_rbf`` inputs, ``hidden`` units and
     ``width`` outputs on ``device``: always on the CPU; on CUDA when ``hidden == width`` is 64 or
-    128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores and the kernels' ~160-210 KB of shared
-    memory per block (sm_80, sm_90)."""
+    128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores (sm_80 on) and the shared memory per
+    block the kernels keep their operands in: 163-205 KiB at width 128 (Hopper's 227 KiB; not an
+    A100's 163 KiB), 74-105 KiB at width 64 (R from 20 to 64)."""
     from . import _C
 
     device = torch.device(device)

@@ -3,7 +3,6 @@ backward, against plain PyTorch."""
 
 import math
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 import mirage
 import mirage.ff
+from mirage.ff.calculator import matmul_precision
 from common import DEVICES, FF_ACTIVATIONS, OpCounter, assert_error, capture_graph, strided
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
@@ -72,14 +72,8 @@ def grads_of(function, args, grad_out):
     return [out.detach()] + [torch.zeros_like(a) if g is None else g for g, a in zip(grads, leaves)]
 
 
-@contextmanager
 def tf32_matmuls(allow):
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+    return matmul_precision("tf32" if allow else "fp32")
 
 
 def max_error(got, ref):
@@ -114,19 +108,35 @@ def test_cfconv_matches_composite(device, name):
 
 
 @pytest.mark.cuda
-def test_cfconv_tf32_follows_torchs_matmul_setting():
-    """With TF32 allowed the operands are rounded once: errors of TF32's size (10-bit mantissa),
-    clearly above the default's, and within a TF32 bound."""
+def test_cfconv_tf32():
+    """tf32=True rounds the operands once: errors of TF32's size (10-bit mantissa), clearly above
+    the default's and within a TF32 bound, in the output and the gradients; tf32=None follows
+    PyTorch's float32 matmul setting."""
     args = make_inputs("schnet", "cuda", torch.float32)
     args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    ref = cfconv_composite(*args64)
-    scale = ref.abs().max().item()
-    with tf32_matmuls(False):
-        split = mirage.ops.cfconv(*args)
-    with tf32_matmuls(True):
-        tf32 = mirage.ops.cfconv(*args)
-    assert max_error(split, ref) < 1e-5 * scale
-    assert 10 * max_error(split, ref) < max_error(tf32, ref) < 1e-2 * scale
+    grad_out = torch.randn_like(args[0])
+    ref = grads_of(cfconv_composite, args64, grad_out.double())
+
+    def run(tf32):
+        return grads_of(lambda *a: mirage.ops.cfconv(*a, tf32=tf32), args, grad_out)
+
+    split, tf32 = run(False), run(True)
+    for s, t, r in zip(split, tf32, ref):
+        scale = r.abs().max().item()
+        assert max_error(s, r) < 1e-5 * scale
+        assert 10 * max_error(s, r) < max_error(t, r) < 1e-2 * scale
+    for allow, want in ((True, tf32), (False, split)):
+        with tf32_matmuls(allow):
+            assert mirage.ops.tf32_matmuls() == allow
+            followed = run(None)
+        for f, w in zip(followed, want):
+            torch.testing.assert_close(f, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
+def test_tf32_matmuls_reads_torchs_setting():
+    for allow in (True, False, True):
+        with tf32_matmuls(allow):
+            assert mirage.ops.tf32_matmuls() == allow
 
 
 def test_cfconv_gradcheck():
@@ -206,8 +216,8 @@ def test_cfconv_compile_fullgraph_matches_eager(device):
     dtype = torch.float32 if device == "cuda" else torch.float64
     args = make_inputs("narrow", device, dtype)
 
-    def interaction(x, basis, envelope):
-        return F.silu(mirage.ops.cfconv(x * 2, basis, envelope, *args[3:])).sum()
+    def interaction(x, basis, envelope):  # tf32 given: its default reads a flag dynamo cannot trace
+        return F.silu(mirage.ops.cfconv(x * 2, basis, envelope, *args[3:], tf32=False)).sum()
 
     compiled = torch.compile(interaction, fullgraph=True)
     for scale in (1.0, 0.5):
@@ -286,9 +296,10 @@ def test_cfconv_backward_bad_input():
     x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("narrow")
     out, filters = torch.ops.mirage.cfconv(x, basis, envelope, pairs, w1, b1, w2, b2, activation)
     with pytest.raises(RuntimeError, match=r"mirage::cfconv_backward: grad must have x's shape"):
-        torch.ops.mirage.cfconv_backward(out[:-1], x, basis, envelope, pairs, filters, w1, b1, w2, activation)
+        torch.ops.mirage.cfconv_backward(out[:-1], x, basis, envelope, pairs, filters, w1, b1, w2, activation, False)
     with pytest.raises(RuntimeError, match=r"mirage::cfconv_backward: filters must have shape \[P, M\]"):
-        torch.ops.mirage.cfconv_backward(out, x, basis, envelope, pairs, filters[:, :-1], w1, b1, w2, activation)
+        torch.ops.mirage.cfconv_backward(out, x, basis, envelope, pairs, filters[:, :-1], w1, b1, w2, activation,
+                                         False)
 
 
 def test_cfconv_cpu_checks_indices():

@@ -115,7 +115,7 @@ class FFOptimizeReport:
                          f"{SchNet.whole_model_max_pairs} pairs of neighbor capacity (SchNet.whole_model_max_pairs) "
                          "run as one mirage::schnet_energy kernel instead, and larger ones each interaction's filter "
                          "network and message passing as one mirage::cfconv (SchNet.fused_interactions; filter "
-                         "networks of H == M = 64 or 128 on sm_80/sm_90)")
+                         "networks of H == M = 64 or 128 that fit the GPU: mirage.ops.cfconv_supported)")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
 
