@@ -5,6 +5,7 @@ replays the same ones, each costing a couple of µs even when it has nothing to 
 why the kernel count matters as much as their time for small molecules).
 
     python benchmarks/profile_forcefield.py [--top 15] [--systems benzene box3k] [--models schnet painn]
+    python benchmarks/profile_forcefield.py --parts | --whole-model | --fused-interactions
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from harness import categorizer, kernel_times, print_kernel_report, time_in_grap
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
     ("mirage neighbor list", ("neighbor", "cub::", "radixsort", "scan")),
-    ("mirage message passing", ("message_passing", "pair_product")),
+    ("mirage message passing", ("message_passing", "pair_product", "cfconv")),
     ("mirage radial basis", ("radial_basis",)),
     ("gemm", ("gemm", "cutlass", "cublas", "nvjet", "splitk")),
     ("scatter/gather/index", ("index", "scatter", "gather", "embedding")),
@@ -60,6 +61,13 @@ def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) ->
     w1, w2 = rand(layers, num_rbf, hidden), rand(layers, hidden, hidden)
     rbf = mirage.ops.radial_basis(distances, "gaussian", num_rbf, 5.0, "none")
     b, filters = rand(layers, hidden), rand(layers, capacity, hidden)
+    envelope = torch.rand(capacity, generator=g, device=pos.device)
+    fw1, fw2 = rand(hidden, num_rbf) / num_rbf**0.5, rand(hidden, hidden) / hidden**0.5
+
+    def cfconv(tf32):
+        return lambda: grads_of(lambda a, r, e: mirage.ops.cfconv(a, r, e, pairs, fw1, b[0], fw2, b[0],
+                                                                  "shifted_softplus", tf32=tf32), x, rbf, envelope)
+
     parts = {
         "neighbor_list (auto)": lambda: mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity),
         "neighbor_list (direct)": lambda: mirage.ops.neighbor_list(pos, 5.0, cell, pbc, max_pairs=capacity,
@@ -81,6 +89,8 @@ def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) ->
         "message_passing fwd+bwd": lambda: grads_of(lambda a, b: mirage.ops.message_passing(a, b, pairs), x, w),
         "index_add composite fwd+bwd": lambda: grads_of(
             lambda a, b: torch.zeros_like(a).index_add_(0, i, a[j] * b), x, w),
+        "cfconv fwd+bwd (one layer, float32: 3xTF32)": cfconv(False),
+        "cfconv fwd+bwd (one layer, TF32)": cfconv(True),
         "vector_message_passing fwd": lambda: mirage.ops.vector_message_passing(phi, w3, v, dirs, pairs),
         "vector_message_passing fwd+bwd": lambda: grads_of(
             lambda *t: mirage.ops.vector_message_passing(*t, pairs), phi, w3, v, dirs),
@@ -89,6 +99,37 @@ def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) ->
           "µs per call in a CUDA graph of 20 calls")
     for name, fn in parts.items():
         print(f"   {time_in_graph(lambda: fn(), [()], calls=20, repeats=5):9.1f}  {name}")
+
+
+def time_fused_interactions(system_name: str = "box3k") -> None:
+    """mirage's SchNet energy+forces (a CUDA graph of 10 calls, µs) with its interactions as
+    mirage::cfconv and as batched filter GEMMs + message_passing (SchNet.fused_interactions), with
+    TF32 off and on, alternating in one process; the forces' difference from the first."""
+    from mirage.ff.calculator import matmul_precision
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    fused = mirage.ff.optimize(MODELS["schnet"](**MODEL_CONFIG).to(device)).eval()
+    system = make_system(system_name, False, device)
+
+    def call():
+        return energy_and_forces(lambda p: fused(system["z"], p, system["cell"], system["pbc"]), system["pos"])
+
+    call()
+    print(f"\n== SchNet {system_name} ({int(fused.num_pairs.item())} pairs), energy+forces in a CUDA graph of 10 calls")
+    reference = None
+    for round_ in range(2):
+        for interactions, fused_on in (("batched filters", False), ("cfconv", True)):
+            for precision in ("fp32", "tf32"):
+                fused.fused_interactions = fused_on
+                with matmul_precision(precision):
+                    us = time_in_graph(call, [()], calls=10, repeats=5)
+                    _, forces = call()
+                reference = forces.double() if reference is None else reference
+                difference = ((forces.double() - reference).norm() / reference.norm()).item()
+                print(f"   round {round_}  {interactions:16s} {precision}  {us:8.1f} µs   forces vs the first "
+                      f"{difference:.1e} (relative)")
+    fused.fused_interactions = True
 
 
 def time_whole_model(sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
@@ -124,6 +165,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--warmup", type=int, default=50, help="calls before the profiled one")
     parser.add_argument("--parts", action="store_true", help="also time each stage alone in a CUDA graph")
+    parser.add_argument("--fused-interactions", action="store_true",
+                        help="only time SchNet on the 3,000-atom box with and without mirage::cfconv, TF32 off and on")
     parser.add_argument("--whole-model", action="store_true",
                         help="only time SchNet's one-kernel path against its layers over molecule sizes")
     opts = parser.parse_args()
@@ -131,12 +174,16 @@ def main() -> None:
     if opts.whole_model:
         time_whole_model()
         return
+    if opts.fused_interactions:
+        time_fused_interactions()
+        return
     if opts.parts:
         for system_name in opts.systems:
             time_parts(make_system(system_name, False, device))
     for model_name in opts.models:
         torch.manual_seed(0)
-        fused = mirage.ff.optimize(MODELS[model_name](**MODEL_CONFIG).to(device))
+        # Eval mode, as the benchmark and MD run it (the one-kernel and cfconv paths).
+        fused = mirage.ff.optimize(MODELS[model_name](**MODEL_CONFIG).to(device)).eval()
         for system_name in opts.systems:
             system = make_system(system_name, False, device)
             fused.max_pairs = None  # a capacity chosen for this system, not kept from the last one

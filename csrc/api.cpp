@@ -29,12 +29,12 @@ BuildInfo build_info() {
 
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
 #if MIRAGE_WITH_CUDA
-  if (!device.is_cuda()) return true;
+  if (!device.is_cuda()) return device.is_cpu();
   const auto narrow = [](int64_t v) { return static_cast<int>(std::clamp<int64_t>(v, 0, INT32_MAX)); };
   const c10::cuda::CUDAGuard guard(device);
   return cuda::cfconv_supported(narrow(num_rbf), narrow(hidden), narrow(width));
 #else
-  return !device.is_cuda();
+  return device.is_cpu();
 #endif
 }
 

@@ -708,7 +708,7 @@ at::Tensor or_empty(const std::optional<at::Tensor>& bias, const at::Tensor& lik
 }
 
 std::optional<at::Tensor> optional(const at::Tensor& bias) {
-  return bias.numel() > 0 ? std::optional<at::Tensor>(bias) : std::nullopt;
+  return bias.sym_numel() != 0 ? std::optional<at::Tensor>(bias) : std::nullopt;  // symbolic under opcheck
 }
 
 struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
@@ -733,11 +733,13 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
     using ops::kCfconv;
     MIRAGE_CHECK(!at::GradMode::is_enabled(), kCfconv,
                  ": double backward (create_graph=True, as training on forces needs) is not available; "
-                 "put the model in training mode (model.train()) to take the layer-by-layer path");
+                 "put the model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions "
+                 "= False to take the layer-by-layer path");
     for (int k = 3; k <= 6; ++k)
       MIRAGE_CHECK(!ctx->needs_input_grad(k), kCfconv,
                    ": no gradient in the filter network's parameters (weight1, bias1, weight2, bias2); put the "
-                   "model in training mode (model.train()) to take the layer-by-layer path");
+                   "model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions = False "
+                   "to take the layer-by-layer path");
     variable_list grads(10);  // x, basis, envelope, four parameters, pairs, activation, tf32
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();

@@ -26,6 +26,7 @@ constexpr int kTile = 128;                    // pairs per tile
 constexpr int kWarpsAlongColumns = 4;         // the [kTile, D] products: 4 x 4 warps of 32 x D/4
 constexpr int kRowsPerWarp = kTile / kWarps;  // rows of a warp in the per-pair passes
 constexpr int kMaxRbf = 64;
+static_assert((kWarps / kWarpsAlongColumns) * 32 == kTile, "the product's warps cover the tile's rows");
 
 __device__ __forceinline__ uint32_t to_tf32(float v) {
   uint32_t r;
@@ -33,7 +34,9 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
   return r;
 }
 
-// v = hi + lo with both parts TF32 (lo only when kSplit).
+// v = hi + lo with both parts TF32 (lo only when kSplit). A non-finite v makes lo NaN, so an
+// infinite operand gives NaN where PyTorch's product is infinite (docs/ops.md): non-finite
+// values still reach exactly the outputs they reach in PyTorch.
 template <bool kSplit>
 __device__ __forceinline__ void split(float v, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(v);
@@ -142,6 +145,7 @@ struct Layout {
 template <int D, bool kBackward>
 __device__ void load_weights(const CfconvWeights& w, const Layout<D, kBackward>& l, float* smem) {
   constexpr int kVecs = D / 4, kPerThread = D * kVecs / kThreads;
+  static_assert(D * kVecs % kThreads == 0, "W2 loads evenly over the threads");
   float v[kPerThread][4];  // every load in flight before the first store
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
@@ -204,6 +208,7 @@ struct RowWalk {
   static constexpr int kLanesPerRow = D / 4;
   static constexpr int kGroups = 32 / kLanesPerRow;
   static constexpr int kRows = kRowsPerWarp / kGroups;
+  static_assert(kRows % 4 == 0, "the per-pair passes take their rows in batches of 4 and 2");
   int first, col;
   __device__ RowWalk() {
     const int lane = threadIdx.x % 32;

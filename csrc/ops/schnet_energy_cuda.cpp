@@ -104,8 +104,8 @@ cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, co
                                       static_cast<int>(std::min<int64_t>(s.hidden, INT32_MAX)),
                                       static_cast<int>(std::min<int64_t>(s.width, INT32_MAX))),
                op, ": the CUDA kernels take a filter network with H == M, 64 or 128 wide, and R <= 64 basis "
-               "functions, on a GPU with TF32 tensor cores and the shared memory per block they need (163-205 KiB at "
-               "width 128: Hopper; 74-105 KiB at width 64); "
+               "functions, on a GPU with TF32 tensor cores and the shared memory per block they need (147-205 KiB at "
+               "width 128, 63-105 KiB at width 64, growing with R); "
                "got R=", s.rbf, ", H=", s.hidden, ", M=", s.width, " (use mirage::message_passing with the filters "
                "computed by PyTorch otherwise)");
   MIRAGE_CHECK(s.nodes < INT32_MAX, op, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);

@@ -504,8 +504,8 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
     """Whether :func:`cfconv` runs a filter network of ``num_rbf`` inputs, ``hidden`` units and
     ``width`` outputs on ``device``: always on the CPU; on CUDA when ``hidden == width`` is 64 or
     128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores (sm_80 on) and the shared memory per
-    block the kernels keep their operands in: 163-205 KiB at width 128 (Hopper's 227 KiB; not an
-    A100's 163 KiB), 74-105 KiB at width 64 (R from 20 to 64)."""
+    block the kernels keep their operands in: 147-205 KiB at width 128 (R from 1 to 64: Hopper's
+    227 KiB takes them all, an A100's 163 KiB R <= 16), 63-105 KiB at width 64."""
     from . import _C
 
     device = torch.device(device)

@@ -25,8 +25,8 @@ BuildInfo build_info();
 
 // Whether mirage::cfconv (registered as torch.ops.mirage.cfconv) runs a filter network of R inputs,
 // H hidden units and M outputs on `device`: always on the CPU; on CUDA when H == M is 64 or 128,
-// R <= 64 and the GPU has TF32 tensor cores and the kernels' shared memory (163-205 KiB per block
-// at width 128: Hopper; 74-105 KiB at width 64).
+// R <= 64 and the GPU has TF32 tensor cores and the kernels' shared memory (147-205 KiB per block
+// at width 128, 63-105 KiB at width 64, growing with R).
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
 // GroupNorm over (N, C, *) input, NCHW or channels-last, output in the input's layout;
