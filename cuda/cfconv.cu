@@ -476,7 +476,9 @@ cudaError_t dispatch(const CfconvWeights& w, F&& f) {
   const auto by_activation = [&](auto width, auto split) {
     return w.activation == Activation::kShiftedSoftplus ? f(width, split, Yes{}) : f(width, split, No{});
   };
-  const auto by_precision = [&](auto width) { return w.tf32 ? by_activation(width, No{}) : by_activation(width, Yes{}); };
+  const auto by_precision = [&](auto width) {
+    return w.tf32 ? by_activation(width, No{}) : by_activation(width, Yes{});
+  };
   return w.width == 64 ? by_precision(std::integral_constant<int, 64>{})
                        : by_precision(std::integral_constant<int, 128>{});
 }

@@ -52,7 +52,8 @@ cudaError_t launch_with(const SubpixelShuffleParams& p, cudaStream_t stream) {
 template <typename T, int V>
 cudaError_t launch_vector(const SubpixelShuffleParams& p, cudaStream_t stream) {
   if (p.bias == nullptr) return launch_with<T, T, false, V>(p, stream);
-  return p.bias_float32 ? launch_with<T, float, true, V>(p, stream) : launch_with<T, T, true, V>(p, stream);
+  return p.bias_dtype == DType::kFloat32 ? launch_with<T, float, true, V>(p, stream)
+                                         : launch_with<T, T, true, V>(p, stream);
 }
 
 }  // namespace
@@ -64,7 +65,7 @@ cudaError_t launch_subpixel_shuffle(const SubpixelShuffleParams& params, cudaStr
     constexpr int kPack = kPackWidth<scalar_t>;
     // The bias is read kPack values at a time as well: a float32 one needs 4 * kPack-byte
     // alignment.
-    const int bias_bytes = (params.bias_float32 ? 4 : static_cast<int>(sizeof(scalar_t))) * kPack;
+    const int bias_bytes = (params.bias_dtype == DType::kFloat32 ? 4 : static_cast<int>(sizeof(scalar_t))) * kPack;
     const bool packed = params.channels % kPack == 0 && is_aligned(params.y, 16) &&
                         is_aligned(params.out, 16) &&
                         (params.bias == nullptr || is_aligned(params.bias, bias_bytes));

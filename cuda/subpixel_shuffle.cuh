@@ -16,7 +16,7 @@ struct SubpixelShuffleParams {
   void* out;         // [batch, 2 * height, 2 * width, channels] channels-last
   int64_t batch, height, width, channels;  // of the upsampled image's halves: out is 2x this
   DType dtype;       // of y and out
-  bool bias_float32;  // bias is float32 rather than dtype
+  DType bias_dtype;  // dtype or float32
 };
 
 cudaError_t launch_subpixel_shuffle(const SubpixelShuffleParams& params, cudaStream_t stream);

@@ -323,9 +323,10 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Ten
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kCfconv, idx, s.nodes);
   const std::string act(activation);
-  const at::Tensor hidden = activate(at::linear(basis.to(at::kDouble), weight1.to(at::kDouble), optional_f64(bias1)), act);
-  const at::Tensor filters = at::linear(hidden, weight2.to(at::kDouble), optional_f64(bias2));
-  const at::Tensor messages = x.to(at::kDouble).index_select(0, idx[1]) * filters * envelope.to(at::kDouble).unsqueeze(1);
+  const at::Tensor pre = at::linear(basis.to(at::kDouble), weight1.to(at::kDouble), optional_f64(bias1));
+  const at::Tensor filters = at::linear(activate(pre, act), weight2.to(at::kDouble), optional_f64(bias2));
+  const at::Tensor messages =
+      x.to(at::kDouble).index_select(0, idx[1]) * filters * envelope.to(at::kDouble).unsqueeze(1);
   const at::Tensor out = at::zeros({s.nodes, s.width}, messages.options()).index_add_(0, idx[0], messages);
   return {out.to(x.scalar_type()), filters.to(x.scalar_type())};
 }
@@ -347,7 +348,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
   const at::Tensor grad_envelope = (grad_filter * f).sum(1);
   const at::Tensor w1 = weight1.to(at::kDouble);
   const at::Tensor pre = at::linear(basis.to(at::kDouble), w1, optional_f64(bias1));
-  const at::Tensor grad_pre = at::matmul(grad_filter * e, weight2.to(at::kDouble)) * activation_grad(pre, std::string(activation));
+  const at::Tensor grad_pre =
+      at::matmul(grad_filter * e, weight2.to(at::kDouble)) * activation_grad(pre, std::string(activation));
   const at::Tensor grad_basis = at::matmul(grad_pre, w1);
   const auto dtype = x.scalar_type();
   return {grad_x.to(dtype), grad_basis.to(dtype), grad_envelope.to(dtype)};

@@ -28,7 +28,7 @@ at::Tensor subpixel_shuffle_cuda(const at::Tensor& x, const std::optional<at::Te
   params.height = shape[2] / 2;
   params.width = shape[3] / 2;
   params.dtype = to_kernel_dtype(x.scalar_type());
-  params.bias_float32 = b.defined() && b.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  params.bias_dtype = to_kernel_dtype(b.defined() ? b.scalar_type() : x.scalar_type());
   check_launch(kSubpixelShuffle, cuda::launch_subpixel_shuffle(params, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
