@@ -15,6 +15,7 @@
 
 #include "catch_compat.h"
 #include "bias_act.cuh"
+#include "cfconv.cuh"
 #include "geglu.cuh"
 #include "group_norm.cuh"
 #include "layer_norm.cuh"
@@ -956,4 +957,93 @@ TEST_CASE("launch_subpixel_shuffle matches the host reference", "[subpixel_shuff
   }
   mc::SubpixelShuffleParams empty{};
   REQUIRE(mc::launch_subpixel_shuffle(empty, nullptr) == cudaSuccess);
+}
+
+// cfconv: the filter network W2 act(W1 basis + b1) + b2 times the envelope, scattered from the
+// senders into the receivers, and its gradients, against a double-precision host reference.
+struct CfconvCase {
+  int64_t nodes, pairs;
+  int rbf, width;
+  mc::Activation activation;
+};
+
+double host_activation(double v, mc::Activation a, bool slope) {
+  const double sigmoid = 1.0 / (1.0 + std::exp(-v));
+  if (a == mc::Activation::kSilu) return slope ? sigmoid * (1.0 + v * (1.0 - sigmoid)) : v * sigmoid;
+  return slope ? sigmoid : std::log1p(std::exp(v)) - std::log(2.0);  // shifted softplus
+}
+
+TEST_CASE("launch_cfconv(_backward) match the host reference", "[cfconv]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  // 20,000 pairs: more 128-pair tiles than an H200 has blocks at once.
+  const CfconvCase cases[] = {{40, 700, 20, 128, mc::Activation::kShiftedSoftplus},
+                              {300, 20000, 7, 64, mc::Activation::kSilu},
+                              {5, 3, 1, 64, mc::Activation::kShiftedSoftplus}};
+  for (const CfconvCase& k : cases) {
+    INFO("N=" << k.nodes << " P=" << k.pairs << " R=" << k.rbf << " D=" << k.width);
+    if (!mc::cfconv_supported(k.rbf, k.width, k.width)) MIRAGE_SKIP("cfconv's kernels do not fit this GPU");
+    const int64_t N = k.nodes, P = k.pairs, R = k.rbf, D = k.width;
+    std::vector<float> x = random_values(N * D), basis = random_values(P * R, 0.5f, 0.3f);
+    std::vector<float> envelope = random_values(P, 0.5f, 0.2f), grad = random_values(N * D);
+    std::vector<float> w1 = random_values(D * R, 0.0f, 1.0f / std::sqrt(float(R))), b1 = random_values(D);
+    std::vector<float> w2 = random_values(D * D, 0.0f, 1.0f / std::sqrt(float(D))), b2 = random_values(D);
+    std::vector<int64_t> pairs(2 * P);
+    std::uniform_int_distribution<int64_t> node(0, N - 1);
+    for (int64_t p = 0; p < P; ++p) pairs[p] = node(rng()), pairs[P + p] = node(rng());
+    std::sort(pairs.begin(), pairs.begin() + P);  // receiver-sorted, as neighbor_list lists them
+
+    // The host reference.
+    std::vector<double> pre(P * D), filters(P * D), out(N * D, 0.0), grad_x(N * D, 0.0), grad_basis(P * R, 0.0),
+        grad_envelope(P, 0.0);
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t i = pairs[p], j = pairs[P + p];
+      std::vector<double> hidden(D), grad_filter(D);
+      for (int64_t h = 0; h < D; ++h) {
+        double z = b1[h];
+        for (int64_t r = 0; r < R; ++r) z += double(w1[h * R + r]) * basis[p * R + r];
+        pre[p * D + h] = z;
+        hidden[h] = host_activation(z, k.activation, false);
+      }
+      for (int64_t m = 0; m < D; ++m) {
+        double f = b2[m];
+        for (int64_t h = 0; h < D; ++h) f += double(w2[m * D + h]) * hidden[h];
+        filters[p * D + m] = f;
+        out[i * D + m] += double(x[j * D + m]) * f * envelope[p];
+        grad_x[j * D + m] += double(grad[i * D + m]) * f * envelope[p];
+        grad_filter[m] = double(grad[i * D + m]) * x[j * D + m];
+        grad_envelope[p] += grad_filter[m] * f;
+      }
+      for (int64_t h = 0; h < D; ++h) {
+        double g = 0.0;
+        for (int64_t m = 0; m < D; ++m) g += grad_filter[m] * envelope[p] * w2[m * D + h];
+        g *= host_activation(pre[p * D + h], k.activation, true);
+        for (int64_t r = 0; r < R; ++r) grad_basis[p * R + r] += g * w1[h * R + r];
+      }
+    }
+
+    Device<float> dx(x), dbasis(basis), denvelope(envelope), dgrad(grad), dw1(w1), db1(b1), dw2(w2), db2(b2);
+    Device<float> dout(N * D), dfilters(P * D), dgrad_x(N * D), dgrad_basis(P * R), dgrad_envelope(P);
+    int64_t* dpairs = nullptr;
+    int* dinvalid = nullptr;
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dpairs), std::max<size_t>(pairs.size(), 1) * 8) == cudaSuccess);
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dinvalid), 4) == cudaSuccess);
+    REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * 8, cudaMemcpyHostToDevice) == cudaSuccess);
+    const mc::CfconvWeights weights{dw1.ptr, db1.ptr, dw2.ptr, db2.ptr, k.rbf, k.width, k.activation, false};
+    const mc::CfconvParams forward{weights, dx.ptr, dbasis.ptr, denvelope.ptr, dpairs, dout.ptr, dfilters.ptr,
+                                   dinvalid, N, P};
+    REQUIRE(mc::launch_cfconv(forward, nullptr) == cudaSuccess);
+    const mc::CfconvBackwardParams backward{weights, dgrad.ptr, dx.ptr, dbasis.ptr, denvelope.ptr, dpairs,
+                                            dfilters.ptr, dgrad_x.ptr, dgrad_basis.ptr, dgrad_envelope.ptr,
+                                            dinvalid, N, P};
+    REQUIRE(mc::launch_cfconv_backward(backward, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    cudaFree(dpairs);
+    cudaFree(dinvalid);
+    // float32 accumulation over up to ~70 pairs a node and 128-long products (3xTF32 products).
+    require_close(dfilters.read(), filters, 1e-4, 1e-4);
+    require_close(dout.read(), out, 1e-3, 1e-4);
+    require_close(dgrad_x.read(), grad_x, 1e-3, 1e-4);
+    require_close(dgrad_basis.read(), grad_basis, 1e-3, 1e-4);
+    require_close(dgrad_envelope.read(), grad_envelope, 1e-3, 1e-4);
+  }
 }
