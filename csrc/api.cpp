@@ -1,8 +1,6 @@
 // The public C++ API (include/mirage/mirage.h): thin calls through the dispatcher.
 #include "mirage/mirage.h"
 
-#include <algorithm>
-#include <climits>
 #include <sstream>
 
 #include "op_handles.h"
@@ -30,9 +28,8 @@ BuildInfo build_info() {
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
 #if MIRAGE_WITH_CUDA
   if (!device.is_cuda()) return device.is_cpu();
-  const auto narrow = [](int64_t v) { return static_cast<int>(std::clamp<int64_t>(v, 0, INT32_MAX)); };
   const c10::cuda::CUDAGuard guard(device);
-  return cuda::cfconv_supported(narrow(num_rbf), narrow(hidden), narrow(width));
+  return cuda::cfconv_supported(num_rbf, hidden, width);
 #else
   return device.is_cpu();
 #endif

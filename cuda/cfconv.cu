@@ -11,7 +11,6 @@
 // come out in registers, and the messages are scattered with vector atomics, one per run of
 // equal receivers. Only the filters [P, M] go to memory, for the backward, which recomputes the
 // hidden layer's pre-activation from the basis (a product with K = R) instead of storing it.
-#include <cmath>
 #include <type_traits>
 
 #include "cfconv.cuh"
@@ -434,17 +433,6 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   }
 }
 
-// An index out of range anywhere turns every output NaN.
-__global__ void poison_kernel(const int* invalid, float* a, int64_t na, float* b, int64_t nb, float* c, int64_t nc) {
-  if (*invalid == 0) return;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < na + nb + nc; e += stride) {
-    if (e < na) a[e] = NAN;
-    else if (e < na + nb) b[e - na] = NAN;
-    else c[e - na - nb] = NAN;
-  }
-}
-
 template <int D, bool kBackward>
 size_t shared_bytes(int num_rbf) {
   return Layout<D, kBackward>(num_rbf).bytes();
@@ -483,19 +471,16 @@ cudaError_t dispatch(const CfconvWeights& w, F&& f) {
                        : by_precision(std::integral_constant<int, 128>{});
 }
 
-unsigned poison_grid(int64_t elements) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(elements, 256), 4LL * sm_count())));
-}
-
 }  // namespace
 
-bool cfconv_supported(int num_rbf, int hidden, int width) {
+bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
   if (hidden != width || (width != 64 && width != 128) || num_rbf < 1 || num_rbf > kMaxRbf) return false;
   int device = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const size_t needed = width == 64 ? std::max(shared_bytes<64, false>(num_rbf), shared_bytes<64, true>(num_rbf))
-                                    : std::max(shared_bytes<128, false>(num_rbf), shared_bytes<128, true>(num_rbf));
+  const int rbf = static_cast<int>(num_rbf);  // checked <= kMaxRbf above
+  const size_t needed = width == 64 ? std::max(shared_bytes<64, false>(rbf), shared_bytes<64, true>(rbf))
+                                    : std::max(shared_bytes<128, false>(rbf), shared_bytes<128, true>(rbf));
   return major >= 8 && needed <= static_cast<size_t>(max_shared_bytes());
 }
 
@@ -505,14 +490,14 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   if (status == cudaSuccess) status = cudaMemsetAsync(params.out, 0, out_elements * sizeof(float), stream);
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
-    return launch(cfconv_kernel<width(), split(), ssp()>, params, shared_bytes<width(), false>(params.weights.num_rbf),
-                  stream);
+    return launch(cfconv_kernel<width(), split(), ssp()>, params,
+                  shared_bytes<width(), false>(params.weights.num_rbf), stream);
   });
   if (status != cudaSuccess) return status;
-  const int64_t filter_elements = params.num_pairs * params.weights.width;
-  poison_kernel<<<poison_grid(out_elements + filter_elements), 256, 0, stream>>>(
-      params.invalid, params.out, out_elements, params.filters, filter_elements, nullptr, 0);
-  return cudaGetLastError();
+  // An index out of range anywhere turns every output NaN (the outputs are float32 already).
+  const Segments outputs{{{nullptr, params.out, out_elements},
+                          {nullptr, params.filters, params.num_pairs * params.weights.width}}};
+  return launch_finish<float>(outputs, params.invalid, stream);
 }
 
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream) {
@@ -525,11 +510,10 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStrea
                   shared_bytes<width(), true>(params.weights.num_rbf), stream);
   });
   if (status != cudaSuccess) return status;
-  const int64_t basis_elements = params.num_pairs * params.weights.num_rbf;
-  poison_kernel<<<poison_grid(x_elements + basis_elements + params.num_pairs), 256, 0, stream>>>(
-      params.invalid, params.grad_x, x_elements, params.grad_basis, basis_elements, params.grad_envelope,
-      params.num_pairs);
-  return cudaGetLastError();
+  const Segments outputs{{{nullptr, params.grad_x, x_elements},
+                          {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
+                          {nullptr, params.grad_envelope, params.num_pairs}}};
+  return launch_finish<float>(outputs, params.invalid, stream);
 }
 
 }  // namespace mirage::cuda

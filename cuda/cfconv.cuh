@@ -57,7 +57,7 @@ struct CfconvBackwardParams {
 
 // Whether the kernels take these sizes on the current device (H == M in {64, 128}, R <= 64,
 // enough shared memory per block, tensor cores with TF32).
-bool cfconv_supported(int num_rbf, int hidden, int width);
+bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
 // Pairs with an index outside [0, num_nodes) are skipped and turn every output NaN (no host sync).
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream);

@@ -270,4 +270,42 @@ __device__ __forceinline__ Moments block_merge(Moments m, Moments* scratch) {
   return m;
 }
 
+// The last pass of kernels that accumulate in float32 and flag invalid input on the device (no
+// host sync): up to four outputs, each with where its values are: `acc` holds them in float32
+// (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair
+// gradients). A raised flag turns every output NaN.
+struct Segment {
+  const float* acc;
+  void* out;
+  int64_t count;
+};
+
+struct Segments {
+  Segment s[4];  // unused ones have count 0
+};
+
+template <typename T>
+__global__ void __launch_bounds__(256) finish_kernel(Segments segments, const int* invalid) {
+  const bool bad = *invalid != 0;
+  const T nan = from_float<T>(__int_as_float(0x7fc00000));
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // unrolled: a constant index keeps the segments in parameter space
+    const Segment s = segments.s[k];
+    if (s.acc == nullptr && !bad) continue;
+    T* out = static_cast<T*>(s.out);
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < s.count; e += stride)
+      out[e] = bad ? nan : from_float<T>(s.acc[e]);
+  }
+}
+
+template <typename T>
+cudaError_t launch_finish(const Segments& segments, const int* invalid, cudaStream_t stream) {
+  int64_t largest = 0;
+  for (const Segment& s : segments.s) largest = std::max(largest, s.count);
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(largest, 256), 1, 4LL * sm_count());
+  finish_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(segments, invalid);
+  return cudaGetLastError();
+}
+
 }  // namespace mirage::cuda

@@ -6,7 +6,6 @@
 // Pair product: one thread per V features of one pair, a gather and a product.
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 
 #include "kernel_utils.cuh"
 #include "message_passing.cuh"
@@ -64,21 +63,6 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int v = 0; v < V; ++v) atomicAdd(accum + row * p.features + f + v, sum[v]);
     }
-  }
-}
-
-// float16/bfloat16: converts the float32 accumulator into out. float32 (accum == out): only
-// poisons. Either way an invalid pair anywhere makes every output NaN.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    message_passing_finalize_kernel(MessagePassingParams p, const float* accum, const int* invalid) {
-  const bool poison = *invalid != 0;
-  if (std::is_same_v<T, float> && !poison) return;
-  T* out = static_cast<T*>(p.out);
-  const int64_t total = p.num_nodes * p.features;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[e] = from_float<T>(poison ? NAN : accum[e]);
   }
 }
 
@@ -170,9 +154,10 @@ cudaError_t launch_message_passing(const MessagePassingParams& params, cudaStrea
       status = cudaGetLastError();
       if (status != cudaSuccess) return;
     }
-    message_passing_finalize_kernel<scalar_t>
-        <<<grid_for(total), kThreads, 0, stream>>>(params, accum, invalid);
-    status = cudaGetLastError();
+    // float16/bfloat16: the float32 accumulator into out; float32 (accum is out): nothing to
+    // convert. Either way an invalid pair anywhere makes every output NaN.
+    const bool float32 = params.dtype == DType::kFloat32;
+    status = launch_finish<scalar_t>(Segments{{{float32 ? nullptr : accum, params.out, total}}}, invalid, stream);
   });
   return status;
 }

@@ -100,10 +100,8 @@ cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, co
                                    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
                                    const std::optional<at::Tensor>& bias2, c10::string_view activation, bool tf32,
                                    std::vector<at::Tensor>& held) {
-  MIRAGE_CHECK(cuda::cfconv_supported(static_cast<int>(std::min<int64_t>(s.rbf, INT32_MAX)),
-                                      static_cast<int>(std::min<int64_t>(s.hidden, INT32_MAX)),
-                                      static_cast<int>(std::min<int64_t>(s.width, INT32_MAX))),
-               op, ": the CUDA kernels take a filter network with H == M, 64 or 128 wide, and R <= 64 basis "
+  MIRAGE_CHECK(cuda::cfconv_supported(s.rbf, s.hidden, s.width), op,
+               ": the CUDA kernels take a filter network with H == M, 64 or 128 wide, and R <= 64 basis "
                "functions, on a GPU with TF32 tensor cores and the shared memory per block they need (147-205 KiB at "
                "width 128, 63-105 KiB at width 64, growing with R); "
                "got R=", s.rbf, ", H=", s.hidden, ", M=", s.width, " (use mirage::message_passing with the filters "

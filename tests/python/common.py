@@ -51,6 +51,18 @@ def assert_error(call, device, message):
     assert message in str(error.value)
 
 
+def assert_first_order_only(output, leaf, parameter_message):
+    """output (a scalar) gives its gradient in leaf although a parameter requires grad, but
+    raises when asked for the parameters' gradient (message parameter_message) or a second order:
+    the contract of the ops with a fused, first-order backward (schnet_energy, cfconv)."""
+    grad, = torch.autograd.grad(output, leaf, retain_graph=True)
+    assert torch.isfinite(grad).all()
+    with pytest.raises(RuntimeError, match=parameter_message):
+        output.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(output, leaf, create_graph=True)
+
+
 def cast(value, dtype):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.detach().to(dtype)
