@@ -545,13 +545,17 @@ class SchNet(_FusedModel):
             filters = _batched_linear(ACTIVATIONS[self.filter_activation](hidden), second)
         return filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)
 
+    def _eval_kernels(self, positions: Tensor) -> bool:
+        """Whether the eval-mode kernels (schnet_energy, cfconv) may run: eval mode, on CUDA in
+        float32, outside autocast. Static, like the two choices built on it: never the data, so
+        they are graph-safe."""
+        return (not self.training and positions.is_cuda and positions.dtype == torch.float32
+                and self.embedding.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"))
+
     def _fused_interactions(self, positions: Tensor) -> bool:
         """Whether the interactions run as mirage::cfconv (the filter network fused with the
-        message passing): the eval-mode conditions of the one-kernel path, and sizes its CUDA
-        kernels take (static: never the data, so the choice is graph-safe)."""
-        if not (self.fused_interactions and not self.training and positions.is_cuda
-                and positions.dtype == torch.float32 and self.embedding.weight.dtype == torch.float32
-                and not torch.is_autocast_enabled("cuda")):
+        message passing): eval-mode kernels allowed, and sizes its CUDA kernels take."""
+        if not (self.fused_interactions and self._eval_kernels(positions)):
             return False
         first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
         return _cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
@@ -559,10 +563,8 @@ class SchNet(_FusedModel):
     def _whole_model_kernel(self, positions: Tensor) -> bool:
         """Whether this forward runs as one mirage::schnet_energy kernel (static: shapes, dtypes,
         modes; never the data, so the choice is graph-safe)."""
-        return (not self.training and positions.is_cuda and positions.dtype == torch.float32
-                and self.embedding.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
-                and self._max_pairs is not None and self._max_pairs <= self.whole_model_max_pairs
-                and len(self.interactions) <= 8)
+        return (self._eval_kernels(positions) and self._max_pairs is not None
+                and self._max_pairs <= self.whole_model_max_pairs and len(self.interactions) <= 8)
 
     def _kernel_weights(self) -> List[Tensor]:
         """mirage::schnet_energy's ``weights``: the parameters themselves (shared, never copied),
