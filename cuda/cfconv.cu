@@ -27,19 +27,17 @@ constexpr int kRowsPerWarp = kTile / kWarps;  // rows of a warp in the per-pair 
 constexpr int kMaxRbf = 64;
 static_assert((kWarps / kWarpsAlongColumns) * 32 == kTile, "the product's warps cover the tile's rows");
 
-__device__ __forceinline__ uint32_t to_tf32(float v) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return r;
-}
-
-// v = hi + lo with both parts TF32 (lo only when kSplit). A non-finite v makes lo NaN, so an
-// infinite operand gives NaN where PyTorch's product is infinite (docs/ops.md): non-finite
-// values still reach exactly the outputs they reach in PyTorch.
+// v = hi + lo for the tensor cores, which read a register's top 19 bits as a TF32 value (an
+// H200 reads 1 + 0x1fff ulp as 1). hi is v rounded to TF32 with two integer operations
+// (cvt.rna.tf32 takes four with its NaN and Inf checks); lo, below half of hi's last bit, goes
+// raw (whatever the hardware does with its low bits costs < 2^-21 of v: float32's accuracy, as
+// the tests check). Without kSplit hi alone. A non-finite v makes lo NaN, so an infinite operand
+// gives NaN where PyTorch's product is infinite (docs/ops.md): non-finite values still reach
+// exactly the outputs they reach in PyTorch.
 template <bool kSplit>
 __device__ __forceinline__ void split(float v, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(v);
-  if constexpr (kSplit) lo = to_tf32(v - __uint_as_float(hi));
+  hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+  if constexpr (kSplit) lo = __float_as_uint(v - __uint_as_float(hi));
 }
 
 // c += a b for one m16n8k8 TF32 tile (fragments in the PTX ISA's layout).
@@ -50,39 +48,94 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Four 8 x 4 float32 blocks of shared memory, one per register (ldmatrix's 8 x 8 16-bit
+// matrices are 8 x 4 32-bit ones): lane l reads row l / 4, column l % 4 of each block, which is
+// the TF32 fragment layout of mma.sync. Lanes 8 q .. 8 q + 7 give the row addresses of block q.
+__device__ __forceinline__ void load_blocks(const float* row, float (&v)[4]) {
+  uint32_t r[4];
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(r[i]);
+}
+
+// The products' operands in shared memory. KRows: element (r, k) at p[r * ld + k], r a row of
+// the left operand or a column of the right one; fragments by ldmatrix, so p is 16-byte aligned
+// and ld % 8 == 4 (the 8 rows of a block fall in distinct banks). KColumns: a right operand
+// with element (k, c) at p[k * ld + c]; fragments by single loads.
+struct KRows {
+  const float* p;
+  int ld;
+};
+struct KColumns {
+  const float* p;
+  int ld;
+};
+
+// The left operand's fragment of rows row0 .. row0 + 15, columns k0 .. k0 + 7.
+__device__ __forceinline__ void left_fragment(const KRows& a, int row0, int k0, float (&v)[4]) {
+  const int lane = threadIdx.x % 32;
+  load_blocks(a.p + (row0 + lane % 8 + 8 * (lane / 8 % 2)) * a.ld + k0 + 4 * (lane / 16), v);
+}
+
+// The right operand's fragments of columns col0 .. col0 + 15 (two n8 tiles), rows k0 .. k0 + 7:
+// v[0], v[1] the first tile's, v[2], v[3] the second's.
+__device__ __forceinline__ void right_fragments(const KRows& b, int col0, int k0, float (&v)[4]) {
+  const int lane = threadIdx.x % 32;
+  load_blocks(b.p + (col0 + lane % 8 + 8 * (lane / 16)) * b.ld + k0 + 4 * (lane / 8 % 2), v);
+}
+// One n8 tile's fragment (KColumns only: the products with an odd number of tiles).
+__device__ __forceinline__ void right_fragment(const KColumns& b, int col0, int k0, float (&v)[2]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  v[0] = b.p[(k0 + t) * b.ld + col0 + g];
+  v[1] = b.p[(k0 + t + 4) * b.ld + col0 + g];
+}
+__device__ __forceinline__ void right_fragments(const KColumns& b, int col0, int k0, float (&v)[4]) {
+  right_fragment(b, col0, k0, reinterpret_cast<float(&)[2]>(v[0]));
+  right_fragment(b, col0 + 8, k0, reinterpret_cast<float(&)[2]>(v[2]));
+}
+
 // acc[m][n] += sum over k < K of a(row, k) b(k, col) for this warp's M x N m16n8 tiles at rows
 // row0 + 16 m and columns col0 + 8 n (the accumulator layout of the PTX ISA: element e of a
 // tile is row g + 8 (e / 2), column 2 t + e % 2 with g = lane / 4, t = lane % 4). K is a
-// multiple of 8; a and b read shared memory.
-template <int M, int N, bool kSplit, typename A, typename B>
-__device__ __forceinline__ void mma_tiles(int K, int row0, int col0, A&& a, B&& b, float (&acc)[M][N][4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+// multiple of 8.
+template <int M, int N, bool kSplit, typename B>
+__device__ __forceinline__ void mma_tiles(int K, int row0, int col0, const KRows& a, const B& b,
+                                          float (&acc)[M][N][4]) {
 #pragma unroll 2
   for (int k0 = 0; k0 < K; k0 += 8) {
-    uint32_t a_hi[M][4], a_lo[M][4];
+    uint32_t a_hi[M][4], a_lo[M][4], b_hi[N][2], b_lo[N][2];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const int row = row0 + m * 16 + g;
-      split<kSplit>(a(row, k0 + t), a_hi[m][0], a_lo[m][0]);
-      split<kSplit>(a(row + 8, k0 + t), a_hi[m][1], a_lo[m][1]);
-      split<kSplit>(a(row, k0 + t + 4), a_hi[m][2], a_lo[m][2]);
-      split<kSplit>(a(row + 8, k0 + t + 4), a_hi[m][3], a_lo[m][3]);
+      float v[4];
+      left_fragment(a, row0 + 16 * m, k0, v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split<kSplit>(v[i], a_hi[m][i], a_lo[m][i]);
     }
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
-      const int col = col0 + n * 8 + g;
-      uint32_t b_hi[2], b_lo[2];
-      split<kSplit>(b(k0 + t, col), b_hi[0], b_lo[0]);
-      split<kSplit>(b(k0 + t + 4, col), b_hi[1], b_lo[1]);
+    for (int n = 0; n + 1 < N; n += 2) {
+      float v[4];
+      right_fragments(b, col0 + 8 * n, k0, v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split<kSplit>(v[i], b_hi[n + i / 2][i % 2], b_lo[n + i / 2][i % 2]);
+    }
+    if constexpr (N % 2 == 1) {
+      float v[2];
+      right_fragment(b, col0 + 8 * (N - 1), k0, v);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) split<kSplit>(v[i], b_hi[N - 1][i], b_lo[N - 1][i]);
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         if constexpr (kSplit) {  // the small terms first
-          mma_tf32(acc[m][n], a_lo[m], b_hi);
-          mma_tf32(acc[m][n], a_hi[m], b_lo);
+          mma_tf32(acc[m][n], a_lo[m], b_hi[n]);
+          mma_tf32(acc[m][n], a_hi[m], b_lo[n]);
         }
-        mma_tf32(acc[m][n], a_hi[m], b_hi);
+        mma_tf32(acc[m][n], a_hi[m], b_hi[n]);
       }
-    }
   }
 }
 
@@ -110,14 +163,12 @@ struct WarpTile {
   }
 };
 
-// Shared-memory layout in floats. Row strides are padded so that the fragment reads of the
-// products spread over the banks: the tile's rows and the forward's W2 rows by 4 (lane (g, t)
-// reads row g, column t), the backward's W2 rows by 8 (it reads row t, column g), and the basis
-// and W1 rows (R rounded up to 8, zero-filled) by 4.
-template <int D, bool kBackward>
+// Shared-memory layout in floats. Every product reads its operands as KRows, so each row
+// stride is 4 mod 8 and each array starts 16-byte aligned: the tile and W2 (or its transpose)
+// with rows of D + 4, the basis and W1 with R rounded up to 8 (zero-filled) + 4.
+template <int D>
 struct Layout {
-  static constexpr int kLdTile = D + 4;
-  static constexpr int kLdW2 = kBackward ? D + 8 : D + 4;
+  static constexpr int kLd = D + 4;
   int rbf8;      // R rounded up to a multiple of 8: the products' K (or N) over the basis
   int ld_basis;  // rbf8 + 4
   int w2, tile, w1, b1, b2, basis, envelope, receivers, senders, total;
@@ -126,8 +177,8 @@ struct Layout {
     rbf8 = (num_rbf + 7) / 8 * 8;
     ld_basis = rbf8 + 4;
     w2 = 0;
-    tile = w2 + D * kLdW2;
-    w1 = tile + kTile * kLdTile;
+    tile = w2 + D * kLd;
+    w1 = tile + kTile * kLd;
     b1 = w1 + D * ld_basis;
     b2 = b1 + D;
     basis = b2 + D;
@@ -139,22 +190,31 @@ struct Layout {
   __host__ __device__ size_t bytes() const { return static_cast<size_t>(total) * 4; }
 };
 
-// The block's constant operands: W2 ([M, H], padded rows), W1 ([H, R], rows padded with zeros),
-// b1, b2.
-template <int D, bool kBackward>
-__device__ void load_weights(const CfconvWeights& w, const Layout<D, kBackward>& l, float* smem) {
+// The block's constant operands: W2 ([M, H]; transposed for the backward, whose product takes
+// it as [H, M] rows), W1 ([H, R], rows padded with zeros), b1, b2.
+template <int D, bool kTransposeW2>
+__device__ void load_weights(const CfconvWeights& w, const Layout<D>& l, float* smem) {
   constexpr int kVecs = D / 4, kPerThread = D * kVecs / kThreads;
   static_assert(D * kVecs % kThreads == 0, "W2 loads evenly over the threads");
   float v[kPerThread][4];  // every load in flight before the first store
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int e = threadIdx.x + k * kThreads, row = e / kVecs, col = (e - row * kVecs) * 4;
+    // Transposing, consecutive threads take consecutive rows: their stores to the columns of
+    // the transpose then fall in consecutive banks.
+    const int e = threadIdx.x + k * kThreads, row = kTransposeW2 ? e % D : e / kVecs,
+              col = (kTransposeW2 ? e / D : e % kVecs) * 4;
     load_packed<float, 4>(w.w2 + row * D + col, v[k]);
-  }
+    if constexpr (kTransposeW2) {
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const int e = threadIdx.x + k * kThreads, row = e / kVecs, col = (e - row * kVecs) * 4;
-    store_packed<float, 4>(smem + l.w2 + row * Layout<D, kBackward>::kLdW2 + col, v[k]);
+      for (int c = 0; c < 4; ++c) smem[l.w2 + (col + c) * Layout<D>::kLd + row] = v[k][c];
+    }
+  }
+  if constexpr (!kTransposeW2) {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int e = threadIdx.x + k * kThreads, row = e / kVecs, col = (e % kVecs) * 4;
+      store_packed<float, 4>(smem + l.w2 + row * Layout<D>::kLd + col, v[k]);
+    }
   }
   for (int e = threadIdx.x; e < D * l.rbf8; e += kThreads) {
     const int h = e / l.rbf8, r = e - h * l.rbf8;
@@ -166,38 +226,62 @@ __device__ void load_weights(const CfconvWeights& w, const Layout<D, kBackward>&
   }
 }
 
-// The tile's pairs: receivers (-1 for padding rows and pairs with an index out of range, which
+// A tile's pairs: receivers (-1 for padding rows and pairs with an index out of range, which
 // also raise *invalid), senders, envelopes (0 for padding) and the basis rows (zero-filled).
-template <int D, bool kBackward>
-__device__ void load_pairs(const int64_t* pairs, const float* basis, const float* envelope, int64_t num_pairs,
-                           int64_t num_nodes, int num_rbf, int64_t base, const Layout<D, kBackward>& l, float* smem,
-                           int* invalid) {
-  int* receivers = reinterpret_cast<int*>(smem + l.receivers);
-  int* senders = reinterpret_cast<int*>(smem + l.senders);
-  for (int row = threadIdx.x; row < kTile; row += kThreads) {
-    const int64_t p = base + row;
-    int i = -1, j = 0;
-    float e = 0.0f;
-    if (p < num_pairs) {
-      const int64_t pi = pairs[p], pj = pairs[num_pairs + p];
-      if (pi >= 0 && pi < num_nodes && pj >= 0 && pj < num_nodes) {
-        i = static_cast<int>(pi);
-        j = static_cast<int>(pj);
-      } else {
-        *invalid = 1;  // every writer stores the same value
-      }
-      e = envelope[p];
+// fetch() puts the loads in flight: the pairs into registers, the basis rows straight into
+// shared memory by cp.async; stash() stores the pairs and waits for the basis. The kernels fetch
+// the next tile once the current one is done with the basis, before its last pass (which still
+// reads the current pairs), and stash it after: the loads overlap that pass.
+template <int D>
+struct TileFetch {
+  static_assert(kTile <= kThreads, "one pair a thread");
+  int64_t receiver, sender;  // checked in stash(): a check here would wait for the loads
+  float envelope;
+  bool real;  // a pair, not padding
+
+  template <typename Params>
+  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base) {
+    const int row = threadIdx.x;
+    envelope = 0.0f;
+    real = row < kTile && base + row < p.num_pairs;
+    if (real) {
+      receiver = p.pairs[base + row];
+      sender = p.pairs[p.num_pairs + base + row];
+      envelope = p.envelope[base + row];
     }
-    receivers[row] = i;
-    senders[row] = j;
-    smem[l.envelope + row] = e;
+    const int num_rbf = p.weights.num_rbf;
+    for (int e = threadIdx.x; e < kTile * l.rbf8; e += kThreads) {
+      const int r = e % l.rbf8;
+      const int64_t pair = base + e / l.rbf8;
+      const bool value = r < num_rbf && pair < p.num_pairs;
+      // Four bytes from global memory, or (source size 0) four zero bytes.
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(static_cast<uint32_t>(
+                       __cvta_generic_to_shared(smem + l.basis + e / l.rbf8 * l.ld_basis + r))),
+                   "l"(value ? p.basis + pair * num_rbf + r : p.basis), "r"(value ? 4 : 0));
+    }
+    asm volatile("cp.async.commit_group;");
   }
-  const int64_t rows = std::min<int64_t>(kTile, num_pairs - base);
-  for (int e = threadIdx.x; e < kTile * l.rbf8; e += kThreads) {
-    const int row = e / l.rbf8, r = e - row * l.rbf8;
-    smem[l.basis + row * l.ld_basis + r] = row < rows && r < num_rbf ? basis[(base + row) * num_rbf + r] : 0.0f;
+
+  template <typename Params>
+  __device__ void stash(const Params& p, const Layout<D>& l, float* smem) const {
+    const int row = threadIdx.x;
+    if (row < kTile) {
+      int i = -1, j = 0;
+      if (real) {
+        if (receiver >= 0 && receiver < p.num_nodes && sender >= 0 && sender < p.num_nodes) {
+          i = static_cast<int>(receiver);
+          j = static_cast<int>(sender);
+        } else {
+          *p.invalid = 1;  // every writer stores the same value
+        }
+      }
+      reinterpret_cast<int*>(smem + l.receivers)[row] = i;
+      reinterpret_cast<int*>(smem + l.senders)[row] = j;
+      smem[l.envelope + row] = envelope;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
   }
-}
+};
 
 // The per-pair passes: a warp walks kRowsPerWarp consecutive rows of the tile, D/4 lanes per row
 // (each a float4 of columns), 32/(D/4) groups of lanes splitting the rows between them. Rows are
@@ -247,8 +331,8 @@ __device__ __forceinline__ float filter_activation_grad(float v, Activation acti
 
 // z = W1 basis + b1 for this warp's M x N tiles of the [kTile, D] hidden layer from row row0 on,
 // on tensor cores.
-template <int D, bool kBackward, bool kSplit, int M>
-__device__ __forceinline__ void hidden_pre_activation(const Layout<D, kBackward>& l, const float* smem, int row0,
+template <int D, bool kSplit, int M>
+__device__ __forceinline__ void hidden_pre_activation(const Layout<D>& l, const float* smem, int row0,
                                                       float (&z)[M][D / 32][4]) {
   using W = WarpTile<D>;
   const int t = threadIdx.x % 4;
@@ -258,9 +342,8 @@ __device__ __forceinline__ void hidden_pre_activation(const Layout<D, kBackward>
     for (int n = 0; n < W::kN; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) z[m][n][e] = smem[l.b1 + W::col0() + n * 8 + 2 * t + (e & 1)];
-  mma_tiles<M, W::kN, kSplit>(
-      l.rbf8, row0, W::col0(), [&](int row, int k) { return smem[l.basis + row * l.ld_basis + k]; },
-      [&](int k, int col) { return smem[l.w1 + col * l.ld_basis + k]; }, z);
+  mma_tiles<M, W::kN, kSplit>(l.rbf8, row0, W::col0(), KRows{smem + l.basis, l.ld_basis},
+                              KRows{smem + l.w1, l.ld_basis}, z);
 }
 
 template <int D, bool kSplit, bool kSsp>
@@ -268,33 +351,33 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const Layout<D, false> l(p.weights.num_rbf);
-  constexpr int kLd = Layout<D, false>::kLdTile, kLdW2 = Layout<D, false>::kLdW2;
+  const Layout<D> l(p.weights.num_rbf);
+  constexpr int kLd = Layout<D>::kLd;
   const int* receivers = reinterpret_cast<const int*>(smem + l.receivers);
   const int* senders = reinterpret_cast<const int*>(smem + l.senders);
   float* tile = smem + l.tile;
   load_weights<D, false>(p.weights, l, smem);
   const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  TileFetch<D> next;
+  next.fetch(p, l, smem, blockIdx.x * kTile);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t base = t * kTile;
     const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
     __syncthreads();  // the previous tile's readers are done with the shared arrays
-    load_pairs<D, false>(p.pairs, p.basis, p.envelope, p.num_pairs, p.num_nodes, p.weights.num_rbf, base, l, smem,
-                         p.invalid);
+    next.stash(p, l, smem);
     __syncthreads();
     typename W::Acc acc;
-    hidden_pre_activation<D, false, kSplit>(l, smem, W::row0(), acc);
+    hidden_pre_activation<D, kSplit>(l, smem, W::row0(), acc);
     W::for_each([&](int m, int n, int e, int row, int col) {
       tile[row * kLd + col] = filter_activation<kSsp>(acc[m][n][e], p.weights.activation);
     });
     __syncthreads();
     W::for_each([&](int m, int n, int e, int, int col) { acc[m][n][e] = smem[l.b2 + col]; });
-    mma_tiles<W::kM, W::kN, kSplit>(
-        D, W::row0(), W::col0(), [&](int row, int k) { return tile[row * kLd + k]; },
-        [&](int k, int col) { return smem[l.w2 + col * kLdW2 + k]; }, acc);
+    mma_tiles<W::kM, W::kN, kSplit>(D, W::row0(), W::col0(), KRows{tile, kLd}, KRows{smem + l.w2, kLd}, acc);
     __syncthreads();  // every warp has read the hidden layer: the tile takes the filters
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     __syncthreads();
+    if (t + gridDim.x < tiles) next.fetch(p, l, smem, base + gridDim.x * kTile);
     // Save the filters; scatter x[j] * filter * envelope, one atomic per run of equal receivers.
     const RowWalk<D> walk;
     float sum[4] = {};
@@ -338,19 +421,21 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const Layout<D, true> l(p.weights.num_rbf);
-  constexpr int kLd = Layout<D, true>::kLdTile, kLdW2 = Layout<D, true>::kLdW2;
+  const Layout<D> l(p.weights.num_rbf);
+  constexpr int kLd = Layout<D>::kLd;
   const int* receivers = reinterpret_cast<const int*>(smem + l.receivers);
   const int* senders = reinterpret_cast<const int*>(smem + l.senders);
   float* tile = smem + l.tile;
   load_weights<D, true>(p.weights, l, smem);
   const int R = p.weights.num_rbf;
   const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  TileFetch<D> next;
+  next.fetch(p, l, smem, blockIdx.x * kTile);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t base = t * kTile;
     const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
     __syncthreads();
-    load_pairs<D, true>(p.pairs, p.basis, p.envelope, p.num_pairs, p.num_nodes, R, base, l, smem, p.invalid);
+    next.stash(p, l, smem);
     __syncthreads();
     // Per pair: grad_x[j] += grad[i] * filter * envelope; the filter's gradient grad[i] * x[j]
     // gives the envelope's (dotted with the filter) and, times the envelope, the tile.
@@ -397,13 +482,11 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     // time (fewer live registers).
     typename W::Acc acc;
     W::zero(acc);
-    mma_tiles<W::kM, W::kN, kSplit>(
-        D, W::row0(), W::col0(), [&](int row, int k) { return tile[row * kLd + k]; },
-        [&](int k, int col) { return smem[l.w2 + k * kLdW2 + col]; }, acc);
+    mma_tiles<W::kM, W::kN, kSplit>(D, W::row0(), W::col0(), KRows{tile, kLd}, KRows{smem + l.w2, kLd}, acc);
 #pragma unroll
     for (int m = 0; m < W::kM; ++m) {
       float z[1][W::kN][4];
-      hidden_pre_activation<D, true, kSplit>(l, smem, W::row0() + 16 * m, z);
+      hidden_pre_activation<D, kSplit>(l, smem, W::row0() + 16 * m, z);
 #pragma unroll
       for (int n = 0; n < W::kN; ++n)
 #pragma unroll
@@ -412,15 +495,14 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     __syncthreads();  // every warp has read the tile: it takes the hidden layer's gradient
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     __syncthreads();
+    if (t + gridDim.x < tiles) next.fetch(p, l, smem, base + gridDim.x * kTile);
     // grad_basis = that gradient times W1: [kTile, R] in tasks of 32 x 8 (two accumulator
     // chains a warp), spread over the warps.
     const int col_tiles = l.rbf8 / 8;
     for (int task = threadIdx.x / 32; task < (kTile / 32) * col_tiles; task += kWarps) {
       const int row0 = (task / col_tiles) * 32, col0 = (task % col_tiles) * 8;
       float out[2][1][4] = {};
-      mma_tiles<2, 1, kSplit>(
-          D, row0, col0, [&](int row, int k) { return tile[row * kLd + k]; },
-          [&](int k, int col) { return smem[l.w1 + k * l.ld_basis + col]; }, out);
+      mma_tiles<2, 1, kSplit>(D, row0, col0, KRows{tile, kLd}, KColumns{smem + l.w1, l.ld_basis}, out);
       const int lane = threadIdx.x % 32;
 #pragma unroll
       for (int m = 0; m < 2; ++m)
@@ -433,9 +515,9 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   }
 }
 
-template <int D, bool kBackward>
+template <int D>
 size_t shared_bytes(int num_rbf) {
-  return Layout<D, kBackward>(num_rbf).bytes();
+  return Layout<D>(num_rbf).bytes();
 }
 
 int max_shared_bytes() {
@@ -479,8 +561,7 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const int rbf = static_cast<int>(num_rbf);  // checked <= kMaxRbf above
-  const size_t needed = width == 64 ? std::max(shared_bytes<64, false>(rbf), shared_bytes<64, true>(rbf))
-                                    : std::max(shared_bytes<128, false>(rbf), shared_bytes<128, true>(rbf));
+  const size_t needed = width == 64 ? shared_bytes<64>(rbf) : shared_bytes<128>(rbf);
   return major >= 8 && needed <= static_cast<size_t>(max_shared_bytes());
 }
 
@@ -491,7 +572,7 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
     return launch(cfconv_kernel<width(), split(), ssp()>, params,
-                  shared_bytes<width(), false>(params.weights.num_rbf), stream);
+                  shared_bytes<width()>(params.weights.num_rbf), stream);
   });
   if (status != cudaSuccess) return status;
   // An index out of range anywhere turns every output NaN (the outputs are float32 already).
@@ -507,7 +588,7 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStrea
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
     return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
-                  shared_bytes<width(), true>(params.weights.num_rbf), stream);
+                  shared_bytes<width()>(params.weights.num_rbf), stream);
   });
   if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, x_elements},
