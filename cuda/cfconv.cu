@@ -4,13 +4,14 @@
 // Layer by layer, a 3,000-atom box (139k pairs, 128 features) writes and reads [P, 128] float32
 // tensors about a dozen times per interaction (the hidden layer, its activation, the filters, the
 // enveloped filters, their gradients) and runs the filter products on CUDA cores
-// (docs/perf/forcefield.md). Here each block keeps the filter network in shared memory, takes
-// 128 pairs at a time and runs its products on tensor cores (TF32 mma.sync; by default each
-// float32 operand is split into a TF32 high part and a TF32 remainder and three products are
-// added, which keeps float32 accuracy): the hidden layer goes to shared memory, the filters
-// come out in registers, and the messages are scattered with vector atomics, one per run of
-// equal receivers. Only the filters [P, M] go to memory, for the backward, which recomputes the
-// hidden layer's pre-activation from the basis (a product with K = R) instead of storing it.
+// (docs/perf/forcefield.md). Here each block keeps the filter network in shared memory, its two
+// teams of warps take 64 pairs at a time each and run the products on tensor cores (TF32
+// mma.sync, operands by ldmatrix; by default each float32 operand is split into a TF32 high
+// part and a TF32 remainder and three products are added, which keeps float32 accuracy): the
+// hidden layer goes to shared memory, the filters come out in registers, and the messages are
+// scattered with vector atomics, one per run of equal receivers. Only the filters [P, M] go to
+// memory, for the backward, which recomputes the hidden layer's pre-activation from the basis
+// (a product with K = R) instead of storing it.
 #include <type_traits>
 
 #include "cfconv.cuh"
@@ -19,13 +20,25 @@
 namespace mirage::cuda {
 namespace {
 
+// A block is two teams of 8 warps that share the filter network in shared memory and each
+// work through their own tiles, synchronising only within the team: one team's memory-bound
+// passes overlap the other's products.
 constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-constexpr int kTile = 128;                    // pairs per tile
-constexpr int kWarpsAlongColumns = 4;         // the [kTile, D] products: 4 x 4 warps of 32 x D/4
-constexpr int kRowsPerWarp = kTile / kWarps;  // rows of a warp in the per-pair passes
+constexpr int kTeams = 2;
+constexpr int kTeamThreads = kThreads / kTeams;
+constexpr int kTeamWarps = kTeamThreads / 32;
+constexpr int kTile = 64;                         // pairs per tile
+constexpr int kWarpsAlongColumns = 4;             // the [kTile, D] products: 2 x 4 warps of 32 x D/4
+constexpr int kRowsPerWarp = kTile / kTeamWarps;  // rows of a warp in the per-pair passes
 constexpr int kMaxRbf = 64;
-static_assert((kWarps / kWarpsAlongColumns) * 32 == kTile, "the product's warps cover the tile's rows");
+static_assert((kTeamWarps / kWarpsAlongColumns) * 32 == kTile, "the product's warps cover the tile's rows");
+
+__device__ __forceinline__ int team() { return threadIdx.x / kTeamThreads; }
+__device__ __forceinline__ int team_thread() { return threadIdx.x % kTeamThreads; }
+// __syncthreads for one team (named barriers 1 and 2; 0 is __syncthreads').
+__device__ __forceinline__ void team_sync() {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + team()), "n"(kTeamThreads) : "memory");
+}
 
 // v = hi + lo for the tensor cores, which read a register's top 19 bits as a TF32 value (an
 // H200 reads 1 + 0x1fff ulp as 1). hi is v rounded to TF32 with two integer operations
@@ -144,8 +157,8 @@ template <int D>
 struct WarpTile {
   static constexpr int kM = 2, kN = D / 32;
   using Acc = float[kM][kN][4];
-  __device__ static int row0() { return (threadIdx.x / 32 / kWarpsAlongColumns) * 32; }
-  __device__ static int col0() { return (threadIdx.x / 32 % kWarpsAlongColumns) * (D / kWarpsAlongColumns); }
+  __device__ static int row0() { return (team_thread() / 32 / kWarpsAlongColumns) * 32; }
+  __device__ static int col0() { return (team_thread() / 32 % kWarpsAlongColumns) * (D / kWarpsAlongColumns); }
   // f(m, n, e, row, col) for each accumulator element.
   template <typename F>
   __device__ static void for_each(F&& f) {
@@ -163,29 +176,31 @@ struct WarpTile {
   }
 };
 
-// Shared-memory layout in floats. Every product reads its operands as KRows, so each row
-// stride is 4 mod 8 and each array starts 16-byte aligned: the tile and W2 (or its transpose)
-// with rows of D + 4, the basis and W1 with R rounded up to 8 (zero-filled) + 4.
+// Shared-memory layout in floats: the block's weights, then each team's tile, basis rows and
+// pairs (Layout(num_rbf, team) points at that team's). Every product reads its operands as
+// KRows, so each row stride is 4 mod 8 and each array starts 16-byte aligned: the tile and W2
+// (or its transpose) with rows of D + 4, the basis and W1 with R rounded up to 8 (zero-filled) + 4.
 template <int D>
 struct Layout {
   static constexpr int kLd = D + 4;
   int rbf8;      // R rounded up to a multiple of 8: the products' K (or N) over the basis
   int ld_basis;  // rbf8 + 4
-  int w2, tile, w1, b1, b2, basis, envelope, receivers, senders, total;
+  int w2, w1, b1, b2, tile, basis, envelope, receivers, senders, total;
 
-  __host__ __device__ explicit Layout(int num_rbf) {
+  __host__ __device__ Layout(int num_rbf, int team) {
     rbf8 = (num_rbf + 7) / 8 * 8;
     ld_basis = rbf8 + 4;
     w2 = 0;
-    tile = w2 + D * kLd;
-    w1 = tile + kTile * kLd;
+    w1 = w2 + D * kLd;
     b1 = w1 + D * ld_basis;
     b2 = b1 + D;
-    basis = b2 + D;
+    const int weights = b2 + D, per_team = kTile * (kLd + ld_basis + 3);
+    tile = weights + team * per_team;
+    basis = tile + kTile * kLd;
     envelope = basis + kTile * ld_basis;
     receivers = envelope + kTile;  // ints from here on
     senders = receivers + kTile;
-    total = senders + kTile;
+    total = weights + kTeams * per_team;
   }
   __host__ __device__ size_t bytes() const { return static_cast<size_t>(total) * 4; }
 };
@@ -234,14 +249,14 @@ __device__ void load_weights(const CfconvWeights& w, const Layout<D>& l, float* 
 // reads the current pairs), and stash it after: the loads overlap that pass.
 template <int D>
 struct TileFetch {
-  static_assert(kTile <= kThreads, "one pair a thread");
+  static_assert(kTile <= kTeamThreads, "one pair a thread");
   int64_t receiver, sender;  // checked in stash(): a check here would wait for the loads
   float envelope;
   bool real;  // a pair, not padding
 
   template <typename Params>
   __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base) {
-    const int row = threadIdx.x;
+    const int row = team_thread();
     envelope = 0.0f;
     real = row < kTile && base + row < p.num_pairs;
     if (real) {
@@ -250,7 +265,7 @@ struct TileFetch {
       envelope = p.envelope[base + row];
     }
     const int num_rbf = p.weights.num_rbf;
-    for (int e = threadIdx.x; e < kTile * l.rbf8; e += kThreads) {
+    for (int e = team_thread(); e < kTile * l.rbf8; e += kTeamThreads) {
       const int r = e % l.rbf8;
       const int64_t pair = base + e / l.rbf8;
       const bool value = r < num_rbf && pair < p.num_pairs;
@@ -264,7 +279,7 @@ struct TileFetch {
 
   template <typename Params>
   __device__ void stash(const Params& p, const Layout<D>& l, float* smem) const {
-    const int row = threadIdx.x;
+    const int row = team_thread();
     if (row < kTile) {
       int i = -1, j = 0;
       if (real) {
@@ -295,7 +310,7 @@ struct RowWalk {
   int first, col;
   __device__ RowWalk() {
     const int lane = threadIdx.x % 32;
-    first = (threadIdx.x / 32) * kRowsPerWarp + (lane / kLanesPerRow) * kRows;
+    first = (team_thread() / 32) * kRowsPerWarp + (lane / kLanesPerRow) * kRows;
     col = (lane % kLanesPerRow) * 4;
   }
 };
@@ -351,33 +366,36 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const Layout<D> l(p.weights.num_rbf);
+  const Layout<D> l(p.weights.num_rbf, team());
   constexpr int kLd = Layout<D>::kLd;
   const int* receivers = reinterpret_cast<const int*>(smem + l.receivers);
   const int* senders = reinterpret_cast<const int*>(smem + l.senders);
   float* tile = smem + l.tile;
   load_weights<D, false>(p.weights, l, smem);
   const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  __syncthreads();  // the weights are in
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kTeams;
   TileFetch<D> next;
-  next.fetch(p, l, smem, blockIdx.x * kTile);
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team();
+  if (first < tiles) next.fetch(p, l, smem, first * kTile);
+  for (int64_t t = first; t < tiles; t += stride) {
     const int64_t base = t * kTile;
     const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
-    __syncthreads();  // the previous tile's readers are done with the shared arrays
+    team_sync();  // the previous tile's readers are done with the shared arrays
     next.stash(p, l, smem);
-    __syncthreads();
+    team_sync();
     typename W::Acc acc;
     hidden_pre_activation<D, kSplit>(l, smem, W::row0(), acc);
     W::for_each([&](int m, int n, int e, int row, int col) {
       tile[row * kLd + col] = filter_activation<kSsp>(acc[m][n][e], p.weights.activation);
     });
-    __syncthreads();
+    team_sync();
     W::for_each([&](int m, int n, int e, int, int col) { acc[m][n][e] = smem[l.b2 + col]; });
     mma_tiles<W::kM, W::kN, kSplit>(D, W::row0(), W::col0(), KRows{tile, kLd}, KRows{smem + l.w2, kLd}, acc);
-    __syncthreads();  // every warp has read the hidden layer: the tile takes the filters
+    team_sync();  // every warp has read the hidden layer: the tile takes the filters
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
-    __syncthreads();
-    if (t + gridDim.x < tiles) next.fetch(p, l, smem, base + gridDim.x * kTile);
+    team_sync();
+    if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile);
     // Save the filters; scatter x[j] * filter * envelope, one atomic per run of equal receivers.
     const RowWalk<D> walk;
     float sum[4] = {};
@@ -421,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const Layout<D> l(p.weights.num_rbf);
+  const Layout<D> l(p.weights.num_rbf, team());
   constexpr int kLd = Layout<D>::kLd;
   const int* receivers = reinterpret_cast<const int*>(smem + l.receivers);
   const int* senders = reinterpret_cast<const int*>(smem + l.senders);
@@ -429,14 +447,17 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   load_weights<D, true>(p.weights, l, smem);
   const int R = p.weights.num_rbf;
   const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  __syncthreads();  // the weights are in
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kTeams;
   TileFetch<D> next;
-  next.fetch(p, l, smem, blockIdx.x * kTile);
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team();
+  if (first < tiles) next.fetch(p, l, smem, first * kTile);
+  for (int64_t t = first; t < tiles; t += stride) {
     const int64_t base = t * kTile;
     const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
-    __syncthreads();
+    team_sync();
     next.stash(p, l, smem);
-    __syncthreads();
+    team_sync();
     // Per pair: grad_x[j] += grad[i] * filter * envelope; the filter's gradient grad[i] * x[j]
     // gives the envelope's (dotted with the filter) and, times the envelope, the tile.
     {
@@ -477,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
         }
       }
     }
-    __syncthreads();
+    team_sync();
     // The hidden layer's gradient: (tile W2) * act'(z), z recomputed on tensor cores 16 rows at a
     // time (fewer live registers).
     typename W::Acc acc;
@@ -492,14 +513,14 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][n][e] *= filter_activation_grad<kSsp>(z[0][n][e], p.weights.activation);
     }
-    __syncthreads();  // every warp has read the tile: it takes the hidden layer's gradient
+    team_sync();  // every warp has read the tile: it takes the hidden layer's gradient
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
-    __syncthreads();
-    if (t + gridDim.x < tiles) next.fetch(p, l, smem, base + gridDim.x * kTile);
+    team_sync();
+    if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile);
     // grad_basis = that gradient times W1: [kTile, R] in tasks of 32 x 8 (two accumulator
     // chains a warp), spread over the warps.
     const int col_tiles = l.rbf8 / 8;
-    for (int task = threadIdx.x / 32; task < (kTile / 32) * col_tiles; task += kWarps) {
+    for (int task = team_thread() / 32; task < (kTile / 32) * col_tiles; task += kTeamWarps) {
       const int row0 = (task / col_tiles) * 32, col0 = (task % col_tiles) * 8;
       float out[2][1][4] = {};
       mma_tiles<2, 1, kSplit>(D, row0, col0, KRows{tile, kLd}, KColumns{smem + l.w1, l.ld_basis}, out);
@@ -517,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 
 template <int D>
 size_t shared_bytes(int num_rbf) {
-  return Layout<D>(num_rbf).bytes();
+  return Layout<D>(num_rbf, 0).bytes();
 }
 
 int max_shared_bytes() {
@@ -534,7 +555,8 @@ cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, c
                                             static_cast<int>(bytes));
   if (status != cudaSuccess) return status;
   const int64_t tiles = ceil_div(params.num_pairs, kTile);
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(tiles, sm_count())), kThreads, bytes, stream>>>(params);
+  const int64_t blocks = std::min<int64_t>(ceil_div(tiles, kTeams), sm_count());
+  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(params);
   return cudaGetLastError();
 }
 

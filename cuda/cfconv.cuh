@@ -1,6 +1,6 @@
 // mirage::cfconv: SchNet's continuous-filter convolution with its filter network fused in, and
 // its backward (docs/ops.md). float32, on tensor cores (sm_80 on, where the shared memory per
-// block holds a filter weight and a 128-pair tile: cfconv_supported).
+// block holds a filter weight and two 64-pair tiles: cfconv_supported).
 //   filters[p] = W2 act(W1 basis[p] + b1) + b2                    [P, M]
 //   out[i]     = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p] * envelope[p]
 // Host-includable.

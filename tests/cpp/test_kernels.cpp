@@ -975,7 +975,7 @@ double host_activation(double v, mc::Activation a, bool slope) {
 
 TEST_CASE("launch_cfconv(_backward) match the host reference", "[cfconv]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
-  // 20,000 pairs: more 128-pair tiles than an H200 has blocks at once.
+  // 20,000 pairs: more 64-pair tiles than an H200's blocks (two teams each) take at once.
   const CfconvCase cases[] = {{40, 700, 20, 128, mc::Activation::kShiftedSoftplus},
                               {300, 20000, 7, 64, mc::Activation::kSilu},
                               {5, 3, 1, 64, mc::Activation::kShiftedSoftplus}};

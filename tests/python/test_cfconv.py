@@ -19,13 +19,13 @@ from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 # name: (N, P, R, H, M, activation, biases, receiver-sorted pairs). The CUDA kernels take H == M of
-# 64 or 128: schnet is the benchmark's filter network over several 128-pair tiles and a partial
+# 64 or 128: schnet is the benchmark's filter network over several 64-pair tiles and a partial
 # one, many_tiles* over more tiles than blocks; narrow the 64-wide kernels, unsorted pairs (one
 # atomic per pair) and no biases; tiny a single short tile with one basis function. odd runs on the CPU only (H != M, widths that are no
 # multiple of 4).
 CONFIGS = {
     "schnet": (40, 700, 20, 128, 128, "shifted_softplus", True, True),
-    # More tiles than an H200's 132 blocks take at once (each block loops over several).
+    # More tiles than an H200's 132 blocks of two teams take at once (each team loops over several).
     "many_tiles": (3000, 40077, 20, 128, 128, "shifted_softplus", True, True),
     "many_tiles_64": (500, 17021, 12, 64, 64, "softplus", True, True),
     "narrow": (17, 300, 7, 64, 64, "silu", False, False),
