@@ -575,6 +575,21 @@ cudaError_t dispatch(const CfconvWeights& w, F&& f) {
                        : by_precision(std::integral_constant<int, 128>{});
 }
 
+// Zeroes the invalid flag and the [N, D] float32 accumulator, runs the kernel (launch_kernel(width,
+// split, ssp); none without pairs), then converts the outputs or, after a bad index, poisons them.
+template <typename Params, typename LaunchKernel>
+cudaError_t launch_passes(const Params& params, float* accumulator, const Segments& outputs, cudaStream_t stream,
+                          LaunchKernel&& launch_kernel) {
+  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
+  if (status == cudaSuccess) {
+    status = cudaMemsetAsync(accumulator, 0, params.num_nodes * params.weights.width * sizeof(float), stream);
+  }
+  if (status != cudaSuccess || params.num_pairs == 0) return status;
+  status = dispatch(params.weights, launch_kernel);
+  if (status != cudaSuccess) return status;
+  return launch_finish<float>(outputs, params.invalid, stream);
+}
+
 }  // namespace
 
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
@@ -588,35 +603,23 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
 }
 
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
-  const int64_t out_elements = params.num_nodes * params.weights.width;
-  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(params.out, 0, out_elements * sizeof(float), stream);
-  if (status != cudaSuccess || params.num_pairs == 0) return status;
-  status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
-    return launch(cfconv_kernel<width(), split(), ssp()>, params,
-                  shared_bytes<width()>(params.weights.num_rbf), stream);
-  });
-  if (status != cudaSuccess) return status;
   // An index out of range anywhere turns every output NaN (the outputs are float32 already).
-  const Segments outputs{{{nullptr, params.out, out_elements},
+  const Segments outputs{{{nullptr, params.out, params.num_nodes * params.weights.width},
                           {nullptr, params.filters, params.num_pairs * params.weights.width}}};
-  return launch_finish<float>(outputs, params.invalid, stream);
+  return launch_passes(params, params.out, outputs, stream, [&](auto width, auto split, auto ssp) {
+    return launch(cfconv_kernel<width(), split(), ssp()>, params, shared_bytes<width()>(params.weights.num_rbf),
+                  stream);
+  });
 }
 
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream) {
-  const int64_t x_elements = params.num_nodes * params.weights.width;
-  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(params.grad_x, 0, x_elements * sizeof(float), stream);
-  if (status != cudaSuccess || params.num_pairs == 0) return status;
-  status = dispatch(params.weights, [&](auto width, auto split, auto ssp) {
+  const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.weights.width},
+                          {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
+                          {nullptr, params.grad_envelope, params.num_pairs}}};
+  return launch_passes(params, params.grad_x, outputs, stream, [&](auto width, auto split, auto ssp) {
     return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
                   shared_bytes<width()>(params.weights.num_rbf), stream);
   });
-  if (status != cudaSuccess) return status;
-  const Segments outputs{{{nullptr, params.grad_x, x_elements},
-                          {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
-                          {nullptr, params.grad_envelope, params.num_pairs}}};
-  return launch_finish<float>(outputs, params.invalid, stream);
 }
 
 }  // namespace mirage::cuda

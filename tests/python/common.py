@@ -98,6 +98,16 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def energy_forces_and_ops(model, numbers, positions, training):
+    """(energy, forces, ops): a force field's call in training or eval mode, with the operators
+    its forward and backward ran (OpCounter's ``calls``); positions must require grad."""
+    model.train(training)
+    with OpCounter() as ops:
+        energy = model(numbers, positions)
+        forces, = torch.autograd.grad(energy, positions)
+    return energy.detach(), -forces, ops.calls
+
+
 def capture_graph(step):
     """(graph, outputs): ``step()`` warmed up twice on a side stream, then captured in one CUDA
     graph; ``graph.replay()`` recomputes ``outputs`` in place from the tensors ``step`` reads."""

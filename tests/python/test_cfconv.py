@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import mirage
 import mirage.ff
 from mirage.ff.calculator import matmul_precision
-from common import (DEVICES, FF_ACTIVATIONS, OpCounter, assert_error, assert_first_order_only, capture_graph,
-                    strided)
+from common import (DEVICES, FF_ACTIVATIONS, assert_error, assert_first_order_only, capture_graph,
+                    energy_forces_and_ops, strided)
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -389,21 +389,14 @@ def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces():
     numbers = torch.randint(1, 9, (n,), device="cuda")
     positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)  # ~40 neighbours each
 
-    def energy_forces(training, fused=True):
-        model.train(training)
-        model.fused_interactions = fused
-        with OpCounter() as ops:
-            energy = model(numbers, positions)
-            forces, = torch.autograd.grad(energy, positions)
-        return energy.detach(), -forces, ops.calls
-
-    layered_energy, layered_forces, layered_ops = energy_forces(True)
-    energy, forces, calls = energy_forces(False)
+    layered_energy, layered_forces, layered_ops = energy_forces_and_ops(model, numbers, positions, True)
+    energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
     assert model.max_pairs > model.whole_model_max_pairs
     assert calls.count("mirage.cfconv") == len(model.interactions) and "mirage.cfconv" not in layered_ops
     assert "mirage.cfconv_backward" in calls
     scale = layered_forces.abs().max().item()
     torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * scale)
-    _, _, calls = energy_forces(False, fused=False)
+    model.fused_interactions = False
+    _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
     assert "mirage.cfconv" not in calls

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import mirage
 import mirage.ff
-from common import DEVICES, FF_ACTIVATIONS, OpCounter, assert_error, assert_first_order_only, capture_graph
+from common import (DEVICES, FF_ACTIVATIONS, assert_error, assert_first_order_only, capture_graph,
+                    energy_forces_and_ops)
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -289,15 +290,8 @@ def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
     numbers, positions = benzene(torch.float32, "cuda")
     positions = positions.requires_grad_(True)
 
-    def energy_forces(training):
-        model.train(training)
-        with OpCounter() as ops:
-            energy = model(numbers, positions)
-        forces, = torch.autograd.grad(energy, positions)
-        return energy.detach(), -forces, ops.calls
-
-    layered_energy, layered_forces, layered_ops = energy_forces(True)
-    energy, forces, calls = energy_forces(False)
+    layered_energy, layered_forces, layered_ops = energy_forces_and_ops(model, numbers, positions, True)
+    energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
     assert "mirage.schnet_energy" in calls and "mirage.schnet_energy" not in layered_ops
     torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * layered_forces.abs().max().item())
@@ -305,5 +299,5 @@ def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
     # The limit is on the capacity: at it the kernel runs, one pair above it the layers do.
     for capacity, one_kernel in ((model.whole_model_max_pairs, True), (model.whole_model_max_pairs + 1, False)):
         model.max_pairs = capacity
-        _, _, calls = energy_forces(False)
+        _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
         assert ("mirage.schnet_energy" in calls) == one_kernel, capacity
