@@ -10,6 +10,7 @@ passing ops run in the autocast dtype, like a matmul).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -467,8 +468,8 @@ def cfconv(
         activation: between them; one of ``shifted_softplus, softplus, silu, tanh, gelu, relu``.
         tf32: TF32 products; None (default) follows PyTorch's float32 matmul setting when called
             (:func:`tf32_matmuls`; ``mirage.ff.Calculator(precision="tf32")`` sets it), so a
-            captured CUDA graph keeps the choice made at capture. torch.compile cannot trace
-            that read (a graph break): give ``tf32`` under ``fullgraph=True``.
+            captured CUDA graph keeps the choice made at capture, and torch.compile the choice
+            made at compile time (it recompiles when the setting changes).
 
     Returns:
         ``(N, M)`` in x's dtype. Differentiable in ``x``, ``basis`` and ``envelope`` (first
@@ -485,6 +486,11 @@ def cfconv(
     return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32)[0]
 
 
+# torch.compile cannot trace the precision getters (they are C functions): it runs this at
+# compile time instead and bakes the answer into the graph. That is sound because dynamo guards
+# every graph on the global TF32 setting and recompiles when it changes
+# (tests/python/test_cfconv.py checks both).
+@torch.compiler.assume_constant_result
 def tf32_matmuls() -> bool:
     """Whether PyTorch lets float32 CUDA matmuls use TF32 now: ``torch.backends.cuda.matmul``'s
     ``fp32_precision`` (inheriting ``torch.backends.fp32_precision`` while ``"none"``), which
@@ -500,15 +506,21 @@ def tf32_matmuls() -> bool:
     return precision == "tf32"
 
 
+@torch.compiler.assume_constant_result  # a property of the device and the sizes, fixed per process
 def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     """Whether :func:`cfconv` runs a filter network of ``num_rbf`` inputs, ``hidden`` units and
     ``width`` outputs on ``device``: always on the CPU; on CUDA when ``hidden == width`` is 64 or
     128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores (sm_80 on) and the shared memory per
     block the kernels keep their operands in: 147-205 KiB at width 128 (R from 1 to 64: Hopper's
     227 KiB takes them all, an A100's 163 KiB R <= 16), 63-105 KiB at width 64."""
-    from . import _C
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return bool(_C.cfconv_supported(int(num_rbf), int(hidden), int(width), str(device)))
+    return _cfconv_supported_on(int(num_rbf), int(hidden), int(width), str(device))
+
+
+@functools.lru_cache(maxsize=None)  # models ask on every forward
+def _cfconv_supported_on(num_rbf: int, hidden: int, width: int, device: str) -> bool:
+    from . import _C
+
+    return bool(_C.cfconv_supported(num_rbf, hidden, width, device))

@@ -146,6 +146,27 @@ def test_tf32_matmuls_reads_torchs_setting():
             assert mirage.ops.tf32_matmuls() == allow
 
 
+def test_compiled_code_follows_the_tf32_setting():
+    """torch.compile takes tf32_matmuls and cfconv_supported as constants of the graph (it
+    cannot trace their C calls); the TF32 one stays right because dynamo guards its graphs on
+    the setting: flipping it recompiles, flipping it back finds the first graph again."""
+    from torch._dynamo.testing import CompileCounter
+
+    def choose(x):
+        supported = mirage.ops.cfconv_supported(20, 128, 128, x.device)
+        return x * 2 if supported and mirage.ops.tf32_matmuls() else x * 3
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(choose, backend=counter, fullgraph=True)
+    x = torch.ones(3)
+    for allow, compiles in ((False, 1), (True, 2), (False, 2), (True, 2)):
+        with tf32_matmuls(allow):
+            torch.testing.assert_close(compiled(x), choose(x))
+            assert compiled(x)[0].item() == (2.0 if allow else 3.0)
+        assert counter.frame_count == compiles
+
+
 def test_cfconv_gradcheck():
     x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("odd")
     for t in (x, basis, envelope):
@@ -231,8 +252,8 @@ def test_cfconv_compile_fullgraph_matches_eager(device):
     dtype = torch.float32 if device == "cuda" else torch.float64
     args = make_inputs("narrow", device, dtype)
 
-    def interaction(x, basis, envelope):  # tf32 given: its default reads a flag dynamo cannot trace
-        return F.silu(mirage.ops.cfconv(x * 2, basis, envelope, *args[3:], tf32=False)).sum()
+    def interaction(x, basis, envelope):  # tf32=None: PyTorch's setting, read at compile time
+        return F.silu(mirage.ops.cfconv(x * 2, basis, envelope, *args[3:])).sum()
 
     compiled = torch.compile(interaction, fullgraph=True)
     for scale in (1.0, 0.5):
@@ -400,3 +421,19 @@ def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces():
     model.fused_interactions = False
     _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
     assert "mirage.cfconv" not in calls
+
+
+@pytest.mark.cuda
+def test_fused_schnet_compiles_with_fullgraph():
+    """The eval-mode choices (cfconv_supported, the TF32 setting) do not break the graph."""
+    from forcefield.models import SchNet
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(SchNet().cuda()).eval()
+    n = 60
+    numbers = torch.randint(1, 9, (n,), device="cuda")
+    positions = torch.rand(n, 3, device="cuda") * 9.0
+    assert model._fused_interactions(positions)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(numbers, positions), model(numbers, positions), rtol=1e-5, atol=1e-5)

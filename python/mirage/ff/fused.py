@@ -25,7 +25,6 @@ forward chooses it from the system) and the ``[1]`` int64 buffer ``num_pairs``, 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -114,11 +113,6 @@ def _cosine_cutoff(d: Tensor, cutoff: float) -> Tensor:
     (d == c); without it cos^2 would leave ~1e-15 there in float32.
     """
     return torch.where(d < cutoff, torch.cos(d * (math.pi / (2.0 * cutoff))).square(), 0.0)
-
-
-@functools.lru_cache(maxsize=None)
-def _cfconv_supported(num_rbf: int, hidden: int, width: int, device: torch.device) -> bool:
-    return ops.cfconv_supported(num_rbf, hidden, width, device)
 
 
 def _stack(tensors: Sequence[Tensor]) -> Tensor:
@@ -558,7 +552,7 @@ class SchNet(_FusedModel):
         if not (self.fused_interactions and self._eval_kernels(positions)):
             return False
         first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
-        return _cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
+        return ops.cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
 
     def _whole_model_kernel(self, positions: Tensor) -> bool:
         """Whether this forward runs as one mirage::schnet_energy kernel (static: shapes, dtypes,
