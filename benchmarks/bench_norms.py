@@ -10,7 +10,7 @@ cycling through enough input sets that no call finds its input in L2. GB/s count
 bytes an op must move (inputs read once, outputs written once); "% copy" is that over the
 measured device-to-device copy bandwidth.
 
-    python benchmarks/bench_norms.py [--json results.json] [--quick]
+    python benchmarks/bench_norms.py [--json results.json] [--quick] [--ops layer_norm,add_layer_norm]
 """
 
 from __future__ import annotations
@@ -188,7 +188,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="two shapes per op")
+    parser.add_argument("--ops", help="comma-separated op names of the table to run (default: all)")
     args = parser.parse_args(argv)
+    all_cases = list(cases(args.quick))
+    wanted = set(args.ops.split(",")) if args.ops else {case[0] for case in all_cases}
+    unknown = wanted - {case[0] for case in all_cases}
+    if unknown:
+        print(f"bench_norms: unknown --ops {sorted(unknown)}; the ops are "
+              f"{sorted({case[0] for case in all_cases})}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_norms needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -200,7 +208,9 @@ def main(argv=None) -> int:
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
 
     rows = []
-    for op, label, layout, make, eager_fn, mirage_fn, nbytes in cases(args.quick):
+    for op, label, layout, make, eager_fn, mirage_fn, nbytes in all_cases:
+        if op not in wanted:
+            continue
         sets = [make() for _ in range(rotation_count(nbytes))]
         # A fresh dynamo cache per case: past its recompile limit (8 shapes of one function)
         # torch.compile silently runs the function eagerly, which would time eager as "compile".
