@@ -134,46 +134,10 @@ at::Tensor pair_product_autocast(const at::Tensor& a, const at::Tensor& b, const
                                       pairs);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
-  constexpr auto kDevice = c10::DeviceType::CUDA;
-  constexpr auto kKey = c10::DispatchKey::Autocast;
-  m.impl("group_norm", &group_norm_autocast<kDevice, kKey>);
-  m.impl("layer_norm", &layer_norm_autocast<kDevice, kKey>);
-  m.impl("add_layer_norm", &add_layer_norm_autocast<kDevice, kKey>);
-  m.impl("geglu", &geglu_autocast<kDevice, kKey>);
-  m.impl("bias_act", &bias_act_autocast<kDevice, kKey>);
-  m.impl("linear", &linear_autocast<kDevice, kKey>);
-  m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
-  m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
-  m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);
-  m.impl("message_passing", &message_passing_autocast<kDevice, kKey>);
-  m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
-}
-
-TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
-  constexpr auto kDevice = c10::DeviceType::CPU;
-  constexpr auto kKey = c10::DispatchKey::AutocastCPU;
-  m.impl("group_norm", &group_norm_autocast<kDevice, kKey>);
-  m.impl("layer_norm", &layer_norm_autocast<kDevice, kKey>);
-  m.impl("add_layer_norm", &add_layer_norm_autocast<kDevice, kKey>);
-  m.impl("geglu", &geglu_autocast<kDevice, kKey>);
-  m.impl("bias_act", &bias_act_autocast<kDevice, kKey>);
-  m.impl("linear", &linear_autocast<kDevice, kKey>);
-  m.impl("neighbor_list", &neighbor_list_autocast<kDevice, kKey>);
-  m.impl("radial_basis", &radial_basis_autocast<kDevice, kKey>);
-  m.impl("radial_basis_backward", &radial_basis_backward_autocast<kDevice, kKey>);
-  m.impl("message_passing", &message_passing_autocast<kDevice, kKey>);
-  m.impl("pair_product", &pair_product_autocast<kDevice, kKey>);
-}
-
 // mirage::vector_message_passing runs in the autocast dtype: every floating input (x, filter,
 // vectors, directions) is cast to it, the sums stay float32 inside the kernel. directions are
 // unit vectors, which float16/bfloat16 hold to their usual relative rounding; keeping them in
 // float32 would save no accuracy worth a second dtype in the kernels. float64 is left alone.
-namespace {
-
 template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Tensor& x,
                                                                    const at::Tensor& filter,
@@ -187,16 +151,31 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
       cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs);
 }
 
+// Each op's autocast kernel for one device (CUDA: the Autocast key, CPU: AutocastCPU).
+template <c10::DeviceType Device, c10::DispatchKey Key>
+void register_autocast(torch::Library& m) {
+  m.impl("group_norm", &group_norm_autocast<Device, Key>);
+  m.impl("layer_norm", &layer_norm_autocast<Device, Key>);
+  m.impl("add_layer_norm", &add_layer_norm_autocast<Device, Key>);
+  m.impl("geglu", &geglu_autocast<Device, Key>);
+  m.impl("bias_act", &bias_act_autocast<Device, Key>);
+  m.impl("linear", &linear_autocast<Device, Key>);
+  m.impl("neighbor_list", &neighbor_list_autocast<Device, Key>);
+  m.impl("radial_basis", &radial_basis_autocast<Device, Key>);
+  m.impl("radial_basis_backward", &radial_basis_backward_autocast<Device, Key>);
+  m.impl("message_passing", &message_passing_autocast<Device, Key>);
+  m.impl("pair_product", &pair_product_autocast<Device, Key>);
+  m.impl("vector_message_passing", &vector_message_passing_autocast<Device, Key>);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autocast, m) {
-  m.impl("vector_message_passing",
-         &vector_message_passing_autocast<c10::DeviceType::CUDA, c10::DispatchKey::Autocast>);
+  register_autocast<c10::DeviceType::CUDA, c10::DispatchKey::Autocast>(m);
 }
 
 TORCH_LIBRARY_IMPL(mirage, AutocastCPU, m) {
-  m.impl("vector_message_passing",
-         &vector_message_passing_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  register_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>(m);
 }
 
 }  // namespace mirage::autocast
