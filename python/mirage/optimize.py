@@ -248,7 +248,7 @@ class OptimizeReport:
         head = f"mirage.optimize({self.model})"
         if self.untouched:
             return (f"{head}: nothing recognised (no module or pattern mirage can swap); the model was returned "
-                    "untouched (in eval mode): no precision, layout or CUDA-graph change")
+                    "untouched: no mode, precision, layout or CUDA-graph change")
         lines = [f"{head}: {len(self.swaps)} swapped, {len(self.left_alone)} left alone, {self.seconds:.1f} s"]
         if self.swaps:
             lines.append("  swapped:")
@@ -446,7 +446,7 @@ def optimize(
 
     Returns:
         An :class:`OptimizedModule` wrapping the swapped model, or ``model`` itself, untouched
-        but for ``eval()``, when nothing in it is recognised. :func:`report` tells what was done.
+        (training mode included), when nothing in it is recognised. :func:`report` tells what was done.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -465,6 +465,9 @@ def optimize(
         progress(f"optimize {name}: swapping modules")
 
     result = OptimizeReport(model=name)
+    # The swaps read eval-mode state (BatchNorm folds its running statistics), so the search runs
+    # in eval mode; a model with nothing to swap gets its own modes back.
+    training = {module: module.training for module in model.modules()}
     model.eval()
     model = _apply_swaps(model, BLOCK_SWAPS, result)
     model = _fuse_patterns(model, result)
@@ -478,6 +481,8 @@ def optimize(
             f"alone:\n{listing}\nThe swaps already made stay in the model (each computes what it replaced)."
         )
     if result.untouched:
+        for module, mode in training.items():
+            module.training = mode
         result.cuda_graph_note = "nothing recognised"
         result.seconds = time.perf_counter() - start
         _REPORTS[model] = result

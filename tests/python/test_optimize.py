@@ -411,10 +411,12 @@ def test_subclasses_of_registered_types_are_left_alone():
 
 
 def test_unknown_model_passes_through_untouched(capsys):
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model[2].eval()  # modes as the user left them, mixed
     optimized = mirage.optimize(model)  # defaults: float16, channels_last, graphs
     assert optimized is model
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert [m.training for m in model.modules()] == [True, True, True, False]
     result = mirage.report(model)
     assert result.untouched and result.swaps == [] and result.left_alone == []
     assert "nothing recognised" in str(result) and "returned untouched" in str(result)
