@@ -23,6 +23,7 @@ def test_matches_composite(device, dtype, shape, approximate, is_strided):
     if is_strided:
         x = strided(x)
     assert_matches(mirage.ops.geglu(x, approximate), composite, (x, approximate), dtype)
+    torch.library.opcheck(torch.ops.mirage.geglu.default, (x, approximate))
 
 
 @pytest.mark.cuda

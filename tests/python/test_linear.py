@@ -88,6 +88,8 @@ def test_matches_composite(device, dtype, layout, shape):
     x, weight, bias, residual = operands(*shape, dtype, device, layout)
     for b, r in [(bias, residual), (None, None), (bias, None), (None, residual)]:
         assert_linear_close(mirage.ops.linear(x, weight, b, r), x, weight, b, r)
+        # After the first call, which on CUDA picks the shape's cuBLASLt algorithm for the process.
+        torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, b, r, "none"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -63,6 +63,7 @@ def test_matches_composite(device, dtype, shape, num, kind, cutoff_fn):
     y = mirage.ops.radial_basis(d, kind, num, CUTOFF, cutoff_fn)
     assert y.shape == (*shape, num)
     assert_matches(y, composite, (d, kind, num, CUTOFF, cutoff_fn), dtype)
+    torch.library.opcheck(torch.ops.mirage.radial_basis.default, (d, kind, num, CUTOFF, cutoff_fn))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -248,6 +249,7 @@ def test_backward_matches_composite(device, dtype, shape, num, kind, cutoff_fn):
     grad = random_grad(d, num)
     got = BACKWARD_OP(grad, d, kind, num, CUTOFF, cutoff_fn)
     assert_backward_matches(got, grad, d, kind, num, cutoff_fn, dtype)
+    torch.library.opcheck(BACKWARD_OP.default, (grad, d, kind, num, CUTOFF, cutoff_fn))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -48,6 +48,7 @@ def test_shuffle_matches_composite(device, dtype, shape, bias_dtype, kind):
     got = mirage.ops.subpixel_shuffle(x, bias)
     assert got.is_contiguous(memory_format=torch.channels_last)
     assert_matches(got, composite, (x, bias), dtype)
+    torch.library.opcheck(torch.ops.mirage.subpixel_shuffle.default, (x, bias))
     if bias is None:  # a copy: bit for bit
         assert torch.equal(got, composite(x, None))
 
