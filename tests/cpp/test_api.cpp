@@ -1,8 +1,11 @@
 // mirage's C++ API through LibTorch, and a TorchScript module that calls torch.ops.mirage
 // loaded and run from C++. References are PyTorch's own composites.
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <set>
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/script.h>
@@ -99,6 +102,34 @@ TEST_CASE("message passing ops match index_add / gather composites on CPU tensor
   const at::Tensor dv = v.index_select(0, j) * m[1].unsqueeze(1) + m[2].unsqueeze(1) * dir.unsqueeze(2);
   require_close(scalar, at::zeros({7, 5}).index_add_(0, i, m[0]), 1e-5);
   require_close(vector, at::zeros({7, 3, 5}).index_add_(0, i, dv), 1e-5);
+}
+
+TEST_CASE("neighbor_list finds every pair brute force finds; radial_basis follows its formula", "[api]") {
+  const at::Tensor positions = at::rand({12, 3}, at::kDouble) * 6.0;  // open boundaries
+  const double cutoff = 3.0;
+  const auto [pairs, shifts, distances, num_pairs] = mirage::neighbor_list(positions, cutoff);
+  std::set<std::pair<int64_t, int64_t>> want, got;
+  for (int64_t i = 0; i < 12; ++i)
+    for (int64_t j = 0; j < 12; ++j)
+      if (i != j && (positions[j] - positions[i]).norm().item<double>() < cutoff) want.insert({i, j});
+  const int64_t count = num_pairs.item<int64_t>();
+  REQUIRE(count == static_cast<int64_t>(want.size()));
+  for (int64_t p = 0; p < count; ++p) got.insert({pairs[0][p].item<int64_t>(), pairs[1][p].item<int64_t>()});
+  REQUIRE(got == want);
+  const at::Tensor i = pairs[0].slice(0, 0, count), j = pairs[1].slice(0, 0, count);
+  const at::Tensor d = distances.slice(0, 0, count);
+  require_close(d, (positions.index_select(0, j) - positions.index_select(0, i)).norm(2, {1}), 1e-12);
+  REQUIRE(shifts.slice(0, 0, count).abs().max().item<double>() == 0.0);
+  REQUIRE(error_of([&] { mirage::neighbor_list(positions, -1.0); }).find(
+              "mirage::neighbor_list: cutoff must be finite and > 0") != std::string::npos);
+
+  // Gaussians at k * delta (delta = cutoff / (num - 1)) of width delta, times the cosine cutoff.
+  const int64_t num = 5;
+  const double delta = cutoff / (num - 1), pi = std::acos(-1.0);
+  const at::Tensor column = d.unsqueeze(-1), centers = at::arange(num, at::kDouble) * delta;
+  const at::Tensor basis = at::exp(-(column - centers).pow(2) / (2 * delta * delta)) * 0.5 *
+                           (at::cos(pi * column / cutoff) + 1);
+  require_close(mirage::radial_basis(d, "gaussian", num, cutoff, "cosine"), basis, 1e-12);
 }
 
 TEST_CASE("bad input raises c10::Error naming the op and the argument", "[api]") {
