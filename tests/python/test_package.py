@@ -8,13 +8,27 @@ import torch
 import mirage
 
 
+# Every operator mirage registers (the public ops and the backward ops autograd calls).
+OPS = ["add_layer_norm", "bias_act", "cfconv", "cfconv_backward", "geglu", "group_norm", "layer_norm", "linear",
+       "message_passing", "neighbor_list", "pair_product", "radial_basis", "radial_basis_backward", "schnet_energy",
+       "subpixel_shuffle", "vector_message_passing", "vector_message_passing_backward"]
+
+
 def test_info_lists_build_and_ops():
     out = subprocess.run([sys.executable, "-m", "mirage", "info"], check=True, capture_output=True, text=True).stdout
-    assert f"mirage {mirage.__version__}" in out
-    assert f"torch {torch.__version__}" in out
-    for op in ("mirage::group_norm", "mirage::layer_norm", "mirage::add_layer_norm", "mirage::geglu", "mirage::bias_act",
-               "mirage::subpixel_shuffle"):
-        assert op in out
+    lines = out.splitlines()
+    built = mirage.build_info()
+    assert lines[0] == f"mirage {mirage.__version__}"
+    cuda_built = built["cuda_version"] or "none (CPU-only build)"
+    assert lines[1] == f"built against: torch {built['torch_version']}, CUDA {cuda_built}"
+    assert lines[2] == f"running:       torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"
+    archs = ", ".join("sm_" + arch for arch in built["cuda_archs"]) or "none"
+    assert lines[3] == f"compiled GPU architectures: {archs}"
+    if torch.cuda.is_available():
+        assert lines[4].startswith(f"GPU: {torch.cuda.get_device_name()} (sm_")
+    else:
+        assert lines[4] == "GPU: none"
+    assert lines[5] == "ops:" and lines[6:] == [f"  mirage::{op}" for op in OPS]
 
 
 def test_build_info_matches_running_torch():
