@@ -473,9 +473,12 @@ def _matmul_state():
             torch.get_float32_matmul_precision())
 
 
+@pytest.mark.parametrize("optimized", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16-mixed"])
-def test_precision_runs_and_restores_flags(precision):
+def test_precision_runs_and_restores_flags(precision, optimized):
     model = small(PaiNN, torch.float32)
+    if optimized:
+        model = mirage.ff.optimize(model)
     atoms = benzene_atoms()
     before = _matmul_state()
     calc = mirage.ff.Calculator(model, precision=precision)
