@@ -109,6 +109,27 @@ def test_image_input_keeps_memory_format():
         torch.testing.assert_close(got, expected, **tolerance(torch.float64))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("config, projections", [("self", 2), ("image_group_norm", 2), ("cross", 3)])
+def test_no_layout_copies_around_attention(device, config, projections):
+    """Heads split and merged as views, channels-last images read and written in place: the
+    operators the module runs include no copy; self-attention projects q, k and v in one GEMM."""
+    kwargs, shape, context_shape = CONFIGS[config]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    fused = from_diffusers_attention(randomized(Attention(**kwargs), dtype, device))
+    x = randn(*shape, dtype=dtype, device=device)
+    if x.ndim == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    context = None if context_shape is None else randn(*context_shape, dtype=dtype, device=device)
+    with torch.no_grad(), OpCounter() as counter:
+        out = fused(x, context)
+    copies = [op for op in counter.calls if op in ("aten.clone", "aten.copy_", "aten._to_copy", "aten.contiguous")]
+    assert copies == [], counter.calls
+    assert counter.calls.count("mirage.linear") == projections and "aten.linear" not in counter.calls
+    if x.ndim == 4:
+        assert out.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_spatial_norm_takes_temb():
     attn = randomized(Attention(query_dim=32, heads=2, dim_head=16, spatial_norm_dim=4,
                                 residual_connection=True, bias=True))
