@@ -596,10 +596,14 @@ def test_graph_replay_matches_eager(periodic):
     graphed = mirage.ff.Calculator(model, cuda_graph=True)
     eager = mirage.ff.Calculator(model, cuda_graph=False)
     atoms = periodic_atoms(n=12) if periodic else benzene_atoms()
+    staged = []
     for _ in range(4):  # new positions each call: replays must read them
         atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
         graphed.calculate(atoms, ["forces"])
         eager.calculate(atoms, ["forces"])
+        (stage,) = graphed._buffers.values()  # the host side: pinned, and the same buffers every call
+        assert stage["packed"].is_pinned() and all(t.is_pinned() for t in stage["inputs"].values())
+        staged.append((stage["packed"].data_ptr(), stage["inputs"]["positions"].data_ptr()))
         assert graphed.results["energy"] == pytest.approx(eager.results["energy"], rel=1e-5, abs=1e-5)
         np.testing.assert_allclose(graphed.results["forces"], eager.results["forces"], atol=1e-5, rtol=1e-4)
         if periodic:
@@ -608,6 +612,7 @@ def test_graph_replay_matches_eager(periodic):
     np.testing.assert_allclose(graphed.results["forces"], forces64, atol=1e-4, rtol=1e-3)
     stats = graphed.graph_stats()
     assert stats.misses == 1 and stats.hits == 3
+    assert len(set(staged)) == 1
 
 
 @pytest.mark.cuda

@@ -562,8 +562,18 @@ def test_sd15_unet_float16_graphs_match_float32_eager():
             torch.testing.assert_close(got, eager, atol=2e-3, rtol=2e-3)
         got = optimized(*half(sd15_inputs(1))).sample  # a new shape: a new graph
         assert got.shape == (1, 4, 64, 64)
+        # 1,000 replays with changing inputs: the graphs' memory is their pool, nothing grows.
+        inputs = half(sd15_inputs(2))
+        optimized(*inputs)
+        torch.cuda.synchronize()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        for _ in range(1000):
+            inputs[0].normal_()
+            optimized(*inputs)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == allocated and torch.cuda.memory_reserved() == reserved
     stats = mirage.report(optimized).graphs
-    assert (stats.misses, stats.hits, stats.entries) == (2, 1, 2)
+    assert (stats.misses, stats.hits, stats.entries) == (2, 1002, 2)
 
 
 @pytest.mark.cuda
