@@ -703,7 +703,8 @@ def test_graph_precision_force_error(precision):
     assert _matmul_state() == before
     error = np.abs(calc.results["forces"] - reference).max() / np.abs(reference).max()
     print(f"precision {precision}: max force error / max force = {error:.2e}")
-    assert error < {"fp32": 1e-4, "tf32": 3e-2, "bf16-mixed": 0.25}[precision]
+    # About 5x what an H200 gave with this seed (docs/ff.md: 1.05e-6, 6.0e-4, 5.9e-3).
+    assert error < {"fp32": 5e-6, "tf32": 3e-3, "bf16-mixed": 3e-2}[precision]
 
 
 @pytest.mark.cuda
