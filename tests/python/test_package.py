@@ -1,6 +1,8 @@
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +43,15 @@ def test_build_info_matches_running_torch():
                     reason="a CUDA build made with MIRAGE_CUDA_ARCHS set")
 def test_build_info_lists_the_requested_archs():
     assert mirage.build_info()["cuda_archs"] == os.environ["MIRAGE_CUDA_ARCHS"].split(";")
+
+
+def test_isolated_builds_use_the_torch_the_makefile_installs():
+    """`pip install .` compiles against pyproject.toml's build requirement, `make` installs the
+    Makefile's TORCH_VERSION: the two must name one torch, or the README's install breaks."""
+    root = Path(__file__).resolve().parents[2]
+    build = re.search(r'"torch==([^"]+)"', (root / "pyproject.toml").read_text()).group(1)
+    make = re.search(r"^TORCH_VERSION \?= (\S+)$", (root / "Makefile").read_text(), re.MULTILINE).group(1)
+    assert build == make
 
 
 def test_mismatched_torch_is_refused_with_rebuild_advice():
