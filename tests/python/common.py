@@ -69,6 +69,15 @@ def cast(value, dtype):
     return value
 
 
+def opcheck(op, args):
+    """torch.library.opcheck on a sample as given and again with its floating tensors requiring
+    grad (the autograd registration and the backward under AOTAutograd)."""
+    torch.library.opcheck(op, args)
+    leaves = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                   for a in args)
+    torch.library.opcheck(op, leaves)
+
+
 def assert_matches(got, composite, args, dtype, reduction=False):
     """got == composite(*args) within the dtype's tolerance of the float64 result.
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, opcheck, randn, strided
 
 ACTIVATIONS = {
     "none": lambda v: v,
@@ -52,7 +52,7 @@ def test_matches_composite(device, dtype, layout, shape):
     bias = randn(shape[1], dtype=dtype, device=device)
     y = mirage.ops.bias_act(x, bias, residual, "silu", 0.5)
     assert_matches(y, composite, (x, bias, residual, "silu", 0.5), dtype)
-    torch.library.opcheck(torch.ops.mirage.bias_act.default, (x, bias, residual, "silu", 0.5))
+    opcheck(torch.ops.mirage.bias_act.default, (x, bias, residual, "silu", 0.5))
     if layout == "channels_last" and x.dim() == 4:
         assert y.is_contiguous(memory_format=torch.channels_last)
 

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, opcheck, randn, strided
 
 SHAPES = [(1, 2), (3, 14), (5, 1538), (2, 7, 2560), (2, 64, 10240)]
 
@@ -23,7 +23,7 @@ def test_matches_composite(device, dtype, shape, approximate, is_strided):
     if is_strided:
         x = strided(x)
     assert_matches(mirage.ops.geglu(x, approximate), composite, (x, approximate), dtype)
-    torch.library.opcheck(torch.ops.mirage.geglu.default, (x, approximate))
+    opcheck(torch.ops.mirage.geglu.default, (x, approximate))
 
 
 @pytest.mark.cuda

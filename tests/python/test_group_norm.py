@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, opcheck, randn, strided
 
 # (N, C, spatial, groups): C = 3 * groups, H*W of 1, 7 and 769, wide and narrow groups.
 SHAPES = [
@@ -44,7 +44,7 @@ def test_matches_composite(device, dtype, layout, shape, groups, activation):
     y = mirage.ops.group_norm(x, groups, weight, bias, 1e-5, activation)
     assert_matches(y, composite, (x, groups, weight, bias, 1e-5, activation),
                    dtype, reduction=True)
-    torch.library.opcheck(torch.ops.mirage.group_norm.default, (x, groups, weight, bias, 1e-5, activation))
+    opcheck(torch.ops.mirage.group_norm.default, (x, groups, weight, bias, 1e-5, activation))
     if layout == "channels_last":
         assert y.is_contiguous(memory_format=torch.channels_last)
     elif layout == "nchw":

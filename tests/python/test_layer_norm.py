@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, opcheck, randn, strided
 
 SHAPES = [(1, 1), (3, 7), (5, 769), (2, 4, 320), (2, 16, 1280), (3, 2, 3000)]
 
@@ -29,7 +29,7 @@ def test_matches_composite(device, dtype, shape, is_strided):
     bias = randn(shape[-1], device=device, mean=0.0, std=0.5)
     y = mirage.ops.layer_norm(x, weight, bias, 1e-5)
     assert_matches(y, composite, (x, weight, bias, 1e-5), dtype, reduction=True)
-    torch.library.opcheck(torch.ops.mirage.layer_norm.default, (x, weight, bias, 1e-5))
+    opcheck(torch.ops.mirage.layer_norm.default, (x, weight, bias, 1e-5))
     assert mirage.ops.layer_norm(x).shape == x.shape
 
 
@@ -43,7 +43,7 @@ def test_residual_matches_composite(device, dtype, shape):
     out, total = mirage.ops.layer_norm(x, weight, None, 1e-6, residual=residual)
     torch.testing.assert_close(total, x + residual, atol=0, rtol=0)
     assert_matches(out, add_composite, (x + residual, weight, None, 1e-6), dtype, reduction=True)
-    torch.library.opcheck(torch.ops.mirage.add_layer_norm.default, (x, residual, weight, None, 1e-6))
+    opcheck(torch.ops.mirage.add_layer_norm.default, (x, residual, weight, None, 1e-6))
 
 
 @pytest.mark.cuda

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import mirage
 from mirage.nn.conv import ACTIVATIONS
-from common import DEVICES, DTYPES, assert_error, capture_graph, randn, strided
+from common import DEVICES, DTYPES, assert_error, capture_graph, opcheck, randn, strided
 from tolerances import tolerance
 
 # (x shape, out_features): 1-D x, one row, odd widths (no 16-byte rows), 3-D x, a wide K.
@@ -89,7 +89,7 @@ def test_matches_composite(device, dtype, layout, shape):
     for b, r in [(bias, residual), (None, None), (bias, None), (None, residual)]:
         assert_linear_close(mirage.ops.linear(x, weight, b, r), x, weight, b, r)
         # After the first call, which on CUDA picks the shape's cuBLASLt algorithm for the process.
-        torch.library.opcheck(torch.ops.mirage.linear.default, (x, weight, b, r, "none"))
+        opcheck(torch.ops.mirage.linear.default, (x, weight, b, r, "none"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

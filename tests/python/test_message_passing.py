@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, opcheck, randn, strided
 
 # (N, F, P): one node, one feature, no pairs; odd widths (3, 7, 129: the scalar path on CUDA) and
 # 128 (the vector path); benzene's sizes; more pairs than nodes squared (repeats guaranteed).
@@ -48,7 +48,7 @@ def test_message_passing_matches_composite(device, dtype, shape, order):
     assert out.shape == x.shape
     assert_matches(out, message_passing_composite, (x, w, pairs), dtype)
     if device == "cpu":  # CUDA's float atomics add in any order: runs need not agree to the bit
-        torch.library.opcheck(torch.ops.mirage.message_passing.default, (x, w, pairs))
+        opcheck(torch.ops.mirage.message_passing.default, (x, w, pairs))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -61,7 +61,7 @@ def test_pair_product_matches_composite(device, dtype, shape):
     out = mirage.ops.pair_product(a, b, pairs)
     assert out.shape == (p, f)
     assert_matches(out, pair_product_composite, (a, b, pairs), dtype)
-    torch.library.opcheck(torch.ops.mirage.pair_product.default, (a, b, pairs))
+    opcheck(torch.ops.mirage.pair_product.default, (a, b, pairs))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 import mirage
-from common import DEVICES, DTYPES, OpCounter, assert_error, assert_matches, capture_graph, strided
+from common import DEVICES, DTYPES, OpCounter, assert_error, assert_matches, capture_graph, opcheck, strided
 from tolerances import tolerance
 
 KINDS = ["gaussian", "bessel"]
@@ -63,7 +63,7 @@ def test_matches_composite(device, dtype, shape, num, kind, cutoff_fn):
     y = mirage.ops.radial_basis(d, kind, num, CUTOFF, cutoff_fn)
     assert y.shape == (*shape, num)
     assert_matches(y, composite, (d, kind, num, CUTOFF, cutoff_fn), dtype)
-    torch.library.opcheck(torch.ops.mirage.radial_basis.default, (d, kind, num, CUTOFF, cutoff_fn))
+    opcheck(torch.ops.mirage.radial_basis.default, (d, kind, num, CUTOFF, cutoff_fn))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -249,7 +249,7 @@ def test_backward_matches_composite(device, dtype, shape, num, kind, cutoff_fn):
     grad = random_grad(d, num)
     got = BACKWARD_OP(grad, d, kind, num, CUTOFF, cutoff_fn)
     assert_backward_matches(got, grad, d, kind, num, cutoff_fn, dtype)
-    torch.library.opcheck(BACKWARD_OP.default, (grad, d, kind, num, CUTOFF, cutoff_fn))
+    opcheck(BACKWARD_OP.default, (grad, d, kind, num, CUTOFF, cutoff_fn))
 
 
 @pytest.mark.parametrize("kind", KINDS)

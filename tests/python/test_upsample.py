@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, randn, strided
+from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, opcheck, randn, strided
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 # (N, C, H, W) of the small image: out is (N, C, 2H, 2W). C = 3 and 13 take the kernel's scalar
@@ -48,7 +48,7 @@ def test_shuffle_matches_composite(device, dtype, shape, bias_dtype, kind):
     got = mirage.ops.subpixel_shuffle(x, bias)
     assert got.is_contiguous(memory_format=torch.channels_last)
     assert_matches(got, composite, (x, bias), dtype)
-    torch.library.opcheck(torch.ops.mirage.subpixel_shuffle.default, (x, bias))
+    opcheck(torch.ops.mirage.subpixel_shuffle.default, (x, bias))
     if bias is None:  # a copy: bit for bit
         assert torch.equal(got, composite(x, None))
 
