@@ -459,6 +459,11 @@ __device__ __forceinline__ float shift_sample(const Args& a, int64_t n, int64_t 
 
 __device__ __forceinline__ float shift_of(float sample) { return warp_sum(sample) / 32.0f; }
 
+// A variance from sums: rounding can take a near-constant group's s2 / n - d^2 just below zero,
+// clamped here; NaN (a group holding Inf: Inf - Inf) stays NaN, as in PyTorch (fmaxf made it 0,
+// and the group's outputs +-Inf).
+__device__ __forceinline__ float nonnegative(float variance) { return variance < 0.0f ? 0.0f : variance; }
+
 // (mean, rstd) of group ng from the shifted sums of its `chunks` blocks, by one whole warp (every
 // lane gets it); the sums are added in a fixed order, so results do not vary between runs.
 __device__ __forceinline__ float2 finalize_shifted(const Args& a, int64_t ng, float shift, float count, int lane) {
@@ -473,8 +478,7 @@ __device__ __forceinline__ float2 finalize_shifted(const Args& a, int64_t ng, fl
     s2 += s.y;
   }
   const float d = warp_sum(s1) / count;
-  // Rounding can take a near-constant group's s2 / count - d^2 just below zero.
-  const float var = fmaxf(warp_sum(s2) / count - d * d, 0.0f);
+  const float var = nonnegative(warp_sum(s2) / count - d * d);
   return make_float2(shift + d, rsqrtf(var + a.eps));
 }
 

@@ -122,6 +122,20 @@ def test_empty_and_nan(device):
     assert torch.isfinite(y[0]).all() and torch.isfinite(y[1, 2:]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(2, 64, 8, 8), (2, 1280, 8, 8), (2, 320, 64, 64)])
+def test_inf_makes_its_group_nan_as_in_pytorch(device, layout, shape):
+    # Inf - Inf in the statistics: NaN for the whole group in PyTorch, whatever path runs (the
+    # one-block-a-group kernel for the first two shapes, a whole-GPU one for the last).
+    x = make_input(shape, layout, torch.float32, device)
+    x[1, 3, 2, 2] = float("inf")
+    y = mirage.ops.group_norm(x, 32, activation="silu")
+    expected = composite(x, 32, None, None, 1e-5, "silu")
+    assert torch.isnan(expected).any()
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
