@@ -427,16 +427,23 @@ def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces():
 
 @pytest.mark.cuda
 def test_fused_schnet_compiles_with_fullgraph():
-    """The eval-mode choices (cfconv_supported, the TF32 setting) do not break the graph."""
+    """The eval-mode choices (cfconv_supported, the TF32 setting) do not break the graph: energy
+    and forces through the compiled model. Parameters frozen (docs/ff.md): AOTAutograd traces a
+    backward for every input that requires grad, and cfconv refuses parameter gradients."""
     from forcefield.models import SchNet
 
     torch.manual_seed(0)
-    model = mirage.ff.optimize(SchNet().cuda()).eval()
+    model = mirage.ff.optimize(SchNet().cuda()).eval().requires_grad_(False)
     n = 60
     numbers = torch.randint(1, 9, (n,), device="cuda")
-    positions = torch.rand(n, 3, device="cuda") * 9.0
+    positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)
     assert model._fused_interactions(positions)
-    expected = model(numbers, positions)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
-    torch.testing.assert_close(compiled(numbers, positions), expected, rtol=1e-5, atol=1e-5)
+    for function in (model, compiled):
+        energy = function(numbers, positions)
+        forces, = torch.autograd.grad(-energy, positions)
+        if function is model:
+            expected = energy.detach(), forces
+    torch.testing.assert_close(energy.detach(), expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(forces, expected[1], rtol=1e-4, atol=1e-5 * expected[1].abs().max().item())
