@@ -3,7 +3,8 @@
 # `cuda`-marked ones included) and Catch2, then the benchmarks. Results and logs go to $OUT.
 #   usage (device tool): [STEPS="build pytest ..."] bash scripts/device_check.sh [pytest args...]
 # STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff profile_ff
-# validate_nve (default: all; together they outlast one 10-minute device call: split them).
+# validate_nve (default: all; together they outlast one 10-minute device call: split them; the
+# pytest step alone takes longer than that since opcheck runs on every sample: pass test files).
 # Wheels the device lacks (diffusers, ase) travel in .whl/ with the device tool's `carry`.
 set -uo pipefail
 OUT="${OUT:-/tmp/mirage-out}"
