@@ -63,7 +63,7 @@ uint32_t alignment(const void* data, int64_t ld, size_t element_size) {
 }
 
 // Everything the fastest algorithm depends on.
-using ProblemKey = std::array<int64_t, 15>;
+using ProblemKey = std::array<int64_t, 16>;
 
 std::mutex plans_mutex;
 std::map<ProblemKey, cublasLtMatmulAlgo_t> plans;
@@ -193,16 +193,19 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
     if (has_residual) y.add_(*residual);
     return y;
   }
-  if (m <= cuda::kSmallLinearMaxRows && m * k <= cuda::kSmallLinearMaxInputs) {
+  // A column-major weight (the transpose of a row-major matrix, as the backward's x gradient
+  // passes it) goes to cuBLASLt as it is; the few-rows kernel streams weight rows.
+  const bool weight_columns = k > 1 && n > 1 && weight.stride(0) == 1 && weight.stride(1) >= n;
+  if (!weight_columns && m <= cuda::kSmallLinearMaxRows && m * k <= cuda::kSmallLinearMaxInputs) {
     small_linear(x_in, weight, bias, residual, input_activation, y, m, n, k);
     return y;
   }
   // cuBLASLt takes no activation of its operands: past the few-rows kernel it is a pass of its own.
   const at::Tensor x = apply_activation(x_in, input_activation);
-  const at::Tensor a = as_rows(weight, n, k), b = as_rows(x, m, k);
+  const at::Tensor a = weight_columns ? weight : as_rows(weight, n, k), b = as_rows(x, m, k);
   const at::Tensor residual_rows = has_residual ? as_rows(*residual, m, n) : at::Tensor();
   const size_t element = x.element_size();
-  const int64_t lda = row_stride(a), ldb = row_stride(b);
+  const int64_t lda = weight_columns ? a.stride(1) : row_stride(a), ldb = row_stride(b);
   const uint32_t align_a = alignment(a.const_data_ptr(), lda, element);
   const uint32_t align_b = alignment(b.const_data_ptr(), ldb, element);
   const uint32_t align_d = alignment(y.const_data_ptr(), n, element);
@@ -228,14 +231,14 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   const cudaDataType_t type = dtype == at::kHalf ? CUDA_R_16F : dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
   const bool tf32 = dtype == at::kFloat && at::globalContext().allowTF32CuBLAS();
 
-  // Row-major [m, n] y is column-major [n, m]: y^T = weight (as [k, n] column-major, transposed) x
-  // x^T ([k, m] column-major).
+  // Row-major [m, n] y is column-major [n, m]: y^T = weight x x^T ([k, m] column-major), the
+  // weight a row-major [n, k] (column-major [k, n], transposed) or a column-major [n, k] one.
   Descriptors desc;
   check_lt(cublasLtMatmulDescCreate(&desc.matmul, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
                                     CUDA_R_32F),
            "cublasLtMatmulDescCreate");
-  const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
-  check_lt(cublasLtMatmulDescSetAttribute(desc.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose),
+  const cublasOperation_t weight_op = weight_columns ? CUBLAS_OP_N : CUBLAS_OP_T, keep = CUBLAS_OP_N;
+  check_lt(cublasLtMatmulDescSetAttribute(desc.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &weight_op, sizeof weight_op),
            "cublasLtMatmulDescSetAttribute");
   check_lt(cublasLtMatmulDescSetAttribute(desc.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof keep),
            "cublasLtMatmulDescSetAttribute");
@@ -248,7 +251,9 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                                             sizeof bias_data),
              "cublasLtMatmulDescSetAttribute");
   }
-  check_lt(cublasLtMatrixLayoutCreate(&desc.a, type, k, n, lda), "cublasLtMatrixLayoutCreate");
+  check_lt(weight_columns ? cublasLtMatrixLayoutCreate(&desc.a, type, n, k, lda)
+                          : cublasLtMatrixLayoutCreate(&desc.a, type, k, n, lda),
+           "cublasLtMatrixLayoutCreate");
   check_lt(cublasLtMatrixLayoutCreate(&desc.b, type, k, m, ldb), "cublasLtMatrixLayoutCreate");
   check_lt(cublasLtMatrixLayoutCreate(&desc.c, type, n, m, ldc), "cublasLtMatrixLayoutCreate");
   check_lt(cublasLtMatrixLayoutCreate(&desc.d, type, n, m, n), "cublasLtMatrixLayoutCreate");
@@ -280,7 +285,7 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                           desc.b, &beta, c.const_data_ptr(), desc.c, y.mutable_data_ptr(), desc.d, &algo,
                           workspace, workspace_bytes, on);
   };
-  const ProblemKey key{x.get_device(), static_cast<int64_t>(dtype), m, n, k, lda, ldb, ldc, has_bias,
+  const ProblemKey key{x.get_device(), static_cast<int64_t>(dtype), m, n, k, weight_columns, lda, ldb, ldc, has_bias,
                        residual_in_epilogue, tf32, align_a, align_b, align_c, align_d};
   check_lt(run(choose_algorithm(key, desc, run, stream), stream), "cublasLtMatmul");
   if (residual_after) y.add_(*residual);

@@ -130,7 +130,8 @@ def linear(
     Args:
         x: ``(*, K)``, float32/float16/bfloat16 (float64 on the CPU); rows with a stride are read
             in place, other layouts are copied first.
-        weight: ``(N, K)`` in ``x``'s dtype.
+        weight: ``(N, K)`` in ``x``'s dtype; row-major and column-major (a transposed ``(K, N)``
+            matrix) weights are read in place.
         bias: None or ``(N,)`` in ``x``'s dtype.
         residual: None or ``(*, N)`` (the output's shape) in ``x``'s dtype; rows that repeat (an
             expanded ``(N,)`` bias) are read in place by the few-rows kernel.

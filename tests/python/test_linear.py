@@ -232,14 +232,49 @@ def test_gradcheck():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gradients_match_pytorch(device):
-    x, weight, bias, residual = (t.requires_grad_() for t in operands((3, 2, 16), 8, torch.float32, device))
-    grad = randn(3, 2, 8, device=device)
-    mirage.ops.linear(x, weight, bias, residual).backward(grad)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias, residual)]
-    composite(*leaves).backward(grad)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["none", "silu"])
+# 6 rows: the few-rows kernel forward on CUDA; 12: cuBLASLt (a molecule's atoms, the shapes
+# whose x gradient PyTorch's cuBLAS is slow at); 1-D x.
+@pytest.mark.parametrize("x_shape", [(3, 2, 16), (12, 40), (16,)])
+def test_gradients_match_pytorch(device, dtype, activation, x_shape):
+    # x's gradient is mirage::linear with the transposed (column-major) weight.
+    x, weight, bias, residual = (t.requires_grad_() for t in operands(x_shape, 8, dtype, device))
+    grad = randn(*x_shape[:-1], 8, dtype=dtype, device=device)
+    mirage.ops.linear(x, weight, bias, residual, activation).backward(grad)
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias, residual)]
+    (F.linear(ACTIVATIONS[activation](leaves[0]), leaves[1], leaves[2]) + leaves[3]).backward(grad.double())
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     for ours, theirs in zip((x, weight, bias, residual), leaves):
-        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-4, rtol=1e-4)
+        assert ours.grad.dtype == dtype
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_of_a_sum_and_of_some_inputs_only(device):
+    # energy = linear(...).sum(): the incoming gradient is an expanded (stride 0) tensor. Every
+    # input requires grad, but a backward pass may ask for some only (forces: x's alone).
+    x, weight, bias, _ = (t.requires_grad_() for t in operands((12, 24), 1, torch.float32, device))
+    for asked in [(x,), (weight,), (bias, x), (x, weight, bias)]:
+        grads = torch.autograd.grad(mirage.ops.linear(x, weight, bias).sum(), asked)
+        ref = torch.autograd.grad(F.linear(x, weight, bias).sum(), asked)
+        for ours, theirs in zip(grads, ref):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_matches_pytorch(device):
+    # Force training: forces are a first gradient, the loss on them is differentiated again.
+    x, weight, bias, _ = (t.requires_grad_() for t in operands((12, 24), 16, torch.float32, device))
+    for fn in (mirage.ops.linear, F.linear):
+        energy = F.silu(fn(x, weight, bias)).square().sum()
+        (forces,) = torch.autograd.grad(energy, x, create_graph=True)
+        grads = torch.autograd.grad(forces.square().sum(), (x, weight, bias))
+        if fn is mirage.ops.linear:
+            ours = (forces, *grads)
+        else:
+            for got, expected in zip(ours, (forces, *grads)):
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_nn_linear_fuses_a_plain_linear():
