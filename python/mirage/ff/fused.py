@@ -134,10 +134,16 @@ def _with_bias_column(linear: nn.Linear) -> Tensor:
     return torch.cat([linear.weight, linear.bias.unsqueeze(-1)], dim=1).t()
 
 
+def _apply_linear(x: Tensor, linear: nn.Linear) -> Tensor:
+    """``linear(x)`` by ``mirage::linear`` (cuBLASLt's timed algorithm, for x's gradient too):
+    PyTorch's cuBLAS matmuls of a molecule's few rows are slow (float32 [12, 384] x [384, 128]
+    took 52 us on an H200, mirage::linear 3.4; docs/perf/forcefield.md)."""
+    return ops.linear(x, linear.weight, linear.bias)
+
+
 def _mlp(x: Tensor, sequential: nn.Sequential, activation: str) -> Tensor:
     first, second = sequential[0], sequential[2]
-    hidden = ACTIVATIONS[activation](F.linear(x, first.weight, first.bias))
-    return F.linear(hidden, second.weight, second.bias)
+    return _apply_linear(ACTIVATIONS[activation](_apply_linear(x, first)), second)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -514,7 +520,7 @@ class SchNet(_FusedModel):
 
         x = self.embedding(atomic_numbers)
         for t, block in enumerate(self.interactions):
-            h = F.linear(x, block.in2f.weight, block.in2f.bias)
+            h = _apply_linear(x, block.in2f)
             x = x + _mlp(messages(t, block, h), block.f2out, self.update_activations[t])
         return self._readout(x)
 
@@ -701,8 +707,7 @@ class PaiNN(_FusedModel):
             s, v = s + ds, v + dv
             # Two GEMMs rather than one on [U; V]: slicing that one's output would cost two
             # zero-fills and copies in the backward, more than the GEMM saved.
-            uv = F.linear(v, update.U.weight, update.U.bias)
-            vv = F.linear(v, update.V.weight, update.V.bias)
+            uv, vv = _apply_linear(v, update.U), _apply_linear(v, update.V)
             vv_norm = torch.sqrt(vv.square().sum(dim=1) + self.norm_eps)
             a = _mlp(torch.cat([s, vv_norm], dim=-1), update.mlp, self.update_activations[t])
             a_vv, a_sv, a_ss = a.split(hidden, dim=-1)
