@@ -17,6 +17,7 @@ grad while grad mode is on are refused.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections import OrderedDict
@@ -212,6 +213,13 @@ class CapturedGraph:
                     fn(*static_args, **static_kwargs)
             torch.cuda.current_stream().wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
+            # No garbage collection during the capture: a CUDA graph of earlier work collected
+            # from a reference cycle is destroyed by a CUDA call that invalidates any capture in
+            # progress (torch.cuda.graph collects once, before it begins). The suspected cause of
+            # MD captures that failed on an H200 with cudaErrorStreamCaptureInvalidated, and a
+            # warning of a graph reset during capture, after other tests had run in the process.
+            collecting = gc.isenabled()
+            gc.disable()
             try:
                 with torch.cuda.graph(self._graph, pool=pool):
                     outputs = fn(*static_args, **static_kwargs)
@@ -221,6 +229,9 @@ class CapturedGraph:
                     "synchronisation (.item(), .cpu(), printing a tensor), CPU tensors or shapes that "
                     "depend on tensor values; run such code without a graph"
                 ) from error
+            finally:
+                if collecting:
+                    gc.enable()
             torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
 
