@@ -13,7 +13,6 @@
 #include <string>
 
 #include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -216,9 +215,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // The gradients are matmuls of the saved inputs, with no recompute of the forward. x's is
   // mirage::linear itself, grad @ weight with weight^T passed as a column-major weight: PyTorch's
   // cuBLAS matmul took 52 us at [12, 384] x [384, 128] in float32 on an H200 (a PaiNN's forces on
-  // benzene), mirage::linear 3.4 us (docs/perf/forcefield.md). Every
-  // gradient is computed with differentiable ops (mirage::linear through the dispatcher, autograd
-  // included), so double backward works; an input activation is differentiated as its composite.
+  // benzene), mirage::linear 3.4 us (docs/perf/forcefield.md). Every gradient is computed with
+  // differentiable ops (mirage::linear through the dispatcher, autograd included), so double
+  // backward works; an input activation is differentiated as its composite.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     variable_list grads(5);
     const at::Tensor& grad = grad_outputs[0];
@@ -230,11 +229,10 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     for (size_t i = 0, edge = 0; i < 4; ++i) needs[i] = saved[i].defined() && ctx->needs_input_grad(edge++);
     const std::string activation = ctx->saved_data["input_activation"].toStringRef();
     const bool create_graph = at::GradMode::is_enabled();
-    const at::Tensor& weight = saved[1];
-    const int64_t n = weight.size(0), k = weight.size(1);
-    const int64_t m = c10::multiply_integers(grad.sizes().slice(0, grad.dim() - 1));
+    // [*, F] as [rows, F], without reading sizes (symbolic under torch.compile's dynamic shapes).
+    const auto rows = [](const at::Tensor& t) { return t.dim() == 1 ? t.unsqueeze(0) : t.flatten(0, -2); };
     if (needs[3]) grads[3] = grad;
-    if (needs[2]) grads[2] = grad.reshape({m, n}).sum(0);
+    if (needs[2]) grads[2] = rows(grad).sum(0);
     if (!needs[0] && !needs[1]) return grads;
     at::Tensor x = saved[0], activated = saved[0];
     if (activation != "none") {
@@ -242,9 +240,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
       if (!create_graph) x = x.detach().requires_grad_(needs[0]);
       activated = ops::apply_activation(x, activation);
     }
-    if (needs[1]) grads[1] = at::mm(grad.reshape({m, n}).t(), activated.reshape({m, k}));
+    if (needs[1]) grads[1] = at::mm(rows(grad).t(), rows(activated));
     if (needs[0]) {
-      grads[0] = handles::linear().call(grad, weight.t(), std::nullopt, std::nullopt, "none");
+      grads[0] = handles::linear().call(grad, saved[1].t(), std::nullopt, std::nullopt, "none");
       if (activation != "none")
         grads[0] = torch::autograd::grad({activated}, {x}, {grads[0]}, /*retain_graph=*/create_graph,
                                          /*create_graph=*/create_graph)[0];
