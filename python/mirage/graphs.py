@@ -214,10 +214,11 @@ class CapturedGraph:
             torch.cuda.current_stream().wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             # No garbage collection during the capture: a CUDA graph of earlier work collected
-            # from a reference cycle is destroyed by a CUDA call that invalidates any capture in
-            # progress (torch.cuda.graph collects once, before it begins). The suspected cause of
-            # MD captures that failed on an H200 with cudaErrorStreamCaptureInvalidated, and a
-            # warning of a graph reset during capture, after other tests had run in the process.
+            # from a dead reference cycle is destroyed by a CUDA call that invalidates any capture
+            # in progress (torch.cuda.graph no longer collects before it begins, unless
+            # torch.compiler.config.force_cudagraph_gc). The suspected cause of MD captures that
+            # failed on an H200 with cudaErrorStreamCaptureInvalidated and a warning of a graph
+            # reset during capture, after other tests had run in the process.
             collecting = gc.isenabled()
             gc.disable()
             try:

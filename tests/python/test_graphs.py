@@ -310,6 +310,36 @@ def test_memory_is_flat_across_replays_and_evictions():
 
 
 @pytest.mark.cuda
+def test_a_graph_that_dies_in_a_cycle_during_a_capture_does_not_break_it():
+    # A captured graph in a reference cycle becomes garbage during another capture, and the
+    # collector would run at the next allocation (threshold 1): collected then, its CUDA graph's
+    # destruction would invalidate the capture in progress.
+    x = torch.ones(8, device="cuda")
+    dead = graphs.capture(lambda t: t * 2, x)
+    cycle = [dead]
+    cycle.append(cycle)
+    holder = [cycle]
+    del dead, cycle
+    calls = []
+
+    def drop_then_allocate(t):
+        calls.append(t)
+        if len(calls) == 4:  # the captured call, after the three warm-up calls
+            holder.clear()
+            assert len([[i] for i in range(100)]) == 100
+        return t * 3
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph = graphs.capture(drop_then_allocate, x)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert len(calls) == 4 and gc.isenabled()
+    torch.testing.assert_close(graph(x), x * 3)
+
+
+@pytest.mark.cuda
 def test_capture_refuses_inputs_on_cpu_next_to_cuda():
     with pytest.raises(ValueError, match=r"input args\[1\] is on cpu"):
         graphs.capture(lambda x, y: x + y.cuda(), randn(2, device="cuda"), randn(2))
