@@ -245,10 +245,12 @@ def test_report_counts_what_was_swapped(name, kind):
     count = int(torch.randint(1, 5, ()))
     fused = swapped(make_reference(name, num_interactions=count))
     result = mirage.ff.report(fused)
-    assert result.counts == {"neighbor_list": 1, "radial_basis": 1, "batched_filters": 1, kind: count}
+    assert result.counts == {"neighbor_list": 1, "radial_basis": 1, "batched_filters": 1, kind: count,
+                             "linear": count + 1}
     assert result.style == f"{name}-style" and result.left_alone == []
     text = str(result)
     assert f"{count} x {kind}" in text and "mirage::neighbor_list" in text and "mirage::radial_basis" in text
+    assert f"{count + 1} x linear" in text and "mirage::linear" in text
     # The probe's numbers, one line per system.
     assert "open cluster" in text and "periodic box" in text and "slab periodic along a and b" in text
     assert len(result.verification) == 3
@@ -268,6 +270,15 @@ def test_forward_calls_mirage_ops_and_never_syncs(name):
     # .item() (a host sync) and nonzero (data-dependent shape) cannot be captured in a graph.
     assert not {"aten._local_scalar_dense", "aten.nonzero"} & set(calls + backward.calls)
     assert calls.count("mirage.message_passing" if name == "SchNet" else "mirage.vector_message_passing") == 3
+    # Every Linear runs through mirage::linear (3 interactions: SchNet's in2f and f2out, 3 each;
+    # PaiNN's phi, U, V and update MLP, 6 each; 2 in the readout). The backward computes x's
+    # gradients only, by mirage::linear: the parameters require grad, but forces ask for the
+    # positions alone, so no weight-gradient matmul runs, and neither do the x gradients of the
+    # first Linears, which read the embedding alone (SchNet's first in2f, PaiNN's first phi).
+    assert calls.count("mirage.linear") == {"SchNet": 11, "PaiNN": 20}[name]
+    assert all(p.requires_grad for p in fused.parameters())
+    assert backward.calls.count("mirage.linear") == {"SchNet": 10, "PaiNN": 18}[name]
+    assert "aten.mm" not in backward.calls
 
 
 # ------------------------------------------------------------------------------------------------

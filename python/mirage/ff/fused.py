@@ -483,7 +483,8 @@ class SchNet(_FusedModel):
                  ("radial_basis", f"Gaussian basis ({self.num_rbf} centers, `centers`/`width`)"),
                  ("batched_filters", f"first and second Linear of the {count} filter networks "
                                      "(interactions.*.filter)")]
-                + [("message_passing", f"interactions.{t}") for t in range(count)])
+                + [("message_passing", f"interactions.{t}") for t in range(count)]
+                + [("linear", f"interactions.{t}.in2f/f2out") for t in range(count)] + [("linear", "readout")])
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
@@ -682,7 +683,9 @@ class PaiNN(_FusedModel):
         return ([("neighbor_list", "radius graph (forward)"),
                  ("radial_basis", f"sinc (Bessel) basis ({self.num_rbf} `frequencies`)"),
                  ("batched_filters", f"the {count} filter Linears (messages.*.filter)")]
-                + [("vector_message_passing", f"messages.{t}") for t in range(count)])
+                + [("vector_message_passing", f"messages.{t}") for t in range(count)]
+                + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
+                + [("linear", "readout")])
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
