@@ -26,12 +26,22 @@ fi
 
 if want build; then
   step "build"
+  # ninja rebuilds what is older than its sources. The tree is copied here with each call, keeping
+  # the files' times, so sources that came back older than objects built from other contents
+  # (after an edit made on this machine) would leave those objects in place: when the sources
+  # differ from the last build's, every one is stamped now.
+  sources=(CMakeLists.txt cmake csrc cuda tests/cpp)
+  digest=$(find "${sources[@]}" -type f | sort | xargs cat | sha256sum)
+  if [ "$(cat "$BUILD/sources.sha256" 2>/dev/null)" != "$digest" ]; then
+    find "${sources[@]}" -type f -exec touch {} +
+  fi
   if ! python3 -m pip install -q --no-build-isolation --no-deps -e . -C build-dir=$BUILD \
        -C cmake.define.MIRAGE_BUILD_TESTS=ON > "$OUT/build.log" 2>&1; then
     echo "build with Catch2 tests failed (see build.log); building without them" | tee -a "$OUT/build.log"
     python3 -m pip install -q --no-build-isolation --no-deps -e . -C build-dir=$BUILD \
       -C cmake.define.MIRAGE_BUILD_TESTS=OFF >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   fi
+  echo "$digest" > "$BUILD/sources.sha256"
   python3 -m mirage info | tee -a "$OUT/machine.txt"
 fi
 
