@@ -124,9 +124,9 @@ def linear(
     algorithms on the real operands and keeps the fastest for the process; inside a CUDA graph
     capture, with no earlier eager call, the heuristic's first choice runs. Up to 8 rows (a
     diffusion model's time embedding) with a row-major weight run in one kernel of mirage's own
-    instead, the activation
-    applied as ``x`` is read; past that the activation is a pass of its own. That kernel sums
-    float32 input in full float32 whatever the TF32 setting (more precise, not less).
+    instead, the activation applied as ``x`` is read; past that the activation is a pass of its
+    own. That kernel sums float32 input in full float32 whatever the TF32 setting (more precise,
+    not less).
 
     Args:
         x: ``(*, K)``, float32/float16/bfloat16 (float64 on the CPU); rows with a stride are read

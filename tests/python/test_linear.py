@@ -243,7 +243,7 @@ def test_gradients_match_pytorch(device, dtype, activation, x_shape):
     grad = randn(*x_shape[:-1], 8, dtype=dtype, device=device)
     mirage.ops.linear(x, weight, bias, residual, activation).backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias, residual)]
-    (F.linear(ACTIVATIONS[activation](leaves[0]), leaves[1], leaves[2]) + leaves[3]).backward(grad.double())
+    composite(ACTIVATIONS[activation](leaves[0]), *leaves[1:]).backward(grad.double())
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     for ours, theirs in zip((x, weight, bias, residual), leaves):
         assert ours.grad.dtype == dtype
@@ -266,15 +266,14 @@ def test_gradient_of_a_sum_and_of_some_inputs_only(device):
 def test_double_backward_matches_pytorch(device):
     # Force training: forces are a first gradient, the loss on them is differentiated again.
     x, weight, bias, _ = (t.requires_grad_() for t in operands((12, 24), 16, torch.float32, device))
-    for fn in (mirage.ops.linear, F.linear):
+
+    def forces_and_loss_gradients(fn):
         energy = F.silu(fn(x, weight, bias)).square().sum()
         (forces,) = torch.autograd.grad(energy, x, create_graph=True)
-        grads = torch.autograd.grad(forces.square().sum(), (x, weight, bias))
-        if fn is mirage.ops.linear:
-            ours = (forces, *grads)
-        else:
-            for got, expected in zip(ours, (forces, *grads)):
-                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        return (forces, *torch.autograd.grad(forces.square().sum(), (x, weight, bias)))
+
+    for got, expected in zip(forces_and_loss_gradients(mirage.ops.linear), forces_and_loss_gradients(F.linear)):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_nn_linear_fuses_a_plain_linear():
