@@ -101,4 +101,14 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
   return handles::vector_message_passing().call(x, filter, vectors, directions, pairs);
 }
 
+at::Tensor painn_update_input(const at::Tensor& s, const at::Tensor& vv, double eps) {
+  return handles::painn_update_input().call(s, vv, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> painn_update(const at::Tensor& s, const at::Tensor& v,
+                                                const at::Tensor& uv, const at::Tensor& vv,
+                                                const at::Tensor& a) {
+  return handles::painn_update().call(s, v, uv, vv, a);
+}
+
 }  // namespace mirage

@@ -9,6 +9,8 @@
 // (on the CPU) is left alone.
 // message_passing and pair_product run in the autocast dtype, like a matmul: x and filter (a and
 // b) are cast to it, and the kernels accumulate in float32 whatever the dtype.
+#include <initializer_list>
+
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -151,6 +153,34 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
       cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs);
 }
 
+// mirage::painn_update(_input) are elementwise: like PyTorch's own elementwise ops under autocast
+// they run in the widest dtype of their inputs (s and v usually float32, what the Linears give
+// in the autocast dtype), every input cast to it.
+at::ScalarType widest_dtype(std::initializer_list<const at::Tensor*> tensors) {
+  at::ScalarType dtype = (*tensors.begin())->scalar_type();
+  for (const at::Tensor* t : tensors) dtype = at::promote_types(dtype, t->scalar_type());
+  return dtype;
+}
+
+template <c10::DeviceType Device, c10::DispatchKey Key>
+at::Tensor painn_update_input_autocast(const at::Tensor& s, const at::Tensor& vv, double eps) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = widest_dtype({&s, &vv});
+  return handles::painn_update_input().call(cached_cast(dtype, s, Device), cached_cast(dtype, vv, Device),
+                                            eps);
+}
+
+template <c10::DeviceType Device, c10::DispatchKey Key>
+std::tuple<at::Tensor, at::Tensor> painn_update_autocast(const at::Tensor& s, const at::Tensor& v,
+                                                         const at::Tensor& uv, const at::Tensor& vv,
+                                                         const at::Tensor& a) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  const auto dtype = widest_dtype({&s, &v, &uv, &vv, &a});
+  return handles::painn_update().call(cached_cast(dtype, s, Device), cached_cast(dtype, v, Device),
+                                      cached_cast(dtype, uv, Device), cached_cast(dtype, vv, Device),
+                                      cached_cast(dtype, a, Device));
+}
+
 // Each op's autocast kernel for one device (CUDA: the Autocast key, CPU: AutocastCPU).
 template <c10::DeviceType Device, c10::DispatchKey Key>
 void register_autocast(torch::Library& m) {
@@ -166,6 +196,8 @@ void register_autocast(torch::Library& m) {
   m.impl("message_passing", &message_passing_autocast<Device, Key>);
   m.impl("pair_product", &pair_product_autocast<Device, Key>);
   m.impl("vector_message_passing", &vector_message_passing_autocast<Device, Key>);
+  m.impl("painn_update_input", &painn_update_input_autocast<Device, Key>);
+  m.impl("painn_update", &painn_update_autocast<Device, Key>);
 }
 
 }  // namespace

@@ -6,8 +6,8 @@
 // themselves (docs/ops.md), so their backward calls them through the dispatcher, autograd
 // included, with no recompute, and is differentiable to any order in turn. So is linear's, whose
 // gradients are matmuls (x's a mirage::linear).
-// radial_basis and vector_message_passing (forces) have a fused backward op of their own; only
-// that op's backward (double backward) recomputes with a composite.
+// radial_basis, vector_message_passing and painn_update(_input) (forces) have a fused backward
+// op of their own; only that op's backward (double backward) recomputes with a composite.
 #include <cmath>
 #include <functional>
 #include <string>
@@ -671,6 +671,136 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("vector_message_passing", &vector_message_passing_autograd);
   m.impl("vector_message_passing_backward", &vector_message_passing_backward_autograd);
+}
+
+// mirage::painn_update_input and mirage::painn_update. Each one's backward is a fused op of its
+// own (forces run through both); that op's backward recomputes its formulas with PyTorch ops,
+// which gives double backward. The gradients in s and v are the incoming ones, passed through.
+namespace {
+
+// Float32 inside for float16/bfloat16, as the kernels compute.
+at::Tensor to_compute_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+}
+
+// vv's gradient of painn_update_input: grad_norm * vv / norm. in = (grad, vv).
+variable_list painn_update_input_backward_composite(const variable_list& in, double eps) {
+  const at::Tensor grad_norm = to_compute_dtype(in[0]).chunk(2, 1)[1];
+  const at::Tensor vv = to_compute_dtype(in[1]);
+  const at::Tensor norm = (vv.square().sum(1) + eps).sqrt();
+  return {((grad_norm / norm).unsqueeze(1) * vv).to(in[1].scalar_type())};
+}
+
+struct PainnUpdateInputBackwardFunction : torch::autograd::Function<PainnUpdateInputBackwardFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& vv,
+                            double eps) {
+    save_inputs(ctx, {grad, vv});
+    ctx->saved_data["eps"] = eps;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::painn_update_input_backward().call(grad, vv, eps);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const double eps = ctx->saved_data["eps"].toDouble();
+    variable_list grads = composite_backward(
+        ctx, grad_outputs, [eps](const variable_list& in) { return painn_update_input_backward_composite(in, eps); });
+    grads.push_back(at::Tensor());
+    return grads;
+  }
+};
+
+struct PainnUpdateInputFunction : torch::autograd::Function<PainnUpdateInputFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& s, const at::Tensor& vv, double eps) {
+    ctx->save_for_backward({vv});
+    ctx->saved_data["eps"] = eps;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::painn_update_input().call(s, vv, eps);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& grad = grad_outputs[0];
+    const at::Tensor vv = ctx->get_saved_variables()[0];
+    // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
+    // backward. s's gradient is the first half of grad, a view (chunk: no sizes read, so the
+    // formula stays symbolic under torch.compile).
+    return {grad.chunk(2, 1)[0],
+            handles::painn_update_input_backward().call(grad, vv, ctx->saved_data["eps"].toDouble()),
+            at::Tensor()};
+  }
+};
+
+// The gradients in uv, vv and a of painn_update. in = (grad_s, grad_v, uv, vv, a).
+variable_list painn_update_backward_composite(const variable_list& in) {
+  const at::Tensor grad_s = to_compute_dtype(in[0]), grad_v = to_compute_dtype(in[1]);
+  const at::Tensor uv = to_compute_dtype(in[2]), vv = to_compute_dtype(in[3]);
+  const std::vector<at::Tensor> a = to_compute_dtype(in[4]).chunk(3, 1);  // a_vv, a_sv, a_ss
+  const at::Tensor grad_dot = (grad_s * a[1]).unsqueeze(1);
+  const auto dtype = in[0].scalar_type();
+  return {(grad_v * a[0].unsqueeze(1) + grad_dot * vv).to(dtype), (grad_dot * uv).to(dtype),
+          at::cat({(grad_v * uv).sum(1), grad_s * (uv * vv).sum(1), grad_s}, 1).to(dtype)};
+}
+
+struct PainnUpdateBackwardFunction : torch::autograd::Function<PainnUpdateBackwardFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_s, const at::Tensor& grad_v,
+                               const at::Tensor& uv, const at::Tensor& vv, const at::Tensor& a) {
+    save_inputs(ctx, {grad_s, grad_v, uv, vv, a});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [grad_uv, grad_vv, grad_a] = handles::painn_update_backward().call(grad_s, grad_v, uv, vv, a);
+    return {grad_uv, grad_vv, grad_a};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    return composite_backward(ctx, grad_outputs, &painn_update_backward_composite);
+  }
+};
+
+struct PainnUpdateFunction : torch::autograd::Function<PainnUpdateFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& s, const at::Tensor& v,
+                               const at::Tensor& uv, const at::Tensor& vv, const at::Tensor& a) {
+    ctx->save_for_backward({uv, vv, a});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [s_out, v_out] = handles::painn_update().call(s, v, uv, vv, a);
+    return {s_out, v_out};
+  }
+
+  // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    auto [grad_uv, grad_vv, grad_a] = handles::painn_update_backward().call(
+        grad_outputs[0], grad_outputs[1], saved[0], saved[1], saved[2]);
+    return {grad_outputs[0], grad_outputs[1], grad_uv, grad_vv, grad_a};
+  }
+};
+
+at::Tensor painn_update_input_autograd(const at::Tensor& s, const at::Tensor& vv, double eps) {
+  return PainnUpdateInputFunction::apply(s, vv, eps);
+}
+
+at::Tensor painn_update_input_backward_autograd(const at::Tensor& grad, const at::Tensor& vv, double eps) {
+  return PainnUpdateInputBackwardFunction::apply(grad, vv, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> painn_update_autograd(const at::Tensor& s, const at::Tensor& v,
+                                                         const at::Tensor& uv, const at::Tensor& vv,
+                                                         const at::Tensor& a) {
+  const variable_list out = PainnUpdateFunction::apply(s, v, uv, vv, a);
+  return {out[0], out[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> painn_update_backward_autograd(
+    const at::Tensor& grad_s, const at::Tensor& grad_v, const at::Tensor& uv, const at::Tensor& vv,
+    const at::Tensor& a) {
+  const variable_list out = PainnUpdateBackwardFunction::apply(grad_s, grad_v, uv, vv, a);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
+  m.impl("painn_update_input", &painn_update_input_autograd);
+  m.impl("painn_update_input_backward", &painn_update_input_backward_autograd);
+  m.impl("painn_update", &painn_update_autograd);
+  m.impl("painn_update_backward", &painn_update_backward_autograd);
 }
 
 // mirage::schnet_energy computes the energy's gradient in the pair vectors with the energy, so its

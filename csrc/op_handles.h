@@ -49,6 +49,12 @@ using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
     bool);
+using PainnUpdateInputSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using PainnUpdateSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&);
+using PainnUpdateBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
@@ -78,6 +84,10 @@ MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSi
 MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
 MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)
+MIRAGE_OP_HANDLE(painn_update_input, PainnUpdateInputSig)
+MIRAGE_OP_HANDLE(painn_update_input_backward, PainnUpdateInputSig)
+MIRAGE_OP_HANDLE(painn_update, PainnUpdateSig)
+MIRAGE_OP_HANDLE(painn_update_backward, PainnUpdateBackwardSig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

@@ -36,6 +36,14 @@ TORCH_LIBRARY(mirage, m) {
   m.def("vector_message_passing_backward(Tensor grad_scalar, Tensor grad_vector, Tensor x, "
         "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs) -> (Tensor grad_x, "
         "Tensor grad_filter, Tensor grad_vectors, Tensor grad_directions)");
+  // PaiNN's update block around its MLP (cuda/painn_update.cuh): the MLP's input [s, |V v|] and
+  // the gated update of s and v; each backward is an op of its own (the forces' hot path).
+  m.def("painn_update_input(Tensor s, Tensor vv, float eps) -> Tensor");
+  m.def("painn_update_input_backward(Tensor grad, Tensor vv, float eps) -> Tensor");
+  m.def("painn_update(Tensor s, Tensor v, Tensor uv, Tensor vv, Tensor a) -> (Tensor s_out, "
+        "Tensor v_out)");
+  m.def("painn_update_backward(Tensor grad_s, Tensor grad_v, Tensor uv, Tensor vv, Tensor a) -> "
+        "(Tensor grad_uv, Tensor grad_vv, Tensor grad_a)");
   // A whole SchNet energy and its gradient in the pair vectors, in one kernel (small systems).
   // weights: 10 tensors per interaction then 4 for the readout; activations: comma-separated.
   m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "

@@ -376,6 +376,55 @@ def vector_message_passing(
     return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs)
 
 
+def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
+    """The input of PaiNN's update MLP, fused: ``[s, sqrt(sum_c vv[:, c]**2 + eps)]``.
+
+    This is ``torch.cat([s, torch.sqrt(vv.square().sum(dim=1) + eps)], dim=-1)`` (PaiNN's
+    ``|V v|``, the ``eps`` keeping its gradient finite where ``V v`` vanishes) in one kernel.
+
+    Args:
+        s: ``(N, F)`` scalar features; float32, float16 or bfloat16 (float64 too on the CPU).
+        vv: ``(N, 3, F)`` (PaiNN's ``V v``) in ``s``'s dtype and on its device; strided inputs
+            are copied to contiguous first.
+        eps: finite, ``>= 0``.
+
+    Returns:
+        ``(N, 2F)`` in ``s``'s dtype, computed in float32 (float64 on the CPU) and rounded once.
+        Differentiable in ``s`` and ``vv`` to second order; the first-order backward in ``vv`` is
+        a fused kernel of its own (``torch.ops.mirage.painn_update_input_backward``). Under
+        autocast it runs in the widest dtype of its inputs, as PyTorch's elementwise ops do.
+    """
+    return torch.ops.mirage.painn_update_input(s, vv, eps)
+
+
+def painn_update(s: Tensor, v: Tensor, uv: Tensor, vv: Tensor, a: Tensor) -> Tuple[Tensor, Tensor]:
+    """PaiNN's gated update after its MLP, fused. With ``a`` split into ``(a_vv, a_sv, a_ss)``,
+    each ``F`` wide::
+
+        s_out = s + a_ss + a_sv * (uv * vv).sum(dim=1)
+        v_out = v + a_vv.unsqueeze(1) * uv
+
+    (``PaiNNUpdate`` of examples/forcefield/models.py after its MLP: five of PyTorch's kernels
+    forward and about fifteen backward become one each.)
+
+    Args:
+        s: ``(N, F)`` scalar features; float32, float16 or bfloat16 (float64 too on the CPU).
+        v: ``(N, 3, F)`` vector features.
+        uv: ``(N, 3, F)``, PaiNN's ``U v``.
+        vv: ``(N, 3, F)``, PaiNN's ``V v``.
+        a: ``(N, 3F)``, the update MLP's output, parts in the order ``(a_vv, a_sv, a_ss)``.
+            All in ``s``'s dtype and on its device; strided inputs are copied to contiguous first.
+
+    Returns:
+        ``(s_out, v_out)``: ``(N, F)`` and ``(N, 3, F)`` in ``s``'s dtype, computed in float32
+        (float64 on the CPU) and rounded once. Differentiable in every input to second order; the
+        first-order backward is a fused kernel of its own
+        (``torch.ops.mirage.painn_update_backward``). Under autocast it runs in the widest dtype of
+        its inputs, as PyTorch's elementwise ops do.
+    """
+    return torch.ops.mirage.painn_update(s, v, uv, vv, a)
+
+
 def schnet_energy(
     atomic_numbers: Tensor,
     embedding: Tensor,

@@ -22,6 +22,7 @@
 #include "linear.cuh"
 #include "message_passing.cuh"
 #include "neighbor_list.cuh"
+#include "painn_update.cuh"
 #include "radial_basis.cuh"
 #include "subpixel_shuffle.cuh"
 #include "vector_message_passing.cuh"
@@ -729,6 +730,80 @@ TEST_CASE("launch_message_passing and launch_pair_product match the host referen
       check_message_passing<float>(50, 128, pairs, 1e-4);
       check_message_passing<__half>(50, 33, pairs, 4e-3);
     }
+  }
+}
+
+// ---- painn_update ----------------------------------------------------------------------------
+
+namespace {
+
+// All four launchers on s [N, F], v, uv, vv [N, 3, F], a [N, 3F], grad_s [N, F], grad_v [N, 3, F],
+// grad_input [N, 2F] against the formulas of cuda/painn_update.cuh in double.
+template <typename T>
+void check_painn_update(int64_t N, int64_t F) {
+  INFO("N=" << N << " F=" << F << " half=" << (!std::is_same_v<T, float>));
+  const float eps = 0.25f;
+  std::vector<float> s = random_values(N * F), v = random_values(N * 3 * F), uv = random_values(N * 3 * F),
+                     vv = random_values(N * 3 * F), a = random_values(N * 3 * F), gs = random_values(N * F),
+                     gv = random_values(N * 3 * F), gin = random_values(N * 2 * F);
+  Device<T> ds(s), dv(v), duv(uv), dvv(vv), da(a), dgs(gs), dgv(gv), dgin(gin);
+  Device<T> input(N * 2 * F), grad_vv_in(N * 3 * F), s_out(N * F), v_out(N * 3 * F), grad_uv(N * 3 * F),
+      grad_vv(N * 3 * F), grad_a(N * 3 * F);
+  const mc::DType dtype = dtype_of<T>();
+  REQUIRE(mc::launch_painn_update_input({ds.ptr, dvv.ptr, input.ptr, N, F, eps, dtype}, nullptr) == cudaSuccess);
+  REQUIRE(mc::launch_painn_update_input_backward({dgin.ptr, dvv.ptr, grad_vv_in.ptr, N, F, eps, dtype}, nullptr) ==
+          cudaSuccess);
+  REQUIRE(mc::launch_painn_update({ds.ptr, dv.ptr, duv.ptr, dvv.ptr, da.ptr, s_out.ptr, v_out.ptr, N, F, dtype},
+                                  nullptr) == cudaSuccess);
+  REQUIRE(mc::launch_painn_update_backward({dgs.ptr, dgv.ptr, duv.ptr, dvv.ptr, da.ptr, grad_uv.ptr, grad_vv.ptr,
+                                            grad_a.ptr, N, F, dtype},
+                                           nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<double> w_input(N * 2 * F), w_grad_vv_in(N * 3 * F), w_s(N * F), w_v(N * 3 * F),
+      w_guv(N * 3 * F), w_gvv(N * 3 * F), w_ga(N * 3 * F);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t f = 0; f < F; ++f) {
+      const auto at3 = [&](int c) { return (n * 3 + c) * F + f; };
+      double squares = 0, dot = 0, ga_vv = 0;
+      const double a_vv = a[n * 3 * F + f], a_sv = a[n * 3 * F + F + f], a_ss = a[n * 3 * F + 2 * F + f];
+      for (int c = 0; c < 3; ++c) {
+        squares += double{vv[at3(c)]} * vv[at3(c)];
+        dot += double{uv[at3(c)]} * vv[at3(c)];
+        ga_vv += double{gv[at3(c)]} * uv[at3(c)];
+      }
+      const double norm = std::sqrt(squares + eps);
+      w_input[n * 2 * F + f] = s[n * F + f];
+      w_input[n * 2 * F + F + f] = norm;
+      w_s[n * F + f] = s[n * F + f] + a_ss + a_sv * dot;
+      for (int c = 0; c < 3; ++c) {
+        w_grad_vv_in[at3(c)] = gin[n * 2 * F + F + f] * vv[at3(c)] / norm;
+        w_v[at3(c)] = v[at3(c)] + a_vv * uv[at3(c)];
+        w_guv[at3(c)] = gv[at3(c)] * a_vv + gs[n * F + f] * a_sv * vv[at3(c)];
+        w_gvv[at3(c)] = gs[n * F + f] * a_sv * uv[at3(c)];
+      }
+      w_ga[n * 3 * F + f] = ga_vv;
+      w_ga[n * 3 * F + F + f] = gs[n * F + f] * dot;
+      w_ga[n * 3 * F + 2 * F + f] = gs[n * F + f];
+    }
+  }
+  // Sums of three products of values up to ~8: the half outputs' one rounding dominates.
+  const double tol = std::is_same_v<T, float> ? 5e-4 : 2e-2;
+  require_close(input.read(), w_input, tol, 1e-3);
+  require_close(grad_vv_in.read(), w_grad_vv_in, tol, 1e-3);
+  require_close(s_out.read(), w_s, tol, 1e-3);
+  require_close(v_out.read(), w_v, tol, 1e-3);
+  require_close(grad_uv.read(), w_guv, tol, 1e-3);
+  require_close(grad_vv.read(), w_gvv, tol, 1e-3);
+  require_close(grad_a.read(), w_ga, tol, 1e-3);
+}
+
+}  // namespace
+
+TEST_CASE("launch_painn_update(_input)(_backward) match the host reference", "[painn_update]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  for (const auto& [N, F] : {std::pair<int64_t, int64_t>{12, 128}, {7, 33}, {1, 1}, {0, 5}, {3000, 128}}) {
+    check_painn_update<float>(N, F);
+    check_painn_update<__half>(N, F);
   }
 }
 

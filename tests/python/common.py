@@ -95,6 +95,29 @@ def assert_matches(got, composite, args, dtype, reduction=False):
         assert ours <= REDUCTION_ERROR_FACTOR * theirs + tol["atol"], (ours, theirs)
 
 
+def assert_close_to(got, want, dtype, magnitude=None):
+    """got (dtype) == want (float64) rounded to dtype, within the dtype's tolerance.
+
+    magnitude: the sum of |terms| behind each element of want. A float32 sum of many terms in
+    any order (atomics) is off by a few units of float32 rounding of that sum, which can exceed
+    the table's tolerance for an element whose terms cancel; the bound allows 4 such units.
+    """
+    assert got.dtype == dtype
+    assert got.shape == want.shape
+    got, want = got.double().cpu(), want.to(dtype).double()
+    if magnitude is None:
+        torch.testing.assert_close(got, want, **tolerance(dtype))
+        return
+    tol = tolerance(dtype)
+    allowed = tol["atol"] + tol["rtol"] * want.abs() + 4 * torch.finfo(dtype).eps * magnitude.double()
+    excess = (got - want).abs() - allowed
+    worst = int(excess.flatten().argmax()) if excess.numel() else 0
+    assert not (excess > 0).any(), (
+        f"{int((excess > 0).sum())} of {excess.numel()} elements beyond the bound; worst at flat index "
+        f"{worst}: got {got.flatten()[worst].item()}, want {want.flatten()[worst].item()}, "
+        f"allowed {allowed.flatten()[worst].item()}")
+
+
 class OpCounter(TorchDispatchMode):
     """Records the operators that run below it (``calls``: names such as ``"aten.div"``)."""
 

@@ -245,12 +245,15 @@ def test_report_counts_what_was_swapped(name, kind):
     count = int(torch.randint(1, 5, ()))
     fused = swapped(make_reference(name, num_interactions=count))
     result = mirage.ff.report(fused)
+    updates = {"painn_update": count} if name == "PaiNN" else {}
     assert result.counts == {"neighbor_list": 1, "radial_basis": 1, "batched_filters": 1, kind: count,
-                             "linear": count + 1}
+                             **updates, "linear": count + 1}
     assert result.style == f"{name}-style" and result.left_alone == []
     text = str(result)
     assert f"{count} x {kind}" in text and "mirage::neighbor_list" in text and "mirage::radial_basis" in text
     assert f"{count + 1} x linear" in text and "mirage::linear" in text
+    if name == "PaiNN":
+        assert f"{count} x painn_update" in text and "mirage::painn_update" in text
     # The probe's numbers, one line per system.
     assert "open cluster" in text and "periodic box" in text and "slab periodic along a and b" in text
     assert len(result.verification) == 3
@@ -279,6 +282,11 @@ def test_forward_calls_mirage_ops_and_never_syncs(name):
     assert all(p.requires_grad for p in fused.parameters())
     assert backward.calls.count("mirage.linear") == {"SchNet": 10, "PaiNN": 18}[name]
     assert "aten.mm" not in backward.calls
+    if name == "PaiNN":
+        # Each update's norm, cat and gating are mirage's kernels, forward and backward.
+        for op in ("painn_update_input", "painn_update"):
+            assert calls.count(f"mirage.{op}") == 3 and backward.calls.count(f"mirage.{op}_backward") == 3
+        assert not {"aten.sqrt", "aten.addcmul"} & set(calls)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import mirage
-from common import DEVICES, DTYPES, OpCounter, assert_error, capture_graph, opcheck, randn, strided
+from common import DEVICES, DTYPES, OpCounter, assert_close_to, assert_error, capture_graph, opcheck, randn, strided
 from tolerances import tolerance
 
 OP = torch.ops.mirage.vector_message_passing
@@ -43,29 +43,6 @@ def reference(inputs):
     """composite in float64 on the CPU, from the same (rounded) values."""
     *floats, pairs = inputs
     return composite(*[t.detach().double().cpu() for t in floats], pairs.cpu())
-
-
-def assert_close_to(got, want, dtype, magnitude=None):
-    """got (dtype) == want (float64) rounded to dtype, within the dtype's tolerance.
-
-    magnitude: the sum of |terms| behind each element of want. A float32 sum of many terms in
-    any order (atomics) is off by a few units of float32 rounding of that sum, which can exceed
-    the table's tolerance for an element whose terms cancel; the bound allows 4 such units.
-    """
-    assert got.dtype == dtype
-    assert got.shape == want.shape
-    got, want = got.double().cpu(), want.to(dtype).double()
-    if magnitude is None:
-        torch.testing.assert_close(got, want, **tolerance(dtype))
-        return
-    tol = tolerance(dtype)
-    allowed = tol["atol"] + tol["rtol"] * want.abs() + 4 * torch.finfo(dtype).eps * magnitude.double()
-    excess = (got - want).abs() - allowed
-    worst = int(excess.flatten().argmax()) if excess.numel() else 0
-    assert not (excess > 0).any(), (
-        f"{int((excess > 0).sum())} of {excess.numel()} elements beyond the bound; worst at flat index "
-        f"{worst}: got {got.flatten()[worst].item()}, want {want.flatten()[worst].item()}, "
-        f"allowed {allowed.flatten()[worst].item()}")
 
 
 def assert_forward_matches(inputs, dtype):

@@ -103,4 +103,15 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
                                                           const at::Tensor& directions,
                                                           const at::Tensor& pairs);
 
+// PaiNN's update block around its MLP. The MLP's input: [s, sqrt(sum_c vv[:, c]^2 + eps)],
+// s [N, F], vv [N, 3, F] -> [N, 2F].
+at::Tensor painn_update_input(const at::Tensor& s, const at::Tensor& vv, double eps);
+
+// The gated update, with a = (a_vv, a_sv, a_ss) [N, 3F] the MLP's output:
+// s_out = s + a_ss + a_sv * sum_c uv[:, c] * vv[:, c], v_out = v + a_vv * uv;
+// s [N, F], v, uv, vv [N, 3, F] -> ([N, F], [N, 3, F]).
+std::tuple<at::Tensor, at::Tensor> painn_update(const at::Tensor& s, const at::Tensor& v,
+                                                const at::Tensor& uv, const at::Tensor& vv,
+                                                const at::Tensor& a);
+
 }  // namespace mirage

@@ -684,6 +684,7 @@ class PaiNN(_FusedModel):
                  ("radial_basis", f"sinc (Bessel) basis ({self.num_rbf} `frequencies`)"),
                  ("batched_filters", f"the {count} filter Linears (messages.*.filter)")]
                 + [("vector_message_passing", f"messages.{t}") for t in range(count)]
+                + [("painn_update", f"updates.{t}") for t in range(count)]
                 + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
                 + [("linear", "readout")])
 
@@ -694,7 +695,7 @@ class PaiNN(_FusedModel):
         directions = vectors / distances.unsqueeze(-1)
         rbf = ops.radial_basis(distances, "bessel", self.num_rbf, self.cutoff, "none")
         messages, updates = list(self.messages), list(self.updates)
-        count, hidden = len(messages), self.hidden
+        count = len(messages)
         # filter(rbf) * fcut = [rbf * fcut, fcut] @ [W; b]^T: the cutoff scales the [P, R] basis
         # and rides in the GEMM as one more input column in place of the bias, instead of a pass
         # over the [T, P, 3F] filters forward and two backward (a third of PaiNN's time at 3,000
@@ -703,7 +704,7 @@ class PaiNN(_FusedModel):
         basis = torch.cat([rbf * fcut, fcut], dim=-1) if messages[0].filter.bias is not None else rbf * fcut
         filters = torch.bmm(basis.expand(count, -1, -1), _stack([_with_bias_column(m.filter) for m in messages]))
         s = self.embedding(atomic_numbers)
-        v = s.new_zeros(s.shape[0], 3, hidden)
+        v = s.new_zeros(s.shape[0], 3, self.hidden)
         for t, (message, update, layer_filter) in enumerate(zip(messages, updates, filters.unbind(0))):
             x = _mlp(s, message.phi, self.phi_activations[t])
             ds, dv = ops.vector_message_passing(x, layer_filter, v, directions, pairs)
@@ -711,11 +712,10 @@ class PaiNN(_FusedModel):
             # Two GEMMs rather than one on [U; V]: slicing that one's output would cost two
             # zero-fills and copies in the backward, more than the GEMM saved.
             uv, vv = _apply_linear(v, update.U), _apply_linear(v, update.V)
-            vv_norm = torch.sqrt(vv.square().sum(dim=1) + self.norm_eps)
-            a = _mlp(torch.cat([s, vv_norm], dim=-1), update.mlp, self.update_activations[t])
-            a_vv, a_sv, a_ss = a.split(hidden, dim=-1)
-            v = torch.addcmul(v, a_vv.unsqueeze(1), uv)
-            s = torch.addcmul(s + a_ss, a_sv, (uv * vv).sum(dim=1))
+            # The norm, the cat and the gated update: 2 kernels forward and 2 backward where
+            # PyTorch's ops took about 35 (a launch each inside a graph: most of a small molecule's time).
+            a = _mlp(ops.painn_update_input(s, vv, self.norm_eps), update.mlp, self.update_activations[t])
+            s, v = ops.painn_update(s, v, uv, vv, a)
         return self._readout(s)
 
     def extra_repr(self) -> str:

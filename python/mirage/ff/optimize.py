@@ -60,6 +60,7 @@ _REPLACEMENTS = {
     "batched_filters": "one batched GEMM per layer (every interaction reads the same basis)",
     "message_passing": "mirage::message_passing",
     "vector_message_passing": "mirage::vector_message_passing",
+    "painn_update": "mirage::painn_update_input and mirage::painn_update (the norm |V v|, the MLP's input and the gated update)",
     "linear": "mirage::linear (its x gradient too)",
 }
 
@@ -109,9 +110,7 @@ class FFOptimizeReport:
         for kind, count in self.counts.items():
             where = [w for k, w in self.swaps if k == kind]
             lines.append(f"    {count:3d} x {kind}: {_where(where)} -> {_REPLACEMENTS.get(kind, 'fused')}")
-        lines.append("  kept as PyTorch ops inside it: the embedding, the activations"
-                     + (", the updates' products and norms" if self.style == "PaiNN-style" else "")
-                     + " (shared modules)")
+        lines.append("  kept as PyTorch ops inside it: the embedding, the activations (shared modules)")
         if self.style == "SchNet-style":
             lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions), systems of up to "
                          f"{SchNet.whole_model_max_pairs} pairs of neighbor capacity (SchNet.whole_model_max_pairs) "
