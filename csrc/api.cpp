@@ -101,6 +101,11 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
   return handles::vector_message_passing().call(x, filter, vectors, directions, pairs);
 }
 
+std::tuple<at::Tensor, at::Tensor> pair_vectors(const at::Tensor& positions, const at::Tensor& pairs,
+                                                const std::optional<at::Tensor>& shifts) {
+  return handles::pair_vectors().call(positions, pairs, shifts);
+}
+
 at::Tensor painn_update_input(const at::Tensor& s, const at::Tensor& vv, double eps) {
   return handles::painn_update_input().call(s, vv, eps);
 }

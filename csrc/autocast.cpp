@@ -3,7 +3,7 @@
 // residual) are cast to it, float32 weight and bias are read as they are. This differs from
 // PyTorch's policy for its own norms (run in float32), which would double their memory traffic
 // for no accuracy gain here.
-// The force-field ops (neighbor_list, radial_basis) run in float32 under autocast, as PyTorch's
+// The force-field ops (neighbor_list, pair_vectors, radial_basis) run in float32 under autocast, as PyTorch's
 // own float32-list ops do: coordinates and distances need float32's precision (a bfloat16
 // distance of 5 A is off by up to 0.02 A), and what follows them casts for itself. float64 input
 // (on the CPU) is left alone.
@@ -100,6 +100,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autocas
                                        max_pairs, half, method);
 }
 
+// pair_vectors: coordinates, float32 like neighbor_list's.
+template <c10::DeviceType Device, c10::DispatchKey Key>
+std::tuple<at::Tensor, at::Tensor> pair_vectors_autocast(const at::Tensor& positions, const at::Tensor& pairs,
+                                                         const std::optional<at::Tensor>& shifts) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
+  return handles::pair_vectors().call(cached_cast(at::kFloat, positions, Device), pairs,
+                                      cached_cast(at::kFloat, shifts, Device));
+}
+
 template <c10::DeviceType Device, c10::DispatchKey Key>
 at::Tensor radial_basis_autocast(const at::Tensor& distances, c10::string_view kind, int64_t num,
                                  double cutoff, c10::string_view cutoff_fn) {
@@ -191,6 +200,7 @@ void register_autocast(torch::Library& m) {
   m.impl("bias_act", &bias_act_autocast<Device, Key>);
   m.impl("linear", &linear_autocast<Device, Key>);
   m.impl("neighbor_list", &neighbor_list_autocast<Device, Key>);
+  m.impl("pair_vectors", &pair_vectors_autocast<Device, Key>);
   m.impl("radial_basis", &radial_basis_autocast<Device, Key>);
   m.impl("radial_basis_backward", &radial_basis_backward_autocast<Device, Key>);
   m.impl("message_passing", &message_passing_autocast<Device, Key>);

@@ -6,7 +6,7 @@
 // themselves (docs/ops.md), so their backward calls them through the dispatcher, autograd
 // included, with no recompute, and is differentiable to any order in turn. So is linear's, whose
 // gradients are matmuls (x's a mirage::linear).
-// radial_basis, vector_message_passing and painn_update(_input) (forces) have a fused backward
+// radial_basis, vector_message_passing, painn_update(_input) and pair_vectors (forces) have a fused backward
 // op of their own; only that op's backward (double backward) recomputes with a composite.
 #include <cmath>
 #include <functional>
@@ -671,6 +671,100 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("vector_message_passing", &vector_message_passing_autograd);
   m.impl("vector_message_passing_backward", &vector_message_passing_backward_autograd);
+}
+
+// mirage::pair_vectors. Its gradient in the positions is a fused op of its own (a scatter onto
+// the atoms, the forces' last step); that op's backward recomputes it with PyTorch ops, which
+// gives double backward. The shifts' gradient (the stress path only) is PyTorch ops too.
+namespace {
+
+// (vectors, distances) and the gradient of the pair vectors they imply, g = grad_vectors +
+// grad_distances * vectors / distances (0 where d = 0, as PyTorch's vector_norm), as PyTorch ops.
+at::Tensor pair_vector_gradient(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+                                const at::Tensor& vectors) {
+  const at::Tensor d = at::linalg_vector_norm(vectors, 2, {-1});
+  const at::Tensor positive = d > 0;
+  const at::Tensor radial = at::where(positive, grad_distances / at::where(positive, d, at::ones_like(d)), 0);
+  return grad_vectors + radial.unsqueeze(-1) * vectors;
+}
+
+at::Tensor pair_vectors_composite(const at::Tensor& positions, const at::Tensor& pairs, const at::Tensor& shifts) {
+  const at::Tensor v = positions.index_select(0, pairs.select(0, 1)) - positions.index_select(0, pairs.select(0, 0));
+  return shifts.defined() ? v + shifts : v;
+}
+
+// in = (grad_vectors, grad_distances, positions, pairs, shifts).
+variable_list pair_vectors_backward_composite(const variable_list& in) {
+  const at::Tensor& pairs = in[3];
+  const at::Tensor g = pair_vector_gradient(in[0], in[1], pair_vectors_composite(in[2], pairs, in[4]));
+  return {at::zeros_like(in[2]).index_add(0, pairs.select(0, 1), g).index_add(0, pairs.select(0, 0), -g)};
+}
+
+struct PairVectorsBackwardFunction : torch::autograd::Function<PairVectorsBackwardFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+                            const at::Tensor& positions, const at::Tensor& pairs,
+                            const std::optional<at::Tensor>& shifts) {
+    save_inputs(ctx, {grad_vectors, grad_distances, positions, pairs, value_or_undefined(shifts)});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return handles::pair_vectors_backward().call(grad_vectors, grad_distances, positions, pairs, shifts);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list grads = composite_backward(ctx, grad_outputs, [](const variable_list& in) {
+      return pair_vectors_backward_composite(in);
+    });
+    grads[3] = at::Tensor();
+    return grads;
+  }
+};
+
+struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& positions, const at::Tensor& pairs,
+                               const std::optional<at::Tensor>& shifts) {
+    ctx->save_for_backward({positions, pairs, value_or_undefined(shifts)});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [vectors, distances] = handles::pair_vectors().call(positions, pairs, shifts);
+    return {vectors, distances};
+  }
+
+  // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &positions = saved[0], &pairs = saved[1], &shifts = saved[2];
+    const std::optional<at::Tensor> maybe_shifts =
+        shifts.defined() ? std::optional<at::Tensor>(shifts) : std::nullopt;
+    at::Tensor grad_positions, grad_shifts;
+    if (ctx->needs_input_grad(0)) {
+      // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
+      // backward.
+      grad_positions = handles::pair_vectors_backward().call(grad_outputs[0], grad_outputs[1], positions, pairs,
+                                                             maybe_shifts);
+    }
+    if (shifts.defined() && ctx->needs_input_grad(2)) {
+      grad_shifts = pair_vector_gradient(grad_outputs[0], grad_outputs[1],
+                                         pair_vectors_composite(positions, pairs, shifts));
+    }
+    return {grad_positions, at::Tensor(), grad_shifts};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> pair_vectors_autograd(const at::Tensor& positions, const at::Tensor& pairs,
+                                                         const std::optional<at::Tensor>& shifts) {
+  const variable_list out = PairVectorsFunction::apply(positions, pairs, shifts);
+  return {out[0], out[1]};
+}
+
+at::Tensor pair_vectors_backward_autograd(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+                                          const at::Tensor& positions, const at::Tensor& pairs,
+                                          const std::optional<at::Tensor>& shifts) {
+  return PairVectorsBackwardFunction::apply(grad_vectors, grad_distances, positions, pairs, shifts);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
+  m.impl("pair_vectors", &pair_vectors_autograd);
+  m.impl("pair_vectors_backward", &pair_vectors_backward_autograd);
 }
 
 // mirage::painn_update_input and mirage::painn_update. Each one's backward is a fused op of its

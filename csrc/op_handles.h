@@ -49,6 +49,10 @@ using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
     bool);
+using PairVectorsSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                          const std::optional<at::Tensor>&);
+using PairVectorsBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, const std::optional<at::Tensor>&);
 using PainnUpdateInputSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using PainnUpdateSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&, const at::Tensor&,
@@ -84,6 +88,8 @@ MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSi
 MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
 MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)
+MIRAGE_OP_HANDLE(pair_vectors, PairVectorsSig)
+MIRAGE_OP_HANDLE(pair_vectors_backward, PairVectorsBackwardSig)
 MIRAGE_OP_HANDLE(painn_update_input, PainnUpdateInputSig)
 MIRAGE_OP_HANDLE(painn_update_input_backward, PainnUpdateInputSig)
 MIRAGE_OP_HANDLE(painn_update, PainnUpdateSig)

@@ -24,6 +24,12 @@ TORCH_LIBRARY(mirage, m) {
   m.def("neighbor_list(Tensor positions, float cutoff, Tensor? cell=None, Tensor? pbc=None, "
         "Tensor? batch=None, int max_pairs=-1, bool half=False, str method=\"auto\") -> "
         "(Tensor pairs, Tensor shifts, Tensor distances, Tensor num_pairs)");
+  // The pair vectors positions[j] - positions[i] + shifts and their lengths; the backward is an op
+  // of its own (a scatter onto the atoms: the forces' last step).
+  m.def("pair_vectors(Tensor positions, Tensor pairs, Tensor? shifts=None) -> (Tensor vectors, "
+        "Tensor distances)");
+  m.def("pair_vectors_backward(Tensor grad_vectors, Tensor grad_distances, Tensor positions, Tensor pairs, "
+        "Tensor? shifts=None) -> Tensor");
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
   // radial_basis' gradient in distances, fused (forces); differentiable in turn.
   m.def("radial_basis_backward(Tensor grad, Tensor distances, str kind, int num, float cutoff, "

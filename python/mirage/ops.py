@@ -376,6 +376,35 @@ def vector_message_passing(
     return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs)
 
 
+def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The pair geometry of a force field, fused: for ``p = (i, j) = (pairs[0, p], pairs[1, p])``::
+
+        vectors[p]   = positions[j] - positions[i] + shifts[p]
+        distances[p] = |vectors[p]|
+
+    :func:`neighbor_list`'s pairs and shifts give the vectors from each atom to its neighbors'
+    periodic images (its padding entries a distance of exactly the cutoff).
+
+    Args:
+        positions: ``(N, 3)`` float32 (float64 too on the CPU).
+        pairs: ``(2, P)`` int64 on ``positions``' device; any order, repeats allowed.
+        shifts: None or ``(P, 3)`` in ``positions``' dtype. Strided inputs are copied to
+            contiguous first.
+
+    Returns:
+        ``(vectors, distances)``: ``(P, 3)`` and ``(P,)``. Differentiable in ``positions`` and
+        ``shifts`` to second order; the positions' first-order gradient is a fused op of its own
+        (``torch.ops.mirage.pair_vectors_backward``, a scatter with float32 atomics on CUDA, so
+        its low bits vary from run to run). The distances' gradient is 0 where a distance is 0,
+        as ``torch.linalg.vector_norm``'s. Under autocast it runs in float32.
+
+    An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads indices
+    on the host, writes NaN to that pair's vector and distance, and the backward writes NaN to
+    every atom's gradient.
+    """
+    return torch.ops.mirage.pair_vectors(positions, pairs, shifts)
+
+
 def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
     """The input of PaiNN's update MLP, fused: ``[s, sqrt(sum_c vv[:, c]**2 + eps)]``.
 

@@ -23,6 +23,7 @@
 #include "message_passing.cuh"
 #include "neighbor_list.cuh"
 #include "painn_update.cuh"
+#include "pair_vectors.cuh"
 #include "radial_basis.cuh"
 #include "subpixel_shuffle.cuh"
 #include "vector_message_passing.cuh"
@@ -731,6 +732,81 @@ TEST_CASE("launch_message_passing and launch_pair_product match the host referen
       check_message_passing<__half>(50, 33, pairs, 4e-3);
     }
   }
+}
+
+// ---- pair_vectors ----------------------------------------------------------------------------
+
+namespace {
+
+// Forward and backward on N atoms and P random pairs (repeats and self pairs included, shifts
+// given) against the formulas of cuda/pair_vectors.cuh in double. `bad` >= 0 puts an
+// out-of-range index at pair `bad`.
+void check_pair_vectors(int64_t N, int64_t P, int64_t bad = -1) {
+  INFO("N=" << N << " P=" << P << " bad=" << bad);
+  std::vector<float> positions = random_values(N * 3, 0.0f, 3.0f), shifts = random_values(P * 3),
+                     grad_vectors = random_values(P * 3), grad_distances = random_values(P);
+  std::vector<int64_t> pairs(2 * P);
+  std::uniform_int_distribution<int64_t> atom(0, N - 1);
+  for (auto& k : pairs) k = atom(rng());
+  if (bad >= 0) pairs[P + bad] = N;  // a sender past the last atom
+  Device<float> dpos(positions), dshifts(shifts), dgv(grad_vectors), dgd(grad_distances), vectors(P * 3),
+      distances(P), grad(N * 3);
+  int64_t* dpairs = nullptr;
+  void* workspace = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dpairs), std::max<size_t>(pairs.size(), 1) * sizeof(int64_t)) ==
+          cudaSuccess);
+  REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMalloc(&workspace, mc::pair_vectors_backward_workspace_bytes()) == cudaSuccess);
+  REQUIRE(cudaMemset(workspace, 0x7F, mc::pair_vectors_backward_workspace_bytes()) == cudaSuccess);
+  REQUIRE(mc::launch_pair_vectors({dpos.ptr, dpairs, dshifts.ptr, vectors.ptr, distances.ptr, N, P}, nullptr) ==
+          cudaSuccess);
+  REQUIRE(mc::launch_pair_vectors_backward({dgv.ptr, dgd.ptr, dpos.ptr, dpairs, dshifts.ptr, grad.ptr, N, P},
+                                           workspace, nullptr) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::vector<float> got_vectors = vectors.read(), got_distances = distances.read(), got_grad = grad.read();
+  cudaFree(dpairs);
+  cudaFree(workspace);
+  if (bad >= 0) {
+    for (int c = 0; c < 3; ++c) REQUIRE(std::isnan(got_vectors[3 * bad + c]));
+    REQUIRE(std::isnan(got_distances[bad]));
+    for (const float g : got_grad) REQUIRE(std::isnan(g));
+    return;
+  }
+  std::vector<double> want_vectors(P * 3), want_distances(P), want_grad(N * 3);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t i = pairs[p], j = pairs[P + p];
+    double v[3], squares = 0;
+    for (int c = 0; c < 3; ++c) {
+      v[c] = double{positions[3 * j + c]} - positions[3 * i + c] + shifts[3 * p + c];
+      squares += v[c] * v[c];
+      want_vectors[3 * p + c] = v[c];
+    }
+    const double d = std::sqrt(squares);
+    want_distances[p] = d;
+    for (int c = 0; c < 3; ++c) {
+      const double g = grad_vectors[3 * p + c] + (d > 0 ? grad_distances[p] / d : 0.0) * v[c];
+      want_grad[3 * j + c] += g;
+      want_grad[3 * i + c] -= g;
+    }
+  }
+  require_close(got_vectors, want_vectors, 1e-5, 1e-5);
+  require_close(got_distances, want_distances, 1e-5, 1e-5);
+  require_close(got_grad, want_grad, 1e-4, 1e-4);  // float32 atomics over each atom's pairs
+}
+
+}  // namespace
+
+TEST_CASE("launch_pair_vectors(_backward) match the host reference", "[pair_vectors]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  check_pair_vectors(12, 132);
+  check_pair_vectors(1, 3);
+  check_pair_vectors(5, 0);
+  check_pair_vectors(3000, 20000);
+}
+
+TEST_CASE("launch_pair_vectors writes NaN for out-of-range pairs", "[pair_vectors]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  check_pair_vectors(6, 40, 7);
 }
 
 // ---- painn_update ----------------------------------------------------------------------------

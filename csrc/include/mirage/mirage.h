@@ -103,6 +103,12 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
                                                           const at::Tensor& directions,
                                                           const at::Tensor& pairs);
 
+// vectors[p] = positions[j] - positions[i] + shifts[p] and distances[p] = |vectors[p]| for
+// (i, j) = (pairs[0, p], pairs[1, p]): positions [N, 3] float32, pairs [2, P] int64, shifts
+// [P, 3] or none -> ([P, 3], [P]).
+std::tuple<at::Tensor, at::Tensor> pair_vectors(const at::Tensor& positions, const at::Tensor& pairs,
+                                                const std::optional<at::Tensor>& shifts = std::nullopt);
+
 // PaiNN's update block around its MLP. The MLP's input: [s, sqrt(sum_c vv[:, c]^2 + eps)],
 // s [N, F], vv [N, 3, F] -> [N, 2F].
 at::Tensor painn_update_input(const at::Tensor& s, const at::Tensor& vv, double eps);

@@ -243,14 +243,14 @@ class _FusedModel(nn.Module):
             self._max_pairs = self._initial_capacity(positions, cell, pbc)
         pairs, shifts, _, num_pairs = ops.neighbor_list(positions, self.cutoff, cell, pbc, max_pairs=self._max_pairs)
         self.num_pairs.copy_(num_pairs)
-        # The vectors are formed here with PyTorch ops: their backward is a gather's, cheaper than
-        # neighbor_list's (which recomputes its outputs). Its shifts carry a gradient for the cell
-        # only; detached otherwise, so that its backward never runs for forces alone.
+        # The vectors are formed again by mirage::pair_vectors: its backward is a scatter onto the
+        # atoms, cheaper than neighbor_list's (which recomputes its outputs) and than PyTorch's
+        # index_select backward (131 us at 3,000 atoms on an H200). The shifts carry a gradient for
+        # the cell only; detached otherwise, so that no shift gradient is formed for forces alone.
         if cell is None or not cell.requires_grad:
             shifts = shifts.detach()
-        ends = positions.index_select(0, pairs.view(-1)).view(2, -1, 3)
-        vectors = ends[1] - ends[0] + shifts
-        return pairs, vectors, torch.linalg.vector_norm(vectors, dim=-1)
+        vectors, distances = ops.pair_vectors(positions, pairs, shifts)
+        return pairs, vectors, distances
 
     @classmethod
     def _assemble(cls, model: nn.Module, cutoff: float, max_pairs: Optional[int], num_rbf: int,

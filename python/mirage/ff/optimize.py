@@ -55,7 +55,7 @@ RECOGNIZERS: Tuple[Recognizer, ...] = (
 )
 
 _REPLACEMENTS = {
-    "neighbor_list": "mirage::neighbor_list",
+    "neighbor_list": "mirage::neighbor_list (the pair vectors and distances, with their gradient: mirage::pair_vectors)",
     "radial_basis": "mirage::radial_basis (the cosine cutoff multiplied into the filters, for PaiNN into the basis)",
     "batched_filters": "one batched GEMM per layer (every interaction reads the same basis)",
     "message_passing": "mirage::message_passing",

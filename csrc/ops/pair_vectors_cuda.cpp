@@ -1,0 +1,58 @@
+// mirage::pair_vectors and its backward on CUDA: checks, device guard, current stream, workspace
+// from the caching allocator, then the torch-free launchers.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../../cuda/pair_vectors.cuh"
+#include "cuda_utils.h"
+#include "pair_vectors.h"
+
+namespace mirage::ops {
+namespace {
+
+at::Tensor contiguous_shifts(const std::optional<at::Tensor>& shifts) {
+  return shifts.has_value() ? shifts->contiguous() : at::Tensor();
+}
+
+std::tuple<at::Tensor, at::Tensor> pair_vectors_cuda(const at::Tensor& positions, const at::Tensor& pairs,
+                                                     const std::optional<at::Tensor>& shifts) {
+  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts);
+  const c10::cuda::CUDAGuard guard(positions.device());
+  const at::Tensor pos = positions.contiguous(), idx = pairs.contiguous(), sh = contiguous_shifts(shifts);
+  at::Tensor vectors = at::empty({P, 3}, positions.options()), distances = at::empty({P}, positions.options());
+  const cuda::PairVectorsParams params{pos.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
+                                       sh.defined() ? sh.const_data_ptr<float>() : nullptr,
+                                       vectors.mutable_data_ptr<float>(), distances.mutable_data_ptr<float>(), N, P};
+  check_launch(kPairVectors, cuda::launch_pair_vectors(params, c10::cuda::getCurrentCUDAStream()));
+  return {vectors, distances};
+}
+
+at::Tensor pair_vectors_backward_cuda(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+                                      const at::Tensor& positions, const at::Tensor& pairs,
+                                      const std::optional<at::Tensor>& shifts) {
+  const auto [N, P] = check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts);
+  const c10::cuda::CUDAGuard guard(positions.device());
+  const at::Tensor gv = grad_vectors.contiguous(), gd = grad_distances.contiguous(), pos = positions.contiguous(),
+                   idx = pairs.contiguous(), sh = contiguous_shifts(shifts);
+  at::Tensor grad = at::empty({N, 3}, positions.options());
+  const at::Tensor workspace = at::empty({static_cast<int64_t>(cuda::pair_vectors_backward_workspace_bytes())},
+                                         positions.options().dtype(at::kByte));
+  const cuda::PairVectorsBackwardParams params{gv.const_data_ptr<float>(), gd.const_data_ptr<float>(),
+                                               pos.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
+                                               sh.defined() ? sh.const_data_ptr<float>() : nullptr,
+                                               grad.mutable_data_ptr<float>(), N, P};
+  check_launch(kPairVectorsBackward, cuda::launch_pair_vectors_backward(params, workspace.mutable_data_ptr(),
+                                                                        c10::cuda::getCurrentCUDAStream()));
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
+  m.impl("pair_vectors", &pair_vectors_cuda);
+  m.impl("pair_vectors_backward", &pair_vectors_backward_cuda);
+}
+
+}  // namespace mirage::ops

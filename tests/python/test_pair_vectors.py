@@ -1,0 +1,264 @@
+"""mirage::pair_vectors (and its backward) against the pair geometry written in PyTorch."""
+
+import pytest
+import torch
+
+import mirage
+from common import DEVICES, OpCounter, assert_close_to, assert_error, capture_graph, opcheck, randn, strided
+from tolerances import tolerance
+
+BACKWARD_OP = torch.ops.mirage.pair_vectors_backward
+
+
+def composite(positions, pairs, shifts=None):
+    """What mirage.ff's models did before: gather both ends, subtract, add the shift, norm."""
+    vectors = positions[pairs[1]] - positions[pairs[0]]
+    if shifts is not None:
+        vectors = vectors + shifts
+    return vectors, torch.linalg.vector_norm(vectors, dim=-1)
+
+
+def make_inputs(atoms, count, dtype=torch.float32, device="cpu", with_shifts=True):
+    positions = randn(atoms, 3, dtype=dtype, device=device, std=3.0)
+    pairs = torch.randint(0, max(atoms, 1), (2, count), device=device)
+    shifts = randn(count, 3, dtype=dtype, device=device) if with_shifts else None
+    return positions, pairs, shifts
+
+
+def as_double(t):
+    return None if t is None else t.detach().double().cpu()
+
+
+def gradients(fn, positions, pairs, shifts, grad_vectors, grad_distances):
+    leaves = [positions.detach().requires_grad_()] + ([] if shifts is None else [shifts.detach().requires_grad_()])
+    vectors, distances = fn(leaves[0], pairs, leaves[1] if shifts is not None else None)
+    return torch.autograd.grad((vectors, distances), leaves, (grad_vectors, grad_distances))
+
+
+def assert_matches(positions, pairs, shifts, dtype):
+    vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
+    want = composite(as_double(positions), pairs.cpu(), as_double(shifts))
+    # Differences of coordinates: the terms' magnitudes bound float32's rounding.
+    magnitude = composite(as_double(positions).abs(), pairs.cpu(), None if shifts is None else as_double(shifts).abs())
+    assert_close_to(vectors, want[0], dtype, magnitude[0].abs() * 2)
+    assert_close_to(distances, want[1], dtype, magnitude[1] * 2)
+    grad_vectors = randn(*vectors.shape, dtype=dtype, device=positions.device)
+    grad_distances = randn(*distances.shape, dtype=dtype, device=positions.device)
+    got = gradients(mirage.ops.pair_vectors, positions, pairs, shifts, grad_vectors, grad_distances)
+    want = gradients(composite, as_double(positions), pairs.cpu(), as_double(shifts), as_double(grad_vectors),
+                     as_double(grad_distances))
+    # Each atom's gradient sums its pairs' terms, each bounded by |grad_vectors| + |grad_distances|.
+    per_pair = grad_vectors.abs().double().cpu() + grad_distances.abs().double().cpu().unsqueeze(-1)
+    magnitude = torch.zeros_like(want[0]).index_add(0, pairs[0].cpu(), per_pair).index_add(0, pairs[1].cpu(), per_pair)
+    assert_close_to(got[0], want[0], dtype, magnitude)
+    if shifts is not None:
+        assert_close_to(got[1], want[1], dtype, per_pair)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atoms,count", [(1, 1), (7, 40), (12, 132), (50, 0), (300, 5000)])
+@pytest.mark.parametrize("with_shifts", [False, True])
+def test_matches_composite(device, atoms, count, with_shifts):
+    assert_matches(*make_inputs(atoms, count, torch.float32, device, with_shifts), torch.float32)
+
+
+def test_float64_on_cpu():
+    positions, pairs, shifts = make_inputs(9, 30, torch.float64)
+    for got, want in zip(mirage.ops.pair_vectors(positions, pairs, shifts), composite(positions, pairs, shifts)):
+        torch.testing.assert_close(got, want, **tolerance(torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs(device):
+    positions, pairs, shifts = make_inputs(8, 25, torch.float32, device)
+    got = mirage.ops.pair_vectors(strided(positions), pairs.t().contiguous().t(), strided(shifts))
+    for a, b in zip(got, mirage.ops.pair_vectors(positions, pairs, shifts)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_coincident_atoms_give_a_zero_distance_gradient(device):
+    # Two atoms on one spot: distance 0, whose gradient PyTorch's norm takes as 0; the vector's own
+    # gradient still flows.
+    positions = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]], device=device, requires_grad=True)
+    pairs = torch.tensor([[0], [1]], device=device)
+    vectors, distances = mirage.ops.pair_vectors(positions, pairs)
+    assert distances.item() == 0
+    (grad,) = torch.autograd.grad(distances.sum() + vectors.sum(), positions)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0] * 3, [1.0] * 3], device=device))
+
+
+# ---- autograd, opcheck, compile, autocast -----------------------------------------------------
+
+def test_gradcheck_and_gradgradcheck():
+    positions, _, shifts = make_inputs(5, 7, torch.float64)
+    pairs = torch.tensor([[1, 0, 3, 1, 1, 2, 0], [0, 3, 3, 2, 2, 1, 1]])  # repeats and a self pair
+    leaves = [positions.requires_grad_(), shifts.requires_grad_()]
+
+    def fn(positions, shifts):
+        return mirage.ops.pair_vectors(positions, pairs, shifts)
+
+    assert torch.autograd.gradcheck(fn, leaves)
+    assert torch.autograd.gradgradcheck(fn, leaves)
+
+
+def test_backward_op_gradcheck():
+    positions, pairs, shifts = make_inputs(4, 9, torch.float64)
+    grad_vectors, grad_distances = randn(9, 3, dtype=torch.float64), randn(9, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (grad_vectors, grad_distances, positions, shifts)]
+    assert torch.autograd.gradcheck(lambda g, h, p, s: BACKWARD_OP(g, h, p, pairs, s), leaves)
+
+
+def test_backward_uses_the_fused_op_and_forms_no_shift_gradient():
+    positions, pairs, shifts = make_inputs(6, 20)
+    positions.requires_grad_()
+    vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)  # shifts need no gradient
+    with OpCounter() as counter:
+        torch.autograd.grad(vectors.sum() + distances.sum(), positions)
+    assert counter.calls.count("mirage.pair_vectors_backward") == 1
+    # No composite recompute, no shift gradient (aten.where would form it).
+    assert not {"aten.index_add", "aten.index_select", "aten.linalg_vector_norm", "aten.where"} & set(counter.calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atoms,count", [(5, 11), (3, 0), (1, 2)])
+def test_opcheck(device, atoms, count):
+    positions, pairs, shifts = make_inputs(atoms, count, torch.float32, device)
+    opcheck(torch.ops.mirage.pair_vectors.default, (positions, pairs, shifts))
+    opcheck(torch.ops.mirage.pair_vectors.default, (positions, pairs, None))
+    grads = (randn(count, 3, device=device), randn(count, device=device))
+    opcheck(BACKWARD_OP.default, (*grads, positions, pairs, shifts))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+
+    def energy(positions, pairs, shifts):
+        vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
+        return (torch.exp(-distances) * vectors[:, 0]).sum()
+
+    compiled = torch.compile(energy, fullgraph=True)
+    for count in [30, 30, 47]:
+        positions, pairs, shifts = make_inputs(9, count, torch.float32, device)
+        positions.requires_grad_()
+        got, want = compiled(positions, pairs, shifts), energy(positions, pairs, shifts)
+        torch.testing.assert_close(got, want)
+        # The compiled backward (AOTAutograd's) against eager: the forces.
+        torch.testing.assert_close(torch.autograd.grad(got, positions)[0], torch.autograd.grad(want, positions)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_runs_in_float32(device):
+    positions, pairs, shifts = make_inputs(6, 15, torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        vectors, distances = mirage.ops.pair_vectors(positions.bfloat16(), pairs, shifts)
+    assert vectors.dtype == distances.dtype == torch.float32
+    want = composite(positions.bfloat16().float(), pairs, shifts)
+    torch.testing.assert_close(vectors, want[0])
+    torch.testing.assert_close(distances, want[1])
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def _call(device, edit=None, backward=False):
+    positions, pairs, shifts = make_inputs(4, 6, torch.float32, device)
+    args = {"positions": positions, "pairs": pairs, "shifts": shifts}
+    if backward:
+        args = {"grad_vectors": randn(6, 3, device=device), "grad_distances": randn(6, device=device), **args}
+    if edit is not None:
+        name, fn = edit
+        args[name] = fn(args[name])
+    return (BACKWARD_OP if backward else torch.ops.mirage.pair_vectors)(*args.values())
+
+
+BAD_INPUTS = [
+    (("positions", lambda t: t.half()), "mirage::pair_vectors: positions must be float32 (float64 off the GPU), got Half"),
+    (("positions", lambda t: t[:, :2]), "mirage::pair_vectors: positions must be [N, 3], got [4, 2]"),
+    (("pairs", lambda t: t.int()), "mirage::pair_vectors: pairs must be int64, got Int"),
+    (("pairs", lambda t: t[:1]), "mirage::pair_vectors: pairs must be [2, P], got [1, 6]"),
+    (("shifts", lambda t: t[:5]), "mirage::pair_vectors: shifts must have shape [P, 3] = [6, 3], got [5, 3]"),
+    (("shifts", lambda t: t.double()), "mirage::pair_vectors: shifts must have positions' dtype (Float), got Double"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edit,message", BAD_INPUTS)
+def test_bad_input(device, edit, message):
+    assert_error(lambda d: _call(d, edit), device, message)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_backward(device):
+    assert_error(lambda d: _call(d, ("grad_vectors", lambda t: t[:, :2]), backward=True), device,
+                 "mirage::pair_vectors_backward: grad_vectors must have shape [P, 3] = [6, 3], got [6, 2]")
+    assert_error(lambda d: _call(d, ("grad_distances", lambda t: t[:4]), backward=True), device,
+                 "mirage::pair_vectors_backward: grad_distances must have shape [P] = [6], got [4]")
+    assert_error(lambda d: _call(d, ("positions", lambda t: t[:, :1]), backward=True), device,
+                 "mirage::pair_vectors_backward: positions must be [N, 3], got [4, 1]")
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_out_of_range_pairs_raise_on_cpu(bad):
+    positions, pairs, _ = make_inputs(4, 6)
+    pairs[1, 2] = bad
+    with pytest.raises(RuntimeError, match=rf"mirage::pair_vectors: pairs\[1, 2\] = {bad} is out of range for N=4"):
+        mirage.ops.pair_vectors(positions, pairs)
+
+
+@pytest.mark.cuda
+def test_wrong_device_and_float64_on_cuda():
+    assert_error(lambda d: _call(d, ("pairs", lambda t: t.cpu())), "cuda",
+                 "mirage::pair_vectors: pairs must be on positions' device (cuda:0), got cpu")
+    assert_error(lambda d: _call(d, ("positions", lambda t: t.double())), "cuda",
+                 "mirage::pair_vectors: positions must be float32 (float64 off the GPU), got Double")
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_large():
+    # The 3,000-atom box's scale: 139k pairs.
+    assert_matches(*make_inputs(3000, 139_000, torch.float32, "cuda"), torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bad", [-1, 7, 2**40])
+def test_cuda_out_of_range_pairs_give_nan(bad):
+    positions, pairs, shifts = make_inputs(7, 20, torch.float32, "cuda")
+    pairs[0, 3] = bad
+    positions.requires_grad_()
+    vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
+    assert torch.isnan(vectors[3]).all() and torch.isnan(distances[3])
+    rest = torch.arange(20, device="cuda") != 3
+    assert torch.isfinite(vectors[rest]).all() and torch.isfinite(distances[rest]).all()
+    (grad,) = torch.autograd.grad(vectors.nan_to_num().sum() + distances.nan_to_num().sum(), positions)
+    assert torch.isnan(grad).all()
+    pairs[0, 3] = 0  # a later call with valid pairs is unaffected
+    (grad,) = torch.autograd.grad(mirage.ops.pair_vectors(positions, pairs, shifts)[1].sum(), positions)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay_with_new_inputs():
+    atoms, count = 40, 500
+    positions, pairs, shifts = make_inputs(atoms, count, torch.float32, "cuda")
+    positions.requires_grad_()
+
+    def step():
+        vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
+        energy = (torch.exp(-distances) + vectors[:, 1]).sum()
+        return (distances.detach(), *torch.autograd.grad(energy, positions))
+
+    graph, captured = capture_graph(step)
+    for _ in range(3):
+        fresh = make_inputs(atoms, count, torch.float32, "cuda")
+        with torch.no_grad():
+            positions.copy_(fresh[0])
+        pairs.copy_(fresh[1])
+        shifts.copy_(fresh[2])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        torch.testing.assert_close(captured[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(captured[1], want[1], **tolerance(torch.float32))  # atomics' order
