@@ -781,13 +781,17 @@ def environment(device) -> dict:
     except ImportError as error:
         facts["mirage"] = f"unavailable: {first_line(error)}"
     # The GPU machine gets a copy of the working tree whose git metadata can be older than the
-    # code (the device tool's copy): the caller names the commit there with MIRAGE_COMMIT.
+    # code (the device tool's copy): the caller names the commit there with MIRAGE_COMMIT. Without
+    # it, a tree that differs from HEAD says so ("+changes"), so that a stale HEAD is never taken
+    # for the code's commit.
     facts["commit"] = os.environ.get("MIRAGE_COMMIT", "")
     if not facts["commit"]:
+        def git(*args):
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         try:
-            facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                                             timeout=10).stdout.strip()
+            changed = git("status", "--porcelain", "--untracked-files=no")
+            facts["commit"] = git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
         except (OSError, subprocess.SubprocessError):
             facts["commit"] = "unknown"
     return facts
