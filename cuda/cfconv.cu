@@ -580,8 +580,10 @@ cudaError_t dispatch(const CfconvWeights& w, F&& f) {
 template <typename Params, typename LaunchKernel>
 cudaError_t launch_passes(const Params& params, float* accumulator, const Segments& outputs, cudaStream_t stream,
                           LaunchKernel&& launch_kernel) {
-  cudaError_t status =
-      launch_zero({{params.invalid, accumulator}, {1, params.num_nodes * params.weights.width}}, stream);
+  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
+  if (status == cudaSuccess) {
+    status = cudaMemsetAsync(accumulator, 0, params.num_nodes * params.weights.width * sizeof(float), stream);
+  }
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   status = dispatch(params.weights, launch_kernel);
   if (status != cudaSuccess) return status;

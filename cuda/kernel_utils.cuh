@@ -270,34 +270,6 @@ __device__ __forceinline__ Moments block_merge(Moments m, Moments* scratch) {
   return m;
 }
 
-// Zeroes up to four buffers (accumulators, flags) in one launch before a kernel that adds into
-// them: a memset each was a launch each, about 2 us apiece inside a CUDA graph (21 of PaiNN's 193
-// kernels per energy+forces on benzene, H200).
-struct ZeroSpans {
-  void* ptr[4];
-  int64_t words[4];  // 4-byte words from ptr; unused spans have 0
-};
-
-template <typename Word>
-__global__ void __launch_bounds__(256) zero_kernel(ZeroSpans spans) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {  // unrolled: a constant index keeps the spans in parameter space
-    Word* p = static_cast<Word*>(spans.ptr[k]);
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < spans.words[k]; e += stride)
-      p[e] = 0;
-  }
-}
-
-inline cudaError_t launch_zero(const ZeroSpans& spans, cudaStream_t stream) {
-  int64_t largest = 0;
-  for (const int64_t words : spans.words) largest = std::max(largest, words);
-  if (largest == 0) return cudaSuccess;
-  const int64_t blocks = std::clamp<int64_t>(ceil_div(largest, 256), 1, 4LL * sm_count());
-  zero_kernel<uint32_t><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(spans);
-  return cudaGetLastError();
-}
-
 // The last pass of kernels that accumulate in float32 and flag invalid input on the device (no
 // host sync): up to four outputs, each with where its values are: `acc` holds them in float32
 // (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair

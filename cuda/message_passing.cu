@@ -129,9 +129,14 @@ cudaError_t launch_message_passing(const MessagePassingParams& params, cudaStrea
   int* invalid = reinterpret_cast<int*>(workspace);
   float* accum = params.dtype == DType::kFloat32 ? static_cast<float*>(params.out)
                                                  : reinterpret_cast<float*>(workspace + kAccumOffset);
-  // The flag and the accumulator (the workspace's for float16/bfloat16, out for float32).
-  cudaError_t status = launch_zero({{invalid, accum}, {1, total}}, stream);
+  cudaError_t status =
+      cudaMemsetAsync(workspace, 0, message_passing_workspace_bytes(params.num_nodes, params.features,
+                                                                    params.dtype), stream);
   if (status != cudaSuccess) return status;
+  if (params.dtype == DType::kFloat32) {
+    status = cudaMemsetAsync(params.out, 0, static_cast<size_t>(total) * sizeof(float), stream);
+    if (status != cudaSuccess) return status;
+  }
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int V = kPackWidth<scalar_t>;
     if (params.num_pairs > 0) {

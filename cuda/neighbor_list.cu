@@ -583,8 +583,8 @@ cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, c
   if (search == NeighborSearch::kCellList && p.batch != nullptr) return cudaErrorInvalidValue;
   Workspace w = plan_workspace(p, static_cast<char*>(workspace));
   const int64_t n = p.num_atoms;
-  // The flag and offsets[0] (an int64: 2 words).
-  cudaError_t status = launch_zero({{w.invalid, w.offsets}, {1, 2}}, stream);
+  cudaError_t status = cudaMemsetAsync(w.invalid, 0, sizeof(int), stream);
+  if (status == cudaSuccess) status = cudaMemsetAsync(w.offsets, 0, sizeof(int64_t), stream);
   if (status != cudaSuccess) return status;
   if (n > 0) {
     prepare_atoms_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p, w.frames, w.invalid);

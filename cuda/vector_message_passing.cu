@@ -261,6 +261,12 @@ size_t workspace_bytes(DType dtype, std::initializer_list<int64_t> counts) {
   return bytes;
 }
 
+// Empty outputs may have no storage at all: their null pointer is never handed to CUDA.
+cudaError_t zero(void* ptr, int64_t count, size_t element_bytes, cudaStream_t stream) {
+  return count > 0 ? cudaMemsetAsync(ptr, 0, static_cast<size_t>(count) * element_bytes, stream)
+                   : cudaSuccess;
+}
+
 dim3 pair_grid(int64_t num_pairs, int pairs_per_warp, int64_t tiles) {
   return dim3(static_cast<unsigned>(ceil_div(num_pairs, static_cast<int64_t>(kWarps) * pairs_per_warp)),
               static_cast<unsigned>(tiles));
@@ -283,7 +289,9 @@ cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, v
   const Workspace w = carve(workspace, float32, {n_scalar, n_vector});
   float* scalar = float32 ? static_cast<float*>(p.scalar) : w.acc[0];
   float* vector = float32 ? static_cast<float*>(p.vector) : w.acc[1];
-  cudaError_t status = launch_zero({{w.invalid, scalar, vector}, {1, n_scalar, n_vector}}, stream);
+  cudaError_t status = zero(w.invalid, 1, sizeof(int), stream);
+  if (status == cudaSuccess) status = zero(scalar, n_scalar, sizeof(float), stream);
+  if (status == cudaSuccess) status = zero(vector, n_vector, sizeof(float), stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features, {p.x, p.filter, p.vectors}, p.dtype, {scalar, vector});
   const int V = pack ? 4 : 1;
@@ -318,8 +326,10 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   float* grad_x = float32 ? static_cast<float*>(p.grad_x) : w.acc[0];
   float* grad_vectors = float32 ? static_cast<float*>(p.grad_vectors) : w.acc[1];
   float* grad_directions = float32 ? static_cast<float*>(p.grad_directions) : w.acc[2];
-  cudaError_t status =
-      launch_zero({{w.invalid, grad_x, grad_vectors, grad_directions}, {1, n_node, n_node, n_dir}}, stream);
+  cudaError_t status = zero(w.invalid, 1, sizeof(int), stream);
+  if (status == cudaSuccess) status = zero(grad_x, n_node, sizeof(float), stream);
+  if (status == cudaSuccess) status = zero(grad_vectors, n_node, sizeof(float), stream);
+  if (status == cudaSuccess) status = zero(grad_directions, n_dir, sizeof(float), stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
