@@ -683,8 +683,8 @@ namespace {
 at::Tensor pair_vector_gradient(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                 const at::Tensor& vectors) {
   const at::Tensor d = at::linalg_vector_norm(vectors, 2, {-1});
-  const at::Tensor positive = d > 0;
-  const at::Tensor radial = at::where(positive, grad_distances / at::where(positive, d, at::ones_like(d)), 0);
+  const at::Tensor nonzero = d != 0;  // NaN too: it passes NaN on, as PyTorch's norm
+  const at::Tensor radial = at::where(nonzero, grad_distances / at::where(nonzero, d, at::ones_like(d)), 0);
   return grad_vectors + radial.unsqueeze(-1) * vectors;
 }
 

@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVec
     float v[3];
     if (pair_vector(p.positions, p.pairs, p.shifts, p.num_atoms, p.num_pairs, k, i, j, v)) {
       const float d = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
-      // The distance's gradient is taken as 0 at d = 0, as PyTorch's vector_norm does.
-      const float radial = d > 0.0f ? p.grad_distances[k] / d : 0.0f;
+      // The distance's gradient is taken as 0 at d = 0, as PyTorch's vector_norm does (only
+      // there: a NaN distance passes NaN on).
+      const float radial = d != 0.0f ? p.grad_distances[k] / d : 0.0f;
 #pragma unroll
       for (int c = 0; c < 3; ++c) g[c] = p.grad_vectors[3 * k + c] + radial * v[c];
       add_row(acc, j, g, 1.0f);

@@ -2,7 +2,7 @@
 //   vectors[p]   = positions[j] - positions[i] + shifts[p]     (shifts: periodic images, or none)
 //   distances[p] = |vectors[p]|
 // and its gradient in the positions (float32), given those of vectors and distances:
-//   g[p] = grad_vectors[p] + grad_distances[p] * vectors[p] / distances[p]   (0 where d = 0)
+//   g[p] = grad_vectors[p] + grad_distances[p] * vectors[p] / distances[p]   (2nd term 0 where d == 0)
 //   grad_positions[j] += g[p],  grad_positions[i] -= g[p]
 // An index outside [0, N) is never followed: the forward writes NaN to that pair; the backward
 // skips it and writes NaN to every gradient (graph-safe: nothing is reported to the host).

@@ -2,6 +2,7 @@
 #include "painn_update.h"
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -32,8 +33,10 @@ PainnUpdateShape check_first(std::string_view op, std::string_view arg, const at
   return {t.size(0), t.size(1) / width};
 }
 
+// CUDA computes in float32: eps must survive the rounding (0 or a normal float32).
 void check_eps(std::string_view op, double eps) {
-  MIRAGE_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ",
+  MIRAGE_CHECK(eps == 0 || (eps >= std::numeric_limits<float>::min() && eps <= std::numeric_limits<float>::max()),
+               op, ": eps must be 0 or a normal float32 in [1.2e-38, 3.4e+38] (finite, >= 0), got ",
                std::to_string(eps));
 }
 

@@ -107,7 +107,7 @@ at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad_vectors, const at::T
     double v[3];
     geometry.vector(p, v);
     const double d = std::sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
-    const double radial = d > 0 ? gd[p] / d : 0.0;
+    const double radial = d != 0 ? gd[p] / d : 0.0;
     for (int c = 0; c < 3; ++c) {
       const double g = gv[3 * p + c] + radial * v[c];
       out[3 * ij[P + p] + c] += g;

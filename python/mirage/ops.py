@@ -415,7 +415,7 @@ def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
         s: ``(N, F)`` scalar features; float32, float16 or bfloat16 (float64 too on the CPU).
         vv: ``(N, 3, F)`` (PaiNN's ``V v``) in ``s``'s dtype and on its device; strided inputs
             are copied to contiguous first.
-        eps: finite, ``>= 0``.
+        eps: 0 or a normal float32 (``1.2e-38`` to ``3.4e38``; CUDA computes in float32).
 
     Returns:
         ``(N, 2F)`` in ``s``'s dtype, computed in float32 (float64 on the CPU) and rounded once.

@@ -38,10 +38,11 @@ def gradients(fn, positions, pairs, shifts, grad_vectors, grad_distances):
 def assert_matches(positions, pairs, shifts, dtype):
     vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
     want = composite(as_double(positions), pairs.cpu(), as_double(shifts))
-    # Differences of coordinates: the terms' magnitudes bound float32's rounding.
-    magnitude = composite(as_double(positions).abs(), pairs.cpu(), None if shifts is None else as_double(shifts).abs())
-    assert_close_to(vectors, want[0], dtype, magnitude[0].abs() * 2)
-    assert_close_to(distances, want[1], dtype, magnitude[1] * 2)
+    # Sums of coordinates: the sums of their magnitudes bound float32's rounding.
+    ends = as_double(positions).abs()
+    magnitude = ends[pairs[0].cpu()] + ends[pairs[1].cpu()] + (0 if shifts is None else as_double(shifts).abs())
+    assert_close_to(vectors, want[0], dtype, magnitude)
+    assert_close_to(distances, want[1], dtype, torch.linalg.vector_norm(magnitude, dim=-1))
     grad_vectors = randn(*vectors.shape, dtype=dtype, device=positions.device)
     grad_distances = randn(*distances.shape, dtype=dtype, device=positions.device)
     got = gradients(mirage.ops.pair_vectors, positions, pairs, shifts, grad_vectors, grad_distances)
@@ -86,6 +87,22 @@ def test_coincident_atoms_give_a_zero_distance_gradient(device):
     assert distances.item() == 0
     (grad,) = torch.autograd.grad(distances.sum() + vectors.sum(), positions)
     torch.testing.assert_close(grad, torch.tensor([[-1.0] * 3, [1.0] * 3], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_inf_positions_propagate_as_in_pytorch(device, bad):
+    # Only an exact zero distance has its gradient taken as 0; NaN and Inf pass on as in PyTorch.
+    positions, pairs, shifts = make_inputs(6, 30, torch.float32, device)
+    positions[2, 1] = bad
+    pairs[0, :3] = 2  # atom 2 in some pairs for sure
+    got = gradients(mirage.ops.pair_vectors, positions, pairs, shifts, torch.zeros(30, 3, device=device),
+                    torch.ones(30, device=device))[0]
+    want = gradients(composite, positions, pairs, shifts, torch.zeros(30, 3, device=device),
+                     torch.ones(30, device=device))[0]
+    assert torch.isnan(want).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
 
 
 # ---- autograd, opcheck, compile, autocast -----------------------------------------------------
@@ -220,6 +237,31 @@ def test_wrong_device_and_float64_on_cuda():
 def test_cuda_large():
     # The 3,000-atom box's scale: 139k pairs.
     assert_matches(*make_inputs(3000, 139_000, torch.float32, "cuda"), torch.float32)
+
+
+@pytest.mark.cuda
+def test_cuda_receiver_runs_within_and_across_warps():
+    # The backward sums each run of equal receivers within a warp before its atomic: runs of 1,
+    # 31, 32, 33 and 70 pairs (within a warp, a whole warp, across warps), in neighbor_list's
+    # order (sorted by i), then the same pairs shuffled.
+    runs = [1, 31, 32, 33, 70, 5, 1, 1, 64, 3]
+    receivers = torch.cat([torch.full((n,), k, dtype=torch.int64) for k, n in enumerate(runs)])
+    senders = torch.randint(0, len(runs), (len(receivers),))
+    positions, _, shifts = make_inputs(len(runs), len(receivers), torch.float32, "cuda")
+    for order in (torch.arange(len(receivers)), torch.randperm(len(receivers))):
+        pairs = torch.stack([receivers, senders])[:, order].cuda()
+        assert_matches(positions, pairs, shifts[order.cuda()], torch.float32)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_index_inside_a_run():
+    positions, _, shifts = make_inputs(4, 40, torch.float32, "cuda")
+    pairs = torch.stack([torch.full((40,), 1), torch.randint(0, 4, (40,))]).cuda()
+    pairs[1, 17] = 9
+    positions.requires_grad_()
+    vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
+    (grad,) = torch.autograd.grad(distances.nan_to_num().sum(), positions)
+    assert torch.isnan(grad).all()
 
 
 @pytest.mark.cuda
