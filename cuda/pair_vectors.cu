@@ -58,8 +58,9 @@ __device__ __forceinline__ void add_row(float4* acc, int64_t k, const float (&g)
 #endif
 }
 
-__global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVectorsBackwardParams p, float4* acc,
-                                                                         int* invalid) {
+__global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVectorsBackwardParams p,
+                                                                         float4* acc,   // [N] rows, zeroed
+                                                                         int* invalid) {  // [1], zeroed
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int lane = threadIdx.x % 32;
   int64_t i = -1, j = -1;
@@ -97,8 +98,10 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVec
 }
 
 // The [N, 4] accumulator into the [N, 3] gradient; NaN everywhere after an out-of-range index.
-__global__ void __launch_bounds__(kThreads) pair_vectors_finish_kernel(const float4* acc, const int* invalid,
-                                                                       float* grad, int64_t values) {
+__global__ void __launch_bounds__(kThreads) pair_vectors_finish_kernel(const float4* acc,  // [N]
+                                                                       const int* invalid,  // [1]
+                                                                       float* grad,         // [N, 3] out
+                                                                       int64_t values) {    // 3N
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (e >= values) return;
   grad[e] = *invalid ? __int_as_float(0x7fc00000) : reinterpret_cast<const float*>(acc + e / 3)[e % 3];

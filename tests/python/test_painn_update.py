@@ -264,8 +264,13 @@ def test_bad_input_backward(device):
 
 @pytest.mark.cuda
 def test_wrong_device_and_float64_on_cuda():
-    assert_error(lambda d: _call("painn_update", d, (3, lambda t: t.cpu())), "cuda",
-                 "mirage::painn_update: vv must be on s's device (cuda:0), got cpu")
+    for index, arg in enumerate(["s", "v", "uv", "vv", "a"][1:], start=1):
+        assert_error(lambda d: _call("painn_update", d, (index, lambda t: t.cpu())), "cuda",
+                     f"mirage::painn_update: {arg} must be on s's device (cuda:0), got cpu")
+    assert_error(lambda d: _call("painn_update_input", d, (1, lambda t: t.cpu())), "cuda",
+                 "mirage::painn_update_input: vv must be on s's device (cuda:0), got cpu")
+    assert_error(lambda d: _call("painn_update", d, (1, lambda t: t.cpu()), backward=True), "cuda",
+                 "mirage::painn_update_backward: grad_v must be on grad_s's device (cuda:0), got cpu")
     assert_error(lambda d: _call("painn_update_input", d, (0, lambda t: t.double())), "cuda",
                  "mirage::painn_update_input: s must be float32, float16 or bfloat16 (float64 off the GPU)")
 

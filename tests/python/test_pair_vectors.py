@@ -213,6 +213,10 @@ def test_bad_input_backward(device):
                  "mirage::pair_vectors_backward: grad_distances must have shape [P] = [6], got [4]")
     assert_error(lambda d: _call(d, ("positions", lambda t: t[:, :1]), backward=True), device,
                  "mirage::pair_vectors_backward: positions must be [N, 3], got [4, 1]")
+    assert_error(lambda d: _call(d, ("grad_vectors", lambda t: t.double()), backward=True), device,
+                 "mirage::pair_vectors_backward: grad_vectors must have positions' dtype (Float), got Double")
+    assert_error(lambda d: _call(d, ("grad_distances", lambda t: t.half()), backward=True), device,
+                 "mirage::pair_vectors_backward: grad_distances must have positions' dtype (Float), got Half")
 
 
 @pytest.mark.parametrize("bad", [-1, 4])
@@ -229,6 +233,10 @@ def test_wrong_device_and_float64_on_cuda():
                  "mirage::pair_vectors: pairs must be on positions' device (cuda:0), got cpu")
     assert_error(lambda d: _call(d, ("positions", lambda t: t.double())), "cuda",
                  "mirage::pair_vectors: positions must be float32 (float64 off the GPU), got Double")
+    assert_error(lambda d: _call(d, ("shifts", lambda t: t.cpu())), "cuda",
+                 "mirage::pair_vectors: shifts must be on positions' device (cuda:0), got cpu")
+    assert_error(lambda d: _call(d, ("grad_vectors", lambda t: t.cpu()), backward=True), "cuda",
+                 "mirage::pair_vectors_backward: grad_vectors must be on positions' device (cuda:0), got cpu")
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
