@@ -34,6 +34,12 @@ at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
   return t.has_value() ? *t : at::Tensor();
 }
 
+// Float32 for float16/bfloat16 (the composites compute as the kernels do); float32 and float64
+// as they are.
+at::Tensor to_compute_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+}
+
 // Saves the tensor inputs (undefined for absent optional ones) and which of them need gradients.
 void save_inputs(AutogradContext* ctx, const variable_list& inputs) {
   ctx->save_for_backward(inputs);
@@ -341,9 +347,7 @@ struct NeighborListFunction : torch::autograd::Function<NeighborListFunction> {
 // unused branch, so that no derivative of any order divides by zero at d = 0.
 at::Tensor radial_basis_composite(const at::Tensor& distances, const std::string& kind, int64_t num,
                                   double cutoff, const std::string& cutoff_fn) {
-  const bool low_precision =
-      distances.scalar_type() != at::kFloat && distances.scalar_type() != at::kDouble;
-  const at::Tensor d = (low_precision ? distances.to(at::kFloat) : distances).unsqueeze(-1);
+  const at::Tensor d = to_compute_dtype(distances).unsqueeze(-1);
   at::Tensor out;
   if (kind == "gaussian") {
     const double spacing = num > 1 ? cutoff / static_cast<double>(num - 1) : cutoff;
@@ -578,16 +582,14 @@ namespace {
 // dL/dm_vs = sum_c grad_vector[i, c] * directions[p, c].
 variable_list vector_message_passing_backward_composite(const variable_list& in) {
   const at::Tensor& x = in[2];
-  const bool low_precision = x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble;
-  const auto up = [&](const at::Tensor& t) { return low_precision ? t.to(at::kFloat) : t; };
   const at::Tensor& pairs = in[6];
   const at::Tensor i = pairs.select(0, 0), j = pairs.select(0, 1);
   const int64_t nodes = x.size(0), features = x.size(1) / 3;
-  const at::Tensor x_j = up(x).index_select(0, j), filter = up(in[3]);
-  const at::Tensor grad_scalar_i = up(in[0]).index_select(0, i);
-  const at::Tensor grad_vector_i = up(in[1]).index_select(0, i);  // [P, 3, F]
-  const at::Tensor vectors_j = up(in[4]).index_select(0, j);
-  const at::Tensor directions = up(in[5]);
+  const at::Tensor x_j = to_compute_dtype(x).index_select(0, j), filter = to_compute_dtype(in[3]);
+  const at::Tensor grad_scalar_i = to_compute_dtype(in[0]).index_select(0, i);
+  const at::Tensor grad_vector_i = to_compute_dtype(in[1]).index_select(0, i);  // [P, 3, F]
+  const at::Tensor vectors_j = to_compute_dtype(in[4]).index_select(0, j);
+  const at::Tensor directions = to_compute_dtype(in[5]);
   const at::Tensor grad_m = at::cat({grad_scalar_i, (grad_vector_i * vectors_j).sum(1),
                                      (grad_vector_i * directions.unsqueeze(-1)).sum(1)},
                                     -1);  // [P, 3F]
@@ -710,9 +712,7 @@ struct PairVectorsBackwardFunction : torch::autograd::Function<PairVectorsBackwa
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    variable_list grads = composite_backward(ctx, grad_outputs, [](const variable_list& in) {
-      return pair_vectors_backward_composite(in);
-    });
+    variable_list grads = composite_backward(ctx, grad_outputs, &pair_vectors_backward_composite);
     grads[3] = at::Tensor();
     return grads;
   }
@@ -771,11 +771,6 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 // own (forces run through both); that op's backward recomputes its formulas with PyTorch ops,
 // which gives double backward. The gradients in s and v are the incoming ones, passed through.
 namespace {
-
-// Float32 inside for float16/bfloat16, as the kernels compute.
-at::Tensor to_compute_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
-}
 
 // vv's gradient of painn_update_input: grad_norm * vv / norm. in = (grad, vv).
 variable_list painn_update_input_backward_composite(const variable_list& in, double eps) {

@@ -16,6 +16,16 @@ void check_activation_dtype(std::string_view op, std::string_view arg, const at:
               t.device());
 }
 
+void check_like(std::string_view op, std::string_view arg, const at::Tensor& t, std::string_view owner,
+                const at::Tensor& ref, std::string_view expected, at::IntArrayRef want) {
+  MIRAGE_CHECK(t.device() == ref.device(), op, ": ", arg, " must be on ", owner, " device (", ref.device(),
+               "), got ", t.device());
+  MIRAGE_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", arg, " must have ", owner, " dtype (",
+               ref.scalar_type(), "), got ", t.scalar_type());
+  MIRAGE_CHECK(t.sizes() == want, op, ": ", arg, " must have shape ", expected, " = ", want, ", got ",
+               t.sizes());
+}
+
 void check_same_device(std::string_view op, std::string_view arg, const at::Tensor& other,
                        const at::Tensor& x) {
   MIRAGE_CHECK(other.device() == x.device(), op, ": ", arg, " must be on the same device as x (x on ",

@@ -16,6 +16,11 @@ void check_activation_dtype(std::string_view op, std::string_view arg, const at:
 void check_same_device(std::string_view op, std::string_view arg, const at::Tensor& other,
                        const at::Tensor& x);
 
+// t on ref's device, in ref's dtype, of shape `want` (written `expected` in the message, e.g.
+// "[N, 3, F]"); `owner` is ref's name in the possessive ("s's", "positions'").
+void check_like(std::string_view op, std::string_view arg, const at::Tensor& t, std::string_view owner,
+                const at::Tensor& ref, std::string_view expected, at::IntArrayRef want);
+
 // weight / bias: 1-D of `size` elements on x's device, in x's dtype or float32.
 void check_param(std::string_view op, std::string_view arg, const std::optional<at::Tensor>& p,
                  const at::Tensor& x, int64_t size);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -13,16 +14,6 @@
 
 namespace mirage::ops {
 namespace {
-
-void check_like(std::string_view op, std::string_view arg, const at::Tensor& t, std::string_view first,
-                const at::Tensor& x, std::string_view expected, at::IntArrayRef want) {
-  MIRAGE_CHECK(t.device() == x.device(), op, ": ", arg, " must be on ", first, "'s device (",
-               x.device(), "), got ", t.device());
-  MIRAGE_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", arg, " must have ", first, "'s dtype (",
-               x.scalar_type(), "), got ", t.scalar_type());
-  MIRAGE_CHECK(t.sizes() == want, op, ": ", arg, " must have shape ", expected, " = ", want,
-               ", got ", t.sizes());
-}
 
 // The first argument: floating, [N, width * F]; returns (N, F).
 PainnUpdateShape check_first(std::string_view op, std::string_view arg, const at::Tensor& t,
@@ -45,7 +36,7 @@ void check_eps(std::string_view op, double eps) {
 PainnUpdateShape check_painn_update_input(const at::Tensor& s, const at::Tensor& vv, double eps) {
   constexpr std::string_view op = kPainnUpdateInput;
   const PainnUpdateShape shape = check_first(op, "s", s, 1);
-  check_like(op, "vv", vv, "s", s, "[N, 3, F]", {shape.nodes, 3, shape.features});
+  check_like(op, "vv", vv, "s's", s, "[N, 3, F]", {shape.nodes, 3, shape.features});
   check_eps(op, eps);
   return shape;
 }
@@ -54,7 +45,7 @@ PainnUpdateShape check_painn_update_input_backward(const at::Tensor& grad, const
                                                    double eps) {
   constexpr std::string_view op = kPainnUpdateInputBackward;
   const PainnUpdateShape shape = check_first(op, "grad", grad, 2);
-  check_like(op, "vv", vv, "grad", grad, "[N, 3, F]", {shape.nodes, 3, shape.features});
+  check_like(op, "vv", vv, "grad's", grad, "[N, 3, F]", {shape.nodes, 3, shape.features});
   check_eps(op, eps);
   return shape;
 }
@@ -64,10 +55,11 @@ PainnUpdateShape check_painn_update(std::string_view op, std::string_view s_name
                                     const at::Tensor& vv, const at::Tensor& a) {
   const PainnUpdateShape shape = check_first(op, s_name, s, 1);
   const int64_t N = shape.nodes, F = shape.features;
-  check_like(op, v_name, v, s_name, s, "[N, 3, F]", {N, 3, F});
-  check_like(op, "uv", uv, s_name, s, "[N, 3, F]", {N, 3, F});
-  check_like(op, "vv", vv, s_name, s, "[N, 3, F]", {N, 3, F});
-  check_like(op, "a", a, s_name, s, "[N, 3F]", {N, 3 * F});
+  const std::string owner = std::string(s_name) + "'s";
+  check_like(op, v_name, v, owner, s, "[N, 3, F]", {N, 3, F});
+  check_like(op, "uv", uv, owner, s, "[N, 3, F]", {N, 3, F});
+  check_like(op, "vv", vv, owner, s, "[N, 3, F]", {N, 3, F});
+  check_like(op, "a", a, owner, s, "[N, 3F]", {N, 3 * F});
   return shape;
 }
 

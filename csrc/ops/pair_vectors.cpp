@@ -11,20 +11,6 @@
 #include "message.h"
 
 namespace mirage::ops {
-namespace {
-
-void check_like_positions(std::string_view op, std::string_view arg, const at::Tensor& t,
-                          const at::Tensor& positions, std::string_view expected, at::IntArrayRef want) {
-  MIRAGE_CHECK(t.device() == positions.device(), op, ": ", arg, " must be on positions' device (",
-               positions.device(), "), got ", t.device());
-  MIRAGE_CHECK(t.scalar_type() == positions.scalar_type(), op, ": ", arg, " must have positions' dtype (",
-               positions.scalar_type(), "), got ", t.scalar_type());
-  MIRAGE_CHECK(t.sizes() == want, op, ": ", arg, " must have shape ", expected, " = ", want, ", got ",
-               t.sizes());
-}
-
-}  // namespace
-
 PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& positions, const at::Tensor& pairs,
                                     const std::optional<at::Tensor>& shifts) {
   const auto dtype = positions.scalar_type();
@@ -37,7 +23,7 @@ PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& posit
   MIRAGE_CHECK(pairs.scalar_type() == at::kLong, op, ": pairs must be int64, got ", pairs.scalar_type());
   MIRAGE_CHECK(pairs.dim() == 2 && pairs.size(0) == 2, op, ": pairs must be [2, P], got ", pairs.sizes());
   const PairVectorsShape shape{positions.size(0), pairs.size(1)};
-  if (shifts.has_value()) check_like_positions(op, "shifts", *shifts, positions, "[P, 3]", {shape.pairs, 3});
+  if (shifts.has_value()) check_like(op, "shifts", *shifts, "positions'", positions, "[P, 3]", {shape.pairs, 3});
   return shape;
 }
 
@@ -46,8 +32,8 @@ PairVectorsShape check_pair_vectors_backward(const at::Tensor& grad_vectors, con
                                              const std::optional<at::Tensor>& shifts) {
   constexpr std::string_view op = kPairVectorsBackward;
   const PairVectorsShape shape = check_pair_vectors(op, positions, pairs, shifts);
-  check_like_positions(op, "grad_vectors", grad_vectors, positions, "[P, 3]", {shape.pairs, 3});
-  check_like_positions(op, "grad_distances", grad_distances, positions, "[P]", {shape.pairs});
+  check_like(op, "grad_vectors", grad_vectors, "positions'", positions, "[P, 3]", {shape.pairs, 3});
+  check_like(op, "grad_distances", grad_distances, "positions'", positions, "[P]", {shape.pairs});
   return shape;
 }
 
