@@ -8,14 +8,17 @@
 // so a lane sums consecutive pairs of the same i in registers and adds to the output with fp32
 // atomics only when i changes. Any order stays correct, only slower.
 // Backward: pair-level gradients (filter, directions) are written per pair; node-level ones (x,
-// vectors) go to the sender j with fp32 atomics. The directions' gradient is a sum over features:
-// a warp reduction per pair, then one atomic per tile.
+// vectors) go to the sender j, summed over runs of equal j like the forward's receivers. Large
+// lists are walked in sender order (pair_order.cuh) so that those runs are long; small ones in
+// their own order, an atomic per pair. The directions' gradient is a sum over features: a warp
+// reduction per pair, then one atomic per tile.
 // float16/bfloat16 outputs accumulate in a float32 workspace that a last kernel converts; that
 // kernel also writes NaN everywhere when an index was out of range.
 #include <algorithm>
 #include <initializer_list>
 
 #include "kernel_utils.cuh"
+#include "pair_order.cuh"
 #include "vector_message_passing.cuh"
 
 namespace mirage::cuda {
@@ -43,18 +46,20 @@ __device__ __forceinline__ PairRun pair_run(int64_t num_pairs, int pairs_per_war
   return {begin, static_cast<int>(left < pairs_per_warp ? left : pairs_per_warp)};
 }
 
-// Lane k's copy of pair begin + k: its indices, its direction, and whether it is valid.
-// Raises the flag when any pair of the run indexes outside [0, nodes).
+// Lane k's copy of the run's k-th pair (pair begin + k, or order[begin + k] when walking an
+// order): its index, its node indices, its direction. Raises the flag when any pair of the run
+// indexes outside [0, nodes).
 template <typename T>
 struct LanePair {
-  int64_t i = 0, j = 0;
+  int64_t pair = 0, i = 0, j = 0;
   float d[3] = {0.0f, 0.0f, 0.0f};
   __device__ LanePair(const int64_t* pairs, const T* directions, int64_t num_pairs, int64_t nodes,
-                      PairRun run, int* invalid) {
+                      PairRun run, const int* order, int* invalid) {
     const int lane = threadIdx.x;
     bool bad = false;
     if (lane < run.count) {
-      const int64_t p = run.begin + lane;
+      const int64_t p = order == nullptr ? run.begin + lane : order[run.begin + lane];
+      pair = p;
       i = pairs[p];
       j = pairs[num_pairs + p];
 #pragma unroll
@@ -77,7 +82,8 @@ __global__ void __launch_bounds__(kLanes* kWarps)
   const int64_t F = p.features, N = p.nodes;
   const PairRun run = pair_run(p.num_pairs, pairs_per_warp);
   if (run.count <= 0) return;  // the whole warp
-  const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, invalid);
+  const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, nullptr,
+                         invalid);
   const int64_t f = (static_cast<int64_t>(blockIdx.y) * kLanes + threadIdx.x) * V;
   const bool active = f < F;  // V divides F when V > 1
 
@@ -131,6 +137,7 @@ __global__ void __launch_bounds__(kLanes* kWarps)
 template <typename T, int V>
 __global__ void __launch_bounds__(kLanes* kWarps)
     backward_kernel(VectorMessagePassingBackwardParams p, int pairs_per_warp,
+                    const int* order,        // [P] pairs grouped by sender, or null: their own order
                     float* grad_x,           // [N, 3F], zeroed
                     float* grad_vectors,     // [N, 3, F], zeroed
                     float* grad_directions,  // [P, 3], zeroed
@@ -144,18 +151,37 @@ __global__ void __launch_bounds__(kLanes* kWarps)
   const int64_t F = p.features, N = p.nodes;
   const PairRun run = pair_run(p.num_pairs, pairs_per_warp);
   if (run.count <= 0) return;
-  const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, invalid);
+  const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, order, invalid);
   const int64_t f = (static_cast<int64_t>(blockIdx.y) * kLanes + threadIdx.x) * V;
   const bool active = f < F;
 
+  // This lane's sums for the sender `current`: the gradients of x's three parts and of its vectors.
+  float acc_x[3][V], acc_vec[3][V];
+  int64_t current = -1;
+  const auto flush = [&] {
+    if (current < 0 || !active) return;
+#pragma unroll
+    for (int c = 0; c < 3; ++c) {
+      atomic_add<V>(grad_x + current * 3 * F + c * F + f, acc_x[c]);
+      atomic_add<V>(grad_vectors + (current * 3 + c) * F + f, acc_vec[c]);
+    }
+  };
   for (int k = 0; k < run.count; ++k) {
+    const int64_t pair = __shfl_sync(kFullMask, mine.pair, k);
     const int64_t i = __shfl_sync(kFullMask, mine.i, k);
     const int64_t j = __shfl_sync(kFullMask, mine.j, k);
     float d[3];
 #pragma unroll
     for (int c = 0; c < 3; ++c) d[c] = __shfl_sync(kFullMask, mine.d[c], k);
-    if (!in_range(i, N) || !in_range(j, N)) continue;
-    const int64_t pair = run.begin + k;
+    if (!in_range(i, N) || !in_range(j, N)) continue;  // uniform over the warp
+    if (j != current) {
+      flush();
+      current = j;
+#pragma unroll
+      for (int c = 0; c < 3; ++c)
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc_x[c][v] = acc_vec[c][v] = 0.0f;
+    }
     float part[3] = {0.0f, 0.0f, 0.0f};  // this lane's share of grad_directions[pair]
     if (active) {
       float gs[V], gv[3][V], xs[V], xvv[V], xvs[V], fs[V], fvv[V], fvs[V], vec[3][V];
@@ -171,7 +197,7 @@ __global__ void __launch_bounds__(kLanes* kWarps)
       load_packed<T, V>(filter + pair * 3 * F + f, fs);
       load_packed<T, V>(filter + pair * 3 * F + F + f, fvv);
       load_packed<T, V>(filter + pair * 3 * F + 2 * F + f, fvs);
-      float gf_s[V], gf_vv[V], gf_vs[V], gx_s[V], gx_vv[V], gx_vs[V], gvec[3][V];
+      float gf_s[V], gf_vv[V], gf_vs[V];
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         // Gradients of the message parts m_s, m_vv, m_vs of this pair.
@@ -185,21 +211,16 @@ __global__ void __launch_bounds__(kLanes* kWarps)
         gf_s[v] = g_s * xs[v];
         gf_vv[v] = g_vv * xvv[v];
         gf_vs[v] = g_vs * xvs[v];
-        gx_s[v] = g_s * fs[v];
-        gx_vv[v] = g_vv * fvv[v];
-        gx_vs[v] = g_vs * fvs[v];
+        acc_x[0][v] += g_s * fs[v];
+        acc_x[1][v] += g_vv * fvv[v];
+        acc_x[2][v] += g_vs * fvs[v];
         const float m_vv = xvv[v] * fvv[v], m_vs = xvs[v] * fvs[v];
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
-          gvec[c][v] = gv[c][v] * m_vv;
+          acc_vec[c][v] += gv[c][v] * m_vv;
           part[c] += gv[c][v] * m_vs;
         }
       }
-      atomic_add<V>(grad_x + j * 3 * F + f, gx_s);
-      atomic_add<V>(grad_x + j * 3 * F + F + f, gx_vv);
-      atomic_add<V>(grad_x + j * 3 * F + 2 * F + f, gx_vs);
-#pragma unroll
-      for (int c = 0; c < 3; ++c) atomic_add<V>(grad_vectors + (j * 3 + c) * F + f, gvec[c]);
       store_packed<T, V>(grad_filter + pair * 3 * F + f, gf_s);
       store_packed<T, V>(grad_filter + pair * 3 * F + F + f, gf_vv);
       store_packed<T, V>(grad_filter + pair * 3 * F + 2 * F + f, gf_vs);
@@ -211,6 +232,7 @@ __global__ void __launch_bounds__(kLanes* kWarps)
       for (int c = 0; c < 3; ++c) atomicAdd(grad_directions + 3 * pair + c, part[c]);
     }
   }
+  flush();
 }
 
 // Pairs per warp: enough warps to fill the GPU a few times over before runs get long (long runs
@@ -279,7 +301,10 @@ size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& 
 }
 
 size_t vector_message_passing_backward_workspace_bytes(const VectorMessagePassingBackwardParams& p) {
-  return workspace_bytes(p.dtype, {p.nodes * 3 * p.features, p.nodes * 3 * p.features, p.num_pairs * 3});
+  const size_t bytes =
+      workspace_bytes(p.dtype, {p.nodes * 3 * p.features, p.nodes * 3 * p.features, p.num_pairs * 3});
+  return use_sender_order(p.nodes, p.num_pairs) ? bytes + sender_order_workspace_bytes(p.nodes, p.num_pairs)
+                                                : bytes;
 }
 
 cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, void* workspace,
@@ -331,6 +356,14 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   if (status == cudaSuccess) status = zero(grad_vectors, n_node, sizeof(float), stream);
   if (status == cudaSuccess) status = zero(grad_directions, n_dir, sizeof(float), stream);
   if (status != cudaSuccess) return status;
+  const int* order = nullptr;
+  if (use_sender_order(p.nodes, p.num_pairs)) {
+    // The order's scratch follows the accumulators (workspace_bytes of them, a multiple of 256).
+    void* order_workspace = static_cast<char*>(workspace) +
+                            workspace_bytes(p.dtype, {n_node, n_node, n_dir});
+    status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, order_workspace, &order, stream);
+    if (status != cudaSuccess) return status;
+  }
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
                              p.dtype, {grad_x, grad_vectors});
@@ -342,11 +375,11 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
     if (p.num_pairs > 0) {
       const dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
       if (pack) {
-        backward_kernel<scalar_t, 4><<<grid, block, 0, stream>>>(p, pairs_per_warp, grad_x, grad_vectors,
-                                                                 grad_directions, w.invalid);
+        backward_kernel<scalar_t, 4><<<grid, block, 0, stream>>>(p, pairs_per_warp, order, grad_x,
+                                                                 grad_vectors, grad_directions, w.invalid);
       } else {
-        backward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(p, pairs_per_warp, grad_x, grad_vectors,
-                                                                 grad_directions, w.invalid);
+        backward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(p, pairs_per_warp, order, grad_x,
+                                                                 grad_vectors, grad_directions, w.invalid);
       }
       status = cudaGetLastError();
       if (status != cudaSuccess) return;

@@ -23,6 +23,7 @@
 #include "message_passing.cuh"
 #include "neighbor_list.cuh"
 #include "painn_update.cuh"
+#include "pair_order.cuh"
 #include "pair_vectors.cuh"
 #include "radial_basis.cuh"
 #include "subpixel_shuffle.cuh"
@@ -989,8 +990,10 @@ MessageRun run_message_passing(const MessageCase& k, MessageInputs& in) {
 
 TEST_CASE("launch_vector_message_passing(_backward) match the host reference", "[vector_message_passing]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
-  const MessageCase cases[] = {{12, 128, 132, true}, {12, 128, 132, false}, {9, 129, 60, false},
-                               {300, 64, 20000, true}, {1, 1, 3, false}, {5, 3, 0, false}};
+  // 20,000 pairs take the backward's sender order (pair_order.cuh), the others their own.
+  const MessageCase cases[] = {{12, 128, 132, true},   {12, 128, 132, false}, {9, 129, 60, false},
+                               {300, 64, 20000, true}, {300, 7, 20000, false}, {1, 1, 3, false},
+                               {5, 3, 0, false}};
   for (const MessageCase& k : cases) {
     INFO("N=" << k.nodes << " F=" << k.features << " P=" << k.pairs << " sorted=" << k.sorted);
     {
@@ -1016,16 +1019,55 @@ TEST_CASE("launch_vector_message_passing(_backward) match the host reference", "
 
 TEST_CASE("launch_vector_message_passing writes NaN for out-of-range pairs", "[vector_message_passing]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
-  for (const int64_t bad : {int64_t{-1}, int64_t{6}}) {
-    const MessageCase k{6, 8, 40, true};
-    MessageInputs in = message_inputs(k);
-    in.pairs[k.pairs + 17] = bad;
-    const MessageRun run = run_message_passing<float>(k, in);
-    for (int o = 0; o < 6; ++o) {
-      INFO("output " << o << " bad index " << bad);
-      for (const float v : run.out[o]) REQUIRE(std::isnan(v));
+  for (const int64_t pairs : {int64_t{40}, mc::kSenderOrderMinPairs}) {
+    for (const int64_t bad : {int64_t{-1}, int64_t{6}}) {
+      const MessageCase k{6, 8, pairs, true};
+      MessageInputs in = message_inputs(k);
+      in.pairs[k.pairs + 17] = bad;
+      const MessageRun run = run_message_passing<float>(k, in);
+      for (int o = 0; o < 6; ++o) {
+        INFO("output " << o << " bad index " << bad << " P=" << pairs);
+        for (const float v : run.out[o]) REQUIRE(std::isnan(v));
+      }
     }
   }
+}
+
+TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[pair_order]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  const int64_t nodes = 37, P = 3 * mc::kSenderOrderMinPairs + 5;
+  REQUIRE_FALSE(mc::use_sender_order(nodes, mc::kSenderOrderMinPairs - 1));
+  REQUIRE(mc::use_sender_order(nodes, P));
+  std::uniform_int_distribution<int64_t> node(0, nodes - 1);
+  std::vector<int64_t> pairs(2 * P);
+  for (auto& e : pairs) e = node(rng());
+  for (const int64_t p : {int64_t{0}, int64_t{5}, P - 1}) pairs[P + p] = p == 5 ? -3 : nodes;  // out of range
+  int64_t* dpairs = nullptr;
+  void* workspace = nullptr;
+  const size_t bytes = mc::sender_order_workspace_bytes(nodes, P);
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dpairs), pairs.size() * sizeof(int64_t)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMalloc(&workspace, bytes) == cudaSuccess);
+  REQUIRE(cudaMemset(workspace, 0x7F, bytes) == cudaSuccess);  // the launcher initializes it
+  const int* dorder = nullptr;
+  REQUIRE(mc::launch_sender_order(dpairs, nodes, P, workspace, &dorder, nullptr) == cudaSuccess);
+  std::vector<int> order(P);
+  REQUIRE(cudaMemcpy(order.data(), dorder, P * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+  cudaFree(workspace);
+  cudaFree(dpairs);
+  // A permutation of the pairs whose senders never decrease, the bad ones (key `nodes`) last.
+  std::vector<int> seen(P, 0);
+  int64_t previous = -1;
+  for (const int p : order) {
+    REQUIRE(p >= 0);
+    REQUIRE(p < P);
+    ++seen[p];
+    const int64_t sender = pairs[P + p], key = sender >= 0 && sender < nodes ? sender : nodes;
+    REQUIRE(key >= previous);
+    previous = key;
+  }
+  REQUIRE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+  for (int64_t q = P - 3; q < P; ++q) REQUIRE((pairs[P + order[q]] < 0 || pairs[P + order[q]] >= nodes));
 }
 
 namespace {

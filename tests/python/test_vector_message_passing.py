@@ -7,6 +7,8 @@ from tolerances import tolerance
 
 OP = torch.ops.mirage.vector_message_passing
 BACKWARD_OP = torch.ops.mirage.vector_message_passing_backward
+# From this many pairs on, the CUDA backward walks the pairs in sender order (cuda/pair_order.cuh).
+SENDER_ORDER_MIN_PAIRS = 8192
 
 
 def composite(x, filter, vectors, directions, pairs):
@@ -378,8 +380,9 @@ def test_wrong_device_and_float64_on_cuda():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nodes,features,count", [(12, 128, 132), (3000, 128, 130_000), (700, 129, 9000),
                                                   (300, 7, 5000)])
-def test_cuda_large(dtype, nodes, features, count):
-    inputs = make_inputs(nodes, features, count, dtype, "cuda", "sorted")
+@pytest.mark.parametrize("order", ["sorted", "random"])
+def test_cuda_large(dtype, nodes, features, count, order):
+    inputs = make_inputs(nodes, features, count, dtype, "cuda", order)
     assert_forward_matches(inputs, dtype)
     assert_backward_matches(inputs, dtype)
 
@@ -418,8 +421,9 @@ def test_cuda_agrees_with_cpu_reference():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bad", [-1, 7, 2**40])
-def test_cuda_out_of_range_pairs_give_nan(dtype, bad):
-    inputs = list(make_inputs(7, 8, 50, dtype, "cuda", "sorted"))
+@pytest.mark.parametrize("count", [50, SENDER_ORDER_MIN_PAIRS])
+def test_cuda_out_of_range_pairs_give_nan(dtype, bad, count):
+    inputs = list(make_inputs(7, 8, count, dtype, "cuda", "sorted"))
     good = inputs[4].clone()
     inputs[4][1, 31] = bad  # a sender
     outputs = mirage.ops.vector_message_passing(*inputs)
@@ -436,9 +440,10 @@ def test_cuda_out_of_range_pairs_give_nan(dtype, bad):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_capture_and_replay_with_new_inputs(dtype):
+@pytest.mark.parametrize("nodes,count", [(50, 600), (300, SENDER_ORDER_MIN_PAIRS)])
+def test_cuda_graph_capture_and_replay_with_new_inputs(dtype, nodes, count):
     # What a force field captures: messages and their gradient (forces), replayed on new values.
-    nodes, features, count = 50, 16, 600
+    features = 16
     static = [t.requires_grad_(k < 4) for k, t in enumerate(make_inputs(nodes, features, count, dtype, "cuda"))]
     grad_scalar = randn(nodes, features, dtype=dtype, device="cuda")
     grad_vector = randn(nodes, 3, features, dtype=dtype, device="cuda")
