@@ -1,9 +1,10 @@
-// Sender order by counting sort: a histogram of senders, its exclusive scan, then each pair takes
-// the next slot of its sender's range. Four launches (a memset, two kernels, cub's scan) whatever
-// the size.
+// Sender order by cub's radix sort of (sender, pair index) on the sender's bits only: stable, so
+// pairs of one sender keep their list order and the sums of a backward come out the same from
+// run to run. One kernel writes the keys and indices, cub sorts (a few kernels, on about 12 bits
+// for a few thousand atoms).
 #include <climits>
 
-#include <cub/device/device_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "kernel_utils.cuh"
 #include "pair_order.cuh"
@@ -13,29 +14,20 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// The bucket of a sender: itself, or `nodes` for one out of range.
-__device__ __forceinline__ int bucket(int64_t sender, int64_t nodes) {
-  return sender >= 0 && sender < nodes ? static_cast<int>(sender) : static_cast<int>(nodes);
+// keys[p]: the sender of pair p, or `nodes` for one out of range; indices[p] = p.
+__global__ void sender_keys_kernel(const int64_t* senders, int64_t nodes, int num_pairs, int* keys, int* indices) {
+  for (int64_t p = blockIdx.x * blockDim.x + threadIdx.x; p < num_pairs; p += gridDim.x * blockDim.x) {
+    const int64_t j = senders[p];
+    keys[p] = j >= 0 && j < nodes ? static_cast<int>(j) : static_cast<int>(nodes);
+    indices[p] = static_cast<int>(p);
+  }
 }
 
-__global__ void count_senders_kernel(const int64_t* senders, int64_t nodes, int num_pairs, int* counts) {
-  for (int64_t p = blockIdx.x * blockDim.x + threadIdx.x; p < num_pairs; p += gridDim.x * blockDim.x)
-    atomicAdd(counts + bucket(senders[p], nodes), 1);
-}
-
-__global__ void place_pairs_kernel(const int64_t* senders, int64_t nodes, int num_pairs, int* next_slot,
-                                   int* order) {
-  for (int64_t p = blockIdx.x * blockDim.x + threadIdx.x; p < num_pairs; p += gridDim.x * blockDim.x)
-    order[atomicAdd(next_slot + bucket(senders[p], nodes), 1)] = static_cast<int>(p);
-}
-
-// The workspace's parts: counts and slots have a bucket per node plus one for bad senders.
 struct Plan {
-  int* counts;
-  int* next_slot;
-  int* order;
-  void* scan_temp;
-  size_t scan_bytes;
+  int *keys, *sorted_keys, *indices, *order;
+  void* sort_temp;
+  size_t sort_bytes;
+  int key_bits;  // enough for the keys 0..nodes
   size_t total_bytes;
 };
 
@@ -48,12 +40,16 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
     offset += bytes;
     return at;
   };
-  const int buckets = static_cast<int>(nodes) + 1;
-  w.counts = static_cast<int*>(take(buckets * sizeof(int)));
-  w.next_slot = static_cast<int*>(take(buckets * sizeof(int)));
-  w.order = static_cast<int*>(take(static_cast<size_t>(num_pairs) * sizeof(int)));
-  cub::DeviceScan::ExclusiveSum(nullptr, w.scan_bytes, w.counts, w.next_slot, buckets);
-  w.scan_temp = take(w.scan_bytes);
+  const size_t bytes = static_cast<size_t>(num_pairs) * sizeof(int);
+  w.keys = static_cast<int*>(take(bytes));
+  w.sorted_keys = static_cast<int*>(take(bytes));
+  w.indices = static_cast<int*>(take(bytes));
+  w.order = static_cast<int*>(take(bytes));
+  w.key_bits = 1;
+  while ((int64_t{1} << w.key_bits) <= nodes) ++w.key_bits;
+  cub::DeviceRadixSort::SortPairs(nullptr, w.sort_bytes, w.keys, w.sorted_keys, w.indices, w.order,
+                                  static_cast<int>(num_pairs), 0, w.key_bits);
+  w.sort_temp = take(w.sort_bytes);
   w.total_bytes = offset;
   return w;
 }
@@ -71,16 +67,13 @@ size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs) {
 cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, void* workspace,
                                 const int** order, cudaStream_t stream) {
   if (!use_sender_order(nodes, num_pairs)) return cudaErrorInvalidValue;
-  Plan w = plan(nodes, num_pairs, static_cast<char*>(workspace));  // cub takes scan_bytes by reference
-  const int buckets = static_cast<int>(nodes) + 1, count = static_cast<int>(num_pairs);
-  const int64_t* senders = pairs + num_pairs;
+  Plan w = plan(nodes, num_pairs, static_cast<char*>(workspace));  // cub takes sort_bytes by reference
+  const int count = static_cast<int>(num_pairs);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(count, kThreads), 8LL * sm_count()));
-  cudaError_t status = cudaMemsetAsync(w.counts, 0, buckets * sizeof(int), stream);
+  sender_keys_kernel<<<blocks, kThreads, 0, stream>>>(pairs + num_pairs, nodes, count, w.keys, w.indices);
+  const cudaError_t status = cub::DeviceRadixSort::SortPairs(w.sort_temp, w.sort_bytes, w.keys, w.sorted_keys,
+                                                             w.indices, w.order, count, 0, w.key_bits, stream);
   if (status != cudaSuccess) return status;
-  count_senders_kernel<<<blocks, kThreads, 0, stream>>>(senders, nodes, count, w.counts);
-  status = cub::DeviceScan::ExclusiveSum(w.scan_temp, w.scan_bytes, w.counts, w.next_slot, buckets, stream);
-  if (status != cudaSuccess) return status;
-  place_pairs_kernel<<<blocks, kThreads, 0, stream>>>(senders, nodes, count, w.next_slot, w.order);
   *order = w.order;
   return cudaGetLastError();
 }

@@ -1033,7 +1033,7 @@ TEST_CASE("launch_vector_message_passing writes NaN for out-of-range pairs", "[v
   }
 }
 
-TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[pair_order]") {
+TEST_CASE("launch_sender_order sorts the pairs by sender, stably, bad senders last", "[pair_order]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
   const int64_t nodes = 37, P = 3 * mc::kSenderOrderMinPairs + 5;
   REQUIRE_FALSE(mc::use_sender_order(nodes, mc::kSenderOrderMinPairs - 1));
@@ -1055,16 +1055,19 @@ TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[
   REQUIRE(cudaMemcpy(order.data(), dorder, P * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
   cudaFree(workspace);
   cudaFree(dpairs);
-  // A permutation of the pairs whose senders never decrease, the bad ones (key `nodes`) last.
+  // A permutation of the pairs whose senders never decrease, equal ones in index order (stable),
+  // the bad ones (key `nodes`) last.
   std::vector<int> seen(P, 0);
-  int64_t previous = -1;
+  int64_t previous_key = -1, previous_pair = -1;
   for (const int p : order) {
     REQUIRE(p >= 0);
     REQUIRE(p < P);
     ++seen[p];
     const int64_t sender = pairs[P + p], key = sender >= 0 && sender < nodes ? sender : nodes;
-    REQUIRE(key >= previous);
-    previous = key;
+    REQUIRE(key >= previous_key);
+    if (key == previous_key) REQUIRE(p > previous_pair);
+    previous_key = key;
+    previous_pair = p;
   }
   REQUIRE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
   for (int64_t q = P - 3; q < P; ++q) REQUIRE((pairs[P + order[q]] < 0 || pairs[P + order[q]] >= nodes));
