@@ -19,9 +19,10 @@
 //    Consecutive warps read the same neighbor positions, which L1 serves: no shared-memory tiles.
 //  - cell list (one molecule of many atoms): atoms are binned in fractional coordinates into bins
 //    at least one cutoff thick (coarser when there would be more bins than atoms), sorted by bin
-//    with a stable radix sort, and each atom (one thread, in bin order) scans the bins around its
+//    with a stable radix sort, and each atom (one warp, in bin order) scans the bins around its
 //    own, periodic images included (more than one image per bin when the box is thinner than
-//    the cutoff). This handles a cutoff beyond half the box, or beyond the box, exactly.
+//    the cutoff), their atoms laid end to end across the lanes. This handles a cutoff beyond
+//    half the box, or beyond the box, exactly.
 #include <algorithm>
 #include <cmath>
 
@@ -36,11 +37,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSetupThreads = 1024;
-// kAuto uses the cell list from this many atoms (one molecule). Measured on an H200 (2026-11-22,
-// benchmarks/profile_forcefield.py --parts, 3,000 atoms at water's density, 5 A cutoff, 139k
-// pairs, in a CUDA graph): direct 181 us, cell list 354 us. Direct grows as N^2 and the cell list
-// as N, so they cross near 2 x 3,000 atoms; below that the direct search is faster.
-constexpr int64_t kCellListMinAtoms = 6144;
+// kAuto uses the cell list from this many atoms (one molecule). Measured on an H200 (2026-11-23,
+// benchmarks/bench_neighbor_list.py: water boxes at a 5 A cutoff, in a CUDA graph, µs direct /
+// cell list): 648 atoms 56 / 62, 1,536 atoms 99 / 53, 3,000 atoms 181 / 60, 8,232 atoms 1,073 /
+// 113, 24,000 atoms 8,027 / 217. The cell list's fixed cost (sorting, setup: ~50 µs) loses to the
+// direct search's N^2 only near 1,000 atoms.
+constexpr int64_t kCellListMinAtoms = 1024;
 // Positions may lie at most this many cell widths from the origin along a periodic axis: image
 // indices are kept in float32, exact up to 2^24 (the CPU reference has the same limit).
 constexpr float kMaxCellWidthsFromOrigin = 16777216.0f;
@@ -417,68 +419,107 @@ __device__ __forceinline__ bool neighbor_bin(const Lattice& lat, const CellGrid&
   return true;
 }
 
-// visit(j, hit) for each neighbor of i, bin by bin around i's bin, atoms in bin order.
-template <typename Visit>
-__device__ void for_each_cell_list_neighbor(const NeighborListParams& p, const Lattice& lat,
-                                            const CellGrid& g, const AtomFrame* frames,
-                                            const int* bin_start, const int* sorted_atoms,
-                                            int64_t i, const AtomFrame& ai, Visit&& visit) {
+// Bin number b of the box of bins around `center` ((2 reach_0 + 1)(2 reach_1 + 1)(2 reach_2 + 1)
+// of them, in ascending (d0, d1, d2)): its key and the image it stands for, or false when it
+// falls off an open axis.
+__device__ __forceinline__ bool nth_neighbor_bin(const Lattice& lat, const CellGrid& g, const int center[3],
+                                                 int b, int& key, float s[3]) {
+  const int w1 = 2 * g.reach[1] + 1, w2 = 2 * g.reach[2] + 1;
+  const int d[3] = {b / (w1 * w2) - g.reach[0], (b / w2) % w1 - g.reach[1], b % w2 - g.reach[2]};
+  int bin[3];
+  for (int k = 0; k < 3; ++k) {
+    int image;
+    if (!neighbor_bin(lat, g, k, center[k] + d[k], bin[k], image)) return false;
+    s[k] = static_cast<float>(image);
+  }
+  key = (bin[0] * g.bins[1] + bin[1]) * g.bins[2] + bin[2];
+  return true;
+}
+
+// One warp per center atom i: the candidates (the atoms of the bins around i's bin, bin by bin
+// in the order of nth_neighbor_bin, atoms in bin order) laid end to end and taken 32 at a time,
+// so that lanes stay busy although a bin holds only a dozen atoms or so. round(found, hit, j)
+// is called by every lane for each round (found false for lanes past the end).
+template <typename Round>
+__device__ void for_each_cell_list_round(const NeighborListParams& p, const Lattice& lat, const CellGrid& g,
+                                         const AtomFrame* frames, const int* bin_start,
+                                         const int* sorted_atoms, int64_t i, const AtomFrame& ai,
+                                         Round&& round) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x % 32;
   int center[3];
   for (int k = 0; k < 3; ++k) center[k] = bin_on_axis(g, k, ai.f[k]);
-  for (int d0 = -g.reach[0]; d0 <= g.reach[0]; ++d0) {
-    int b0, s0;
-    if (!neighbor_bin(lat, g, 0, center[0] + d0, b0, s0)) continue;
-    for (int d1 = -g.reach[1]; d1 <= g.reach[1]; ++d1) {
-      int b1, s1;
-      if (!neighbor_bin(lat, g, 1, center[1] + d1, b1, s1)) continue;
-      for (int d2 = -g.reach[2]; d2 <= g.reach[2]; ++d2) {
-        int b2, s2;
-        if (!neighbor_bin(lat, g, 2, center[2] + d2, b2, s2)) continue;
-        const int key = (b0 * g.bins[1] + b1) * g.bins[2] + b2;
-        const float s[3] = {static_cast<float>(s0), static_cast<float>(s1), static_cast<float>(s2)};
-        for (int t = bin_start[key]; t < bin_start[key + 1]; ++t) {
-          const int64_t j = sorted_atoms[t];
-          if (p.half && j < i) continue;
-          Hit hit;
-          if (test_pair(p, lat, ai, frames[j], i, j, s, hit)) visit(hit, j);
-        }
+  const int bins = (2 * g.reach[0] + 1) * (2 * g.reach[1] + 1) * (2 * g.reach[2] + 1);
+  for (int group = 0; group < bins; group += 32) {  // warp-uniform
+    // Lane l holds bin group + l: its first sorted position, its size, its image.
+    int start = 0, size = 0, key = 0;
+    float s[3] = {0.0f, 0.0f, 0.0f};
+    if (group + lane < bins && nth_neighbor_bin(lat, g, center, group + lane, key, s)) {
+      start = bin_start[key];
+      size = bin_start[key + 1] - start;
+    }
+    const int inclusive = static_cast<int>(warp_inclusive_sum(static_cast<int64_t>(size)));
+    const int before = inclusive - size, total = __shfl_sync(kAll, inclusive, 31);
+    for (int first = 0; first < total; first += 32) {  // warp-uniform
+      const int u = first + lane;
+      // The lane whose bin holds candidate u: the last one with `before` <= u (they ascend).
+      int owner = 0;
+      for (int step = 16; step > 0; step >>= 1) {
+        if (__shfl_sync(kAll, before, owner + step) <= u) owner += step;
       }
+      const int t = __shfl_sync(kAll, start, owner) + u - __shfl_sync(kAll, before, owner);
+      float image[3];
+      for (int k = 0; k < 3; ++k) image[k] = __shfl_sync(kAll, s[k], owner);
+      int64_t j = -1;
+      Hit hit;
+      bool found = false;
+      if (u < total) {
+        j = sorted_atoms[t];
+        found = !(p.half && j < i) && test_pair(p, lat, ai, frames[j], i, j, image, hit);
+      }
+      round(found, hit, j);
     }
   }
 }
 
-// One thread per atom, taken in bin order so that a warp's atoms share their neighbor bins.
+// One warp per atom, the atoms taken in bin order so that neighboring warps share their bins.
 __global__ void __launch_bounds__(kThreads) cell_list_count_kernel(
     NeighborListParams p, const AtomFrame* frames,  // [N]
     const CellGrid* grid, const int* bin_start,     // [1], [bins + 1]
     const int* sorted_atoms,                        // [N]
     int64_t* counts) {                              // [N]
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= p.num_atoms) return;
+  const int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  if (t >= p.num_atoms) return;  // warp-uniform
   const int64_t i = sorted_atoms[t];
   const Lattice lat = load_lattice(p, 0);
   const CellGrid g = *grid;
   int64_t count = 0;
   if (lat.valid)
-    for_each_cell_list_neighbor(p, lat, g, frames, bin_start, sorted_atoms, i, frames[i],
-                                [&](const Hit&, int64_t) { ++count; });
-  counts[i] = count;
+    for_each_cell_list_round(p, lat, g, frames, bin_start, sorted_atoms, i, frames[i],
+                             [&](bool found, const Hit&, int64_t) { count += found; });
+  count = warp_sum(count);
+  if (threadIdx.x % 32 == 0) counts[i] = count;
 }
 
+// The same walk; each round's hits go to consecutive slots from offsets[i] (a warp scan).
 __global__ void __launch_bounds__(kThreads) cell_list_write_kernel(
     NeighborListParams p, const AtomFrame* frames,  // [N]
     const CellGrid* grid, const int* bin_start,     // [1], [bins + 1]
     const int* sorted_atoms,                        // [N]
     const int64_t* offsets) {                       // [N + 1]
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= p.num_atoms) return;
+  const int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  if (t >= p.num_atoms) return;  // warp-uniform
   const int64_t i = sorted_atoms[t];
   const Lattice lat = load_lattice(p, 0);
-  if (!lat.valid) return;
+  if (!lat.valid) return;  // warp-uniform
   const CellGrid g = *grid;
-  int64_t slot = offsets[i];
-  for_each_cell_list_neighbor(p, lat, g, frames, bin_start, sorted_atoms, i, frames[i],
-                              [&](const Hit& hit, int64_t j) { write_pair(p, slot++, i, j, hit); });
+  int64_t next = offsets[i];
+  for_each_cell_list_round(p, lat, g, frames, bin_start, sorted_atoms, i, frames[i],
+                           [&](bool found, const Hit& hit, int64_t j) {
+                             const int64_t inclusive = warp_inclusive_sum(static_cast<int64_t>(found));
+                             if (found) write_pair(p, next + inclusive - 1, i, j, hit);
+                             next += __shfl_sync(0xffffffffu, inclusive, 31);
+                           });
 }
 
 // ---- finish -----------------------------------------------------------------------------------
@@ -597,7 +638,7 @@ cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, c
       if (status != cudaSuccess) return status;
       bin_starts_kernel<<<blocks_for(w.max_bins + 1), kThreads, 0, stream>>>(
           w.sorted_keys, n, w.bin_start, w.max_bins + 1);
-      cell_list_count_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+      cell_list_count_kernel<<<blocks_for(n * 32), kThreads, 0, stream>>>(
           p, w.frames, w.grid, w.bin_start, w.sorted_atoms, w.counts);
     } else {
       direct_count_kernel<<<blocks_for(n * 32), kThreads, 0, stream>>>(p, w.frames, w.counts);
@@ -606,7 +647,7 @@ cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, c
                                            static_cast<int>(n), stream);
     if (status != cudaSuccess) return status;
     if (search == NeighborSearch::kCellList) {
-      cell_list_write_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+      cell_list_write_kernel<<<blocks_for(n * 32), kThreads, 0, stream>>>(
           p, w.frames, w.grid, w.bin_start, w.sorted_atoms, w.offsets);
     } else {
       direct_write_kernel<<<blocks_for(n * 32), kThreads, 0, stream>>>(p, w.frames, w.offsets);

@@ -243,7 +243,7 @@ def neighbor_list(
             exceeds (periodic ones may list an atom's own images).
         half: list one of ``(i, j, S)`` and ``(j, i, -S)``: the one with ``i < j``, or for
             ``i == j`` the one whose first non-zero component of ``S`` is positive.
-        method: how the CUDA kernel searches: ``"auto"`` (a cell list from 6144 atoms of one
+        method: how the CUDA kernel searches: ``"auto"`` (a cell list from 1024 atoms of one
             molecule, else every pair of each molecule), ``"direct"`` or ``"cell_list"`` (one
             molecule only). The CPU reference always compares every pair.
 

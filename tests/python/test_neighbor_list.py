@@ -604,22 +604,24 @@ def liquid_box(n, dtype=torch.float32):
 
 @pytest.mark.cuda
 def test_cuda_large_periodic_box_methods_agree():
-    # 3000 atoms: "auto" is the direct search there (below 6144 atoms) and must equal it bit for
-    # bit; the cell list lists the same pairs; both match the CPU reference.
+    # 3000 atoms: "auto" is the cell list there (from 1024 atoms) and must equal it bit for bit;
+    # the direct search lists the same pairs; both match the CPU reference.
     pos, cell = liquid_box(3000)
     auto = assert_cuda_matches_cpu(pos, 5.0, cell, max_pairs=250_000)
-    direct = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="direct")
-    for a, b in zip(auto, direct):
-        assert torch.equal(a, b)
     cells = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="cell_list")
+    for a, b in zip(auto, cells):
+        assert torch.equal(a, b)
+    direct = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=250_000, method="direct")
     assert_same_pairs(listed(direct, cell), listed(cells, cell), 5.0, 1e-4, 1e-5)
+    assert_cuda_matches_cpu(pos, 5.0, cell, max_pairs=250_000, method="direct")
 
 
 @pytest.mark.cuda
-def test_cuda_auto_takes_the_cell_list_from_6144_atoms():
-    pos, cell = liquid_box(7000)
+@pytest.mark.parametrize("atoms,method", [(1023, "direct"), (1024, "cell_list"), (7000, "cell_list")])
+def test_cuda_auto_takes_the_cell_list_from_1024_atoms(atoms, method):
+    pos, cell = liquid_box(atoms)
     auto = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000)
-    forced = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000, method="cell_list")
+    forced = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000, method=method)
     assert 0 < int(auto.num_pairs) <= 600_000
     for a, b in zip(auto, forced):
         assert torch.equal(a, b)
