@@ -155,8 +155,9 @@ __global__ void __launch_bounds__(kLanes* kWarps)
   const int64_t f = (static_cast<int64_t>(blockIdx.y) * kLanes + threadIdx.x) * V;
   const bool active = f < F;
 
-  // This lane's sums for the sender `current`: the gradients of x's three parts and of its vectors.
-  float acc_x[3][V], acc_vec[3][V];
+  // This lane's sums for the sender `current`: the gradients of x's three parts and of its
+  // vectors; and that sender's rows of x and vectors, read once per run of it.
+  float acc_x[3][V], acc_vec[3][V], xs[V], xvv[V], xvs[V], vec[3][V];
   int64_t current = -1;
   const auto flush = [&] {
     if (current < 0 || !active) return;
@@ -181,19 +182,20 @@ __global__ void __launch_bounds__(kLanes* kWarps)
       for (int c = 0; c < 3; ++c)
 #pragma unroll
         for (int v = 0; v < V; ++v) acc_x[c][v] = acc_vec[c][v] = 0.0f;
+      if (active) {
+        load_packed<T, V>(x + j * 3 * F + f, xs);
+        load_packed<T, V>(x + j * 3 * F + F + f, xvv);
+        load_packed<T, V>(x + j * 3 * F + 2 * F + f, xvs);
+#pragma unroll
+        for (int c = 0; c < 3; ++c) load_packed<T, V>(vectors + (j * 3 + c) * F + f, vec[c]);
+      }
     }
     float part[3] = {0.0f, 0.0f, 0.0f};  // this lane's share of grad_directions[pair]
     if (active) {
-      float gs[V], gv[3][V], xs[V], xvv[V], xvs[V], fs[V], fvv[V], fvs[V], vec[3][V];
+      float gs[V], gv[3][V], fs[V], fvv[V], fvs[V];
       load_packed<T, V>(grad_scalar + i * F + f, gs);
 #pragma unroll
-      for (int c = 0; c < 3; ++c) {
-        load_packed<T, V>(grad_vector + (i * 3 + c) * F + f, gv[c]);
-        load_packed<T, V>(vectors + (j * 3 + c) * F + f, vec[c]);
-      }
-      load_packed<T, V>(x + j * 3 * F + f, xs);
-      load_packed<T, V>(x + j * 3 * F + F + f, xvv);
-      load_packed<T, V>(x + j * 3 * F + 2 * F + f, xvs);
+      for (int c = 0; c < 3; ++c) load_packed<T, V>(grad_vector + (i * 3 + c) * F + f, gv[c]);
       load_packed<T, V>(filter + pair * 3 * F + f, fs);
       load_packed<T, V>(filter + pair * 3 * F + F + f, fvv);
       load_packed<T, V>(filter + pair * 3 * F + 2 * F + f, fvs);
