@@ -1,7 +1,8 @@
 // Sender order by cub's radix sort of (sender, pair index) on the sender's bits only: stable, so
-// pairs of one sender keep their list order and the sums of a backward come out the same from
-// run to run. One kernel writes the keys and indices, cub sorts (a few kernels, on about 12 bits
-// for a few thousand atoms).
+// the order itself is the same from run to run (pairs of one sender keep their list order). The
+// backward's sums are not: a sender's pairs span several warps, whose atomics land in any order.
+// One kernel writes the keys and indices, cub sorts (a few kernels, on about 12 bits for a few
+// thousand atoms).
 #include <climits>
 
 #include <cub/device/device_radix_sort.cuh>

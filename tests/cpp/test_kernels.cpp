@@ -1036,6 +1036,9 @@ TEST_CASE("launch_vector_message_passing writes NaN for out-of-range pairs", "[v
 TEST_CASE("launch_sender_order sorts the pairs by sender, stably, bad senders last", "[pair_order]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
   const int64_t nodes = 37, P = 3 * mc::kSenderOrderMinPairs + 5;
+  // tests/python/test_vector_message_passing.py (SENDER_ORDER_MIN_PAIRS) and the 20,000-pair
+  // cases above rely on this threshold: change them with it.
+  REQUIRE(mc::kSenderOrderMinPairs == 8192);
   REQUIRE_FALSE(mc::use_sender_order(nodes, mc::kSenderOrderMinPairs - 1));
   REQUIRE(mc::use_sender_order(nodes, P));
   std::uniform_int_distribution<int64_t> node(0, nodes - 1);

@@ -618,10 +618,12 @@ def test_cuda_large_periodic_box_methods_agree():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("atoms,method", [(1023, "direct"), (1024, "cell_list"), (7000, "cell_list")])
-def test_cuda_auto_takes_the_cell_list_from_1024_atoms(atoms, method):
+@pytest.mark.parametrize("periodic", [True, False])
+def test_cuda_auto_takes_the_cell_list_from_1024_atoms(atoms, method, periodic):
     pos, cell = liquid_box(atoms)
-    auto = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000)
-    forced = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda(), max_pairs=600_000, method=method)
+    cell = cell.cuda() if periodic else None  # open: the same atoms as one large molecule
+    auto = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell, max_pairs=600_000)
+    forced = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell, max_pairs=600_000, method=method)
     assert 0 < int(auto.num_pairs) <= 600_000
     for a, b in zip(auto, forced):
         assert torch.equal(a, b)

@@ -7,7 +7,8 @@ from tolerances import tolerance
 
 OP = torch.ops.mirage.vector_message_passing
 BACKWARD_OP = torch.ops.mirage.vector_message_passing_backward
-# From this many pairs on, the CUDA backward walks the pairs in sender order (cuda/pair_order.cuh).
+# From this many pairs on, the CUDA backward walks the pairs in sender order (cuda/pair_order.cuh,
+# kSenderOrderMinPairs; the Catch2 test of the ordering fails when that constant changes alone).
 SENDER_ORDER_MIN_PAIRS = 8192
 
 
