@@ -685,8 +685,8 @@ class PaiNN(_FusedModel):
         count = len(self.messages)
         return ([("neighbor_list", "radius graph (forward)"),
                  ("radial_basis", f"sinc (Bessel) basis ({self.num_rbf} `frequencies`)"),
-                 ("batched_filters", f"the {count} filter Linears (messages.*.filter; a GEMM each from "
-                                     f"{self.per_layer_filters_min_pairs} pairs of neighbor capacity on)")]
+                 ("batched_filters", f"the {count} filter Linears (messages.*.filter; from "
+                                     f"{self.per_layer_filters_min_pairs} pairs of neighbor capacity on, a GEMM each instead)")]
                 + [("vector_message_passing", f"messages.{t}") for t in range(count)]
                 + [("painn_update", f"updates.{t}") for t in range(count)]
                 + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
