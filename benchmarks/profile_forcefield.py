@@ -4,7 +4,7 @@ torch.profiler. Graphs are off here (the profiler sees the kernels one by one; a
 replays the same ones, each costing a couple of µs even when it has nothing to do, which is
 why the kernel count matters as much as their time for small molecules).
 
-    python benchmarks/profile_forcefield.py [--top 15] [--systems benzene box3k] [--models schnet painn]
+    python benchmarks/profile_forcefield.py [--top 15] [--systems benzene,box3k] [--models schnet,painn]
     python benchmarks/profile_forcefield.py --parts | --whole-model | --fused-interactions
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage.ff
-from bench_forcefield import MODEL_CONFIG, MODELS, energy_and_forces, make_system
+from bench_forcefield import MODEL_CONFIG, MODELS, SYSTEMS, energy_and_forces, make_system, parse_list
 from harness import categorizer, kernel_times, print_kernel_report, time_in_graph
 
 CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
@@ -161,8 +161,8 @@ def time_whole_model(sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--systems", nargs="+", default=["benzene", "box3k"])
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--systems", default="benzene,box3k", help="comma list of: " + ", ".join(SYSTEMS))
+    parser.add_argument("--models", default=",".join(MODELS), help="comma list of: " + ", ".join(MODELS))
     parser.add_argument("--warmup", type=int, default=50, help="calls before the profiled one")
     parser.add_argument("--parts", action="store_true", help="also time each stage alone in a CUDA graph")
     parser.add_argument("--fused-interactions", action="store_true",
@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--whole-model", action="store_true",
                         help="only time SchNet's one-kernel path against its layers over molecule sizes")
     opts = parser.parse_args()
+    opts.systems = parse_list(opts.systems, SYSTEMS, "systems", parser)  # as bench_forcefield.py takes them
+    opts.models = parse_list(opts.models, MODELS, "models", parser)
     device = torch.device("cuda")
     if opts.whole_model:
         time_whole_model()
