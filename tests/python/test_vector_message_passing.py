@@ -380,7 +380,7 @@ def test_wrong_device_and_float64_on_cuda():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nodes,features,count", [(12, 128, 132), (3000, 128, 130_000), (700, 129, 9000),
-                                                  (300, 7, 5000)])
+                                                  (300, 7, 5000), (500, 256, 9000)])
 @pytest.mark.parametrize("order", ["sorted", "random"])
 def test_cuda_large(dtype, nodes, features, count, order):
     inputs = make_inputs(nodes, features, count, dtype, "cuda", order)
