@@ -11,6 +11,8 @@ OUT="${OUT:-/tmp/mirage-out}"
 mkdir -p "$OUT"
 export MIRAGE_CUDA_ARCHS=90a PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
 BUILD=build/device
+# test_torchscript.py scripts and saves this module; Catch2's test_api loads it from C++.
+export MIRAGE_TORCHSCRIPT_MODULE="$PWD/$BUILD/scripted_group_norm.pt"
 STEPS="${STEPS:-build pytest ctest demo bench_norms bench_unet bench_ff profile_ff validate_nve}"
 status=0
 step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
@@ -47,7 +49,6 @@ fi
 
 if want pytest; then
   step "pytest"
-  export MIRAGE_TORCHSCRIPT_MODULE="$PWD/$BUILD/scripted_group_norm.pt"
   python3 -m pytest -q -p no:cacheprovider -rs "${@:-tests/python}" > "$OUT/pytest.log" 2>&1 || status=1
   tail -5 "$OUT/pytest.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 fi
@@ -55,6 +56,9 @@ fi
 if want ctest; then
   step "ctest"
   if [ -f $BUILD/CTestTestfile.cmake ]; then
+    # A pytest run of other files (or none) has not written the module test_api needs.
+    [ -f "$MIRAGE_TORCHSCRIPT_MODULE" ] || python3 -m pytest -q -p no:cacheprovider tests/python/test_torchscript.py \
+      > "$OUT/torchscript.log" 2>&1 || status=1
     ctest --test-dir $BUILD --output-on-failure > "$OUT/ctest.log" 2>&1 || status=1
     tail -4 "$OUT/ctest.log"
   else
