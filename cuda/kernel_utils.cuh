@@ -92,6 +92,25 @@ __device__ __forceinline__ void store_packed(T* p, const float (&in)[V]) {
 template <typename T>
 constexpr int kPackWidth = 16 / sizeof(T);
 
+// Buffers laid end to end in one workspace, each 256-byte aligned. On base == nullptr it only
+// sizes them, so that a launcher's *_workspace_bytes and its launch share one plan.
+class WorkspaceLayout {
+ public:
+  explicit WorkspaceLayout(char* base) : base_(base) {}
+  // The next buffer of `bytes` (nullptr when only sizing).
+  void* take(size_t bytes) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    void* at = base_ == nullptr ? nullptr : base_ + offset_;
+    offset_ += bytes;
+    return at;
+  }
+  size_t bytes() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
 inline bool is_aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }

@@ -570,36 +570,30 @@ struct Workspace {
 // Carves `base` into the buffers these params need; with base == nullptr it only sizes them.
 Workspace plan_workspace(const NeighborListParams& p, char* base) {
   Workspace w{};
-  size_t offset = 0;
-  const auto take = [&](size_t bytes) -> void* {
-    offset = (offset + 255) / 256 * 256;
-    void* at = base == nullptr ? nullptr : base + offset;
-    offset += bytes;
-    return at;
-  };
+  WorkspaceLayout layout(base);
   const int n = static_cast<int>(p.num_atoms);  // checked < 2^31 by the caller
-  w.invalid = static_cast<int*>(take(sizeof(int)));
-  w.frames = static_cast<AtomFrame*>(take(n * sizeof(AtomFrame)));
-  w.counts = static_cast<int64_t*>(take(n * sizeof(int64_t)));
-  w.offsets = static_cast<int64_t*>(take((n + 1) * sizeof(int64_t)));
+  w.invalid = static_cast<int*>(layout.take(sizeof(int)));
+  w.frames = static_cast<AtomFrame*>(layout.take(n * sizeof(AtomFrame)));
+  w.counts = static_cast<int64_t*>(layout.take(n * sizeof(int64_t)));
+  w.offsets = static_cast<int64_t*>(layout.take((n + 1) * sizeof(int64_t)));
   cub::DeviceScan::InclusiveSum(nullptr, w.scan_bytes, w.counts, w.offsets, n);
-  w.scan_temp = take(w.scan_bytes);
+  w.scan_temp = layout.take(w.scan_bytes);
   if (resolve_neighbor_search(p) == NeighborSearch::kCellList) {
     // No more bins than atoms: a dilute or spread-out system gets coarser bins, not more memory.
     w.max_bins = std::max<int64_t>(n, 1);
     w.key_bits = 1;
     while ((int64_t{1} << w.key_bits) < w.max_bins) ++w.key_bits;
-    w.grid = static_cast<CellGrid*>(take(sizeof(CellGrid)));
-    w.keys = static_cast<int*>(take(n * sizeof(int)));
-    w.sorted_keys = static_cast<int*>(take(n * sizeof(int)));
-    w.atoms = static_cast<int*>(take(n * sizeof(int)));
-    w.sorted_atoms = static_cast<int*>(take(n * sizeof(int)));
-    w.bin_start = static_cast<int*>(take((w.max_bins + 1) * sizeof(int)));
+    w.grid = static_cast<CellGrid*>(layout.take(sizeof(CellGrid)));
+    w.keys = static_cast<int*>(layout.take(n * sizeof(int)));
+    w.sorted_keys = static_cast<int*>(layout.take(n * sizeof(int)));
+    w.atoms = static_cast<int*>(layout.take(n * sizeof(int)));
+    w.sorted_atoms = static_cast<int*>(layout.take(n * sizeof(int)));
+    w.bin_start = static_cast<int*>(layout.take((w.max_bins + 1) * sizeof(int)));
     cub::DeviceRadixSort::SortPairs(nullptr, w.sort_bytes, w.keys, w.sorted_keys, w.atoms,
                                     w.sorted_atoms, n, 0, w.key_bits);
-    w.sort_temp = take(w.sort_bytes);
+    w.sort_temp = layout.take(w.sort_bytes);
   }
-  w.total_bytes = offset;
+  w.total_bytes = layout.bytes();
   return w;
 }
 

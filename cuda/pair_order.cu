@@ -34,24 +34,18 @@ struct Plan {
 
 Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
   Plan w{};
-  size_t offset = 0;
-  const auto take = [&](size_t bytes) -> void* {
-    offset = (offset + 255) / 256 * 256;
-    void* at = base == nullptr ? nullptr : base + offset;
-    offset += bytes;
-    return at;
-  };
+  WorkspaceLayout layout(base);
   const size_t bytes = static_cast<size_t>(num_pairs) * sizeof(int);
-  w.keys = static_cast<int*>(take(bytes));
-  w.sorted_keys = static_cast<int*>(take(bytes));
-  w.indices = static_cast<int*>(take(bytes));
-  w.order = static_cast<int*>(take(bytes));
+  w.keys = static_cast<int*>(layout.take(bytes));
+  w.sorted_keys = static_cast<int*>(layout.take(bytes));
+  w.indices = static_cast<int*>(layout.take(bytes));
+  w.order = static_cast<int*>(layout.take(bytes));
   w.key_bits = 1;
   while ((int64_t{1} << w.key_bits) <= nodes) ++w.key_bits;
   cub::DeviceRadixSort::SortPairs(nullptr, w.sort_bytes, w.keys, w.sorted_keys, w.indices, w.order,
                                   static_cast<int>(num_pairs), 0, w.key_bits);
-  w.sort_temp = take(w.sort_bytes);
-  w.total_bytes = offset;
+  w.sort_temp = layout.take(w.sort_bytes);
+  w.total_bytes = layout.bytes();
   return w;
 }
 
