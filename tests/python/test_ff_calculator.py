@@ -309,6 +309,42 @@ def test_changed_numbers_recompute():
     assert atoms.get_potential_energy() != energy and model.calls == 2
 
 
+def test_snapshot_is_the_calculated_atoms_and_independent_of_them():
+    # calc.atoms is the calculator's own copy of what it computed, kept in one object from step to
+    # step (Calculator._remember): it must hold every array, the cell, pbc, info and constraints
+    # of the last calculation, and never alias the caller's atoms.
+    from ase.calculators.calculator import compare_atoms
+    from ase.constraints import FixAtoms
+    model = Counting(small(SchNet))
+    atoms = periodic_atoms()
+    atoms.calc = calc = mirage.ff.Calculator(model)
+    atoms.get_forces()
+    first = calc.atoms
+    steps = [lambda a: a.positions.__setitem__((0, 0), a.positions[0, 0] + 0.01),
+             lambda a: a.set_momenta(np.full((len(a), 3), 0.1)),  # a new array: a fresh copy
+             lambda a: a.positions.__iadd__(0.002),
+             lambda a: a.set_cell(a.cell[:] * 1.001, scale_atoms=True),
+             lambda a: a.info.__setitem__("step", 4),
+             lambda a: a.set_constraint(FixAtoms(indices=[1])),
+             lambda a: a.positions.__isub__(0.001)]
+    for step in steps:
+        step(atoms)
+        atoms.positions[2, 1] += 1e-3  # a system change each step: a calculation each
+        atoms.get_forces()
+        snapshot = calc.atoms
+        assert snapshot is not atoms and not compare_atoms(snapshot, atoms, tol=0)
+        assert snapshot.arrays.keys() == atoms.arrays.keys() and snapshot.info == atoms.info
+        for name, array in atoms.arrays.items():
+            assert not np.shares_memory(snapshot.arrays[name], array)
+            np.testing.assert_array_equal(snapshot.arrays[name], array)
+        assert [c.todict() for c in snapshot.constraints] == [c.todict() for c in atoms.constraints]
+        assert calc.check_state(atoms) == []
+    assert calc.atoms is not first  # momenta joined the arrays: a new snapshot from then on
+    assert model.calls == 1 + len(steps)
+    atoms.positions[0, 0] += 0.01  # the snapshot does not follow the caller's atoms
+    assert calc.check_state(atoms) == ["positions"]
+
+
 # ------------------------------------------------------------------------------ capacity
 def test_overflow_grows_and_recomputes(capfd):
     atoms = periodic_atoms(n=12)

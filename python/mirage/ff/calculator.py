@@ -9,6 +9,7 @@ derivative. On a GPU the whole evaluation (forward and backward) is one CUDA-gra
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -293,6 +294,7 @@ class Calculator(_AseCalculator):
         self._buffers: "OrderedDict[Tuple[int, bool], Dict[str, Any]]" = OrderedDict()
         self._max_buffers = max_graphs
         self._checked_cell: Optional[np.ndarray] = None  # the last periodic cell found valid
+        self._snapshot = None  # what self.atoms holds after a calculation (_remember)
 
     def reset(self) -> None:
         """ASE's reset (the results are dropped) and every captured graph and staging buffer with
@@ -326,7 +328,8 @@ class Calculator(_AseCalculator):
     # Forces need autograd, which a caller's torch.inference_mode would switch off.
     @torch.inference_mode(False)
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
-        super().calculate(atoms, properties, system_changes)
+        if atoms is not None:
+            self._remember(atoms)
         atoms = self.atoms
         who = self.who
         n = len(atoms)
@@ -352,6 +355,29 @@ class Calculator(_AseCalculator):
         self.results = {"energy": energy, "free_energy": energy, "forces": forces}
         if stress is not None:
             self.results["stress"] = stress
+
+    def _remember(self, atoms) -> None:
+        """``self.atoms = atoms.copy()``, as ASE's ``calculate`` does (check_state compares the next
+        atoms with it), but into the same snapshot object from step to step where the atoms keep
+        their arrays: ``Atoms.copy`` took about 60 us per MD step on the GPU machine's host
+        (2026-11-24), more than the rest of this calculator's host work. ASE drops ``self.atoms``
+        on every change, so the snapshot is kept aside. ``calc.atoms`` is therefore this
+        calculator's own copy, overwritten by its next calculation."""
+        old = self._snapshot
+        same = (old is not None and len(old) == len(atoms) and old.arrays.keys() == atoms.arrays.keys()
+                and all(old.arrays[name].dtype == array.dtype and old.arrays[name].shape == array.shape
+                        for name, array in atoms.arrays.items()))
+        if not same:
+            self._snapshot = self.atoms = atoms.copy()
+            return
+        for name, array in atoms.arrays.items():
+            np.copyto(old.arrays[name], array)
+        np.copyto(old.cell.array, atoms.cell.array)
+        np.copyto(old.pbc, atoms.pbc)
+        old.set_celldisp(atoms.get_celldisp())
+        old.info = dict(atoms.info)
+        old.constraints = copy.deepcopy(atoms.constraints) if atoms.constraints else []
+        self.atoms = old
 
     # ------------------------------------------------------------------------------ evaluation
     def _evaluate(self, numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
