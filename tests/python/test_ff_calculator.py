@@ -309,6 +309,34 @@ def test_changed_numbers_recompute():
     assert atoms.get_potential_energy() != energy and model.calls == 2
 
 
+@pytest.mark.parametrize("change", ["none", "below_tol", "position", "number", "cell", "pbc", "nan_cell"])
+def test_check_state_after_a_calculation_agrees_with_ase(change):
+    # Against the calculator's own snapshot check_state compares bytes first (where the snapshot
+    # holds no NaN): the answers must still be ASE's. nan_cell: a molecule's unused cell with a
+    # NaN, which ASE finds changed even against itself.
+    from ase.calculators.calculator import compare_atoms
+    model = Counting(small(SchNet))
+    atoms = benzene_atoms()
+    if change == "nan_cell":
+        atoms.cell[2, 2] = np.nan
+    atoms.calc = calc = mirage.ff.Calculator(model)
+    atoms.get_forces()
+    other = atoms.copy()
+    if change == "below_tol":
+        other.positions[2, 0] += 1e-16
+    elif change == "position":
+        other.positions[2, 0] += 1e-9
+    elif change == "number":
+        other.numbers[0] = 8
+    elif change == "cell":
+        other.cell[0, 1] += 1e-6
+    elif change == "pbc":
+        other.pbc = (True, False, False)
+    expected = compare_atoms(calc.atoms, other, tol=1e-15)
+    assert sorted(calc.check_state(other)) == sorted(expected)
+    assert (change in ("none", "below_tol")) == (not expected)
+
+
 def test_snapshot_is_the_calculated_atoms_and_independent_of_them():
     # calc.atoms is the calculator's own copy of what it computed, kept in one object from step to
     # step (Calculator._remember): it must hold every array, the cell, pbc, info and constraints
