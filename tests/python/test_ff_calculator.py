@@ -337,6 +337,45 @@ def test_check_state_after_a_calculation_agrees_with_ase(change):
     assert (change in ("none", "below_tol")) == (not expected)
 
 
+def test_shallow_copy_keeps_its_own_snapshot():
+    # ASE's combine_mm copies calculators with copy.copy. Each overwrites its snapshot in place:
+    # a shared one would make the original's check_state match the copy's atoms, and hand out the
+    # original's results for them.
+    import copy as copy_module
+    model = small(SchNet)
+    atoms = benzene_atoms()
+    calc = mirage.ff.Calculator(model)
+    energy = calc.get_potential_energy(atoms)
+    moved = atoms.copy()
+    moved.positions[0, 0] += 0.3
+    clone = copy_module.copy(calc)
+    assert clone.atoms is not calc.atoms and clone.get_potential_energy(atoms) == energy  # its cache
+    moved_energy = clone.get_potential_energy(moved)
+    assert moved_energy != energy
+    assert calc.check_state(moved) == ["positions"]
+    assert calc.get_potential_energy(moved) == pytest.approx(moved_energy, rel=1e-12)
+
+
+def test_check_state_after_the_snapshot_is_edited():
+    # check_state's byte comparison is against what the calculation saw, not against calc.atoms,
+    # which a caller may edit: a NaN put there must not pass for the NaN-free state computed.
+    from ase.calculators.calculator import compare_atoms
+    atoms = benzene_atoms()
+    calc = mirage.ff.Calculator(small(SchNet))
+    calc.get_potential_energy(atoms)
+    calc.atoms.positions[1, 0] = np.nan
+    edited = calc.atoms.copy()
+    assert calc.check_state(edited) == compare_atoms(calc.atoms, edited, tol=1e-15) == ["positions"]
+
+
+def test_calculation_makes_the_directory(tmp_path):
+    # As ASE's Calculator.calculate does (mirage itself writes nothing there).
+    calc = mirage.ff.Calculator(small(SchNet))
+    calc.directory = str(tmp_path / "run")
+    calc.get_potential_energy(benzene_atoms())
+    assert (tmp_path / "run").is_dir()
+
+
 def test_snapshot_is_the_calculated_atoms_and_independent_of_them():
     # calc.atoms is the calculator's own copy of what it computed, kept in one object from step to
     # step (Calculator._remember): it must hold every array, the cell, pbc, info and constraints

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import os
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -77,11 +78,15 @@ def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
     return bool((np.abs(a - b) <= tol).all())
 
 
-def _same(old: np.ndarray, new: np.ndarray, tol: float, nan_free: bool) -> bool:
-    """``_close(old, new, tol)``, by one comparison of bytes where they are identical and ``old``
-    holds no NaN (``nan_free``: known, not checked; NaN is never close to itself): an MD step
-    checks three times, twice against atoms that did not move."""
-    if nan_free and old.dtype == new.dtype and old.shape == new.shape and old.tobytes() == new.tobytes():
+def _fingerprint(array: np.ndarray) -> Tuple[str, Tuple[int, ...], bytes]:
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+def _same(old: np.ndarray, new: np.ndarray, tol: float, calculated: Optional[Tuple]) -> bool:
+    """``_close(old, new, tol)``, by one comparison of bytes where ``new`` is what the last
+    calculation saw (``calculated``: its fingerprint, kept only where it held no NaN, which is never
+    close to itself): an MD step checks three times, twice against atoms that did not move."""
+    if calculated is not None and _fingerprint(new) == calculated:
         return True
     return _close(old, new, tol)
 
@@ -304,7 +309,8 @@ class Calculator(_AseCalculator):
         self._max_buffers = max_graphs
         self._checked_cell: Optional[np.ndarray] = None  # the last periodic cell found valid
         self._snapshot = None  # what self.atoms holds after a calculation (_remember)
-        self._nan_free: Dict[str, bool] = {}  # the snapshot's compared arrays without NaN
+        self._calculated: Dict[str, Tuple] = {}  # _note_calculated
+        self._made_directory: Optional[str] = None  # the directory calculate last made sure of
 
     def reset(self) -> None:
         """ASE's reset (the results are dropped) and every captured graph and staging buffer with
@@ -328,12 +334,12 @@ class Calculator(_AseCalculator):
         old = self.atoms
         if old is None or self.ignored_changes or old.arrays.keys() != atoms.arrays.keys():
             return super().check_state(atoms, tol)
-        nan_free = self._nan_free if old is self._snapshot else {}
-        changes = [] if _same(old.cell.array, atoms.cell.array, tol, nan_free.get("cell", False)) else ["cell"]
-        if not _same(old.pbc, atoms.pbc, 0.0, True):  # booleans
+        calculated = self._calculated if old is self._snapshot else {}
+        changes = [] if _same(old.cell.array, atoms.cell.array, tol, calculated.get("cell")) else ["cell"]
+        if not _same(old.pbc, atoms.pbc, 0.0, calculated.get("pbc")):
             changes.append("pbc")
         changes += [name for name in all_changes if name in old.arrays and
-                    not _same(old.arrays[name], atoms.arrays[name], tol, nan_free.get(name, False))]
+                    not _same(old.arrays[name], atoms.arrays[name], tol, calculated.get(name))]
         return changes
 
     # Forces need autograd, which a caller's torch.inference_mode would switch off.
@@ -341,6 +347,9 @@ class Calculator(_AseCalculator):
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         if atoms is not None:
             self._remember(atoms)
+        if self.directory != self._made_directory:  # as ASE's calculate: mirage writes nothing there
+            os.makedirs(self.directory, exist_ok=True)
+            self._made_directory = self.directory
         atoms = self.atoms
         who = self.who
         n = len(atoms)
@@ -380,7 +389,7 @@ class Calculator(_AseCalculator):
                         for name, array in atoms.arrays.items()))
         if not same:
             self._snapshot = self.atoms = atoms.copy()
-            self._note_nan_free()
+            self._note_calculated()
             return
         for name, array in atoms.arrays.items():
             np.copyto(old.arrays[name], array)
@@ -390,15 +399,26 @@ class Calculator(_AseCalculator):
         old.info = dict(atoms.info)
         old.constraints = copy.deepcopy(atoms.constraints) if atoms.constraints else []
         self.atoms = old
-        self._note_nan_free()
+        self._note_calculated()
 
-    def _note_nan_free(self) -> None:
-        """Which of the snapshot's compared arrays hold no NaN (for check_state's ``_same``)."""
+    def _note_calculated(self) -> None:
+        """The fingerprints of what this calculation saw, for check_state's ``_same``: kept here,
+        not read back from the snapshot, which a caller could edit. None where a value is NaN."""
         snapshot = self._snapshot
-        arrays = {"cell": snapshot.cell.array}
+        arrays = {"cell": snapshot.cell.array, "pbc": snapshot.pbc}
         arrays.update((name, snapshot.arrays[name]) for name in all_changes if name in snapshot.arrays)
-        self._nan_free = {name: array.dtype.kind not in "fc" or not np.isnan(array).any()
-                          for name, array in arrays.items()}
+        self._calculated = {name: _fingerprint(array) for name, array in arrays.items()
+                            if array.dtype.kind not in "fc" or not np.isnan(array).any()}
+
+    def __copy__(self) -> "Calculator":
+        """A shallow copy (ASE's ``combine_mm`` makes them), but with a snapshot of its own: each
+        calculator overwrites its snapshot in place, which must not be the other's ``atoms``."""
+        clone = self.__class__.__new__(self.__class__)
+        clone.__dict__.update(self.__dict__)
+        clone.atoms = None if self.atoms is None else self.atoms.copy()
+        clone._snapshot = clone.atoms if self.atoms is self._snapshot else None
+        clone._calculated = dict(self._calculated) if clone._snapshot is not None else {}
+        return clone
 
     # ------------------------------------------------------------------------------ evaluation
     def _evaluate(self, numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
