@@ -78,8 +78,8 @@ def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
     return bool((np.abs(a - b) <= tol).all())
 
 
-def _fingerprint(array: np.ndarray) -> Tuple[str, Tuple[int, ...], bytes]:
-    return array.dtype.str, array.shape, array.tobytes()
+def _fingerprint(array: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], bytes]:
+    return array.dtype, array.shape, array.tobytes()
 
 
 def _same(old: np.ndarray, new: np.ndarray, tol: float, calculated: Optional[Tuple]) -> bool:
