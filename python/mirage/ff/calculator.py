@@ -334,7 +334,7 @@ class Calculator(_AseCalculator):
         old = self.atoms
         if old is None or self.ignored_changes or old.arrays.keys() != atoms.arrays.keys():
             return super().check_state(atoms, tol)
-        calculated = self._calculated if old is self._snapshot else {}
+        calculated = self._calculated if old is self._snapshot and tol >= 0 else {}  # tol < 0: nothing is close
         changes = [] if _same(old.cell.array, atoms.cell.array, tol, calculated.get("cell")) else ["cell"]
         if not _same(old.pbc, atoms.pbc, 0.0, calculated.get("pbc")):
             changes.append("pbc")
