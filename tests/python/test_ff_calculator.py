@@ -309,6 +309,30 @@ def test_changed_numbers_recompute():
     assert atoms.get_potential_energy() != energy and model.calls == 2
 
 
+def changed(atoms, change):
+    """A copy of atoms with one kind of change, for the check_state tests ("none", "nan_cell" and
+    unknown names: an unchanged copy)."""
+    other = atoms.copy()
+    if change == "below_tol":
+        other.positions[2, 0] += 1e-16
+    elif change == "position":
+        other.positions[2, 0] += 1e-9
+    elif change == "inf":
+        other.positions[1, 2] = np.inf  # equal infinities: no change, as np.allclose says
+        other.positions[0, 0] += 1.0
+    elif change == "number":
+        other.numbers[0] = 8
+    elif change == "cell":
+        other.cell[0, 1] += 1e-6
+    elif change == "pbc":
+        other.pbc = (True, False, True)
+    elif change == "charges":
+        other.set_initial_charges(np.full(len(other), 0.5))  # an array on one side only
+    elif change == "momenta":
+        other.set_momenta(np.ones((len(other), 3)))  # not a system change
+    return other
+
+
 @pytest.mark.parametrize("change", ["none", "below_tol", "position", "number", "cell", "pbc", "nan_cell"])
 def test_check_state_after_a_calculation_agrees_with_ase(change):
     # Against the calculator's own snapshot check_state compares bytes first (where the snapshot
@@ -321,17 +345,7 @@ def test_check_state_after_a_calculation_agrees_with_ase(change):
         atoms.cell[2, 2] = np.nan
     atoms.calc = calc = mirage.ff.Calculator(model)
     atoms.get_forces()
-    other = atoms.copy()
-    if change == "below_tol":
-        other.positions[2, 0] += 1e-16
-    elif change == "position":
-        other.positions[2, 0] += 1e-9
-    elif change == "number":
-        other.numbers[0] = 8
-    elif change == "cell":
-        other.cell[0, 1] += 1e-6
-    elif change == "pbc":
-        other.pbc = (True, False, False)
+    other = changed(atoms, change)
     expected = compare_atoms(calc.atoms, other, tol=1e-15)
     assert sorted(calc.check_state(other)) == sorted(expected)
     assert (change in ("none", "below_tol")) == (not expected)
@@ -525,24 +539,7 @@ def test_check_state_agrees_with_ase(change):
     calc.atoms = atoms.copy()
     if change == "inf":
         calc.atoms.positions[1, 2] = np.inf
-    other = calc.atoms.copy()
-    if change == "below_tol":
-        other.positions[2, 0] += 1e-16
-    elif change == "position":
-        other.positions[2, 0] += 1e-9
-    elif change == "inf":
-        other.positions[1, 2] = np.inf  # equal infinities: no change, as np.allclose says
-        other.positions[0, 0] += 1.0
-    elif change == "number":
-        other.numbers[0] = 8
-    elif change == "cell":
-        other.cell[0, 1] += 1e-6
-    elif change == "pbc":
-        other.pbc = (True, False, True)
-    elif change == "charges":
-        other.set_initial_charges(np.full(len(other), 0.5))  # an array on one side only
-    elif change == "momenta":
-        other.set_momenta(np.ones((len(other), 3)))  # not a system change
+    other = changed(calc.atoms, change)
     expected = compare_atoms(calc.atoms, other, tol=1e-15)
     assert sorted(calc.check_state(other)) == sorted(expected)
     assert (change in ("none", "below_tol", "momenta")) == (not expected)
