@@ -8,6 +8,9 @@
 // (read by every block through the pairs' senders) and after the senders' gradients grad_h_t
 // (added by every block). Intermediates live in a global workspace (L2-resident at these sizes);
 // data written by another block is read with __ldcg, past the non-coherent L1.
+// The filters depend on the distance alone, so their derivative in it is carried forward (a
+// tangent row beside each pair's row in the filter network's products) instead of back-propagated:
+// the backward then needs no product through the filter networks, only a dot product per pair.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
 #include <cfloat>
 
@@ -21,7 +24,10 @@ namespace mirage::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kRowTile = 4;     // rows a thread carries in registers in the matrix products
+constexpr int kRowTile = 4;          // rows a thread carries in registers in `product`
+constexpr int kTransposedRows = 2;   // ... and in `transposed_product`
+// Floats of the block's shared buffer for the products' partial sums: the larger need of the two.
+constexpr int kPartialFloats = kThreads * (kRowTile > 4 * kTransposedRows ? kRowTile : 4 * kTransposedRows);
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
 
 __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
@@ -31,14 +37,12 @@ __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 struct Layout {
   int64_t R4, H4, M4, F4, K4, Kr4;
   int64_t pair_list;    // int [kMaxCluster][P]: each block's pairs
-  int64_t geometry;     // [P][4]: distance, cutoff function, its derivative
-  int64_t basis;        // [P][R4]
-  int64_t grad_basis;   // [P][R4], summed over interactions
-  int64_t grad_cutoff;  // [P]
-  int64_t filter_pre;   // [T][P][H4]: the filters' hidden layer before the activation
-  int64_t filter_tmp;   // [P][H4]: after it (forward), its gradient (backward)
-  int64_t filter_out;   // [T][P][M4]: the filters before the cutoff
-  int64_t grad_filter;  // [P][M4]
+  int64_t geometry;       // [P][4]: distance, cutoff function, its derivative
+  int64_t grad_distance;  // [P]: d energy / d distance, summed over interactions
+  int64_t basis;          // [P][2][R4]: the radial basis, its derivative in the distance
+  int64_t filter_hidden;  // [P][2][H4]: the filter's hidden layer and its derivative
+  int64_t filter_out;     // [T][P][M4]: the filters before the cutoff
+  int64_t filter_slope;   // [T][P][M4]: their derivative in the distance
   int64_t x;            // [N][F4]: atom features
   int64_t h;            // [T][N][M4]: in2f(x), read by every block
   int64_t grad_h;       // [T][N][M4]: added to by every block
@@ -68,13 +72,11 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   };
   l.pair_list = take(kMaxCluster * P);
   l.geometry = take(4 * P);
-  l.basis = take(P * l.R4);
-  l.grad_basis = take(P * l.R4);
-  l.grad_cutoff = take(P);
-  l.filter_pre = take(T * P * l.H4);
-  l.filter_tmp = take(P * l.H4);
+  l.grad_distance = take(P);
+  l.basis = take(2 * P * l.R4);
+  l.filter_hidden = take(2 * P * l.H4);
   l.filter_out = take(T * P * l.M4);
-  l.grad_filter = take(P * l.M4);
+  l.filter_slope = take(T * P * l.M4);
   l.x = take(N * l.F4);
   l.h = take(T * N * l.M4);
   l.grad_h = take(T * N * l.M4);
@@ -98,30 +100,14 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// A weight matrix seen as W(o, k) = w[o * out_stride + k * in_stride]: (out_stride, in_stride) =
-// (in, 1) multiplies by an nn.Linear weight's transpose (forward), (1, out) by the weight itself
-// (backward).
-struct Weight {
-  const float* w;
-  int64_t out_stride, in_stride;
-};
-
-// Four consecutive weights w[o][k .. k + 3] of a contiguous [outs][ins] matrix, zero past its
-// ends. `vector`: ins % 4 == 0 and w 16-byte aligned, so rows are too and a float4 holds no
-// element from beyond a row.
-__device__ __forceinline__ float4 weights4(const float* w, bool vector, int o, int k, int outs, int ins) {
-  if (o >= outs || k >= ins) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float* at = w + static_cast<int64_t>(o) * ins + k;
-  if (vector) return *reinterpret_cast<const float4*>(at);
-  return make_float4(at[0], k + 1 < ins ? at[1] : 0.0f, k + 2 < ins ? at[2] : 0.0f, k + 3 < ins ? at[3] : 0.0f);
-}
-
-// x[k .. k + 3] of a 16-byte aligned row of `ins` values, zero from `ins` on; the row's padding
-// (never written) is not read.
-__device__ __forceinline__ float4 row4(const float* x, int k, int ins) {
-  if (k + 4 <= ins) return *reinterpret_cast<const float4*>(x + k);
-  if (k >= ins) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  return make_float4(x[k], k + 1 < ins ? x[k + 1] : 0.0f, k + 2 < ins ? x[k + 2] : 0.0f, 0.0f);
+// p[k .. k + 3], zero from n on. kVector: p + k is 16-byte aligned and n % 4 == 0, so one float4
+// load, predicated (branch-free: the kernel is large enough that its code is fetched from L2 at
+// every call, and each branch path of an unrolled loop adds to it).
+template <bool kVector>
+__device__ __forceinline__ float4 load4(const float* p, int k, int n) {
+  if constexpr (kVector) return k < n ? *reinterpret_cast<const float4*>(p + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return make_float4(k < n ? p[k] : 0.0f, k + 1 < n ? p[k + 1] : 0.0f, k + 2 < n ? p[k + 2] : 0.0f,
+                     k + 3 < n ? p[k + 3] : 0.0f);
 }
 
 __device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
@@ -130,27 +116,31 @@ __device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
 
 // kRows rows from `first` (clamped to the last row; what they add past it is dropped) times the
 // outputs o, o + 1 of this lane's group. See linear_product.
-template <int kRows, class RowOf, class Store>
+template <int kRows, bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
-                                            int ins, const float* w, bool vector, int o, int outs, Store store) {
+                                            int ins, const float* w, int o, int outs, Store store) {
   const int lane = threadIdx.x % 32, li = lane % 8;
   float acc[kRows][2] = {};
   const float* x[kRows];
 #pragma unroll
   for (int t = 0; t < kRows; ++t) x[t] = in + row_of(min(first + t, rows - 1)) * in_stride;
+  // Rows o and o + 1 of w, empty past its last.
+  const float* w_o = w + static_cast<int64_t>(o) * ins;
+  const int n0 = o < outs ? ins : 0, n1 = o + 1 < outs ? ins : 0;
+#pragma unroll 1  // one pass at 128 inputs; unrolled it only multiplies the code (see load4)
   for (int k0 = 0; k0 < ins; k0 += 128) {
     float4 w0[4], w1[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int k = k0 + 4 * (li + 8 * c);
-      w0[c] = weights4(w, vector, o, k, outs, ins);
-      w1[c] = weights4(w, vector, o + 1, k, outs, ins);
+      w0[c] = load4<kVector>(w_o, k, n0);
+      w1[c] = load4<kVector>(w_o + ins, k, n1);
     }
 #pragma unroll
     for (int t = 0; t < kRows; ++t) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const float4 a = row4(x[t], k0 + 4 * (li + 8 * c), ins);
+        const float4 a = load4<kVector>(x[t], k0 + 4 * (li + 8 * c), ins);
         acc[t][0] = dot4(acc[t][0], a, w0[c]);
         acc[t][1] = dot4(acc[t][1], a, w1[c]);
       }
@@ -178,41 +168,47 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // an atom): a 128 x 128 product of one row ~3-5k cycles instead of ~10-13k, of 11 pair rows ~12k
 // instead of ~21k; the whole kernel 219 -> 175 us. Every thread of the block calls it; it ends
 // with a barrier. Not inlined: its registers on top of the kernel's would spill.
-template <class RowOf, class Store>
-__device__ __noinline__ void linear_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+//
+// The code size matters as much as the arithmetic: the kernel's code (460 KB on sm_90a) does not
+// fit the instruction caches, so each phase waits for its instructions from L2 (ncu: "no
+// instruction" stalls). Keeping the loads branch-free (load4) and the k loop rolled cut the
+// benzene kernel from 136 to 114 us (H200, 2026-11-24).
+template <bool kVector, class RowOf, class Store>
+__device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                             const float* w, int outs, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const bool vector = ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   for (int o0 = warp * 8; o0 < outs; o0 += warps * 8) {
     const int o = o0 + 2 * (lane / 8);
     int first = 0;
-    for (; first + 4 <= rows; first += 4)
-      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, vector, o, outs, store);
-    if (rows - first >= 2)
-      linear_tile<4>(first, rows, row_of, in, in_stride, ins, w, vector, o, outs, store);
-    else if (first < rows)
-      linear_tile<1>(first, rows, row_of, in, in_stride, ins, w, vector, o, outs, store);
+    for (; first + 1 < rows; first += 4)  // 4 rows at a time while two or more are left
+      linear_tile<4, kVector>(first, rows, row_of, in, in_stride, ins, w, o, outs, store);
+    if (first < rows) linear_tile<1, kVector>(first, rows, row_of, in, in_stride, ins, w, o, outs, store);
   }
+}
+
+template <class RowOf, class Store>
+__device__ __noinline__ void linear_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                            const float* w, int outs, Store store) {
+  if (ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0)
+    linear_rows<true>(rows, row_of, in, in_stride, ins, w, outs, store);
+  else
+    linear_rows<false>(rows, row_of, in, in_stride, ins, w, outs, store);
   __syncthreads();
 }
 
-// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * W(o, k)), the input rows being
-// `in_stride` floats apart and 16-byte aligned. Thread items are (o, tile of kRowTile rows), o
-// fastest: a warp reads one input row element (a broadcast) and 32 weights per step, consecutive
-// in the backward's use (W(o, k) = w[k][o]), so the backward's products and the filters' first
-// Linear (see linear_product) take it. With fewer items than threads (an atom or two per block)
-// the sum over k is split among threads too, the parts added in `partial` (shared, kThreads *
-// kRowTile floats). Every thread of the block calls it.
+// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * w[o][k]), w [outs][ins], the
+// input rows `in_stride` floats apart and 16-byte aligned: nn.Linear for few inputs (the filters'
+// first, on the radial basis, where most of linear_product's lanes would idle). Thread items are
+// (o, tile of kRowTile rows), o fastest. With fewer items than threads the sum over k is split
+// among threads too, the parts added in `partial`. Every thread of the block calls it.
 template <class RowOf, class Store>
 __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                        Weight W, int outs, Store store, float* partial) {
+                                        const float* w, int outs, Store store, float* partial) {
   const int tiles = (rows + kRowTile - 1) / kRowTile, items = outs * tiles;
   int splits = 1;
   while (2 * splits * items <= static_cast<int>(blockDim.x) && ins >= 32 * splits) splits *= 2;
   const int chunk = static_cast<int>(pad4((ins + splits - 1) / splits));
-  const bool vector_in = ins % 4 == 0;
-  const bool vector_w = vector_in && W.in_stride == 1 && W.out_stride % 4 == 0 &&
-                        reinterpret_cast<uintptr_t>(W.w) % 16 == 0;
+  const bool vector = ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   for (int work = threadIdx.x; work < items * splits; work += blockDim.x) {
     const int item = work % items, split = work / items;
     const int o = item % outs, tile = item / outs;
@@ -220,34 +216,19 @@ __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in,
     const float* row[kRowTile];
 #pragma unroll
     for (int t = 0; t < kRowTile; ++t) row[t] = in + row_of(min(tile * kRowTile + t, rows - 1)) * in_stride;
-    const float* w = W.w + o * W.out_stride;
+    const float* wo = w + static_cast<int64_t>(o) * ins;
     float acc[kRowTile] = {};
-    if (vector_w) {
+    if (vector) {
 #pragma unroll 2
       for (int k = k0; k < k1; k += 4) {
-        const float4 wv = *reinterpret_cast<const float4*>(w + k);
+        const float4 wv = *reinterpret_cast<const float4*>(wo + k);
 #pragma unroll
-        for (int t = 0; t < kRowTile; ++t) {
-          const float4 a = *reinterpret_cast<const float4*>(row[t] + k);
-          acc[t] += a.x * wv.x + a.y * wv.y + a.z * wv.z + a.w * wv.w;
-        }
-      }
-    } else if (vector_in) {
-#pragma unroll 2
-      for (int k = k0; k < k1; k += 4) {
-        const float w0 = w[k * W.in_stride], w1 = w[(k + 1) * W.in_stride];
-        const float w2 = w[(k + 2) * W.in_stride], w3 = w[(k + 3) * W.in_stride];
-#pragma unroll
-        for (int t = 0; t < kRowTile; ++t) {
-          const float4 a = *reinterpret_cast<const float4*>(row[t] + k);
-          acc[t] += a.x * w0 + a.y * w1 + a.z * w2 + a.w * w3;
-        }
+        for (int t = 0; t < kRowTile; ++t) acc[t] = dot4(acc[t], *reinterpret_cast<const float4*>(row[t] + k), wv);
       }
     } else {
       for (int k = k0; k < k1; ++k) {
-        const float wk = w[k * W.in_stride];
 #pragma unroll
-        for (int t = 0; t < kRowTile; ++t) acc[t] += row[t][k] * wk;
+        for (int t = 0; t < kRowTile; ++t) acc[t] += row[t][k] * wo[k];
       }
     }
 #pragma unroll
@@ -270,10 +251,81 @@ __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in,
   __syncthreads();  // partial is free again
 }
 
+// kRows rows from `first` (clamped to the last row) times w [ins][outs], outputs 4 q0 on. See
+// transposed_product.
+template <int kRows, bool kVector, class RowOf, class Store>
+__device__ __forceinline__ void transposed_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
+                                                int ins, const float* w, int q0, int lanes, int outs, Store store,
+                                                float4* partial) {
+  const int lane_q = threadIdx.x % lanes, split = threadIdx.x / lanes, splits = blockDim.x / lanes;
+  const int chunk = (ins + splits - 1) / splits, k0 = split * chunk, k1 = min(ins, k0 + chunk);
+  const int o = 4 * (q0 + lane_q);  // this thread's outputs o .. o + 3
+  const float* x[kRows];
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) x[t] = in + row_of(min(first + t, rows - 1)) * in_stride;
+  float4 acc[kRows] = {};
+#pragma unroll 4
+  for (int k = k0; k < k1; ++k) {
+    const float4 wk = load4<kVector>(w + static_cast<int64_t>(k) * outs, o, outs);  // w[k][o .. o + 3]
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) {
+      const float a = x[t][k];
+      acc[t] = make_float4(fmaf(a, wk.x, acc[t].x), fmaf(a, wk.y, acc[t].y), fmaf(a, wk.z, acc[t].z),
+                           fmaf(a, wk.w, acc[t].w));
+    }
+  }
+  if (split < splits) {  // threads past the last whole slice (lanes not dividing the block) hold nothing
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) partial[(split * kRows + t) * lanes + lane_q] = acc[t];
+  }
+  __syncthreads();
+  const int width = min(4 * lanes, outs - 4 * q0);  // outputs of this pass
+  for (int item = threadIdx.x; item < kRows * width; item += blockDim.x) {
+    const int t = item / width, c = item % width;
+    if (first + t >= rows) continue;
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum += reinterpret_cast<const float*>(partial + (s * kRows + t) * lanes)[c];
+    store(first + t, 4 * q0 + c, sum);
+  }
+  __syncthreads();  // partial is free again
+}
+
+// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * w[k][o]), w [ins][outs]: the
+// backward of an nn.Linear with `outs` inputs, for the few rows of a block's atoms. A thread takes
+// four consecutive outputs (a float4 of each weight row: a warp reads 512 consecutive bytes) and
+// a slice of k, for kTransposedRows rows at a time; the slices' sums meet in `partial`. Every
+// load of a thread is independent of the others, so the product waits for memory about once: a
+// 128 x 128 product of one row took 5.5-7k cycles on an H200 (benzene, 2026-11-24) where
+// `product` (a thread an output, k in sequence) took 9-10k. Every thread calls it; it ends with a
+// barrier.
+template <bool kVector, class RowOf, class Store>
+__device__ __forceinline__ void transposed_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                                const float* w, int outs, Store store, float4* partial) {
+  const int quads = (outs + 3) / 4;
+  const int lanes = min((quads + 31) / 32 * 32, static_cast<int>(blockDim.x));
+  for (int q0 = 0; q0 < quads; q0 += lanes) {
+    int first = 0;
+    for (; first + kTransposedRows <= rows; first += kTransposedRows)
+      transposed_tile<kTransposedRows, kVector>(first, rows, row_of, in, in_stride, ins, w, q0, lanes, outs, store,
+                                                partial);
+    if (first < rows)
+      transposed_tile<1, kVector>(first, rows, row_of, in, in_stride, ins, w, q0, lanes, outs, store, partial);
+  }
+}
+
+template <class RowOf, class Store>
+__device__ __noinline__ void transposed_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                                const float* w, int outs, Store store, float4* partial) {
+  if (outs % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0)
+    transposed_rows<true>(rows, row_of, in, in_stride, ins, w, outs, store, partial);
+  else
+    transposed_rows<false>(rows, row_of, in, in_stride, ins, w, outs, store, partial);
+}
+
 __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_constant__ SchnetEnergyParams p) {
   __shared__ int own_pairs, invalid;
   __shared__ float scratch[32];
-  __shared__ float partial[kThreads * kRowTile];
+  __shared__ float4 partial[kPartialFloats / 4];
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
   const int64_t N = p.num_atoms, P = p.num_pairs;
   const int R = p.num_rbf, H = p.filter_hidden, M = p.message_width, F = p.features;
@@ -282,11 +334,11 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const int64_t R4 = L.R4, H4 = L.H4, M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
   float* ws = static_cast<float*>(p.workspace);
   int* pair_list = reinterpret_cast<int*>(ws + L.pair_list) + block * P;
-  float *geometry = ws + L.geometry, *basis = ws + L.basis, *grad_basis = ws + L.grad_basis;
-  float *grad_cutoff = ws + L.grad_cutoff, *filter_tmp = ws + L.filter_tmp, *grad_filter = ws + L.grad_filter;
+  float *geometry = ws + L.geometry, *grad_distance = ws + L.grad_distance, *basis = ws + L.basis;
+  float* filter_hidden = ws + L.filter_hidden;
   float *x = ws + L.x, *m = ws + L.m, *u = ws + L.u, *readout = ws + L.readout, *grad_x = ws + L.grad_x;
-  const auto filter_pre = [&](int t) { return ws + L.filter_pre + t * P * H4; };
   const auto filter_out = [&](int t) { return ws + L.filter_out + t * P * M4; };
+  const auto filter_slope = [&](int t) { return ws + L.filter_slope + t * P * M4; };
   const auto h = [&](int t) { return ws + L.h + t * N * M4; };
   const auto grad_h = [&](int t) { return ws + L.grad_h + t * N * M4; };
   const auto q = [&](int t) { return ws + L.q + t * N * K4; };
@@ -325,7 +377,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(e))
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
   const int np = own_pairs;
-  const auto pair_row = [&](int r) -> int64_t { return pair_list[r]; };
+  // The filter network's rows come in twos: row 2 r is pair_list[r]'s value, row 2 r + 1 its
+  // derivative in the distance (the arrays [P][2][...]).
+  const auto value_and_slope_row = [&](int r) -> int64_t { return 2 * static_cast<int64_t>(pair_list[r / 2]) + r % 2; };
   const auto atom_row = [&](int r) -> int64_t { return a0 + r; };
 
   for (int e = tid; e < T * na * M; e += threads) {
@@ -340,32 +394,41 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     geometry[4 * e] = d;
     geometry[4 * e + 1] = envelope(CutoffFn::kCosine, d, p.cutoff);
     geometry[4 * e + 2] = envelope_derivative(CutoffFn::kCosine, d, p.cutoff);
-    grad_cutoff[e] = 0.0f;
+    grad_distance[e] = 0.0f;
   }
   __syncthreads();
   const float spacing = gaussian_spacing(R, p.cutoff);
   for (int e = tid; e < np * R; e += threads) {
     const int64_t pair = pair_list[e / R];
     const int k = e % R;
-    basis[pair * R4 + k] = gaussian(geometry[4 * pair], k, spacing);
-    grad_basis[pair * R4 + k] = 0.0f;
+    const float d = geometry[4 * pair], value = gaussian(d, k, spacing);
+    basis[2 * pair * R4 + k] = value;
+    basis[(2 * pair + 1) * R4 + k] = gaussian_derivative(value, d, k, spacing);
   }
   __syncthreads();
 
-  // Filters of every interaction: they depend on the distances only.
+  // Filters of every interaction and their derivatives in the distance (forward mode: the
+  // derivative rows go through the same products, without the biases, times the activation's
+  // slope between them).
   for (int t = 0; t < T; ++t) {
     const SchnetInteraction& layer = p.interactions[t];
-    float* pre = filter_pre(t);
-    product(np, pair_row, basis, R4, R, Weight{layer.filter1_w, R, 1}, H, [&](int r, int o, float v) {
-      const int64_t at = pair_list[r] * H4 + o;
-      v += bias_at(layer.filter1_b, o);
-      pre[at] = v;
-      filter_tmp[at] = activate(v, p.filter_activation);
-    }, partial);
+    product(2 * np, value_and_slope_row, basis, R4, R, layer.filter1_w, H,
+            [&](int r, int o, float v) { filter_hidden[value_and_slope_row(r) * H4 + o] = v; },
+            reinterpret_cast<float*>(partial));
     __syncthreads();
-    float* out = filter_out(t);
-    linear_product(np, pair_row, filter_tmp, H4, H, layer.filter2_w, M,
-                   [&](int r, int o, float v) { out[pair_list[r] * M4 + o] = v + bias_at(layer.filter2_b, o); });
+    for (int e = tid; e < np * H; e += threads) {
+      const int64_t at = 2 * pair_list[e / H] * H4 + e % H;
+      const float pre = filter_hidden[at] + bias_at(layer.filter1_b, e % H);
+      filter_hidden[at] = activate(pre, p.filter_activation);
+      filter_hidden[at + H4] *= activation_grad(pre, p.filter_activation);
+    }
+    __syncthreads();
+    float *out = filter_out(t), *slope = filter_slope(t);
+    linear_product(2 * np, value_and_slope_row, filter_hidden, H4, H, layer.filter2_w, M, [&](int r, int o, float v) {
+      const int64_t at = pair_list[r / 2] * M4 + o;
+      if (r % 2 == 0) out[at] = v + bias_at(layer.filter2_b, o);
+      else slope[at] = v;
+    });
   }
 
   // Forward over the atoms.
@@ -422,49 +485,35 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   if (tid == 0) ws[L.parts + block] = energy + na * bias_at(p.readout2_b, 0);
 
   // Backward. grad_x = d energy / d x, interaction by interaction from the last.
-  product(na, atom_row, readout, Kr4, Kr, Weight{p.readout1_w, 1, F}, F,
-          [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] = v; }, partial);
-  __syncthreads();
+  transposed_product(na, atom_row, readout, Kr4, Kr, p.readout1_w, F,
+                     [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] = v; }, partial);
   for (int t = T - 1; t >= 0; --t) {
     const SchnetInteraction& layer = p.interactions[t];
     const float* qt = q(t);
-    product(na, atom_row, grad_x, F4, F, Weight{layer.f2out2_w, 1, K}, K, [&](int r, int o, float v) {
+    transposed_product(na, atom_row, grad_x, F4, F, layer.f2out2_w, K, [&](int r, int o, float v) {
       const int64_t at = (a0 + r) * K4 + o;
       u[at] = v * activation_grad(qt[at], layer.update_activation);
     }, partial);
-    __syncthreads();
-    product(na, atom_row, u, K4, K, Weight{layer.f2out1_w, 1, M}, M,
-            [&](int r, int o, float v) { m[(a0 + r) * M4 + o] = v; }, partial);
-    __syncthreads();
-    // Per pair (i <- j): grad_h[j] += grad_m[i] * w; grad_filter = grad_m[i] * h[j] * fcut;
-    // grad_cutoff += sum over features of grad_m[i] * h[j] * filter. One warp a pair.
+    transposed_product(na, atom_row, u, K4, K, layer.f2out1_w, M,
+                       [&](int r, int o, float v) { m[(a0 + r) * M4 + o] = v; }, partial);
+    // Per pair (i <- j), w = filter * fcut: grad_h[j] += grad_m[i] * w, and d energy / d distance
+    // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair.
     const float* ht = h(t);
     float* ght = grad_h(t);
-    const float* filters = filter_out(t);
+    const float *filters = filter_out(t), *slopes = filter_slope(t);
     const int lane = tid % 32;
     for (int r = tid / 32; r < np; r += threads / 32) {
       const int64_t pair = pair_list[r], i = p.pairs[pair], j = senders[pair];
-      const float fcut = geometry[4 * pair + 1];
-      float cutoff_sum = 0.0f;
+      const float fcut = geometry[4 * pair + 1], fcut_slope = geometry[4 * pair + 2];
+      float distance_sum = 0.0f;
       for (int o = lane; o < M; o += 32) {
         const float gm = m[i * M4 + o], f = filters[pair * M4 + o];
         atomicAdd(&ght[j * M4 + o], gm * f * fcut);
-        const float gw = gm * __ldcg(&ht[j * M4 + o]);
-        cutoff_sum += gw * f;
-        grad_filter[pair * M4 + o] = gw * fcut;
+        distance_sum += gm * __ldcg(&ht[j * M4 + o]) * (f * fcut_slope + slopes[pair * M4 + o] * fcut);
       }
-      cutoff_sum = warp_sum(cutoff_sum);
-      if (lane == 0) grad_cutoff[pair] += cutoff_sum;
+      distance_sum = warp_sum(distance_sum);
+      if (lane == 0) grad_distance[pair] += distance_sum;
     }
-    __syncthreads();
-    const float* pre = filter_pre(t);
-    product(np, pair_row, grad_filter, M4, M, Weight{layer.filter2_w, 1, H}, H, [&](int r, int o, float v) {
-      const int64_t at = pair_list[r] * H4 + o;
-      filter_tmp[at] = v * activation_grad(pre[at], p.filter_activation);
-    }, partial);
-    __syncthreads();
-    product(np, pair_row, filter_tmp, H4, H, Weight{layer.filter1_w, 1, R}, R,
-            [&](int r, int o, float v) { grad_basis[pair_list[r] * R4 + o] += v; }, partial);
     cluster_sync();  // grad_h(t) complete; every block's energy share written
     if (t == T - 1 && block == 0 && tid == 0) {
       float total = 0.0f;
@@ -476,19 +525,15 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       m[at] = __ldcg(&ght[at]);
     }
     __syncthreads();
-    product(na, atom_row, m, M4, M, Weight{layer.in2f_w, 1, F}, F,
-            [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] += v; }, partial);
-    __syncthreads();
+    transposed_product(na, atom_row, m, M4, M, layer.in2f_w, F,
+                       [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] += v; }, partial);
   }
 
   // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
   for (int r = tid; r < np; r += threads) {
     const int64_t pair = pair_list[r];
     const float d = geometry[4 * pair];
-    float grad_d = grad_cutoff[pair] * geometry[4 * pair + 2];
-    for (int k = 0; k < R; ++k)
-      grad_d += grad_basis[pair * R4 + k] * gaussian_derivative(basis[pair * R4 + k], d, k, spacing);
-    const float scale = d > 0.0f ? grad_d / d : 0.0f;
+    const float scale = d > 0.0f ? grad_distance[pair] / d : 0.0f;
     for (int c = 0; c < 3; ++c) p.grad_vectors[3 * pair + c] = scale * p.vectors[3 * pair + c];
   }
 }
