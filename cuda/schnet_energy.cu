@@ -412,16 +412,19 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   // slope between them).
   for (int t = 0; t < T; ++t) {
     const SchnetInteraction& layer = p.interactions[t];
-    product(2 * np, value_and_slope_row, basis, R4, R, layer.filter1_w, H,
-            [&](int r, int o, float v) { filter_hidden[value_and_slope_row(r) * H4 + o] = v; },
-            reinterpret_cast<float*>(partial));
-    __syncthreads();
-    for (int e = tid; e < np * H; e += threads) {
-      const int64_t at = 2 * pair_list[e / H] * H4 + e % H;
-      const float pre = filter_hidden[at] + bias_at(layer.filter1_b, e % H);
-      filter_hidden[at] = activate(pre, p.filter_activation);
-      filter_hidden[at + H4] *= activation_grad(pre, p.filter_activation);
-    }
+    // A pair's two rows lie in one of product's row tiles, stored in order by one thread: the
+    // value's store leaves the activation's slope where the derivative's store multiplies by it.
+    static_assert(kRowTile % 2 == 0, "a pair's value and derivative rows must share a row tile");
+    product(2 * np, value_and_slope_row, basis, R4, R, layer.filter1_w, H, [&](int r, int o, float v) {
+      const int64_t at = value_and_slope_row(r) * H4 + o;
+      if (r % 2 == 0) {
+        const float pre = v + bias_at(layer.filter1_b, o);
+        filter_hidden[at] = activate(pre, p.filter_activation);
+        filter_hidden[at + H4] = activation_grad(pre, p.filter_activation);
+      } else {
+        filter_hidden[at] *= v;
+      }
+    }, reinterpret_cast<float*>(partial));
     __syncthreads();
     float *out = filter_out(t), *slope = filter_slope(t);
     linear_product(2 * np, value_and_slope_row, filter_hidden, H4, H, layer.filter2_w, M, [&](int r, int o, float v) {
@@ -431,11 +434,16 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     });
   }
 
-  // Forward over the atoms.
+  // Forward over the atoms. m, where the messages are added up, is zeroed here and after each
+  // interaction's last read of it (the barriers before the next messages order the writes).
   for (int e = tid; e < na * F; e += threads) {
     const int64_t a = a0 + e / F;
     x[a * F4 + e % F] = p.embedding[p.atomic_numbers[a] * F + e % F];
   }
+  const auto zero_messages = [&] {
+    for (int e = tid; e < na * M; e += threads) m[(a0 + e / M) * M4 + e % M] = 0.0f;
+  };
+  zero_messages();
   __syncthreads();
   const auto features_to_h = [&](int t) {
     const SchnetInteraction& layer = p.interactions[t];
@@ -447,8 +455,6 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   cluster_sync();
   for (int t = 0; t < T; ++t) {
     const SchnetInteraction& layer = p.interactions[t];
-    for (int e = tid; e < na * M; e += threads) m[(a0 + e / M) * M4 + e % M] = 0.0f;
-    __syncthreads();
     const float* ht = h(t);
     const float* filters = filter_out(t);
     for (int e = tid; e < np * M; e += threads) {
@@ -465,6 +471,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       qt[at] = v;
       u[at] = activate(v, layer.update_activation);
     });
+    zero_messages();
     linear_product(na, atom_row, u, K4, K, layer.f2out2_w, F,
                    [&](int r, int o, float v) { x[(a0 + r) * F4 + o] += v + bias_at(layer.f2out2_b, o); });
     if (t + 1 < T) {
