@@ -29,6 +29,9 @@ constexpr int kTransposedRows = 2;   // ... and in `transposed_product`
 // Floats of the block's shared buffer for the products' partial sums: the larger need of the two.
 constexpr int kPartialFloats = kThreads * (kRowTile > 4 * kTransposedRows ? kRowTile : 4 * kTransposedRows);
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
+// Up to this many pairs a block keeps its pair list in shared memory: every product's row index
+// reads it, on the path of each row tile's loads (from the workspace, an L2 round trip).
+constexpr int kSharedPairs = 512;
 
 __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 
@@ -36,7 +39,7 @@ __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 // are 16-byte aligned. [T] = one per interaction.
 struct Layout {
   int64_t R4, H4, M4, F4, K4, Kr4;
-  int64_t pair_list;    // int [kMaxCluster][P]: each block's pairs
+  int64_t pair_list;    // int [kMaxCluster][P]: each block's pairs (beyond kSharedPairs pairs)
   int64_t geometry;       // [P][4]: distance, cutoff function, its derivative
   int64_t grad_distance;  // [P]: d energy / d distance, summed over interactions
   int64_t basis;          // [P][2][R4]: the radial basis, its derivative in the distance
@@ -324,6 +327,7 @@ __device__ __noinline__ void transposed_product(int rows, RowOf row_of, const fl
 
 __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_constant__ SchnetEnergyParams p) {
   __shared__ int own_pairs, invalid;
+  __shared__ int shared_pair_list[kSharedPairs];
   __shared__ float scratch[32];
   __shared__ float4 partial[kPartialFloats / 4];
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
@@ -333,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const Layout L = layout_of(p);
   const int64_t R4 = L.R4, H4 = L.H4, M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
   float* ws = static_cast<float*>(p.workspace);
-  int* pair_list = reinterpret_cast<int*>(ws + L.pair_list) + block * P;
+  int* pair_list = P <= kSharedPairs ? shared_pair_list : reinterpret_cast<int*>(ws + L.pair_list) + block * P;
   float *geometry = ws + L.geometry, *grad_distance = ws + L.grad_distance, *basis = ws + L.basis;
   float* filter_hidden = ws + L.filter_hidden;
   float *x = ws + L.x, *m = ws + L.m, *u = ws + L.u, *readout = ws + L.readout, *grad_x = ws + L.grad_x;
