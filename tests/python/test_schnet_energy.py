@@ -26,6 +26,9 @@ CONFIGS = {
     # Widths past 128 (a second pass over inputs and outputs in the CUDA products) and a few rows
     # a block (the row tiles' remainders).
     "wide": (30, 300, 133, 5, 260, 131, 129, 130, ["shifted_softplus", "silu", "tanh"], True),
+    # Two atoms receiving ~165 pairs within the cutoff each: a block's products run through many
+    # row tiles (the filters' 330 rows).
+    "crowded": (2, 480, 16, 6, 128, 16, 16, 8, ["shifted_softplus", "silu", "shifted_softplus"], True),
 }
 CUTOFF = 4.0
 
