@@ -29,8 +29,9 @@ constexpr int kTransposedRows = 2;   // ... and in `transposed_product`
 // Floats of the block's shared buffer for the products' partial sums: the larger need of the two.
 constexpr int kPartialFloats = kThreads * (kRowTile > 4 * kTransposedRows ? kRowTile : 4 * kTransposedRows);
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
-// Up to this many pairs a block keeps its pair list in shared memory: every product's row index
-// reads it, on the path of each row tile's loads (from the workspace, an L2 round trip).
+// Up to this many pairs in all (the neighbor list's capacity, padding included) each block keeps
+// its pair list in shared memory: every product's row index reads it, on the path of each row
+// tile's loads (from the workspace, an L2 round trip).
 constexpr int kSharedPairs = 512;
 
 __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
@@ -299,8 +300,8 @@ __device__ __forceinline__ void transposed_tile(int first, int rows, RowOf row_o
 // a slice of k, for kTransposedRows rows at a time; the slices' sums meet in `partial`. Every
 // load of a thread is independent of the others, so the product waits for memory about once: a
 // 128 x 128 product of one row took 5.5-7k cycles on an H200 (benzene, 2026-11-24) where
-// `product` (a thread an output, k in sequence) took 9-10k. Every thread calls it; it ends with a
-// barrier.
+// `product` (a thread an output, k in sequence) took 9-10k. Every thread calls it; with rows >= 1
+// (every block owns an atom) it ends with a barrier.
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void transposed_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                                 const float* w, int outs, Store store, float4* partial) {

@@ -29,6 +29,10 @@ CONFIGS = {
     # Two atoms receiving ~165 pairs within the cutoff each: a block's products run through many
     # row tiles (the filters' 330 rows).
     "crowded": (2, 480, 16, 6, 128, 16, 16, 8, ["shifted_softplus", "silu", "shifted_softplus"], True),
+    # A wide basis and ~2 pairs an atom: the filters' first product splits its sums over k (R >= 64
+    # and few rows); 300 features: the backward's products run 96 threads along the outputs, which
+    # do not divide the block (idle threads).
+    "split_sums": (20, 60, 300, 64, 16, 16, 16, 8, ["shifted_softplus", "silu", "shifted_softplus"], True),
 }
 CUTOFF = 4.0
 
@@ -186,7 +190,7 @@ def test_schnet_energy_cuda_unaligned_weights():
     args = list(make_inputs("benzene", "cuda", torch.float32))
     want_energy, want_grad = mirage.ops.schnet_energy(*args)
     weights = list(args[6])
-    for index in (4, 8):  # in2f.weight, f2out.2.weight of the first interaction (linear_product)
+    for index in (4, 8):  # in2f.weight, f2out.2.weight of the first interaction (forward and backward products)
         w = weights[index]
         shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
         assert shifted.data_ptr() % 16 != 0
