@@ -255,10 +255,10 @@ __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in,
   __syncthreads();  // partial is free again
 }
 
-// kRows rows from `first` (clamped to the last row) times w [ins][outs], outputs 4 q0 on. See
-// transposed_product.
+// Rows first .. first + kRows - 1 (all of them rows: transposed_rows passes whole tiles) times
+// w [ins][outs], outputs 4 q0 on. See transposed_product.
 template <int kRows, bool kVector, class RowOf, class Store>
-__device__ __forceinline__ void transposed_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
+__device__ __forceinline__ void transposed_tile(int first, RowOf row_of, const float* in, int64_t in_stride,
                                                 int ins, const float* w, int q0, int lanes, int outs, Store store,
                                                 float4* partial) {
   const int lane_q = threadIdx.x % lanes, split = threadIdx.x / lanes, splits = blockDim.x / lanes;
@@ -266,7 +266,7 @@ __device__ __forceinline__ void transposed_tile(int first, int rows, RowOf row_o
   const int o = 4 * (q0 + lane_q);  // this thread's outputs o .. o + 3
   const float* x[kRows];
 #pragma unroll
-  for (int t = 0; t < kRows; ++t) x[t] = in + row_of(min(first + t, rows - 1)) * in_stride;
+  for (int t = 0; t < kRows; ++t) x[t] = in + row_of(first + t) * in_stride;
   float4 acc[kRows] = {};
 #pragma unroll 4
   for (int k = k0; k < k1; ++k) {
@@ -286,7 +286,6 @@ __device__ __forceinline__ void transposed_tile(int first, int rows, RowOf row_o
   const int width = min(4 * lanes, outs - 4 * q0);  // outputs of this pass
   for (int item = threadIdx.x; item < kRows * width; item += blockDim.x) {
     const int t = item / width, c = item % width;
-    if (first + t >= rows) continue;
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s) sum += reinterpret_cast<const float*>(partial + (s * kRows + t) * lanes)[c];
     store(first + t, 4 * q0 + c, sum);
@@ -310,10 +309,9 @@ __device__ __forceinline__ void transposed_rows(int rows, RowOf row_of, const fl
   for (int q0 = 0; q0 < quads; q0 += lanes) {
     int first = 0;
     for (; first + kTransposedRows <= rows; first += kTransposedRows)
-      transposed_tile<kTransposedRows, kVector>(first, rows, row_of, in, in_stride, ins, w, q0, lanes, outs, store,
-                                                partial);
+      transposed_tile<kTransposedRows, kVector>(first, row_of, in, in_stride, ins, w, q0, lanes, outs, store, partial);
     if (first < rows)
-      transposed_tile<1, kVector>(first, rows, row_of, in, in_stride, ins, w, q0, lanes, outs, store, partial);
+      transposed_tile<1, kVector>(first, row_of, in, in_stride, ins, w, q0, lanes, outs, store, partial);
   }
 }
 
