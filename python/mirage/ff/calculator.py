@@ -387,18 +387,17 @@ class Calculator(_AseCalculator):
         same = (old is not None and len(old) == len(atoms) and old.arrays.keys() == atoms.arrays.keys()
                 and all(old.arrays[name].dtype == array.dtype and old.arrays[name].shape == array.shape
                         for name, array in atoms.arrays.items()))
-        if not same:
-            self._snapshot = self.atoms = atoms.copy()
-            self._note_calculated()
-            return
-        for name, array in atoms.arrays.items():
-            np.copyto(old.arrays[name], array)
-        np.copyto(old.cell.array, atoms.cell.array)
-        np.copyto(old.pbc, atoms.pbc)
-        old.set_celldisp(atoms.get_celldisp())
-        old.info = dict(atoms.info)
-        old.constraints = copy.deepcopy(atoms.constraints) if atoms.constraints else []
-        self.atoms = old
+        if same:
+            for name, array in atoms.arrays.items():
+                np.copyto(old.arrays[name], array)
+            np.copyto(old.cell.array, atoms.cell.array)
+            np.copyto(old.pbc, atoms.pbc)
+            old.set_celldisp(atoms.get_celldisp())
+            old.info = dict(atoms.info)
+            old.constraints = copy.deepcopy(atoms.constraints) if atoms.constraints else []
+        else:
+            self._snapshot = atoms.copy()
+        self.atoms = self._snapshot
         self._note_calculated()
 
     def _note_calculated(self) -> None:
