@@ -227,14 +227,33 @@ __device__ __forceinline__ float activation_grad(float v, Activation activation)
   }
 }
 
+// Sum over each aligned group of kLanes lanes (a power of two, at most 32) of a warp whose lanes
+// all take part; every lane gets its group's sum.
+template <int kLanes = 32>
 __device__ __forceinline__ float warp_sum(float v) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "kLanes: a power of two <= 32");
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 
 // Two sums at once, in the same order as two warp_sum calls.
 __device__ __forceinline__ float2 warp_sum(float2 v) { return make_float2(warp_sum(v.x), warp_sum(v.y)); }
+
+// Sum of (v - mean)^2 over the rows k of vals for which counted(k) holds: the second pass of
+// exact two-pass statistics over values a thread keeps in registers.
+template <int K, int V, typename Counted>
+__device__ __forceinline__ float squared_deviations(const float (&vals)[K][V], float mean, Counted counted) {
+  float m2 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float d = vals[k][i] - mean;
+      m2 += counted(k) ? d * d : 0.0f;
+    }
+  return m2;
+}
 
 // Sum over all threads of a 1-D block whose size is a multiple of 32, of a float or a float2.
 // scratch: >= 32 of them. Every thread gets the result; scratch may be reused right after.

@@ -1,5 +1,11 @@
 // LayerNorm: a team of threads (a few lanes of a warp, or more for long rows) owns one row, keeps
 // it in registers, and computes exact two-pass statistics before writing; x is read once.
+//
+// Two kernels. layer_norm_team_kernel takes the transformer case (16-byte vectors, weight and
+// bias given, rows of 9 to 160 vectors: 72 to 1280 fp16 values) with its team size, vectors a
+// lane and residual fixed at compile time. layer_norm_kernel takes everything else with those
+// read at run time. Measured on an H200 (docs/perf/norms.md, fp16): the compile-time form was
+// 1.1-1.4x faster at the SD-1.5 U-Net's rows of 320, 640 and 1280 (8192x320: 5.6 -> 4.1 us).
 #include <type_traits>
 
 #include "kernel_utils.cuh"
@@ -102,16 +108,8 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
     load_affine<P, V, kAffine>(p, v < a.row_vecs ? v : 0, w[k], b[k]);
   }
   const float mean = team_sum(sum, scratch) / p.dim;
-  float m2 = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float d = vals[k][i] - mean;
-      m2 += v < row_vecs ? d * d : 0.0f;
-    }
-  }
+  const float m2 = squared_deviations(
+      vals, mean, [&](int k) { return threadIdx.x + static_cast<int64_t>(k) * blockDim.x < row_vecs; });
   const float rstd = rsqrtf(team_sum(m2, scratch) / p.dim + p.eps);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
@@ -122,6 +120,104 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
         vals[k][i] = (vals[k][i] - mean) * rstd * to_float(w[k].v[i]) + to_float(b[k].v[i]);
       store_packed<T, V>(static_cast<T*>(p.y) + offset + v * V, vals[k]);
     }
+  }
+}
+
+constexpr int kTeamThreads = 128;
+constexpr int kTeamMinK = 3, kTeamMaxK = 5;  // vectors a lane
+constexpr int kTeamMinLanes = 4, kTeamMaxLanes = 32;
+
+// The team kernel's team: the fewest lanes (a power of two, 4 to 32) that hold the row in at most
+// kTeamMaxK vectors a lane. Then K = ceil(row_vecs / team) is 3 to 5 (fewer lanes would need more),
+// and for rows of 5 x 8, 5 x 16 and 5 x 32 vectors (320, 640 and 1280 fp16 values) no slot is
+// idle. On an H200 (fp16) 8 lanes x 5 beat 16 x 3 by 2-7% at 8192x320 and 16 x 5 tied 32 x 3 at
+// 2048x640; 128 and 256 threads a block were within 2% of each other.
+int team_lanes(int64_t row_vecs) {
+  if (row_vecs < kTeamMinLanes * (kTeamMinK - 1) + 1 || row_vecs > kTeamMaxLanes * kTeamMaxK) return 0;
+  int lanes = kTeamMinLanes;
+  while (lanes * kTeamMaxK < row_vecs) lanes *= 2;
+  return lanes;
+}
+
+// kTeam lanes of one warp own a row, K vectors a lane: vectors lane + k * kTeam, of which only the
+// last (k = K - 1) may fall past the row's end. Four blocks an SM cap it at 128 registers (the
+// plain K = 5 form takes 118); capped at 102 (five blocks) it was 13% slower at 8192x320.
+template <typename T, typename P, int kTeam, int K, bool kResidual>
+__global__ void __launch_bounds__(kTeamThreads, 4) layer_norm_team_kernel(Args a) {
+  constexpr int V = kPackWidth<T>;
+  using Vec = Packed<T, V>;
+  using ParamVec = Packed<P, V>;
+  const LayerNormParams& p = a.p;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kTeamThreads / kTeam) + threadIdx.x / kTeam;
+  const int lane = threadIdx.x % kTeam;
+  const int row_vecs = static_cast<int>(a.row_vecs);
+  // A team past the last row reads row 0 and stores nothing; its lanes still join the shuffles.
+  const bool live = row < p.rows;
+  const int64_t offset = (live ? row : 0) * p.dim;
+  auto in_row = [&](int k) { return k < K - 1 || lane + k * kTeam < row_vecs; };
+  // Loads are unconditional (a slot past the row reads the lane's first vector again): see
+  // layer_norm_kernel for what conditional loads cost.
+  auto slot = [&](int k) { return in_row(k) ? lane + k * kTeam : lane; };
+
+  const Vec* x = reinterpret_cast<const Vec*>(static_cast<const T*>(p.x) + offset);
+  const Vec* r = kResidual ? reinterpret_cast<const Vec*>(static_cast<const T*>(p.residual) + offset) : nullptr;
+  Vec xs[K], rs[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    xs[k] = x[slot(k)];
+    if constexpr (kResidual) rs[k] = r[slot(k)];
+  }
+  float vals[K][V];
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      vals[k][i] = to_float(xs[k].v[i]);
+      // The sum is normalized as stored (rounded to T), as x + residual would be in PyTorch.
+      if constexpr (kResidual) vals[k][i] = to_float(from_float<T>(vals[k][i] + to_float(rs[k].v[i])));
+      sum += in_row(k) ? vals[k][i] : 0.0f;
+    }
+    if constexpr (kResidual)
+      if (live && in_row(k)) store_packed<T, V>(static_cast<T*>(p.sum) + offset + slot(k) * V, vals[k]);
+  }
+  // The parameters after x, their latency hidden behind the reductions.
+  ParamVec w[K], b[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    w[k] = reinterpret_cast<const ParamVec*>(p.weight)[slot(k)];
+    b[k] = reinterpret_cast<const ParamVec*>(p.bias)[slot(k)];
+  }
+  const float mean = warp_sum<kTeam>(sum) / p.dim;
+  const float rstd = rsqrtf(warp_sum<kTeam>(squared_deviations(vals, mean, in_row)) / p.dim + p.eps);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (!live || !in_row(k)) continue;
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      vals[k][i] = (vals[k][i] - mean) * rstd * to_float(w[k].v[i]) + to_float(b[k].v[i]);
+    store_packed<T, V>(static_cast<T*>(p.y) + offset + slot(k) * V, vals[k]);
+  }
+}
+
+template <typename T, typename P, int kTeam, bool kResidual>
+void launch_team_kernel(const Args& a, cudaStream_t stream) {
+  constexpr int kRows = kTeamThreads / kTeam;
+  const dim3 grid(static_cast<unsigned>((a.p.rows + kRows - 1) / kRows));
+  switch (ceil_div(a.row_vecs, kTeam)) {
+    case 3: layer_norm_team_kernel<T, P, kTeam, 3, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
+    case 4: layer_norm_team_kernel<T, P, kTeam, 4, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
+    case 5: layer_norm_team_kernel<T, P, kTeam, 5, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
+  }
+}
+
+template <typename T, typename P, bool kResidual>
+void launch_team(const Args& a, int lanes, cudaStream_t stream) {
+  switch (lanes) {
+    case 4: launch_team_kernel<T, P, 4, kResidual>(a, stream); break;
+    case 8: launch_team_kernel<T, P, 8, kResidual>(a, stream); break;
+    case 16: launch_team_kernel<T, P, 16, kResidual>(a, stream); break;
+    case 32: launch_team_kernel<T, P, 32, kResidual>(a, stream); break;
   }
 }
 
@@ -136,6 +232,17 @@ void launch_kernel(const Args& a, dim3 grid, dim3 block, cudaStream_t stream) {
 
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Args& a, cudaStream_t stream) {
+  if constexpr (V == kPackWidth<T>) {
+    const int lanes = a.p.weight != nullptr && a.p.bias != nullptr ? team_lanes(a.row_vecs) : 0;
+    if (lanes != 0) {
+      if (a.p.residual != nullptr) {
+        launch_team<T, P, true>(a, lanes, stream);
+      } else {
+        launch_team<T, P, false>(a, lanes, stream);
+      }
+      return cudaGetLastError();
+    }
+  }
   // The smallest team (a power of two, 1 to kMaxTeam lanes) that holds the row in at most 3
   // vectors a thread, one row a team, 256-thread blocks: what won in the sweep of
   // docs/perf/norms.md (fp16, H200) at 8192x320 (16 lanes x 3; 8 x 5 and 32 x 2 were slower),

@@ -46,14 +46,25 @@ def test_residual_matches_composite(device, dtype, shape):
     opcheck(torch.ops.mirage.add_layer_norm.default, (x, residual, weight, None, 1e-6))
 
 
+# The transformer rows (fp16/bf16: 320, 640, 1280 values take the team kernel with no idle slot;
+# 72 and 1000 leave part of each lane's last vector past the row; 96 and 768 fill it), rows past
+# what registers hold in one team, and an odd length (the scalar kernel).
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 4096, 320), (2, 1024, 640), (2, 256, 1280), (4, 16384), (3, 12289)])
-def test_cuda_transformer_shapes(dtype, shape):
+@pytest.mark.parametrize("shape", [(2, 4096, 320), (2, 1024, 640), (2, 256, 1280), (5, 72), (7, 96), (33, 768),
+                                   (37, 1000), (4, 16384), (3, 12289)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_cuda_transformer_shapes(dtype, shape, with_residual):
     x = randn(*shape, dtype=dtype, device="cuda")
     w = randn(shape[-1], dtype=dtype, device="cuda")
     b = randn(shape[-1], dtype=dtype, device="cuda")
-    assert_matches(mirage.ops.layer_norm(x, w, b), composite, (x, w, b, 1e-5), dtype, reduction=True)
+    if not with_residual:
+        assert_matches(mirage.ops.layer_norm(x, w, b), composite, (x, w, b, 1e-5), dtype, reduction=True)
+        return
+    r = randn(*shape, dtype=dtype, device="cuda")
+    out, total = mirage.ops.layer_norm(x, w, b, 1e-5, residual=r)
+    torch.testing.assert_close(total, x + r, atol=0, rtol=0)
+    assert_matches(out, add_composite, (x + r, w, b, 1e-5), dtype, reduction=True)
 
 
 @pytest.mark.cuda
