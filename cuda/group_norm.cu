@@ -121,69 +121,66 @@ __device__ __forceinline__ Moments batch_moments(const float (&vals)[kUnroll][V]
     for (int i = 0; i < V; ++i) sum += u < valid ? vals[u][i] : 0.0f;
   const float count = static_cast<float>(valid * V);
   const float mean = sum / count;
-  float m2 = 0.0f;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float d = vals[u][i] - mean;
-      m2 += u < valid ? d * d : 0.0f;
-    }
-  return {count, mean, m2};
+  return {count, mean, squared_deviations(vals, mean, [&](int u) { return u < valid; })};
 }
 
-template <typename T, typename P, int V, int K>
+// The layout and the activation are compile-time: read at run time inside the unrolled loops they
+// made the kernel 1.2-1.3x slower (H200, fp16, docs/perf/norms.md), as in bias_act and layer_norm.
+template <typename T, typename P, int V, int K, bool kChannelsLast, bool kSilu>
 __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a) {
   __shared__ float scratch[32];
   extern __shared__ float2 affine[];  // [cpg]: scale, shift of the group's channels
   const int64_t ng = blockIdx.x, n = ng / a.groups, g = ng % a.groups;
-  const T* x = static_cast<const T*>(a.x) + group_offset(a, n, g);
-  T* y = static_cast<T*>(a.y) + group_offset(a, n, g);
+  const int64_t offset = n * a.channels * a.spatial + g * a.cpg * (kChannelsLast ? 1 : a.spatial);
+  const T* x = static_cast<const T*>(a.x) + offset;
+  T* y = static_cast<T*>(a.y) + offset;
   const GroupView& gv = a.view;
+  const int group_vecs = static_cast<int>(gv.group_vecs), row_vecs = static_cast<int>(gv.row_vecs);
 
+  // Each vector's place in the group and the slot of its scale and shift: channels-last rows are
+  // pixels C apart (the slot is the channel), an NCHW group is contiguous (the slot is the row).
+  // Loads are unconditional, a slot past the group re-reading vector 0 (its values unused): under
+  // a condition each load waited for the previous one's sum, K round trips to memory instead of
+  // one (H200, 2x1280x16x16 channels-last, 4 vectors a thread: 6.3 -> 4.9 us).
+  int64_t at[K];
+  int slot[K];
   float vals[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int v = threadIdx.x + k * blockDim.x, u = v < group_vecs ? v : 0;
+    const int row = u / row_vecs, col = u - row * row_vecs;
+    at[k] = kChannelsLast ? row * gv.row_stride + col * V : static_cast<int64_t>(u) * V;
+    slot[k] = kChannelsLast ? col * V : row;
+    load_packed<T, V>(x + at[k], vals[k]);
+  }
+  // The first blockDim.x channels' weight and bias, fetched behind x: their latency hides behind
+  // the reductions instead of following them.
+  const float2 first_wb = threadIdx.x < a.cpg ? affine_at<P>(a, g * a.cpg + threadIdx.x) : float2{};
+  auto in_group = [&](int k) { return static_cast<int>(threadIdx.x + k * blockDim.x) < group_vecs; };
   float sum = 0.0f;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    if (v < gv.group_vecs) {
-      int64_t row, col;
-      split(gv, v, row, col);
-      load_packed<T, V>(x + row * gv.row_stride + col * V, vals[k]);
+  for (int k = 0; k < K; ++k)
 #pragma unroll
-      for (int i = 0; i < V; ++i) sum += vals[k][i];
-    }
-  }
+    for (int i = 0; i < V; ++i) sum += in_group(k) ? vals[k][i] : 0.0f;
   const float count = static_cast<float>(gv.group_vecs * V);
   const float mean = block_sum(sum, scratch) / count;
-  float m2 = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float d = vals[k][i] - mean;
-      m2 += v < gv.group_vecs ? d * d : 0.0f;
-    }
-  }
+  const float m2 = squared_deviations(vals, mean, in_group);
   const float rstd = rsqrtf(block_sum(m2, scratch) / count + a.eps);
   for (int64_t c = threadIdx.x; c < a.cpg; c += blockDim.x) {
-    const float2 wb = affine_at<P>(a, g * a.cpg + c);
+    const float2 wb = c == threadIdx.x ? first_wb : affine_at<P>(a, g * a.cpg + c);
     affine[c] = make_float2(rstd * wb.x, wb.y - mean * rstd * wb.x);
   }
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    if (v < gv.group_vecs) {
-      int64_t row, col;
-      split(gv, v, row, col);
+    if (in_group(k)) {
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float2 ss = affine[a.channels_last ? col * V + i : row];
-        vals[k][i] = activate(a, vals[k][i] * ss.x + ss.y);
+        const float2 ss = affine[kChannelsLast ? slot[k] + i : slot[k]];
+        const float out = vals[k][i] * ss.x + ss.y;
+        vals[k][i] = kSilu ? silu(out) : out;
       }
-      store_packed<T, V>(y + row * gv.row_stride + col * V, vals[k]);
+      store_packed<T, V>(y + at[k], vals[k]);
     }
   }
 }
@@ -833,16 +830,25 @@ cudaError_t launch_cooperative(void (*kernel)(Args), const Plan& plan, cudaStrea
   return cudaLaunchKernelEx(&config, kernel, plan.args);
 }
 
+template <typename T, typename P, int V, bool kChannelsLast, bool kSilu>
+auto fused_kernel(int per_thread) {
+  static_assert(kFusedMaxPerThread == 8, "one kernel per vectors-per-thread count");
+  return per_thread == 1   ? group_norm_fused_kernel<T, P, V, 1, kChannelsLast, kSilu>
+         : per_thread == 2 ? group_norm_fused_kernel<T, P, V, 2, kChannelsLast, kSilu>
+         : per_thread == 4 ? group_norm_fused_kernel<T, P, V, 4, kChannelsLast, kSilu>
+                           : group_norm_fused_kernel<T, P, V, 8, kChannelsLast, kSilu>;
+}
+
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
   const Args& a = plan.args;
   switch (plan.path) {
     case Path::kFused: {
-      static_assert(kFusedMaxPerThread == 8, "one kernel per vectors-per-thread count");
-      const auto kernel = plan.per_thread == 1   ? group_norm_fused_kernel<T, P, V, 1>
-                          : plan.per_thread == 2 ? group_norm_fused_kernel<T, P, V, 2>
-                          : plan.per_thread == 4 ? group_norm_fused_kernel<T, P, V, 4>
-                                                 : group_norm_fused_kernel<T, P, V, 8>;
+      const bool silu = a.activation == Activation::kSilu;
+      const auto kernel = a.channels_last ? (silu ? fused_kernel<T, P, V, true, true>(plan.per_thread)
+                                                  : fused_kernel<T, P, V, true, false>(plan.per_thread))
+                                          : (silu ? fused_kernel<T, P, V, false, true>(plan.per_thread)
+                                                  : fused_kernel<T, P, V, false, false>(plan.per_thread));
       kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
       break;
     }

@@ -68,8 +68,8 @@ def test_without_affine_and_with_params_in_x_dtype(device, dtype):
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 # The U-Net's shapes, then odd ones that take the same paths (channels of one vector in several
 # groups; rows that do not split evenly over the blocks; one sample).
-@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 8, 8), (2, 960, 64, 64),
-                                   (3, 96, 111, 113), (1, 64, 301, 7), (3, 96, 104, 120)])
+@pytest.mark.parametrize("shape", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8),
+                                   (2, 2560, 8, 8), (2, 960, 64, 64), (3, 96, 111, 113), (1, 64, 301, 7), (3, 96, 104, 120)])
 def test_cuda_unet_shapes(dtype, layout, shape):
     x = make_input(shape, layout, dtype, "cuda")
     w = randn(shape[1], device="cuda", dtype=dtype)
