@@ -124,18 +124,24 @@ __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
 }
 
 constexpr int kTeamThreads = 128;
-constexpr int kTeamMinK = 3, kTeamMaxK = 5;  // vectors a lane
+constexpr int kTeamMinK = 3;  // vectors a lane
 constexpr int kTeamMinLanes = 4, kTeamMaxLanes = 32;
 
+// The most vectors a lane holds: 5, or 4 when the parameters are wider than x (fp32 weight and
+// bias with fp16/bf16 x, under autocast), whose K = 5 form needs more than 128 registers and spills.
+template <typename T, typename P>
+constexpr int kTeamMaxK = sizeof(P) > sizeof(T) ? 4 : 5;
+
 // The team kernel's team: the fewest lanes (a power of two, 4 to 32) that hold the row in at most
-// kTeamMaxK vectors a lane. Then K = ceil(row_vecs / team) is 3 to 5 (fewer lanes would need more),
-// and for rows of 5 x 8, 5 x 16 and 5 x 32 vectors (320, 640 and 1280 fp16 values) no slot is
-// idle. On an H200 (fp16) 8 lanes x 5 beat 16 x 3 by 2-7% at 8192x320 and 16 x 5 tied 32 x 3 at
-// 2048x640; 128 and 256 threads a block were within 2% of each other.
-int team_lanes(int64_t row_vecs) {
-  if (row_vecs < kTeamMinLanes * (kTeamMinK - 1) + 1 || row_vecs > kTeamMaxLanes * kTeamMaxK) return 0;
+// max_k vectors a lane; 0 when the row is too short or too long for it. Then K = ceil(row_vecs /
+// team) is 3 to max_k (fewer lanes would need more), and for rows of 5 x 8, 5 x 16 and 5 x 32
+// vectors (320, 640 and 1280 fp16 values) no slot is idle. On an H200 (fp16) 8 lanes x 5 beat
+// 16 x 3 by 2-7% at 8192x320 and 16 x 5 tied 32 x 3 at 2048x640; 128 and 256 threads a block
+// were within 2% of each other.
+int team_lanes(int64_t row_vecs, int max_k) {
+  if (row_vecs < kTeamMinLanes * (kTeamMinK - 1) + 1 || row_vecs > kTeamMaxLanes * max_k) return 0;
   int lanes = kTeamMinLanes;
-  while (lanes * kTeamMaxK < row_vecs) lanes *= 2;
+  while (lanes * max_k < row_vecs) lanes *= 2;
   return lanes;
 }
 
@@ -201,23 +207,31 @@ __global__ void __launch_bounds__(kTeamThreads, 4) layer_norm_team_kernel(Args a
 }
 
 template <typename T, typename P, int kTeam, bool kResidual>
-void launch_team_kernel(const Args& a, cudaStream_t stream) {
+cudaError_t launch_team_kernel(const Args& a, cudaStream_t stream) {
   constexpr int kRows = kTeamThreads / kTeam;
   const dim3 grid(static_cast<unsigned>((a.p.rows + kRows - 1) / kRows));
   switch (ceil_div(a.row_vecs, kTeam)) {
     case 3: layer_norm_team_kernel<T, P, kTeam, 3, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
     case 4: layer_norm_team_kernel<T, P, kTeam, 4, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
-    case 5: layer_norm_team_kernel<T, P, kTeam, 5, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
+    case 5:
+      if constexpr (kTeamMaxK<T, P> >= 5) {
+        layer_norm_team_kernel<T, P, kTeam, 5, kResidual><<<grid, kTeamThreads, 0, stream>>>(a);
+        break;
+      }
+      [[fallthrough]];
+    default: return cudaErrorInvalidValue;  // team_lanes keeps K within 3..kTeamMaxK
   }
+  return cudaGetLastError();
 }
 
 template <typename T, typename P, bool kResidual>
-void launch_team(const Args& a, int lanes, cudaStream_t stream) {
+cudaError_t launch_team(const Args& a, int lanes, cudaStream_t stream) {
   switch (lanes) {
-    case 4: launch_team_kernel<T, P, 4, kResidual>(a, stream); break;
-    case 8: launch_team_kernel<T, P, 8, kResidual>(a, stream); break;
-    case 16: launch_team_kernel<T, P, 16, kResidual>(a, stream); break;
-    case 32: launch_team_kernel<T, P, 32, kResidual>(a, stream); break;
+    case 4: return launch_team_kernel<T, P, 4, kResidual>(a, stream);
+    case 8: return launch_team_kernel<T, P, 8, kResidual>(a, stream);
+    case 16: return launch_team_kernel<T, P, 16, kResidual>(a, stream);
+    case 32: return launch_team_kernel<T, P, 32, kResidual>(a, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
@@ -233,23 +247,17 @@ void launch_kernel(const Args& a, dim3 grid, dim3 block, cudaStream_t stream) {
 template <typename T, typename P, int V>
 cudaError_t launch_with(const Args& a, cudaStream_t stream) {
   if constexpr (V == kPackWidth<T>) {
-    const int lanes = a.p.weight != nullptr && a.p.bias != nullptr ? team_lanes(a.row_vecs) : 0;
+    const int lanes =
+        a.p.weight != nullptr && a.p.bias != nullptr ? team_lanes(a.row_vecs, kTeamMaxK<T, P>) : 0;
     if (lanes != 0) {
-      if (a.p.residual != nullptr) {
-        launch_team<T, P, true>(a, lanes, stream);
-      } else {
-        launch_team<T, P, false>(a, lanes, stream);
-      }
-      return cudaGetLastError();
+      return a.p.residual != nullptr ? launch_team<T, P, true>(a, lanes, stream)
+                                     : launch_team<T, P, false>(a, lanes, stream);
     }
   }
   // The smallest team (a power of two, 1 to kMaxTeam lanes) that holds the row in at most 3
-  // vectors a thread, one row a team, 256-thread blocks: what won in the sweep of
-  // docs/perf/norms.md (fp16, H200) at 8192x320 (16 lanes x 3; 8 x 5 and 32 x 2 were slower),
-  // 2048x640 (32 x 3) and 512x1280 (64 x 3; a whole-row team of 160 x 1, not a power of two, was 5% faster). Two rows a team and
-  // cache hints were slower, block size moved times by a few percent either way. This kernel, us:
-  // 8192x320 6.25 -> 5.74, 2048x640 3.98 -> 3.37, 512x1280 3.94 -> 3.11; with a residual
-  // 9.51 -> 7.52, 6.16 -> 4.62, 5.67 -> 3.75.
+  // vectors a thread, one row a team, 256-thread blocks. It was the rule of the 2026-11-22 sweep
+  // (docs/perf/norms.md, fp16, H200), taken when this kernel served every row; the U-Net's rows
+  // now take the team kernel above.
   int team = 1;
   while (team < kMaxTeam && static_cast<int64_t>(team) * 3 < a.row_vecs) team *= 2;
   // 1, 2 or 3; past that (kMaxTeam lanes, longer rows) a power of two.

@@ -47,17 +47,20 @@ def test_residual_matches_composite(device, dtype, shape):
 
 
 # The transformer rows (fp16/bf16: 320, 640, 1280 values take the team kernel with no idle slot;
-# 72 and 1000 leave part of each lane's last vector past the row; 96 and 768 fill it), rows past
-# what registers hold in one team, and an odd length (the scalar kernel).
+# 128, 256, 384, 512 and 768 take its other team sizes and vectors a lane; 72 and 1000 leave some
+# lanes' last slot idle), rows past what registers hold in one team, and an odd length (the scalar
+# kernel). The parameters in x's dtype, or in float32 as autocast leaves them (fewer vectors a lane).
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 4096, 320), (2, 1024, 640), (2, 256, 1280), (5, 72), (7, 96), (33, 768),
-                                   (37, 1000), (4, 16384), (3, 12289)])
+@pytest.mark.parametrize("shape", [(2, 4096, 320), (2, 1024, 640), (2, 256, 1280), (5, 72), (7, 96), (9, 128),
+                                   (11, 256), (13, 384), (6, 512), (33, 768), (37, 1000), (4, 16384), (3, 12289)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_cuda_transformer_shapes(dtype, shape, with_residual):
+@pytest.mark.parametrize("float32_params", [False, True])
+def test_cuda_transformer_shapes(dtype, shape, with_residual, float32_params):
     x = randn(*shape, dtype=dtype, device="cuda")
-    w = randn(shape[-1], dtype=dtype, device="cuda")
-    b = randn(shape[-1], dtype=dtype, device="cuda")
+    param_dtype = torch.float32 if float32_params else dtype
+    w = randn(shape[-1], dtype=param_dtype, device="cuda")
+    b = randn(shape[-1], dtype=param_dtype, device="cuda")
     if not with_residual:
         assert_matches(mirage.ops.layer_norm(x, w, b), composite, (x, w, b, 1e-5), dtype, reduction=True)
         return
