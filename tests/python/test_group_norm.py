@@ -66,16 +66,32 @@ def test_without_affine_and_with_params_in_x_dtype(device, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-# The U-Net's shapes, then odd ones that take the same paths (channels of one vector in several
-# groups; rows that do not split evenly over the blocks; one sample).
+# The U-Net's shapes (3x2560x16x16: a batch of 3, as classifier-free guidance makes, puts the
+# fused kernel at 8 vectors a thread), then odd ones that take the same paths (channels of one
+# vector in several groups; rows that do not split evenly over the blocks; one sample; groups of
+# scalars, 8 a thread).
 @pytest.mark.parametrize("shape", [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8),
-                                   (2, 2560, 8, 8), (2, 960, 64, 64), (3, 96, 111, 113), (1, 64, 301, 7), (3, 96, 104, 120)])
-def test_cuda_unet_shapes(dtype, layout, shape):
+                                   (2, 2560, 8, 8), (3, 2560, 16, 16), (2, 960, 64, 64), (3, 96, 111, 113),
+                                   (1, 64, 301, 7), (3, 96, 104, 120), (2, 96, 30, 30)])
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_cuda_unet_shapes(dtype, layout, shape, activation):
     x = make_input(shape, layout, dtype, "cuda")
     w = randn(shape[1], device="cuda", dtype=dtype)
     b = randn(shape[1], device="cuda", dtype=dtype)
-    y = mirage.ops.group_norm(x, 32, w, b, 1e-5, "silu")
-    assert_matches(y, composite, (x, 32, w, b, 1e-5, "silu"), dtype, reduction=True)
+    y = mirage.ops.group_norm(x, 32, w, b, 1e-5, activation)
+    assert_matches(y, composite, (x, 32, w, b, 1e-5, activation), dtype, reduction=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_cuda_group_wider_than_the_block(layout):
+    # One group of 2048 channels: more channels than the fused kernel's threads, so its weight and
+    # bias are fetched in more than one round.
+    x = make_input((2, 2048, 4, 2), layout, torch.float16, "cuda")
+    w = randn(2048, device="cuda", dtype=torch.float16)
+    b = randn(2048, device="cuda", dtype=torch.float16)
+    y = mirage.ops.group_norm(x, 1, w, b, 1e-5, "silu")
+    assert_matches(y, composite, (x, 1, w, b, 1e-5, "silu"), torch.float16, reduction=True)
 
 
 @pytest.mark.cuda
