@@ -152,7 +152,6 @@ template <typename T, typename P, int kTeam, int K, bool kResidual>
 __global__ void __launch_bounds__(kTeamThreads, 4) layer_norm_team_kernel(Args a) {
   constexpr int V = kPackWidth<T>;
   using Vec = Packed<T, V>;
-  using ParamVec = Packed<P, V>;
   const LayerNormParams& p = a.p;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kTeamThreads / kTeam) + threadIdx.x / kTeam;
   const int lane = threadIdx.x % kTeam;
@@ -188,12 +187,9 @@ __global__ void __launch_bounds__(kTeamThreads, 4) layer_norm_team_kernel(Args a
       if (live && in_row(k)) store_packed<T, V>(static_cast<T*>(p.sum) + offset + slot(k) * V, vals[k]);
   }
   // The parameters after x, their latency hidden behind the reductions.
-  ParamVec w[K], b[K];
+  Packed<P, V> w[K], b[K];
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    w[k] = reinterpret_cast<const ParamVec*>(p.weight)[slot(k)];
-    b[k] = reinterpret_cast<const ParamVec*>(p.bias)[slot(k)];
-  }
+  for (int k = 0; k < K; ++k) load_affine<P, V, true>(p, slot(k), w[k], b[k]);
   const float mean = warp_sum<kTeam>(sum) / p.dim;
   const float rstd = rsqrtf(warp_sum<kTeam>(squared_deviations(vals, mean, in_row)) / p.dim + p.eps);
 #pragma unroll
