@@ -12,6 +12,8 @@
 // scattered with vector atomics, one per run of equal receivers. Only the filters [P, M] go to
 // memory, for the backward, which recomputes the hidden layer's pre-activation from the basis
 // (a product with K = R) instead of storing it.
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "cfconv.cuh"
@@ -29,15 +31,18 @@ constexpr int kTeamThreads = kThreads / kTeams;
 constexpr int kTeamWarps = kTeamThreads / 32;
 constexpr int kTile = 64;                         // pairs per tile
 constexpr int kWarpsAlongColumns = 4;             // the [kTile, D] products: 2 x 4 warps of 32 x D/4
-constexpr int kRowsPerWarp = kTile / kTeamWarps;  // rows of a warp in the per-pair passes
 constexpr int kMaxRbf = 64;
 static_assert((kTeamWarps / kWarpsAlongColumns) * 32 == kTile, "the product's warps cover the tile's rows");
 
-__device__ __forceinline__ int team() { return threadIdx.x / kTeamThreads; }
-__device__ __forceinline__ int team_thread() { return threadIdx.x % kTeamThreads; }
-// __syncthreads for one team (named barriers 1 and 2; 0 is __syncthreads').
+// Teams of kSize threads (the Hopper kernels' are warpgroups of 128).
+template <int kSize = kTeamThreads>
+__device__ __forceinline__ int team() { return threadIdx.x / kSize; }
+template <int kSize = kTeamThreads>
+__device__ __forceinline__ int team_thread() { return threadIdx.x % kSize; }
+// __syncthreads for one team (named barriers 1, 2, ...; 0 is __syncthreads').
+template <int kSize = kTeamThreads>
 __device__ __forceinline__ void team_sync() {
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + team()), "n"(kTeamThreads) : "memory");
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + team<kSize>()), "n"(kSize) : "memory");
 }
 
 // v = hi + lo for the tensor cores, which read a register's top 19 bits as a TF32 value (an
@@ -242,21 +247,15 @@ __device__ void load_weights(const CfconvWeights& w, const Layout<D>& l, float* 
 }
 
 // A tile's pairs: receivers (-1 for padding rows and pairs with an index out of range, which
-// also raise *invalid), senders, envelopes (0 for padding) and the basis rows (zero-filled).
-// fetch() puts the loads in flight: the pairs into registers, the basis rows straight into
-// shared memory by cp.async; stash() stores the pairs and waits for the basis. The kernels fetch
-// the next tile once the current one is done with the basis, before its last pass (which still
-// reads the current pairs), and stash it after: the loads overlap that pass.
-template <int D>
-struct TileFetch {
-  static_assert(kTile <= kTeamThreads, "one pair a thread");
+// also raise *invalid), senders and envelopes (0 for padding), one row a thread. fetch() puts the
+// loads in flight into registers; stash() checks them and stores them to shared memory.
+struct PairFetch {
   int64_t receiver, sender;  // checked in stash(): a check here would wait for the loads
   float envelope;
   bool real;  // a pair, not padding
 
   template <typename Params>
-  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base) {
-    const int row = team_thread();
+  __device__ void fetch(const Params& p, int64_t base, int row) {
     envelope = 0.0f;
     real = row < kTile && base + row < p.num_pairs;
     if (real) {
@@ -264,53 +263,73 @@ struct TileFetch {
       sender = p.pairs[p.num_pairs + base + row];
       envelope = p.envelope[base + row];
     }
+  }
+
+  template <typename Params>
+  __device__ void stash(const Params& p, int row, int* receivers, int* senders, float* envelopes) const {
+    if (row >= kTile) return;
+    int i = -1, j = 0;
+    if (real) {
+      if (receiver >= 0 && receiver < p.num_nodes && sender >= 0 && sender < p.num_nodes) {
+        i = static_cast<int>(receiver);
+        j = static_cast<int>(sender);
+      } else {
+        *p.invalid = 1;  // every writer stores the same value
+      }
+    }
+    receivers[row] = i;
+    senders[row] = j;
+    envelopes[row] = envelope;
+  }
+};
+
+// A tile's pairs and basis rows (zero-filled): the basis goes straight into shared memory by
+// cp.async. The kernels fetch the next tile once the current one is done with the basis, before
+// its last pass (which still reads the current pairs), and stash it after: the loads overlap
+// that pass.
+template <int D>
+struct TileFetch {
+  static_assert(kTile <= kTeamThreads, "one pair a thread");
+  PairFetch pair;
+
+  template <typename Params>
+  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base) {
+    pair.fetch(p, base, team_thread());
     const int num_rbf = p.weights.num_rbf;
     for (int e = team_thread(); e < kTile * l.rbf8; e += kTeamThreads) {
       const int r = e % l.rbf8;
-      const int64_t pair = base + e / l.rbf8;
-      const bool value = r < num_rbf && pair < p.num_pairs;
+      const int64_t row = base + e / l.rbf8;
+      const bool value = r < num_rbf && row < p.num_pairs;
       // Four bytes from global memory, or (source size 0) four zero bytes.
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(static_cast<uint32_t>(
                        __cvta_generic_to_shared(smem + l.basis + e / l.rbf8 * l.ld_basis + r))),
-                   "l"(value ? p.basis + pair * num_rbf + r : p.basis), "r"(value ? 4 : 0));
+                   "l"(value ? p.basis + row * num_rbf + r : p.basis), "r"(value ? 4 : 0));
     }
     asm volatile("cp.async.commit_group;");
   }
 
   template <typename Params>
   __device__ void stash(const Params& p, const Layout<D>& l, float* smem) const {
-    const int row = team_thread();
-    if (row < kTile) {
-      int i = -1, j = 0;
-      if (real) {
-        if (receiver >= 0 && receiver < p.num_nodes && sender >= 0 && sender < p.num_nodes) {
-          i = static_cast<int>(receiver);
-          j = static_cast<int>(sender);
-        } else {
-          *p.invalid = 1;  // every writer stores the same value
-        }
-      }
-      reinterpret_cast<int*>(smem + l.receivers)[row] = i;
-      reinterpret_cast<int*>(smem + l.senders)[row] = j;
-      smem[l.envelope + row] = envelope;
-    }
+    pair.stash(p, team_thread(), reinterpret_cast<int*>(smem + l.receivers), reinterpret_cast<int*>(smem + l.senders),
+               smem + l.envelope);
     asm volatile("cp.async.wait_all;" ::: "memory");
   }
 };
 
-// The per-pair passes: a warp walks kRowsPerWarp consecutive rows of the tile, D/4 lanes per row
+// The per-pair passes: a warp walks kTile / kWarps consecutive rows of the tile, D/4 lanes per row
 // (each a float4 of columns), 32/(D/4) groups of lanes splitting the rows between them. Rows are
 // read a few at a time before any atomic, so their loads overlap.
-template <int D>
+template <int D, int kWarps = kTeamWarps>
 struct RowWalk {
   static constexpr int kLanesPerRow = D / 4;
   static constexpr int kGroups = 32 / kLanesPerRow;
-  static constexpr int kRows = kRowsPerWarp / kGroups;
+  static constexpr int kWarpRows = kTile / kWarps;
+  static constexpr int kRows = kWarpRows / kGroups;
   static_assert(kRows % 4 == 0, "the per-pair passes take their rows in batches of 4 and 2");
   int first, col;
   __device__ RowWalk() {
     const int lane = threadIdx.x % 32;
-    first = (team_thread() / 32) * kRowsPerWarp + (lane / kLanesPerRow) * kRows;
+    first = (team_thread<kWarps * 32>() / 32) * kWarpRows + (lane / kLanesPerRow) * kRows;
     col = (lane % kLanesPerRow) * 4;
   }
 };
@@ -361,6 +380,47 @@ __device__ __forceinline__ void hidden_pre_activation(const Layout<D>& l, const 
                               KRows{smem + l.w1, l.ld_basis}, z);
 }
 
+// The filters of a tile (rows of D + 4 in shared memory) to memory, and the messages x[j] *
+// filter * envelope scattered onto the receivers, one atomic per run of equal receivers.
+template <int D, int kWarps = kTeamWarps>
+__device__ void scatter_messages(const CfconvParams& p, const float* tile, const float* envelopes, const int* receivers,
+                                 const int* senders, int64_t base, int rows) {
+  const RowWalk<D, kWarps> walk;
+  float sum[4] = {};
+  int run = -1;
+  constexpr int kBatch = 4;
+  for (int k0 = 0; k0 < RowWalk<D, kWarps>::kRows; k0 += kBatch) {
+    float f[kBatch][4], x[kBatch][4];
+    int receiver[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int row = walk.first + k0 + k;
+      receiver[k] = row < rows ? receivers[row] : -1;
+      if (row < rows) {
+        load_packed<float, 4>(tile + row * (D + 4) + walk.col, f[k]);
+        store_packed<float, 4>(p.filters + (base + row) * D + walk.col, f[k]);
+        const float e = envelopes[row];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) f[k][c] *= e;
+      }
+      if (receiver[k] >= 0) load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (receiver[k] < 0) continue;
+      if (receiver[k] != run) {
+        if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
+        run = receiver[k];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sum[c] = 0.0f;
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sum[c] = fmaf(x[k][c], f[k][c], sum[c]);
+    }
+  }
+  if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
+}
+
 template <int D, bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   using W = WarpTile<D>;
@@ -396,41 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     team_sync();
     if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile);
-    // Save the filters; scatter x[j] * filter * envelope, one atomic per run of equal receivers.
-    const RowWalk<D> walk;
-    float sum[4] = {};
-    int run = -1;
-    constexpr int kBatch = 4;
-    for (int k0 = 0; k0 < RowWalk<D>::kRows; k0 += kBatch) {
-      float f[kBatch][4], x[kBatch][4];
-      int receiver[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int row = walk.first + k0 + k;
-        receiver[k] = row < rows ? receivers[row] : -1;
-        if (row < rows) {
-          load_packed<float, 4>(tile + row * kLd + walk.col, f[k]);
-          store_packed<float, 4>(p.filters + (base + row) * D + walk.col, f[k]);
-          const float e = smem[l.envelope + row];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) f[k][c] *= e;
-        }
-        if (receiver[k] >= 0) load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        if (receiver[k] < 0) continue;
-        if (receiver[k] != run) {
-          if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
-          run = receiver[k];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) sum[c] = 0.0f;
-        }
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sum[c] = fmaf(x[k][c], f[k][c], sum[c]);
-      }
-    }
-    if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
+    scatter_messages<D>(p, tile, smem + l.envelope, receivers, senders, base, rows);
   }
 }
 
@@ -536,6 +562,245 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Hopper (sm_90a): the forward's products as warpgroup MMAs (wgmma), for the SchNet-sized network
+// (H == M == 128, R <= 23). Nsight Compute on the forward kernel above (H200, 3,000-atom box): 69M
+// instructions issued, ~7 per tensor-core instruction, most of them fragment loads and the TF32
+// split of operands that every warp reading them repeats. Here each warpgroup (a team of 128
+// threads) takes a 64-pair tile through both products on its own: the weights sit in shared
+// memory already split into their TF32 parts (the tensor cores read them through descriptors, no
+// per-warp loads), and the hidden layer stays in registers from one product to the next, split
+// once: 28M instructions, 126 µs against 180 (docs/perf/forcefield.md). The backward keeps the
+// kernel above: a wgmma version of it (the per-pair pass loading each thread's fragments straight
+// from memory, no shared tile, the three products on wgmma) took 448 µs against 337, its loads
+// exposed with 8 warps a multiprocessor and registers spilling.
+namespace sm90 {
+
+constexpr int kWidth = 128;                    // H == M
+constexpr int kBasisK = 24;                    // R basis columns + a column of ones for b1, padded
+constexpr int kChunks = kWidth / 8;            // K chunks of a product over the hidden layer
+constexpr int kBasisChunks = kBasisK / 8;
+constexpr int kTeamThreads = 128;              // a warpgroup
+constexpr int kTeams = 2;
+constexpr int kThreads = kTeams * kTeamThreads;
+constexpr int kTileLd = kWidth + 4;            // the forward's filter tile: conflict-free 8-byte stores
+
+// A B operand in shared memory, N x K floats as the tensor cores read it: K-major without swizzle,
+// 8 x 4 "core matrices" of 128 contiguous bytes, the K-adjacent ones next to each other, then the
+// next 8 rows. Within each K chunk of 8, slot s holds index 2 s (s < 4) or 2 (s - 4) + 1: the order
+// in which a thread holds an accumulator row's columns (2 t and 2 t + 1 of each n8 tile), so that
+// one product's result is the next one's A fragment in registers as it is.
+__host__ __device__ constexpr int operand_index(int n, int k, int K) {
+  const int q = k % 8, slot = 8 * (k / 8) + (q % 2 == 0 ? q / 2 : 4 + q / 2);
+  return (n / 8) * (K / 4) * 32 + (slot / 4) * 32 + (n % 8) * 4 + slot % 4;
+}
+
+// Stores v as B(n, k) of an operand's TF32 high and low parts (see split()).
+__device__ __forceinline__ void store_operand(float* hi, float* lo, int n, int k, int K, float v) {
+  uint32_t h, l;
+  split<true>(v, h, l);
+  hi[operand_index(n, k, K)] = __uint_as_float(h);
+  lo[operand_index(n, k, K)] = __uint_as_float(l);
+}
+
+// The descriptor of K chunk `chunk` (two core matrices) of an operand with K columns: start
+// address, K-direction step (128 bytes) and row-group step (K / 4 * 128 bytes), each / 16.
+__device__ __forceinline__ uint64_t descriptor(const float* operand, int chunk, int K) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(operand + chunk * 64));
+  return (address >> 4 & 0x3fffu) | uint64_t{128 >> 4} << 16 | uint64_t((K / 4 * 128) >> 4 & 0x3fffu) << 32;
+}
+
+// The warpgroup MMA instructions exist on sm_90a alone; this file's code for other GPUs traps
+// there (use_sm90() never launches it on them).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+#define MIRAGE_WGMMA(...) asm volatile(__VA_ARGS__)
+#else
+#define MIRAGE_WGMMA(...) __trap()
+#endif
+
+// d += a b for m64n128k8: a in registers (warp w of the warpgroup holds rows 16 w .. 16 w + 15 in
+// the m16n8k8 fragment layout), b by descriptor. Asynchronous: see product_chunk.
+__device__ __forceinline__ void wgmma(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+  MIRAGE_WGMMA(
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, 1, 1, 1;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// Waits until at most kPending committed chunks are still running; then their accumulators may be
+// read (after hold()) and the A registers of the others reused. A compiler barrier for memory
+// too: loads stay where the code puts them.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  MIRAGE_WGMMA("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// Orders the reads of an accumulator after the wait (the asm statements are volatile, these are too).
+__device__ __forceinline__ void hold(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i]));
+}
+
+// d += a B[:, chunk] in float32 accuracy (three TF32 products, the small terms first) or in TF32,
+// committed as one group. a holds rows g and g + 8 (g = lane / 4) of the warp's 16, slots t and
+// t + 4 of the chunk: {(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)}.
+template <bool kSplit>
+__device__ __forceinline__ void product_chunk(float (&d)[64], const float (&a)[4], const float* b_hi,
+                                              const float* b_lo, int chunk, int K) {
+  uint32_t hi[4], lo[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) split<kSplit>(a[i], hi[i], lo[i]);
+  MIRAGE_WGMMA("wgmma.fence.sync.aligned;");  // the registers above are written before the MMAs read them
+  if constexpr (kSplit) {
+    wgmma(d, lo, descriptor(b_hi, chunk, K));
+    wgmma(d, hi, descriptor(b_lo, chunk, K));
+  }
+  wgmma(d, hi, descriptor(b_hi, chunk, K));
+  MIRAGE_WGMMA("wgmma.commit_group.sync.aligned;");
+}
+
+// Accumulator chunk c (n8 tile c: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)) as the A
+// fragment of K chunk c of the next product, f applied.
+template <typename F>
+__device__ __forceinline__ void as_fragment(const float (&d)[64], int c, F&& f, float (&a)[4]) {
+  a[0] = f(d[4 * c]);
+  a[1] = f(d[4 * c + 2]);
+  a[2] = f(d[4 * c + 1]);
+  a[3] = f(d[4 * c + 3]);
+}
+
+// The thread's place in its warpgroup's tile: rows `row` and row + 8, accumulator columns 8 j +
+// `col` and + 1.
+struct Place {
+  int row, col;
+  __device__ Place() {
+    const int lane = threadIdx.x % 32;
+    row = team_thread<kTeamThreads>() / 32 * 16 + lane / 4;
+    col = 2 * (lane % 4);
+  }
+};
+
+// The basis rows of the thread's two tile rows as A fragments of z = [basis, 1] [W1, b1]^T, loaded
+// ahead into registers: column R is the bias' one, those past it and rows past the pairs zero.
+struct BasisFragments {
+  float v[kBasisChunks][4];
+  __device__ void fetch(const float* basis, int num_rbf, int64_t num_pairs, int64_t base, const Place& at) {
+#pragma unroll
+    for (int c = 0; c < kBasisChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = base + at.row + (i % 2) * 8;
+        const int r = 8 * c + at.col + i / 2;  // slots t and t + 4 hold columns 2t and 2t + 1
+        v[c][i] = row >= num_pairs || r > num_rbf ? 0.0f : r == num_rbf ? 1.0f : basis[row * num_rbf + r];
+      }
+  }
+};
+
+// [W1, b1] as the B operand of z (N = hidden, K = kBasisK).
+__device__ void load_first_layer(const CfconvWeights& w, float* hi, float* lo) {
+  for (int e = threadIdx.x; e < kWidth * kBasisK; e += kThreads) {
+    const int h = e / kBasisK, r = e % kBasisK;
+    const float v = r < w.num_rbf ? w.w1[h * w.num_rbf + r] : r == w.num_rbf && w.b1 != nullptr ? w.b1[h] : 0.0f;
+    store_operand(hi, lo, h, r, kBasisK, v);
+  }
+}
+
+// Shared memory (floats): W2 as B[out][hidden] (high, low parts), [W1, b1], b2, then each team's
+// filter tile and pairs.
+struct ForwardLayout {
+  static constexpr int kW2 = 0, kW1 = 2 * kWidth * kWidth, kB2 = kW1 + 2 * kWidth * kBasisK;
+  static constexpr int kTeamBase = kB2 + kWidth, kPerTeam = kTile * kTileLd + 3 * kTile;
+  static constexpr int kTotal = kTeamBase + kTeams * kPerTeam;
+  int tile, envelope, receivers, senders;
+  __device__ explicit ForwardLayout(int team) {
+    tile = kTeamBase + team * kPerTeam;
+    envelope = tile + kTile * kTileLd;
+    receivers = envelope + kTile;
+    senders = receivers + kTile;
+  }
+};
+
+template <bool kSplit, bool kSsp>
+__global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  using L = ForwardLayout;
+  const L l(team<kTeamThreads>());
+  float *w2_hi = smem + L::kW2, *w2_lo = w2_hi + kWidth * kWidth;
+  float *w1_hi = smem + L::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
+  for (int e = threadIdx.x; e < kWidth * kWidth; e += kThreads)
+    store_operand(w2_hi, w2_lo, e / kWidth, e % kWidth, kWidth, p.weights.w2[e]);
+  load_first_layer(p.weights, w1_hi, w1_lo);
+  // The shifted softplus' - log 2 is in the activation, as in the kernels above.
+  for (int e = threadIdx.x; e < kWidth; e += kThreads) smem[L::kB2 + e] = p.weights.b2 != nullptr ? p.weights.b2[e] : 0.0f;
+  __syncthreads();
+
+  const Place at;
+  const int64_t tiles = ceil_div(p.num_pairs, kTile), stride = static_cast<int64_t>(gridDim.x) * kTeams;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>();
+  int* receivers = reinterpret_cast<int*>(smem + l.receivers);
+  int* senders = reinterpret_cast<int*>(smem + l.senders);
+  PairFetch pair;
+  BasisFragments basis;
+  if (first < tiles) {
+    pair.fetch(p, first * kTile, team_thread<kTeamThreads>());
+    basis.fetch(p.basis, p.weights.num_rbf, p.num_pairs, first * kTile, at);
+  }
+  for (int64_t tile = first; tile < tiles; tile += stride) {
+    const int64_t base = tile * kTile, next = base + stride * kTile;
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    team_sync<kTeamThreads>();  // the previous tile's scatter is done with the shared arrays
+    pair.stash(p, team_thread<kTeamThreads>(), receivers, senders, smem + l.envelope);
+    float z[64] = {};
+#pragma unroll
+    for (int c = 0; c < kBasisChunks; ++c) product_chunk<kSplit>(z, basis.v[c], w1_hi, w1_lo, c, kBasisK);
+    wgmma_wait<0>();
+    hold(z);
+    if (tile + stride < tiles) {  // in flight during the second product and the scatter
+      pair.fetch(p, next, team_thread<kTeamThreads>());
+      basis.fetch(p.basis, p.weights.num_rbf, p.num_pairs, next, at);
+    }
+    float f[64];
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const float2 b = *reinterpret_cast<const float2*>(smem + L::kB2 + 8 * j + at.col);
+      f[4 * j] = f[4 * j + 2] = b.x;
+      f[4 * j + 1] = f[4 * j + 3] = b.y;
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      float a[4];
+      as_fragment(z, c, [&](float v) { return filter_activation<kSsp>(v, p.weights.activation); }, a);
+      product_chunk<kSplit>(f, a, w2_hi, w2_lo, c, kWidth);
+      wgmma_wait<1>();  // chunk c - 1 is done: its A registers are free
+    }
+    wgmma_wait<0>();
+    hold(f);
+    float* filters = smem + l.tile;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      *reinterpret_cast<float2*>(filters + at.row * kTileLd + 8 * j + at.col) = make_float2(f[4 * j], f[4 * j + 1]);
+      *reinterpret_cast<float2*>(filters + (at.row + 8) * kTileLd + 8 * j + at.col) =
+          make_float2(f[4 * j + 2], f[4 * j + 3]);
+    }
+    team_sync<kTeamThreads>();
+    scatter_messages<kWidth, kTeamThreads / 32>(p, filters, smem + l.envelope, receivers, senders, base, rows);
+  }
+}
+
+}  // namespace sm90
+#undef MIRAGE_WGMMA
+
 template <int D>
 size_t shared_bytes(int num_rbf) {
   return Layout<D>(num_rbf, 0).bytes();
@@ -548,16 +813,33 @@ int max_shared_bytes() {
   return bytes;
 }
 
-// Launches a kernel with its shared memory on min(tiles, SMs) blocks (one block per SM).
+// Launches a kernel of `teams` teams (threads in all) with its shared memory on one block per SM,
+// or fewer where there are fewer tiles than teams.
 template <typename Params>
-cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, cudaStream_t stream) {
+cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, int threads, int teams,
+                   cudaStream_t stream) {
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(bytes));
   if (status != cudaSuccess) return status;
   const int64_t tiles = ceil_div(params.num_pairs, kTile);
-  const int64_t blocks = std::min<int64_t>(ceil_div(tiles, kTeams), sm_count());
-  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(params);
+  const int64_t blocks = std::min<int64_t>(ceil_div(tiles, teams), sm_count());
+  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+// Whether the Hopper forward kernel takes these weights: a device of compute capability 9.0, this
+// library built for sm_90a, H == M == 128 and R <= 23. MIRAGE_CFCONV_PORTABLE=1 in the environment
+// keeps the portable kernel (the tests run both on one GPU).
+bool use_sm90(const CfconvWeights& w) {
+  static const bool built = std::string_view(MIRAGE_CUDA_ARCHS).find("90a") != std::string_view::npos;
+  if (!built || w.width != sm90::kWidth || w.num_rbf + 1 > sm90::kBasisK) return false;
+  const char* portable = std::getenv("MIRAGE_CFCONV_PORTABLE");
+  if (portable != nullptr && std::string_view(portable) == "1") return false;
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0 && sm90::ForwardLayout::kTotal * sizeof(float) <= static_cast<size_t>(max_shared_bytes());
 }
 
 // f(width, split, ssp) with the weights' runtime choices as compile-time constants.
@@ -606,9 +888,14 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   // An index out of range anywhere turns every output NaN (the outputs are float32 already).
   const Segments outputs{{{nullptr, params.out, params.num_nodes * params.weights.width},
                           {nullptr, params.filters, params.num_pairs * params.weights.width}}};
+  const bool hopper = use_sm90(params.weights);
   return launch_passes(params, params.out, outputs, stream, [&](auto width, auto split, auto ssp) {
+    if (hopper) {
+      return launch(sm90::cfconv_kernel<split(), ssp()>, params, sm90::ForwardLayout::kTotal * sizeof(float),
+                    sm90::kThreads, sm90::kTeams, stream);
+    }
     return launch(cfconv_kernel<width(), split(), ssp()>, params, shared_bytes<width()>(params.weights.num_rbf),
-                  stream);
+                  kThreads, kTeams, stream);
   });
 }
 
@@ -618,7 +905,7 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStrea
                           {nullptr, params.grad_envelope, params.num_pairs}}};
   return launch_passes(params, params.grad_x, outputs, stream, [&](auto width, auto split, auto ssp) {
     return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
-                  shared_bytes<width()>(params.weights.num_rbf), stream);
+                  shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream);
   });
 }
 

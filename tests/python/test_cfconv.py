@@ -33,6 +33,10 @@ CONFIGS = {
     "gelu_relu": (9, 200, 33, 128, 128, "gelu", True, True),
     "relu": (9, 150, 64, 64, 64, "relu", True, False),
     "no_pairs": (4, 0, 20, 128, 128, "shifted_softplus", True, True),
+    # Hopper's kernels (H == M == 128, R <= 23): the most basis functions they take, no biases,
+    # unsorted pairs over several tiles; a single basis function.
+    "hopper_widest_basis": (50, 1000, 23, 128, 128, "gelu", False, False),
+    "hopper_one_basis": (9, 77, 1, 128, 128, "tanh", True, True),
     "odd": (7, 41, 3, 5, 6, "softplus", True, False),
 }
 CUDA_CONFIGS = [name for name in CONFIGS if name != "odd"]
@@ -86,14 +90,25 @@ def max_error(got, ref):
     return (got.double() - ref).abs().max().item() if ref.numel() else 0.0
 
 
+@pytest.fixture(params=["default", "portable"])
+def cfconv_kernels(request, monkeypatch):
+    """Runs a CUDA test with the kernels mirage picks for the GPU (Hopper's wgmma ones on an
+    H100/H200 where the sizes allow) and with the portable ones (MIRAGE_CFCONV_PORTABLE=1)."""
+    if request.param == "portable":
+        monkeypatch.setenv("MIRAGE_CFCONV_PORTABLE", "1")
+    return request.param
+
+
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float64), ("cpu", torch.float32),
                                            pytest.param("cuda", torch.float32, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_cfconv_matches_composite(device, dtype, name):
+def test_cfconv_matches_composite(device, dtype, name, cfconv_kernels):
     """Output and the three gradients. float32 (on CUDA with the operands split into two TF32
     parts): within a small factor of PyTorch's own float32 error against float64 (TF32 off)."""
     if device == "cuda" and name not in CUDA_CONFIGS:
         pytest.skip("the CUDA kernels take H == M of 64 or 128")
+    if device == "cpu" and cfconv_kernels == "portable":
+        pytest.skip("a choice of CUDA kernels")
     args = make_inputs(name, device, dtype)
     if device == "cpu":  # CUDA's float atomics add in any order: runs need not agree to the bit
         torch.library.opcheck(torch.ops.mirage.cfconv.default, (*args, False))
@@ -117,7 +132,31 @@ def test_cfconv_matches_composite(device, dtype, name):
 
 
 @pytest.mark.cuda
-def test_cfconv_tf32():
+@pytest.mark.parametrize("name, hopper_sizes", [("schnet", True), ("hopper_widest_basis", True),
+                                                ("gelu_relu", False), ("narrow", False)])
+def test_cfconv_kernel_choice(name, hopper_sizes, cfconv_kernels):
+    """Which kernels run (by name, from the profiler): Hopper's forward where the GPU is an
+    H100/H200 (9.0), the build has sm_90a and the sizes fit (H == M == 128, R <= 23), unless
+    MIRAGE_CFCONV_PORTABLE=1; the portable one otherwise, and the portable backward always. The
+    other CUDA tests run under both choices."""
+    from mirage.info import build_info
+
+    hopper = (hopper_sizes and cfconv_kernels == "default" and torch.cuda.get_device_capability() == (9, 0)
+              and "90a" in build_info()["cuda_archs"])
+    args = make_inputs(name, "cuda", torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        grads_of(lambda *a: mirage.ops.cfconv(*a, tf32=False), args, torch.randn_like(args[0]))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "cfconv" in e.name]
+    forward = [n for n in names if "cfconv_kernel" in n]
+    backward = [n for n in names if "cfconv_backward_kernel" in n]
+    assert forward and backward, names
+    assert all(("sm90::" in n) == hopper for n in forward) and not any("sm90::" in n for n in backward), \
+        (hopper, names)
+
+
+@pytest.mark.cuda
+def test_cfconv_tf32(cfconv_kernels):
     """tf32=True rounds the operands once: errors of TF32's size (10-bit mantissa), clearly above
     the default's and within a TF32 bound, in the output and the gradients; tf32=None follows
     PyTorch's float32 matmul setting."""
@@ -218,7 +257,7 @@ def test_cfconv_strided_inputs(device):
 
 
 @pytest.mark.cuda
-def test_cfconv_cuda_unaligned_inputs():
+def test_cfconv_cuda_unaligned_inputs(cfconv_kernels):
     """Rows start 4 bytes off a 16-byte boundary: the op copies them to aligned storage."""
     args = list(make_inputs("schnet", "cuda", torch.float32))
     grad_out = torch.randn_like(args[0])
@@ -233,7 +272,7 @@ def test_cfconv_cuda_unaligned_inputs():
 
 
 @pytest.mark.cuda
-def test_cfconv_cuda_graph_replays_new_inputs():
+def test_cfconv_cuda_graph_replays_new_inputs(cfconv_kernels):
     """Forward and backward in one graph; new inputs and new pairs between replays."""
     args = list(make_inputs("schnet", "cuda", torch.float32))
     static = [args[k].clone() for k in range(4)]
@@ -356,7 +395,7 @@ def test_cfconv_cpu_checks_indices():
 
 
 @pytest.mark.cuda
-def test_cfconv_cuda_bad_indices_give_nan():
+def test_cfconv_cuda_bad_indices_give_nan(cfconv_kernels):
     args = list(make_inputs("narrow", "cuda", torch.float32))
     args[3] = args[3].clone()
     args[3][1, 5] = 17
@@ -403,7 +442,7 @@ def test_cfconv_cuda_device_mismatch():
 # ---- the fused SchNet takes it in eval mode beyond the one-kernel limit -------------------------
 
 @pytest.mark.cuda
-def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces():
+def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces(cfconv_kernels):
     from forcefield.models import SchNet
 
     torch.manual_seed(0)
