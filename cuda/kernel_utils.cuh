@@ -133,9 +133,10 @@ struct RowGrid {
   }
 };
 
-// A row split in several tiles is split, where it can be, into whole warps with no idle lane (up
-// to twice the fewest tiles): GEGLU's rows of 640 vectors in 3 tiles of 214 threads took 5.90 us
-// at 512x10240 on an H200, in 5 tiles of 128 5.73.
+// A row split in several tiles is split, where it can be, into the fewest whole warps with no idle
+// lane (up to twice the fewest tiles): GEGLU's rows of 640 vectors took 5.90 us at 512x10240 on an
+// H200 in 3 tiles of 214 threads, 5.78 in the 4 tiles of 160 this picks (5 of 128: 5.73 in the
+// same sweep, docs/perf/norms.md).
 inline RowGrid row_grid(int64_t rows, int64_t row_vecs, int threads) {
   constexpr int64_t kMaxGridYZ = 65535;
   int64_t tiles = ceil_div(row_vecs, threads);
