@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../cuda/cfconv.cuh"
+#include "../cuda/vector_message_passing.cuh"
 #endif
 
 #ifndef MIRAGE_VERSION
@@ -32,6 +33,17 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10:
   return cuda::cfconv_supported(num_rbf, hidden, width);
 #else
   return device.is_cpu();
+#endif
+}
+
+bool fused_filter_supported(int64_t features, int64_t basis, const c10::Device& device) {
+#if MIRAGE_WITH_CUDA
+  if (!device.is_cuda()) return false;
+  const c10::cuda::CUDAGuard guard(device);
+  return cuda::fused_filter_supported(features, basis, cuda::DType::kFloat32);
+#else
+  (void)features, (void)basis, (void)device;
+  return false;
 #endif
 }
 
@@ -97,8 +109,9 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
                                                           const at::Tensor& filter,
                                                           const at::Tensor& vectors,
                                                           const at::Tensor& directions,
-                                                          const at::Tensor& pairs) {
-  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs);
+                                                          const at::Tensor& pairs,
+                                                          const std::optional<at::Tensor>& filter_weight) {
+  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight);
 }
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors(const at::Tensor& positions, const at::Tensor& pairs,

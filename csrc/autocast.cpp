@@ -146,7 +146,7 @@ at::Tensor pair_product_autocast(const at::Tensor& a, const at::Tensor& b, const
 }
 
 // mirage::vector_message_passing runs in the autocast dtype: every floating input (x, filter,
-// vectors, directions) is cast to it, the sums stay float32 inside the kernel. directions are
+// vectors, directions, filter_weight) is cast to it, the sums stay float32 inside the kernel. directions are
 // unit vectors, which float16/bfloat16 hold to their usual relative rounding; keeping them in
 // float32 would save no accuracy worth a second dtype in the kernels. float64 is left alone.
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -154,12 +154,15 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
                                                                    const at::Tensor& filter,
                                                                    const at::Tensor& vectors,
                                                                    const at::Tensor& directions,
-                                                                   const at::Tensor& pairs) {
+                                                                   const at::Tensor& pairs,
+                                                                   const std::optional<at::Tensor>& filter_weight) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  std::optional<at::Tensor> weight;
+  if (filter_weight.has_value()) weight = cached_cast(dtype, *filter_weight, Device);
   return handles::vector_message_passing().call(
       cached_cast(dtype, x, Device), cached_cast(dtype, filter, Device),
-      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs);
+      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs, weight);
 }
 
 // mirage::painn_update(_input) are elementwise: like PyTorch's own elementwise ops under autocast

@@ -23,6 +23,7 @@
 #include "ops/message.h"
 #include "ops/schnet_energy.h"
 #include "ops/subpixel_shuffle.h"
+#include "ops/vector_message_passing.h"
 
 namespace mirage::autograd {
 namespace {
@@ -574,6 +575,8 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 // mirage::vector_message_passing. Its backward is a fused op of its own (forces are this
 // gradient, so it must not cost a composite recompute); that op's backward in turn recomputes
 // the gradient formulas below with PyTorch ops, which gives double backward (force training).
+// With filter_weight the fused ops form the filter from the basis; the gradients of the basis
+// and of the weight are then products of the formed filter's gradient (grad_filter).
 namespace {
 
 // The gradients of vector_message_passing (docs/ops.md) as differentiable PyTorch ops, float32
@@ -585,7 +588,9 @@ variable_list vector_message_passing_backward_composite(const variable_list& in)
   const at::Tensor& pairs = in[6];
   const at::Tensor i = pairs.select(0, 0), j = pairs.select(0, 1);
   const int64_t nodes = x.size(0), features = x.size(1) / 3;
-  const at::Tensor x_j = to_compute_dtype(x).index_select(0, j), filter = to_compute_dtype(in[3]);
+  const at::Tensor x_j = to_compute_dtype(x).index_select(0, j);
+  const at::Tensor filter = to_compute_dtype(ops::formed_filter(
+      in[3], in[7].defined() ? std::optional<at::Tensor>(in[7]) : std::nullopt));
   const at::Tensor grad_scalar_i = to_compute_dtype(in[0]).index_select(0, i);
   const at::Tensor grad_vector_i = to_compute_dtype(in[1]).index_select(0, i);  // [P, 3, F]
   const at::Tensor vectors_j = to_compute_dtype(in[4]).index_select(0, j);
@@ -610,12 +615,14 @@ struct VectorMessagePassingBackwardFunction
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_scalar,
                                const at::Tensor& grad_vector, const at::Tensor& x,
                                const at::Tensor& filter, const at::Tensor& vectors,
-                               const at::Tensor& directions, const at::Tensor& pairs) {
-    save_inputs(ctx, {grad_scalar, grad_vector, x, filter, vectors, directions, pairs});
+                               const at::Tensor& directions, const at::Tensor& pairs,
+                               const std::optional<at::Tensor>& filter_weight) {
+    save_inputs(ctx, {grad_scalar, grad_vector, x, filter, vectors, directions, pairs,
+                      value_or_undefined(filter_weight)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [grad_x, grad_filter, grad_vectors, grad_directions] =
         handles::vector_message_passing_backward().call(grad_scalar, grad_vector, x, filter,
-                                                        vectors, directions, pairs);
+                                                        vectors, directions, pairs, filter_weight);
     return {grad_x, grad_filter, grad_vectors, grad_directions};
   }
 
@@ -630,41 +637,56 @@ struct VectorMessagePassingBackwardFunction
 struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePassingFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& filter,
                                const at::Tensor& vectors, const at::Tensor& directions,
-                               const at::Tensor& pairs) {
-    ctx->save_for_backward({x, filter, vectors, directions, pairs});
+                               const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    ctx->save_for_backward({x, filter, vectors, directions, pairs, value_or_undefined(filter_weight)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [scalar, vector] =
-        handles::vector_message_passing().call(x, filter, vectors, directions, pairs);
+        handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight);
     return {scalar, vector};
   }
 
   // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& basis = saved[1];
+    const at::Tensor& weight = saved[5];
+    std::optional<at::Tensor> fused_weight;
+    at::Tensor filter = basis;
+    if (weight.defined()) {
+      // For double backward the formed filter must be a PyTorch product (differentiable in the
+      // basis and the weight); for forces alone the fused op forms it.
+      if (at::GradMode::is_enabled()) {
+        filter = ops::formed_filter(basis, weight);
+      } else {
+        fused_weight = weight;
+      }
+    }
     // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
     // backward.
     auto [grad_x, grad_filter, grad_vectors, grad_directions] =
-        handles::vector_message_passing_backward().call(grad_outputs[0], grad_outputs[1], saved[0],
-                                                        saved[1], saved[2], saved[3], saved[4]);
-    return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor()};
+        handles::vector_message_passing_backward().call(grad_outputs[0], grad_outputs[1], saved[0], filter,
+                                                        saved[2], saved[3], saved[4], fused_weight);
+    if (!weight.defined()) return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor(), at::Tensor()};
+    const at::Tensor grad_basis = ctx->needs_input_grad(1) ? grad_filter.matmul(weight) : at::Tensor();
+    const at::Tensor grad_weight = ctx->needs_input_grad(5) ? grad_filter.t().matmul(basis) : at::Tensor();
+    return {grad_x, grad_basis, grad_vectors, grad_directions, at::Tensor(), grad_weight};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> vector_message_passing_autograd(const at::Tensor& x,
-                                                                   const at::Tensor& filter,
-                                                                   const at::Tensor& vectors,
-                                                                   const at::Tensor& directions,
-                                                                   const at::Tensor& pairs) {
-  const variable_list out = VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs);
+std::tuple<at::Tensor, at::Tensor> vector_message_passing_autograd(
+    const at::Tensor& x, const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+  const variable_list out =
+      VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs, filter_weight);
   return {out[0], out[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_autograd(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
   const variable_list out = VectorMessagePassingBackwardFunction::apply(
-      grad_scalar, grad_vector, x, filter, vectors, directions, pairs);
+      grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight);
   return {out[0], out[1], out[2], out[3]};
 }
 

@@ -33,10 +33,11 @@ using RadialBasisBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, 
                                           int64_t, double, c10::string_view);
 using PairOpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const std::optional<at::Tensor>&);
 using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&);
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
 using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view);

@@ -27,4 +27,11 @@ PYBIND11_MODULE(_C, m) {
         return mirage::cfconv_supported(num_rbf, hidden, width, c10::Device(device));
       },
       "Whether mirage::cfconv takes a filter network of these sizes on this device (a torch device string).");
+  m.def(
+      "fused_filter_supported",
+      [](int64_t features, int64_t basis, const std::string& device) {
+        return mirage::fused_filter_supported(features, basis, c10::Device(device));
+      },
+      "Whether mirage::vector_message_passing's CUDA kernels form a float32 filter of 3 * features columns "
+      "from a basis of this width themselves (a torch device string).");
 }

@@ -14,8 +14,13 @@
 // reduction per pair, then one atomic per tile.
 // float16/bfloat16 outputs accumulate in a float32 workspace that a last kernel converts; that
 // kernel also writes NaN everywhere when an index was out of range.
+// A fused filter (FusedFilter) is formed in the kernel a few pairs at a time, so that each
+// weight load from shared memory serves several pairs: the block keeps the weight transposed in
+// shared memory and each warp its run's basis rows; the grid is then one wave of blocks, each
+// warp walking runs, so that the weight is staged once per block.
 #include <algorithm>
 #include <initializer_list>
+#include <type_traits>
 
 #include "kernel_utils.cuh"
 #include "pair_order.cuh"
@@ -33,18 +38,91 @@ size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 __device__ __forceinline__ bool in_range(int64_t i, int64_t n) { return i >= 0 && i < n; }
 
-// The run of pairs of this warp: [begin, begin + count). count <= 0 when the warp has none.
+// A run of pairs: [begin, begin + count). count <= 0 past the last pair.
 struct PairRun {
   int64_t begin;
   int count;
 };
 
-__device__ __forceinline__ PairRun pair_run(int64_t num_pairs, int pairs_per_warp) {
-  const int64_t begin =
-      (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y) * static_cast<int64_t>(pairs_per_warp);
+__device__ __forceinline__ PairRun pair_run(int64_t index, int64_t num_pairs, int pairs_per_warp) {
+  const int64_t begin = index * static_cast<int64_t>(pairs_per_warp);
   const int64_t left = num_pairs - begin;
   return {begin, static_cast<int>(left < pairs_per_warp ? left : pairs_per_warp)};
 }
+
+// Warp w of the grid takes runs w, w + (warps in the grid), ... (one each unless the grid was
+// capped: fused filters).
+template <typename F>
+__device__ __forceinline__ void for_each_run(int64_t num_pairs, int pairs_per_warp, F&& f) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t index = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;; index += warps) {
+    const PairRun run = pair_run(index, num_pairs, pairs_per_warp);
+    if (run.count <= 0) return;  // the whole warp
+    f(run);
+  }
+}
+
+// Fused filters are formed a group of pairs at a time, each weight load serving the group: four
+// in the forward, two in the backward (four spill registers at two blocks an SM: 229 against
+// 270 us a layer of PaiNN at 3,000 atoms on an H100, 2026-11-24).
+constexpr int kForwardGroup = 4;
+constexpr int kBackwardGroup = 2;
+
+// Shared memory of a fused filter: the weight transposed, [K][3F], then each warp's basis rows
+// transposed, [K][32] (column k: its run's k-th pair).
+size_t fused_shared_bytes(int64_t features, int width) {
+  return static_cast<size_t>(width) * static_cast<size_t>(3 * features + kWarps * kLanes) * sizeof(float);
+}
+
+struct FilterStage {
+  const float* weight_t;  // [K][3F]
+  float* basis;           // this warp's [K][32]
+  int width;              // K
+  int64_t columns;        // 3F
+
+  // Every thread of the block: the weight into shared memory (a __syncthreads must follow).
+  __device__ FilterStage(const FusedFilter& fused, int64_t features) : width(fused.width), columns(3 * features) {
+    extern __shared__ float4 smem4[];
+    float* weight = reinterpret_cast<float*>(smem4);
+    for (int64_t idx = threadIdx.y * kLanes + threadIdx.x; idx < columns * width; idx += kLanes * kWarps) {
+      const int64_t c = idx / width;
+      weight[(idx - c * width) * columns + c] = fused.weight[idx];
+    }
+    weight_t = weight;
+    basis = weight + columns * width + threadIdx.y * width * kLanes;
+  }
+
+  // The warp's run: lane k < count stores its pair's basis row, the others zeros.
+  __device__ void stage_run(const FusedFilter& fused, int64_t pair, bool has_pair) {
+    __syncwarp();  // the previous run's filters are formed
+    for (int r = 0; r < width; ++r) basis[r * kLanes + threadIdx.x] = has_pair ? fused.basis[pair * width + r] : 0.0f;
+    __syncwarp();
+  }
+
+  // The filters of the run's pairs k0 .. k0 + G - 1 at this lane's columns f .. f + 3 of each
+  // part, summed over the basis in order.
+  template <int G>
+  __device__ void form(int k0, int64_t features, int64_t f, float (&out)[G][3][4]) const {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int part = 0; part < 3; ++part)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) out[g][part][v] = 0.0f;
+    for (int r = 0; r < width; ++r) {
+      float b[G], w[3][4];
+      load_packed<float, G>(basis + r * kLanes + k0, b);
+#pragma unroll
+      for (int part = 0; part < 3; ++part) load_packed<float, 4>(weight_t + r * columns + part * features + f, w[part]);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int part = 0; part < 3; ++part)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) out[g][part][v] = fmaf(b[g], w[part][v], out[g][part][v]);
+    }
+  }
+};
 
 // Lane k's copy of the run's k-th pair (pair begin + k, or order[begin + k] when walking an
 // order): its index, its node indices, its direction. Raises the flag when any pair of the run
@@ -70,78 +148,121 @@ struct LanePair {
   }
 };
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kLanes* kWarps)
+// Nothing to stage: the filter is read.
+struct ReadFilter {};
+
+// The block's filter stage (a barrier after it: every thread staged part of the weight).
+template <bool kFused>
+__device__ __forceinline__ std::conditional_t<kFused, FilterStage, ReadFilter> make_stage(const FusedFilter& fused,
+                                                                                         int64_t features) {
+  if constexpr (kFused) {
+    FilterStage stage(fused, features);
+    __syncthreads();
+    return stage;
+  } else {
+    return {};
+  }
+}
+
+// This lane's filter columns f .. f + V - 1 of each part for the run's pair k0 + g: formed for
+// the group (fused) or read.
+template <typename T, int V, bool kFused, int G>
+__device__ __forceinline__ void filter_parts(const T* filter, int64_t pair, int64_t features, int64_t f,
+                                             const float (&formed)[G][3][4], int g, float (&out)[3][V]) {
+  if constexpr (kFused) {
+#pragma unroll
+    for (int part = 0; part < 3; ++part)
+#pragma unroll
+      for (int v = 0; v < V; ++v) out[part][v] = formed[g][part][v];
+  } else {
+#pragma unroll
+    for (int part = 0; part < 3; ++part) load_packed<T, V>(filter + (pair * 3 + part) * features + f, out[part]);
+  }
+}
+
+template <typename T, int V, bool kFused>
+__global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
     forward_kernel(VectorMessagePassingParams p, int pairs_per_warp,
                    float* scalar,  // [N, F], zeroed
                    float* vector,  // [N, 3, F], zeroed
                    int* invalid) {  // [1]
+  static_assert(!kFused || (std::is_same_v<T, float> && V == 4), "fused filters: float32, 4 columns a lane");
+  constexpr int kStep = kFused ? kForwardGroup : 1;
   const T* x = static_cast<const T*>(p.x);
   const T* filter = static_cast<const T*>(p.filter);
   const T* vectors = static_cast<const T*>(p.vectors);
   const int64_t F = p.features, N = p.nodes;
-  const PairRun run = pair_run(p.num_pairs, pairs_per_warp);
-  if (run.count <= 0) return;  // the whole warp
-  const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, nullptr,
-                         invalid);
   const int64_t f = (static_cast<int64_t>(blockIdx.y) * kLanes + threadIdx.x) * V;
   const bool active = f < F;  // V divides F when V > 1
+  auto stage = make_stage<kFused>(p.fused, F);
 
-  float acc_s[V], acc_v[3][V];
-  int64_t current = -1;
-  const auto flush = [&] {
-    if (current < 0 || !active) return;
-    atomic_add<V>(scalar + current * F + f, acc_s);
+  for_each_run(p.num_pairs, pairs_per_warp, [&](const PairRun run) {
+    const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, nullptr, invalid);
+    if constexpr (kFused) stage.stage_run(p.fused, mine.pair, threadIdx.x < run.count);
+    float acc_s[V], acc_v[3][V];
+    int64_t current = -1;
+    const auto flush = [&] {
+      if (current < 0 || !active) return;
+      atomic_add<V>(scalar + current * F + f, acc_s);
 #pragma unroll
-    for (int c = 0; c < 3; ++c) atomic_add<V>(vector + (current * 3 + c) * F + f, acc_v[c]);
-  };
-  for (int k = 0; k < run.count; ++k) {
-    const int64_t i = __shfl_sync(kFullMask, mine.i, k);
-    const int64_t j = __shfl_sync(kFullMask, mine.j, k);
-    float d[3];
+      for (int c = 0; c < 3; ++c) atomic_add<V>(vector + (current * 3 + c) * F + f, acc_v[c]);
+    };
+    for (int k0 = 0; k0 < run.count; k0 += kStep) {
+      float formed[kStep][3][4];
+      if constexpr (kFused) {
+        if (active) stage.template form<kStep>(k0, F, f, formed);
+      }
 #pragma unroll
-    for (int c = 0; c < 3; ++c) d[c] = __shfl_sync(kFullMask, mine.d[c], k);
-    if (!in_range(i, N) || !in_range(j, N)) continue;  // uniform over the warp
-    if (i != current) {
-      flush();
-      current = i;
+      for (int g = 0; g < kStep; ++g) {
+        const int k = k0 + g;
+        if (k >= run.count) break;  // uniform over the warp
+        const int64_t i = __shfl_sync(kFullMask, mine.i, k);
+        const int64_t j = __shfl_sync(kFullMask, mine.j, k);
+        float d[3];
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        acc_s[v] = 0.0f;
+        for (int c = 0; c < 3; ++c) d[c] = __shfl_sync(kFullMask, mine.d[c], k);
+        if (!in_range(i, N) || !in_range(j, N)) continue;  // uniform over the warp
+        if (i != current) {
+          flush();
+          current = i;
 #pragma unroll
-        for (int c = 0; c < 3; ++c) acc_v[c][v] = 0.0f;
+          for (int v = 0; v < V; ++v) {
+            acc_s[v] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 3; ++c) acc_v[c][v] = 0.0f;
+          }
+        }
+        if (!active) continue;
+        float xs[V], xvv[V], xvs[V], fp[3][V], vec[3][V];
+        load_packed<T, V>(x + j * 3 * F + f, xs);
+        load_packed<T, V>(x + j * 3 * F + F + f, xvv);
+        load_packed<T, V>(x + j * 3 * F + 2 * F + f, xvs);
+        filter_parts<T, V, kFused, kStep>(filter, run.begin + k, F, f, formed, g, fp);
+#pragma unroll
+        for (int c = 0; c < 3; ++c) load_packed<T, V>(vectors + (j * 3 + c) * F + f, vec[c]);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          acc_s[v] += xs[v] * fp[0][v];
+          const float m_vv = xvv[v] * fp[1][v], m_vs = xvs[v] * fp[2][v];
+#pragma unroll
+          for (int c = 0; c < 3; ++c) acc_v[c][v] += vec[c][v] * m_vv + m_vs * d[c];
+        }
       }
     }
-    if (!active) continue;
-    const int64_t pair = run.begin + k;
-    float xs[V], xvv[V], xvs[V], fs[V], fvv[V], fvs[V], vec[3][V];
-    load_packed<T, V>(x + j * 3 * F + f, xs);
-    load_packed<T, V>(x + j * 3 * F + F + f, xvv);
-    load_packed<T, V>(x + j * 3 * F + 2 * F + f, xvs);
-    load_packed<T, V>(filter + pair * 3 * F + f, fs);
-    load_packed<T, V>(filter + pair * 3 * F + F + f, fvv);
-    load_packed<T, V>(filter + pair * 3 * F + 2 * F + f, fvs);
-#pragma unroll
-    for (int c = 0; c < 3; ++c) load_packed<T, V>(vectors + (j * 3 + c) * F + f, vec[c]);
-#pragma unroll
-    for (int v = 0; v < V; ++v) {
-      acc_s[v] += xs[v] * fs[v];
-      const float m_vv = xvv[v] * fvv[v], m_vs = xvs[v] * fvs[v];
-#pragma unroll
-      for (int c = 0; c < 3; ++c) acc_v[c][v] += vec[c][v] * m_vv + m_vs * d[c];
-    }
-  }
-  flush();
+    flush();
+  });
 }
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kLanes* kWarps)
+template <typename T, int V, bool kFused>
+__global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
     backward_kernel(VectorMessagePassingBackwardParams p, int pairs_per_warp,
                     const int* order,        // [P] pairs grouped by sender, or null: their own order
                     float* grad_x,           // [N, 3F], zeroed
                     float* grad_vectors,     // [N, 3, F], zeroed
                     float* grad_directions,  // [P, 3], zeroed
                     int* invalid) {          // [1]
+  static_assert(!kFused || (std::is_same_v<T, float> && V == 4), "fused filters: float32, 4 columns a lane");
+  constexpr int kStep = kFused ? kBackwardGroup : 1;
   const T* grad_scalar = static_cast<const T*>(p.grad_scalar);
   const T* grad_vector = static_cast<const T*>(p.grad_vector);
   const T* x = static_cast<const T*>(p.x);
@@ -149,92 +270,101 @@ __global__ void __launch_bounds__(kLanes* kWarps)
   const T* vectors = static_cast<const T*>(p.vectors);
   T* grad_filter = static_cast<T*>(p.grad_filter);
   const int64_t F = p.features, N = p.nodes;
-  const PairRun run = pair_run(p.num_pairs, pairs_per_warp);
-  if (run.count <= 0) return;
-  const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, order, invalid);
   const int64_t f = (static_cast<int64_t>(blockIdx.y) * kLanes + threadIdx.x) * V;
   const bool active = f < F;
+  auto stage = make_stage<kFused>(p.fused, F);
 
-  // This lane's sums for the sender `current`: the gradients of x's three parts and of its
-  // vectors; and that sender's rows of x and vectors, read once per run of it.
-  float acc_x[3][V], acc_vec[3][V], xs[V], xvv[V], xvs[V], vec[3][V];
-  int64_t current = -1;
-  const auto flush = [&] {
-    if (current < 0 || !active) return;
+  for_each_run(p.num_pairs, pairs_per_warp, [&](const PairRun run) {
+    const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, order, invalid);
+    if constexpr (kFused) stage.stage_run(p.fused, mine.pair, threadIdx.x < run.count);
+    // This lane's sums for the sender `current`: the gradients of x's three parts and of its
+    // vectors; and that sender's rows of x and vectors, read once per run of it.
+    float acc_x[3][V], acc_vec[3][V], xs[V], xvv[V], xvs[V], vec[3][V];
+    int64_t current = -1;
+    const auto flush = [&] {
+      if (current < 0 || !active) return;
 #pragma unroll
-    for (int c = 0; c < 3; ++c) {
-      atomic_add<V>(grad_x + current * 3 * F + c * F + f, acc_x[c]);
-      atomic_add<V>(grad_vectors + (current * 3 + c) * F + f, acc_vec[c]);
-    }
-  };
-  for (int k = 0; k < run.count; ++k) {
-    const int64_t pair = __shfl_sync(kFullMask, mine.pair, k);
-    const int64_t i = __shfl_sync(kFullMask, mine.i, k);
-    const int64_t j = __shfl_sync(kFullMask, mine.j, k);
-    float d[3];
+      for (int c = 0; c < 3; ++c) {
+        atomic_add<V>(grad_x + current * 3 * F + c * F + f, acc_x[c]);
+        atomic_add<V>(grad_vectors + (current * 3 + c) * F + f, acc_vec[c]);
+      }
+    };
+    for (int k0 = 0; k0 < run.count; k0 += kStep) {
+      float formed[kStep][3][4];
+      if constexpr (kFused) {
+        if (active) stage.template form<kStep>(k0, F, f, formed);
+      }
 #pragma unroll
-    for (int c = 0; c < 3; ++c) d[c] = __shfl_sync(kFullMask, mine.d[c], k);
-    if (!in_range(i, N) || !in_range(j, N)) continue;  // uniform over the warp
-    if (j != current) {
-      flush();
-      current = j;
+      for (int g = 0; g < kStep; ++g) {
+        const int k = k0 + g;
+        if (k >= run.count) break;  // uniform over the warp
+        const int64_t pair = __shfl_sync(kFullMask, mine.pair, k);
+        const int64_t i = __shfl_sync(kFullMask, mine.i, k);
+        const int64_t j = __shfl_sync(kFullMask, mine.j, k);
+        float d[3];
 #pragma unroll
-      for (int c = 0; c < 3; ++c)
+        for (int c = 0; c < 3; ++c) d[c] = __shfl_sync(kFullMask, mine.d[c], k);
+        if (!in_range(i, N) || !in_range(j, N)) continue;  // uniform over the warp
+        if (j != current) {
+          flush();
+          current = j;
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc_x[c][v] = acc_vec[c][v] = 0.0f;
-      if (active) {
-        load_packed<T, V>(x + j * 3 * F + f, xs);
-        load_packed<T, V>(x + j * 3 * F + F + f, xvv);
-        load_packed<T, V>(x + j * 3 * F + 2 * F + f, xvs);
+          for (int c = 0; c < 3; ++c)
 #pragma unroll
-        for (int c = 0; c < 3; ++c) load_packed<T, V>(vectors + (j * 3 + c) * F + f, vec[c]);
+            for (int v = 0; v < V; ++v) acc_x[c][v] = acc_vec[c][v] = 0.0f;
+          if (active) {
+            load_packed<T, V>(x + j * 3 * F + f, xs);
+            load_packed<T, V>(x + j * 3 * F + F + f, xvv);
+            load_packed<T, V>(x + j * 3 * F + 2 * F + f, xvs);
+#pragma unroll
+            for (int c = 0; c < 3; ++c) load_packed<T, V>(vectors + (j * 3 + c) * F + f, vec[c]);
+          }
+        }
+        float part[3] = {0.0f, 0.0f, 0.0f};  // this lane's share of grad_directions[pair]
+        if (active) {
+          float gs[V], gv[3][V], fp[3][V];
+          load_packed<T, V>(grad_scalar + i * F + f, gs);
+#pragma unroll
+          for (int c = 0; c < 3; ++c) load_packed<T, V>(grad_vector + (i * 3 + c) * F + f, gv[c]);
+          filter_parts<T, V, kFused, kStep>(filter, pair, F, f, formed, g, fp);
+          float gf_s[V], gf_vv[V], gf_vs[V];
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            // Gradients of the message parts m_s, m_vv, m_vs of this pair.
+            const float g_s = gs[v];
+            float g_vv = 0.0f, g_vs = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 3; ++c) {
+              g_vv += gv[c][v] * vec[c][v];
+              g_vs += gv[c][v] * d[c];
+            }
+            gf_s[v] = g_s * xs[v];
+            gf_vv[v] = g_vv * xvv[v];
+            gf_vs[v] = g_vs * xvs[v];
+            acc_x[0][v] += g_s * fp[0][v];
+            acc_x[1][v] += g_vv * fp[1][v];
+            acc_x[2][v] += g_vs * fp[2][v];
+            const float m_vv = xvv[v] * fp[1][v], m_vs = xvs[v] * fp[2][v];
+#pragma unroll
+            for (int c = 0; c < 3; ++c) {
+              acc_vec[c][v] += gv[c][v] * m_vv;
+              part[c] += gv[c][v] * m_vs;
+            }
+          }
+          store_packed<T, V>(grad_filter + pair * 3 * F + f, gf_s);
+          store_packed<T, V>(grad_filter + pair * 3 * F + F + f, gf_vv);
+          store_packed<T, V>(grad_filter + pair * 3 * F + 2 * F + f, gf_vs);
+        }
+#pragma unroll
+        for (int c = 0; c < 3; ++c) part[c] = warp_sum(part[c]);
+        if (threadIdx.x == 0) {
+#pragma unroll
+          for (int c = 0; c < 3; ++c) atomicAdd(grad_directions + 3 * pair + c, part[c]);
+        }
       }
     }
-    float part[3] = {0.0f, 0.0f, 0.0f};  // this lane's share of grad_directions[pair]
-    if (active) {
-      float gs[V], gv[3][V], fs[V], fvv[V], fvs[V];
-      load_packed<T, V>(grad_scalar + i * F + f, gs);
-#pragma unroll
-      for (int c = 0; c < 3; ++c) load_packed<T, V>(grad_vector + (i * 3 + c) * F + f, gv[c]);
-      load_packed<T, V>(filter + pair * 3 * F + f, fs);
-      load_packed<T, V>(filter + pair * 3 * F + F + f, fvv);
-      load_packed<T, V>(filter + pair * 3 * F + 2 * F + f, fvs);
-      float gf_s[V], gf_vv[V], gf_vs[V];
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        // Gradients of the message parts m_s, m_vv, m_vs of this pair.
-        const float g_s = gs[v];
-        float g_vv = 0.0f, g_vs = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 3; ++c) {
-          g_vv += gv[c][v] * vec[c][v];
-          g_vs += gv[c][v] * d[c];
-        }
-        gf_s[v] = g_s * xs[v];
-        gf_vv[v] = g_vv * xvv[v];
-        gf_vs[v] = g_vs * xvs[v];
-        acc_x[0][v] += g_s * fs[v];
-        acc_x[1][v] += g_vv * fvv[v];
-        acc_x[2][v] += g_vs * fvs[v];
-        const float m_vv = xvv[v] * fvv[v], m_vs = xvs[v] * fvs[v];
-#pragma unroll
-        for (int c = 0; c < 3; ++c) {
-          acc_vec[c][v] += gv[c][v] * m_vv;
-          part[c] += gv[c][v] * m_vs;
-        }
-      }
-      store_packed<T, V>(grad_filter + pair * 3 * F + f, gf_s);
-      store_packed<T, V>(grad_filter + pair * 3 * F + F + f, gf_vv);
-      store_packed<T, V>(grad_filter + pair * 3 * F + 2 * F + f, gf_vs);
-    }
-#pragma unroll
-    for (int c = 0; c < 3; ++c) part[c] = warp_sum(part[c]);
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int c = 0; c < 3; ++c) atomicAdd(grad_directions + 3 * pair + c, part[c]);
-    }
-  }
-  flush();
+    flush();
+  });
 }
 
 // Pairs per warp: enough warps to fill the GPU a few times over before runs get long (long runs
@@ -296,7 +426,60 @@ dim3 pair_grid(int64_t num_pairs, int pairs_per_warp, int64_t tiles) {
               static_cast<unsigned>(tiles));
 }
 
+// Runs kernel(params, pairs_per_warp, args...) over the pairs: a run per warp; with a fused
+// filter, one wave of blocks (as many as fit on the GPU at once, each staging the weight once)
+// whose warps walk the same number of runs, as long as the runs allow (up to 32 pairs).
+template <typename Params, typename... KernelArgs, typename... Args>
+cudaError_t launch_over_pairs(void (*kernel)(Params, int, KernelArgs...), const Params& p, int64_t tiles,
+                              cudaStream_t stream, Args... args) {
+  if (p.fused.basis == nullptr) {
+    const int pairs_per_warp = pick_pairs_per_warp(p.num_pairs, tiles);
+    kernel<<<pair_grid(p.num_pairs, pairs_per_warp, tiles), dim3(kLanes, kWarps), 0, stream>>>(p, pairs_per_warp,
+                                                                                              args...);
+    return cudaGetLastError();
+  }
+  const size_t shared = fused_shared_bytes(p.features, p.fused.width);
+  cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  int per_sm = 0;
+  if (status == cudaSuccess)
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLanes * kWarps, shared);
+  if (status != cudaSuccess) return status;
+  const int64_t blocks = std::max<int64_t>(1, std::max(per_sm, 1) * static_cast<int64_t>(sm_count()) / tiles);
+  const int64_t warps = blocks * kWarps;
+  const int64_t runs_per_warp = std::max<int64_t>(1, ceil_div(p.num_pairs, warps * kLanes));
+  const int pairs_per_warp = static_cast<int>(std::clamp<int64_t>(ceil_div(p.num_pairs, warps * runs_per_warp), 1, kLanes));
+  dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
+  grid.x = static_cast<unsigned>(std::min<int64_t>(grid.x, blocks));
+  kernel<<<grid, dim3(kLanes, kWarps), shared, stream>>>(p, pairs_per_warp, args...);
+  return cudaGetLastError();
+}
+
+// The kernel for the dtype T, packing and filter source: kernel(std::integral_constant<int, V>,
+// std::bool_constant<kFused>). A fused filter needs float32 and packing (fused_filter_supported
+// and 16-byte aligned rows, which the op checks).
+template <typename T, typename F>
+cudaError_t with_kernel_kind(bool pack, bool fused, F&& kernel) {
+  if (fused) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (pack) return kernel(std::integral_constant<int, 4>{}, std::true_type{});
+    }
+    return cudaErrorInvalidValue;
+  }
+  return pack ? kernel(std::integral_constant<int, 4>{}, std::false_type{})
+              : kernel(std::integral_constant<int, 1>{}, std::false_type{});
+}
+
 }  // namespace
+
+bool fused_filter_supported(int64_t features, int64_t width, DType dtype) {
+  if (dtype != DType::kFloat32 || features < 4 || features % 4 != 0 || width < 1 || width > kMaxFusedFilterWidth)
+    return false;
+  int device = 0, bytes = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return fused_shared_bytes(features, static_cast<int>(width)) <= static_cast<size_t>(bytes);
+}
 
 size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& p) {
   return workspace_bytes(p.dtype, {p.nodes * p.features, p.nodes * 3 * p.features});
@@ -321,19 +504,13 @@ cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, v
   if (status == cudaSuccess) status = zero(vector, n_vector, sizeof(float), stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features, {p.x, p.filter, p.vectors}, p.dtype, {scalar, vector});
-  const int V = pack ? 4 : 1;
-  const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * V));
-  const int pairs_per_warp = pick_pairs_per_warp(p.num_pairs, tiles);
-  const dim3 block(kLanes, kWarps);
+  const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * (pack ? 4 : 1)));
   MIRAGE_DISPATCH_FLOAT(p.dtype, [&] {
     if (p.num_pairs > 0) {
-      const dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
-      if (pack) {
-        forward_kernel<scalar_t, 4><<<grid, block, 0, stream>>>(p, pairs_per_warp, scalar, vector, w.invalid);
-      } else {
-        forward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(p, pairs_per_warp, scalar, vector, w.invalid);
-      }
-      status = cudaGetLastError();
+      status = with_kernel_kind<scalar_t>(pack, p.fused.basis != nullptr, [&](auto v, auto fused) {
+        return launch_over_pairs(forward_kernel<scalar_t, v(), fused()>, p, tiles, stream, scalar, vector,
+                                 w.invalid);
+      });
       if (status != cudaSuccess) return;
     }
     Segments segments{{{float32 ? nullptr : scalar, p.scalar, n_scalar},
@@ -369,21 +546,13 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
                              p.dtype, {grad_x, grad_vectors});
-  const int V = pack ? 4 : 1;
-  const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * V));
-  const int pairs_per_warp = pick_pairs_per_warp(p.num_pairs, tiles);
-  const dim3 block(kLanes, kWarps);
+  const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * (pack ? 4 : 1)));
   MIRAGE_DISPATCH_FLOAT(p.dtype, [&] {
     if (p.num_pairs > 0) {
-      const dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
-      if (pack) {
-        backward_kernel<scalar_t, 4><<<grid, block, 0, stream>>>(p, pairs_per_warp, order, grad_x,
-                                                                 grad_vectors, grad_directions, w.invalid);
-      } else {
-        backward_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(p, pairs_per_warp, order, grad_x,
-                                                                 grad_vectors, grad_directions, w.invalid);
-      }
-      status = cudaGetLastError();
+      status = with_kernel_kind<scalar_t>(pack, p.fused.basis != nullptr, [&](auto v, auto fused) {
+        return launch_over_pairs(backward_kernel<scalar_t, v(), fused()>, p, tiles, stream, order, grad_x,
+                                 grad_vectors, grad_directions, w.invalid);
+      });
       if (status != cudaSuccess) return;
     }
     Segments segments{{{float32 ? nullptr : grad_x, p.grad_x, n_node},

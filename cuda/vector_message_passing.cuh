@@ -6,6 +6,9 @@
 //   vector[i, c] += vectors[j, c] * m_vv + m_vs * directions[p, c]
 // Pairs may come in any order and repeat; an index outside [0, N) is never followed: the pair is
 // skipped and every output is written NaN (graph-safe: nothing is reported to the host).
+// The filter is read from memory, or formed in the kernel from its Linear's input (FusedFilter):
+// PaiNN's filter is a Linear of the pair's radial basis, 3F wide for a basis of ~20, so forming
+// it where it is used saves writing and reading [P, 3F] and a GEMM of poor shape.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +17,17 @@
 #include "common.cuh"
 
 namespace mirage::cuda {
+
+// filter[p] = basis[p] @ weight^T, formed in the kernel when basis is not null (the params'
+// filter is then not read). float32 only, F % 4 == 0 and K <= kMaxFusedFilterWidth:
+// fused_filter_supported.
+struct FusedFilter {
+  const float* basis = nullptr;   // [P, K] contiguous
+  const float* weight = nullptr;  // [3F, K] contiguous (nn.Linear's layout)
+  int width = 0;                  // K
+};
+
+inline constexpr int kMaxFusedFilterWidth = 32;
 
 struct VectorMessagePassingParams {
   const void* x;           // [N, 3F] contiguous, parts (s, vv, vs)
@@ -27,6 +41,7 @@ struct VectorMessagePassingParams {
   int64_t num_pairs;       // P
   int64_t features;        // F
   DType dtype;             // of every floating tensor above
+  FusedFilter fused;       // or the filter formed from a basis
 };
 
 // The gradients of the op with respect to x, filter, vectors and directions.
@@ -46,7 +61,12 @@ struct VectorMessagePassingBackwardParams {
   int64_t num_pairs;
   int64_t features;
   DType dtype;
+  FusedFilter fused;        // the filter formed from a basis (grad_filter is still [P, 3F])
 };
+
+// Whether the kernels form the filter of F features from a basis of K on the current device
+// (float32, F % 4 == 0, 1 <= K <= kMaxFusedFilterWidth, the weight fits in shared memory).
+bool fused_filter_supported(int64_t features, int64_t width, DType dtype);
 
 // Bytes of device scratch the launchers need: float32 accumulators for float16/bfloat16 outputs
 // and the invalid-index flag.

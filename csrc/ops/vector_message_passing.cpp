@@ -46,7 +46,8 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
                                                        const at::Tensor& filter,
                                                        const at::Tensor& vectors,
                                                        const at::Tensor& directions,
-                                                       const at::Tensor& pairs) {
+                                                       const at::Tensor& pairs,
+                                                       const std::optional<at::Tensor>& filter_weight) {
   check_activation_dtype(op, "x", x);
   MIRAGE_CHECK(x.dim() == 2 && x.size(1) % 3 == 0, op,
                ": x must be [N, 3F] (a last dimension divisible by 3), got ", x.sizes());
@@ -59,7 +60,15 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
   check_floating(op, "vectors", vectors, x);
   check_shape(op, "vectors", vectors, "[N, 3, F]", {s.nodes, 3, s.features});
   check_floating(op, "filter", filter, x);
-  check_shape(op, "filter", filter, "[P, 3F]", {s.pairs, 3 * s.features});
+  if (filter_weight.has_value()) {
+    check_floating(op, "filter_weight", *filter_weight, x);
+    MIRAGE_CHECK(filter_weight->dim() == 2 && filter_weight->size(0) == 3 * s.features && filter_weight->size(1) >= 1,
+                 op, ": filter_weight must be [3F, K] = [", 3 * s.features, ", K] with K >= 1, got ",
+                 filter_weight->sizes());
+    check_shape(op, "filter (the basis, with filter_weight)", filter, "[P, K]", {s.pairs, filter_weight->size(1)});
+  } else {
+    check_shape(op, "filter", filter, "[P, 3F]", {s.pairs, 3 * s.features});
+  }
   check_floating(op, "directions", directions, x);
   check_shape(op, "directions", directions, "[P, 3]", {s.pairs, 3});
   return s;
@@ -68,10 +77,10 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
 VectorMessagePassingShape check_vector_message_passing_backward(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
   constexpr std::string_view op = kVectorMessagePassingBackward;
   const VectorMessagePassingShape s =
-      check_vector_message_passing(op, x, filter, vectors, directions, pairs);
+      check_vector_message_passing(op, x, filter, vectors, directions, pairs, filter_weight);
   check_floating(op, "grad_scalar", grad_scalar, x);
   check_shape(op, "grad_scalar", grad_scalar, "[N, F]", {s.nodes, s.features});
   check_floating(op, "grad_vector", grad_vector, x);
@@ -79,9 +88,20 @@ VectorMessagePassingShape check_vector_message_passing_backward(
   return s;
 }
 
+at::Tensor formed_filter(const at::Tensor& filter, const std::optional<at::Tensor>& filter_weight) {
+  return filter_weight.has_value() ? at::matmul(filter, filter_weight->t()) : filter;
+}
+
 namespace {
 
 at::Tensor as_double(const at::Tensor& t) { return t.to(at::kDouble).contiguous(); }
+
+// The filter in float64 for the references (formed in float64 from a basis).
+at::Tensor filter_as_double(const at::Tensor& filter, const std::optional<at::Tensor>& filter_weight) {
+  return formed_filter(as_double(filter), filter_weight.has_value()
+                                              ? std::optional<at::Tensor>(as_double(*filter_weight))
+                                              : std::nullopt).contiguous();
+}
 
 // The pair indices, each checked against [0, N): the CPU reads them anyway.
 std::vector<std::pair<int64_t, int64_t>> read_pairs(std::string_view op, const at::Tensor& pairs,
@@ -106,10 +126,12 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
                                                               const at::Tensor& filter,
                                                               const at::Tensor& vectors,
                                                               const at::Tensor& directions,
-                                                              const at::Tensor& pairs) {
-  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs);
+                                                              const at::Tensor& pairs,
+                                                              const std::optional<at::Tensor>& filter_weight) {
+  const auto s =
+      check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs, filter_weight);
   const auto ij = read_pairs(kVectorMessagePassing, pairs, s.nodes);
-  const at::Tensor x64 = as_double(x), f64 = as_double(filter), v64 = as_double(vectors),
+  const at::Tensor x64 = as_double(x), f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
                    d64 = as_double(directions);
   auto [scalar, vector] = empty_vector_message_passing_outputs(s, x64.options());
   scalar.zero_();
@@ -136,12 +158,13 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_cpu(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs);
+                                                       directions, pairs, filter_weight);
   const auto ij = read_pairs(kVectorMessagePassingBackward, pairs, s.nodes);
   const at::Tensor gs64 = as_double(grad_scalar), gv64 = as_double(grad_vector), x64 = as_double(x),
-                   f64 = as_double(filter), v64 = as_double(vectors), d64 = as_double(directions);
+                   f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
+                   d64 = as_double(directions);
   auto [grad_x, grad_filter, grad_vectors, grad_directions] =
       empty_vector_message_passing_gradients(s, x64.options());
   for (at::Tensor* grad : {&grad_x, &grad_filter, &grad_vectors, &grad_directions}) grad->zero_();
@@ -185,17 +208,19 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_meta(const at::Tensor&
                                                                const at::Tensor& filter,
                                                                const at::Tensor& vectors,
                                                                const at::Tensor& directions,
-                                                               const at::Tensor& pairs) {
-  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs);
+                                                               const at::Tensor& pairs,
+                                                               const std::optional<at::Tensor>& filter_weight) {
+  const auto s =
+      check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs, filter_weight);
   return empty_vector_message_passing_outputs(s, x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_meta(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs);
+                                                       directions, pairs, filter_weight);
   return empty_vector_message_passing_gradients(s, x.options());
 }
 

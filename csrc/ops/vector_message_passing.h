@@ -2,6 +2,7 @@
 // CUDA kernels.
 #pragma once
 
+#include <optional>
 #include <string_view>
 #include <tuple>
 
@@ -19,19 +20,24 @@ struct VectorMessagePassingShape {
   int64_t features;  // F
 };
 
-// Checks x [N, 3F], filter [P, 3F], vectors [N, 3, F], directions [P, 3], pairs [2, P] int64:
-// shapes, dtypes (all floating inputs in x's dtype) and devices. `op` names the op in messages.
+// Checks x [N, 3F], filter [P, 3F] (with filter_weight [3F, K]: filter is the basis [P, K]),
+// vectors [N, 3, F], directions [P, 3], pairs [2, P] int64: shapes, dtypes (all floating inputs
+// in x's dtype) and devices. `op` names the op in messages.
 VectorMessagePassingShape check_vector_message_passing(std::string_view op, const at::Tensor& x,
                                                        const at::Tensor& filter,
                                                        const at::Tensor& vectors,
                                                        const at::Tensor& directions,
-                                                       const at::Tensor& pairs);
+                                                       const at::Tensor& pairs,
+                                                       const std::optional<at::Tensor>& filter_weight);
 
 // The above plus grad_scalar [N, F] and grad_vector [N, 3, F] in x's dtype on x's device.
 VectorMessagePassingShape check_vector_message_passing_backward(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs);
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight);
+
+// The filter [P, 3F]: `filter` itself, or the basis through filter_weight (filter @ weight^T).
+at::Tensor formed_filter(const at::Tensor& filter, const std::optional<at::Tensor>& filter_weight);
 
 // (scalar [N, F], vector [N, 3, F]), uninitialized: the shapes every kernel returns.
 std::tuple<at::Tensor, at::Tensor> empty_vector_message_passing_outputs(

@@ -16,19 +16,51 @@ at::Tensor workspace_for(size_t bytes, const at::Tensor& x) {
   return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
 }
 
+// Where the filter comes from: formed in the kernel from the basis (filter_weight given, sizes
+// and dtype the kernels take: fused_filter_supported, and 16-byte aligned rows, which tensors
+// from the caching allocator have), or read, formed first by a GEMM when filter_weight is given
+// but the kernels cannot form it (docs/ops.md). Holds the tensors the kernel reads.
+struct FilterSource {
+  at::Tensor filter;  // [P, 3F] to read, or the basis [P, K]
+  at::Tensor weight;  // [3F, K] when formed in the kernel
+  cuda::FusedFilter fused;
+
+  FilterSource(const at::Tensor& filter_arg, const std::optional<at::Tensor>& filter_weight,
+               std::initializer_list<const at::Tensor*> rows) {
+    bool fusable = filter_weight.has_value() &&
+                   cuda::fused_filter_supported(filter_weight->size(0) / 3, filter_weight->size(1),
+                                                to_kernel_dtype(filter_arg.scalar_type()));
+    for (const at::Tensor* t : rows) fusable = fusable && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0;
+    if (fusable) {
+      filter = filter_arg.contiguous();
+      weight = filter_weight->contiguous();
+      fused = {filter.const_data_ptr<float>(), weight.const_data_ptr<float>(), static_cast<int>(weight.size(1))};
+    } else {
+      filter = formed_filter(filter_arg, filter_weight).contiguous();
+    }
+  }
+
+  // The params' filter pointer: null when formed in the kernel.
+  const void* read() const { return fused.basis != nullptr ? nullptr : filter.const_data_ptr(); }
+};
+
 std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor& x,
                                                                const at::Tensor& filter,
                                                                const at::Tensor& vectors,
                                                                const at::Tensor& directions,
-                                                               const at::Tensor& pairs) {
-  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs);
+                                                               const at::Tensor& pairs,
+                                                               const std::optional<at::Tensor>& filter_weight) {
+  const auto s =
+      check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs, filter_weight);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous(), fc = filter.contiguous(), vc = vectors.contiguous(),
-                   dc = directions.contiguous(), pc = pairs.contiguous();
+  const at::Tensor xc = x.contiguous(), vc = vectors.contiguous(), dc = directions.contiguous(),
+                   pc = pairs.contiguous();
+  const FilterSource source(filter, filter_weight, {&xc, &vc});
   auto [scalar, vector] = empty_vector_message_passing_outputs(s, x.options());
   cuda::VectorMessagePassingParams params{};
   params.x = xc.const_data_ptr();
-  params.filter = fc.const_data_ptr();
+  params.filter = source.read();
+  params.fused = source.fused;
   params.vectors = vc.const_data_ptr();
   params.directions = dc.const_data_ptr();
   params.pairs = pc.const_data_ptr<int64_t>();
@@ -48,20 +80,22 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_cuda(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs);
+                                                       directions, pairs, filter_weight);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor gsc = grad_scalar.contiguous(), gvc = grad_vector.contiguous(),
-                   xc = x.contiguous(), fc = filter.contiguous(), vc = vectors.contiguous(),
+                   xc = x.contiguous(), vc = vectors.contiguous(),
                    dc = directions.contiguous(), pc = pairs.contiguous();
+  const FilterSource source(filter, filter_weight, {&gsc, &gvc, &xc, &vc});
   auto [grad_x, grad_filter, grad_vectors, grad_directions] =
       empty_vector_message_passing_gradients(s, x.options());
   cuda::VectorMessagePassingBackwardParams params{};
   params.grad_scalar = gsc.const_data_ptr();
   params.grad_vector = gvc.const_data_ptr();
   params.x = xc.const_data_ptr();
-  params.filter = fc.const_data_ptr();
+  params.filter = source.read();
+  params.fused = source.fused;
   params.vectors = vc.const_data_ptr();
   params.directions = dc.const_data_ptr();
   params.pairs = pc.const_data_ptr<int64_t>();

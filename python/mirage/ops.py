@@ -341,7 +341,12 @@ def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
     """
     return torch.ops.mirage.pair_product(a, b, pairs)
 def vector_message_passing(
-    x: Tensor, filter: Tensor, vectors: Tensor, directions: Tensor, pairs: Tensor
+    x: Tensor,
+    filter: Tensor,
+    vectors: Tensor,
+    directions: Tensor,
+    pairs: Tensor,
+    filter_weight: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """PaiNN's message step, fused: scalar and vector messages summed into their receivers.
 
@@ -354,26 +359,56 @@ def vector_message_passing(
 
     This is ``PaiNNMessage`` of examples/forcefield/models.py without its residual adds.
 
+    With ``filter_weight`` (``(3F, K)``, an ``nn.Linear`` weight), ``filter`` is that Linear's
+    input, a ``(P, K)`` basis, and the filter is ``filter @ filter_weight.T``: PaiNN's filter
+    (a bias rides as a basis column of ones, or of the cutoff when the cutoff multiplies the
+    basis). On CUDA the kernels then form the filter where they use it, never writing the
+    ``(P, 3F)`` tensor, when they can (:func:`fused_filter_supported`: float32, ``F % 4 == 0``,
+    ``K <= 32``, 16-byte aligned ``x`` and ``vectors`` rows); otherwise a GEMM forms it first.
+    The same sums either way, to float32 rounding.
+
     Args:
         x: ``(N, 3F)`` node features (PaiNN's ``phi(s)``), parts in the order ``(s, vv, vs)``;
             float32, float16 or bfloat16 (float64 too on the CPU).
-        filter: ``(P, 3F)`` pair filter, cutoff already multiplied in, same part order.
+        filter: ``(P, 3F)`` pair filter, cutoff already multiplied in, same part order; or with
+            ``filter_weight`` the ``(P, K)`` basis it maps.
         vectors: ``(N, 3, F)`` vector features.
         directions: ``(P, 3)`` unit vectors ``r_ij / |r_ij|``.
         pairs: ``(2, P)`` int64; any order, repeats allowed. The floating inputs share ``x``'s
             dtype and device; strided inputs are copied to contiguous first.
+        filter_weight: None, or the ``(3F, K)`` weight that forms the filter from the basis.
 
     Returns:
         ``(scalar, vector)``: ``(N, F)`` and ``(N, 3, F)`` in ``x``'s dtype, summed in float32
-        (float64 on the CPU). Differentiable in ``x``, ``filter``, ``vectors`` and
-        ``directions``, to second order (forces and force training); the first-order backward is
-        a fused kernel of its own (``torch.ops.mirage.vector_message_passing_backward``).
+        (float64 on the CPU). Differentiable in ``x``, ``filter``, ``vectors``, ``directions``
+        and ``filter_weight``, to second order (forces and force training); the first-order
+        backward is a fused kernel of its own (``torch.ops.mirage.vector_message_passing_backward``,
+        which with ``filter_weight`` forms the filter again and returns its gradient, of which
+        the basis' and the weight's gradients are products).
         Under autocast it runs in the autocast dtype (every floating input cast to it).
 
     An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads
     indices on the host, skips the pair and writes NaN to every output (gradients too).
     """
-    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs)
+    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs, filter_weight)
+
+
+def fused_filter_supported(features: int, basis: int, device: Union[str, torch.device]) -> bool:
+    """Whether :func:`vector_message_passing`'s CUDA kernels form a float32 filter of ``3F``
+    (``features`` = F) columns from a basis of ``basis`` = K columns on ``device`` themselves (F
+    a multiple of 4, K <= 32, the weight within the GPU's shared memory), given 16-byte aligned
+    rows. False on the CPU and without a CUDA build."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _fused_filter_supported_on(int(features), int(basis), str(device))
+
+
+@functools.lru_cache(maxsize=None)  # models ask on every forward
+def _fused_filter_supported_on(features: int, basis: int, device: str) -> bool:
+    from . import _C
+
+    return bool(_C.fused_filter_supported(features, basis, device))
 
 
 def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:

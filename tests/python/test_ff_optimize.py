@@ -138,24 +138,26 @@ def test_energy_and_forces_match_the_original(name, dtype, kind):
 
 @pytest.mark.parametrize("dtype,device", [(torch.float64, "cpu"), (torch.float32, "cpu"),
                                           pytest.param(torch.float32, "cuda", marks=pytest.mark.cuda)])
-def test_painn_filters_per_layer_match_the_original(dtype, device):
-    # From per_layer_filters_min_pairs of capacity on (large systems) each interaction's filter is
-    # its own GEMM instead of one batched GEMM for all; the small systems above never reach it.
+def test_painn_fused_filters_match_the_original(dtype, device):
+    # From fused_filters_min_pairs of capacity on (large systems) each interaction's filter is
+    # formed inside vector_message_passing (its filter_weight) instead of one batched GEMM for
+    # all; the small systems above never reach it. The only products left are the basis'
+    # gradients (one a layer).
     model = make_reference("PaiNN", dtype, device=device)
     fused = swapped(model)
     z, pos, cell, pbc = system("triclinic", dtype, device)
-    fused.per_layer_filters_min_pairs = 1
+    fused.fused_filters_min_pairs = 1
     with OpCounter() as ops:
         per_layer = energy_and_forces(fused, z, pos, cell, pbc)
-    assert "aten.bmm" not in ops.calls and ops.calls.count("aten.mm") >= 3, ops.calls
-    fused.per_layer_filters_min_pairs = 2**62
+    assert "aten.bmm" not in ops.calls and ops.calls.count("aten.mm") == 3, ops.calls
+    fused.fused_filters_min_pairs = 2**62
     with OpCounter() as ops:
         batched = energy_and_forces(fused, z, pos, cell, pbc)
     assert "aten.bmm" in ops.calls
     for got, want in zip(per_layer, batched):
         assert_same(got, want, dtype, scale=float(want.abs().max()))
     if device == "cpu":  # against the original too (on the GPU its sums run in another order)
-        fused.per_layer_filters_min_pairs = 1
+        fused.fused_filters_min_pairs = 1
         assert_same_energy_forces(fused, model, z, pos, cell, pbc)
 
 

@@ -469,3 +469,171 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(dtype, nodes, count):
         eager = step()
         for a, b in zip(captured[2:], eager[2:]):
             torch.testing.assert_close(a, b, **tolerance(dtype))
+
+
+# ---- the filter formed from a basis (filter_weight) -----------------------------------------
+
+def formed(x, basis, vectors, directions, pairs, weight):
+    """The op with filter_weight, in plain torch: the filter is basis @ weight^T."""
+    return composite(x, basis @ weight.T, vectors, directions, pairs)
+
+
+def make_formed_inputs(nodes, features, count, width, dtype=torch.float32, device="cpu", order="sorted"):
+    """(x, basis, vectors, directions, pairs, filter_weight) with a [P, K] basis and [3F, K] weight."""
+    x, _, vectors, directions, pairs = make_inputs(nodes, features, count, dtype, device, order)
+    basis = randn(count, width, dtype=dtype, device=device)
+    weight = randn(3 * features, width, dtype=dtype, device=device) / width**0.5
+    return x, basis, vectors, directions, pairs, weight
+
+
+def formed_gradients(fn, inputs, grad_scalar, grad_vector):
+    """Gradients of <grad_scalar, scalar> + <grad_vector, vector> in x, basis, vectors, directions
+    and filter_weight."""
+    x, basis, vectors, directions, pairs, weight = inputs
+    leaves = [t.detach().requires_grad_() for t in (x, basis, vectors, directions, weight)]
+    scalar, vector = fn(*leaves[:4], pairs, leaves[4])
+    return torch.autograd.grad((scalar, vector), leaves, (grad_scalar, grad_vector))
+
+
+def assert_formed_matches(inputs, dtype):
+    """Forward and every gradient against `formed` in float64 (bounds as assert_forward_matches)."""
+    pairs = inputs[4]
+    as64 = lambda t: t.detach().double().cpu()  # noqa: E731
+    exact = [as64(t) if t is not pairs else pairs.cpu() for t in inputs]
+    bound = [as64(t).abs() if t is not pairs else pairs.cpu() for t in inputs]
+    got = mirage.ops.vector_message_passing(*inputs)
+    for g, w, m in zip(got, formed(*exact), formed(*bound)):
+        assert_close_to(g, w, dtype, m)
+    x, vectors = inputs[0], inputs[2]
+    grad_scalar = randn(x.shape[0], vectors.shape[-1], dtype=dtype, device=x.device)
+    grad_vector = randn(*vectors.shape, dtype=dtype, device=x.device)
+    got = formed_gradients(mirage.ops.vector_message_passing, inputs, grad_scalar, grad_vector)
+    want = formed_gradients(formed, exact, as64(grad_scalar), as64(grad_vector))
+    magnitudes = formed_gradients(formed, bound, as64(grad_scalar).abs(), as64(grad_vector).abs())
+    for name, g, w, m in zip(["x", "basis", "vectors", "directions", "filter_weight"], got, want, magnitudes):
+        try:
+            assert_close_to(g, w, dtype, m)
+        except AssertionError as error:
+            raise AssertionError(f"gradient of {name}: {error}") from None
+
+
+# (nodes, F, P, K): F % 4 == 0 and K <= 32 are formed inside the CUDA kernels, the others by a
+# GEMM first; sizes past one tile of 128 features, runs not a multiple of 4 pairs, no pairs.
+FORMED_SHAPES = [(1, 1, 1, 1), (5, 7, 23, 3), (12, 128, 133, 21), (9, 8, 61, 32), (9, 8, 61, 33),
+                 (30, 256, 1000, 21), (4, 4, 0, 5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nodes,features,count,width", FORMED_SHAPES)
+def test_formed_filter_matches_composite(device, dtype, nodes, features, count, width):
+    assert_formed_matches(make_formed_inputs(nodes, features, count, width, dtype, device), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["sorted", "random"])
+@pytest.mark.parametrize("count", [9000, 130_000])  # the backward walks sender order from 8,192 pairs
+def test_cuda_formed_filter_large(order, count):
+    assert_formed_matches(make_formed_inputs(3000, 128, count, 21, torch.float32, "cuda", order), torch.float32)
+
+
+def test_formed_filter_gradcheck_and_gradgradcheck():
+    x, basis, vectors, directions, pairs, weight = make_formed_inputs(5, 3, 7, 4, torch.float64, order="random")
+    leaves = [t.requires_grad_() for t in (x, basis, vectors, directions, weight)]
+
+    def fn(x, basis, vectors, directions, weight):
+        return mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, weight)
+
+    assert torch.autograd.gradcheck(fn, leaves)
+    assert torch.autograd.gradgradcheck(fn, leaves)
+    grads = [randn(5, 3, dtype=torch.float64).requires_grad_(), randn(5, 3, 3, dtype=torch.float64).requires_grad_()]
+    assert torch.autograd.gradcheck(lambda *a: BACKWARD_OP(*a[:6], pairs, a[6]), [*grads, *leaves])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nodes,features,count,width", [(5, 4, 11, 3), (3, 8, 0, 2)])
+def test_formed_filter_opcheck(device, nodes, features, count, width):
+    x, basis, vectors, directions, pairs, weight = make_formed_inputs(nodes, features, count, width, device=device)
+    floats = [t.requires_grad_() for t in (x, basis, vectors, directions, weight)]
+    torch.library.opcheck(OP.default, (*floats[:4], pairs, floats[4]))
+    grads = (randn(nodes, features, device=device), randn(nodes, 3, features, device=device))
+    torch.library.opcheck(BACKWARD_OP.default, (*grads, *floats[:4], pairs, floats[4]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_formed_filter_bad_input(device):
+    x, basis, vectors, directions, pairs, weight = make_formed_inputs(4, 3, 5, 2, device=device)
+    cases = [(weight[:8], r"filter_weight must be \[3F, K\] = \[9, K\] with K >= 1, got \[8, 2\]"),
+             (weight[:, :0], r"filter_weight must be \[3F, K\] = \[9, K\] with K >= 1, got \[9, 0\]"),
+             (weight[0], r"filter_weight must be \[3F, K\] = \[9, K\] with K >= 1, got \[2\]"),
+             (weight.double(), r"filter_weight must have x's dtype \(Float\), got Double"),
+             (weight[:, :1], r"filter \(the basis, with filter_weight\) must have shape \[P, K\] = \[5, 1\], "
+                             r"got \[5, 2\]")]
+    for bad, message in cases:
+        with pytest.raises(RuntimeError, match="mirage::vector_message_passing: " + message):
+            mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, bad)
+    with pytest.raises(RuntimeError, match="mirage::vector_message_passing_backward: filter_weight must be"):
+        BACKWARD_OP(randn(4, 3, device=device), randn(4, 3, 3, device=device), x, basis, vectors, directions,
+                    pairs, weight[:8])
+
+
+def test_fused_filter_supported_is_false_off_cuda():
+    assert not mirage.ops.fused_filter_supported(128, 21, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("features,width,fused", [(128, 21, True), (4, 32, True), (128, 33, False),
+                                                  (7, 21, False)])
+def test_cuda_formed_filter_kernel_choice(features, width, fused):
+    """The kernels form the filter themselves where fused_filter_supported says so (no GEMM then,
+    forward or backward, besides the basis' gradient); otherwise a GEMM forms it first."""
+    assert mirage.ops.fused_filter_supported(features, width, "cuda") == fused
+    inputs = make_formed_inputs(40, features, 900, width, torch.float32, "cuda")
+    x, basis, vectors, directions, pairs, weight = inputs
+    leaves = [t.requires_grad_() for t in (x, vectors, directions)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        scalar, vector = mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, weight)
+        torch.autograd.grad((scalar.sum() + vector.sum()), leaves)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    kernels = [n for n in names if "forward_kernel<float, 4, true" in n or "backward_kernel<float, 4, true" in n]
+    gemms = [n for n in names if "gemm" in n.lower() or "xmma" in n or "nvjet" in n]
+    if fused:
+        assert len(kernels) == 2 and not gemms, names
+    else:
+        assert not kernels and gemms, names
+
+
+@pytest.mark.cuda
+def test_cuda_formed_filter_misaligned_rows_take_the_gemm():
+    # x one element into its storage: the fused kernels need 16-byte rows; the GEMM path is exact too.
+    inputs = list(make_formed_inputs(20, 8, 300, 5, torch.float32, "cuda"))
+    flat = torch.empty(inputs[0].numel() + 1, device="cuda")
+    shifted = flat[1:].view(inputs[0].shape)
+    shifted.copy_(inputs[0])
+    inputs[0] = shifted
+    assert_formed_matches(inputs, torch.float32)
+
+
+@pytest.mark.cuda
+def test_cuda_formed_filter_graph_replay():
+    nodes, features, count, width = 300, 128, 9000, 21
+    static = list(make_formed_inputs(nodes, features, count, width, torch.float32, "cuda", "random"))
+    leaves = [static[k].requires_grad_() for k in (0, 1, 2, 3)]
+    grad_scalar, grad_vector = randn(nodes, features, device="cuda"), randn(nodes, 3, features, device="cuda")
+
+    def step():
+        scalar, vector = mirage.ops.vector_message_passing(*static)
+        return (scalar.detach(), vector.detach(),
+                *torch.autograd.grad((scalar, vector), leaves, (grad_scalar, grad_vector)))
+
+    graph, captured = capture_graph(step)
+    for _ in range(2):
+        fresh = make_formed_inputs(nodes, features, count, width, torch.float32, "cuda", "random")
+        with torch.no_grad():
+            for target, value in zip(static, fresh):
+                target.copy_(value)
+        graph.replay()
+        want = step()
+        for got, w in zip(captured, want):
+            torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)

@@ -29,6 +29,11 @@ BuildInfo build_info();
 // at width 128, 63-105 KiB at width 64, growing with R).
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
+// Whether vector_message_passing's CUDA kernels form a float32 filter of 3F columns (F =
+// features) from a basis of K columns on `device` themselves (F % 4 == 0, K <= 32, the weight in
+// shared memory), given 16-byte aligned rows; otherwise a GEMM forms it first. False off CUDA.
+bool fused_filter_supported(int64_t features, int64_t basis, const c10::Device& device);
+
 // GroupNorm over (N, C, *) input, NCHW or channels-last, output in the input's layout;
 // activation is "none" or "silu" (applied after the affine).
 at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,
@@ -97,11 +102,11 @@ at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
 // PaiNN's messages: with m = x[j] * filter split into (s, vv, vs) parts of F features,
 // scalar[i] = sum m_s and vector[i, c] = sum vectors[j, c] * m_vv + m_vs * directions[p, c].
 // x [N, 3F], filter [P, 3F], vectors [N, 3, F], directions [P, 3] -> ([N, F], [N, 3, F]).
-std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
-                                                          const at::Tensor& filter,
-                                                          const at::Tensor& vectors,
-                                                          const at::Tensor& directions,
-                                                          const at::Tensor& pairs);
+// With filter_weight [3F, K], `filter` is a basis [P, K] and the filter is filter @ filter_weight^T
+// (formed inside the kernel: PaiNN's filter Linear).
+std::tuple<at::Tensor, at::Tensor> vector_message_passing(
+    const at::Tensor& x, const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight = std::nullopt);
 
 // vectors[p] = positions[j] - positions[i] + shifts[p] and distances[p] = |vectors[p]| for
 // (i, j) = (pairs[0, p], pairs[1, p]): positions [N, 3] float32, pairs [2, P] int64, shifts

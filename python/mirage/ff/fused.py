@@ -607,12 +607,13 @@ class PaiNN(_FusedModel):
         num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
         norm_eps: added under the square root of ``|V v|`` (1e-8, the reference's): keeps its
             gradient finite where ``V v`` vanishes (every atom's ``v`` starts at zero).
-        per_layer_filters_min_pairs: from this neighbor capacity on, each interaction's filter is
-            its own GEMM; below it the three are one batched GEMM (fewer launches).
+        fused_filters_min_pairs: from this neighbor capacity on, each interaction's filter is
+            formed from the basis inside ``mirage::vector_message_passing`` (its ``filter_weight``);
+            below it the three are one batched GEMM (fewer launches for small molecules).
     """
 
     norm_eps = 1e-8
-    per_layer_filters_min_pairs = 8192
+    fused_filters_min_pairs = 8192
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "silu", max_pairs: Optional[int] = None) -> None:
@@ -686,7 +687,8 @@ class PaiNN(_FusedModel):
         return ([("neighbor_list", "radius graph (forward)"),
                  ("radial_basis", f"sinc (Bessel) basis ({self.num_rbf} `frequencies`)"),
                  ("batched_filters", f"the {count} filter Linears (messages.*.filter; from "
-                                     f"{self.per_layer_filters_min_pairs} pairs of neighbor capacity on, a GEMM each instead)")]
+                                     f"{self.fused_filters_min_pairs} pairs of neighbor capacity on, formed inside "
+                                     "vector_message_passing instead)")]
                 + [("vector_message_passing", f"messages.{t}") for t in range(count)]
                 + [("painn_update", f"updates.{t}") for t in range(count)]
                 + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
@@ -707,18 +709,20 @@ class PaiNN(_FusedModel):
         fcut = _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)
         basis = torch.cat([rbf * fcut, fcut], dim=-1) if messages[0].filter.bias is not None else rbf * fcut
         weights = [_with_bias_column(m.filter) for m in messages]
-        if pairs.shape[1] >= self.per_layer_filters_min_pairs:
-            # One GEMM per layer: the batched one's backward stacks the layers' [P, 3F] gradients
-            # into a copy first (at 3,000 atoms the three filters forward and backward took 755
-            # instead of 1,020 us on an H200; scratch measurement in docs/perf/forcefield.md).
-            filters = [basis @ weight for weight in weights]
+        if pairs.shape[1] >= self.fused_filters_min_pairs:
+            # Each layer's filter formed from the basis inside vector_message_passing's kernels
+            # (where they can: float32, mirage.ops.fused_filter_supported), never written as a
+            # [P, 3F] tensor: at 3,000 atoms its GEMM and its gradient's took ~300 us a layer
+            # on an H200 (docs/perf/forcefield.md).
+            filters, filter_weights = [basis] * count, [weight.t() for weight in weights]
         else:  # one launch instead of three: 18 instead of 43 us at 132 pairs
             filters = torch.bmm(basis.expand(count, -1, -1), _stack(weights)).unbind(0)
+            filter_weights = [None] * count
         s = self.embedding(atomic_numbers)
         v = s.new_zeros(s.shape[0], 3, self.hidden)
         for t, (message, update, layer_filter) in enumerate(zip(messages, updates, filters)):
             x = _mlp(s, message.phi, self.phi_activations[t])
-            ds, dv = ops.vector_message_passing(x, layer_filter, v, directions, pairs)
+            ds, dv = ops.vector_message_passing(x, layer_filter, v, directions, pairs, filter_weights[t])
             s, v = s + ds, v + dv
             # Two GEMMs rather than one on [U; V]: slicing that one's output would cost two
             # zero-fills and copies in the backward, more than the GEMM saved.
