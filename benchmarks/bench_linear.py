@@ -1,4 +1,4 @@
-"""mirage::linear on few rows against PyTorch's F.linear (cuBLAS), side by side: microseconds per
+"""mirage::linear on few rows (and on few outputs) against PyTorch's F.linear (cuBLAS), side by side: microseconds per
 call inside a CUDA graph (where both run in a model: launch cost counts, host overhead does not).
 The shapes are a small molecule's (benzene's 12 atoms through a PaiNN's 128-wide layers, forward
 and the x gradient, whose weight is the transposed, column-major matrix), a few larger molecules'
@@ -30,6 +30,11 @@ SHAPES = [
     ("32 atoms, 128x384", 32, 128, 384, False),
     ("32 atoms, x grad", 32, 384, 128, True),
     ("time embedding", 2, 1280, 320, False),
+    # PaiNN's basis gradient (the filter's gradient through the filter Linear's weight), float32
+    # rows from 131,072 on: mirage's narrow kernel (32,768 rows: cuBLASLt's).
+    ("PaiNN basis grad, 3,000 atoms", 139046, 384, 21, True),
+    ("PaiNN basis grad, 32,768 pairs", 32768, 384, 21, True),
+    ("PaiNN basis grad, 1M pairs", 1_000_000, 384, 21, True),
 ]
 
 

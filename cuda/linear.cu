@@ -11,6 +11,7 @@
 // rows' code for m <= 2 (36 KB), 3.3 us.
 #include "kernel_utils.cuh"
 #include "linear.cuh"
+#include "tf32.cuh"
 
 namespace mirage::cuda {
 namespace {
@@ -120,7 +121,129 @@ __global__ void __launch_bounds__(kWarps * 32) small_linear_kernel(SmallLinearPa
   }
 }
 
+// The narrow linear: the weight as [k][kNarrowLd] (k padded to 2 kNarrowChunk with zeros, n to
+// 32), a row's stride chosen so that the fragment reads (k = 4 t + ..., n = g: lanes 4 g + t) hit
+// 32 banks.
+constexpr int kNarrowLd = 34;
+constexpr int kNarrowWarps = 8;
+constexpr int kNarrowTile = 16;   // output rows a warp takes at a time: one m16 tile
+constexpr int kNarrowChunk = 32;  // k columns of x a lane loads at once; two chunks are in flight
+
+__host__ __device__ int narrow_padded_k(int k) { return static_cast<int>(ceil_div(k, 2 * kNarrowChunk) * 2 * kNarrowChunk); }
+size_t narrow_shared_bytes(int k) { return static_cast<size_t>(narrow_padded_k(k)) * kNarrowLd * sizeof(float); }
+
+// A lane's part of a chunk of x: rows g and g + 8 of the warp's m16 tile, 4 columns at
+// k0 + 16 q + 4 t for q = 0, 1 (zeros past the matrix).
+struct NarrowChunk {
+  float v[2][2][4];  // [row g, g + 8][q][4]
+
+  __device__ void load(const NarrowLinearParams& p, int64_t row0, int k0) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int64_t row = row0 + 8 * h + g;
+        const int col = k0 + 16 * q + 4 * t;
+        const float4 x = row < p.m && col < p.k ? *reinterpret_cast<const float4*>(p.x + row * p.ldx + col)
+                                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        v[h][q][0] = x.x;
+        v[h][q][1] = x.y;
+        v[h][q][2] = x.z;
+        v[h][q][3] = x.w;
+      }
+  }
+};
+
+// acc += the chunk at k0 times the weight. Each 16 columns of a chunk are two k8 steps whose "k
+// index" t stands for column 4 t + 2 s and t + 4 for the next one (a permutation, matched in the
+// weight's fragments, so that x comes in 16-byte loads).
+__device__ __forceinline__ void narrow_products(const NarrowChunk& a, const float* w, int k0, float (&acc)[4][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      uint32_t a_hi[4], a_lo[4], b_hi[4][2], b_lo[4][2];
+      const float f[4] = {a.v[0][q][2 * s], a.v[1][q][2 * s], a.v[0][q][2 * s + 1], a.v[1][q][2 * s + 1]};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split<true>(f[i], a_hi[i], a_lo[i]);
+      const float* w_row = w + (k0 + 16 * q + 4 * t + 2 * s) * kNarrowLd + g;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        split<true>(w_row[8 * n], b_hi[n][0], b_lo[n][0]);
+        split<true>(w_row[kNarrowLd + 8 * n], b_hi[n][1], b_lo[n][1]);
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {  // the small terms first
+        mma_tf32(acc[n], a_lo, b_hi[n]);
+        mma_tf32(acc[n], a_hi, b_lo[n]);
+        mma_tf32(acc[n], a_hi, b_hi[n]);
+      }
+    }
+}
+
+// Two chunks of x in flight per lane: each chunk's loads are issued two chunks ahead of its
+// products (one chunk ahead was latency-bound, 2.3 TB/s on an H200).
+__global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(NarrowLinearParams p) {
+  extern __shared__ float4 smem4[];
+  float* w = reinterpret_cast<float*>(smem4);
+  const int k_padded = narrow_padded_k(p.k);
+  for (int idx = threadIdx.x; idx < k_padded * kNarrowLinearMaxOutputs; idx += blockDim.x) {
+    const int kk = idx / kNarrowLinearMaxOutputs, n = idx % kNarrowLinearMaxOutputs;
+    w[kk * kNarrowLd + n] = kk < p.k && n < p.n ? p.weight[n * p.wn + kk * p.wk] : 0.0f;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t tiles = ceil_div(p.m, int64_t{kNarrowTile});
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kNarrowWarps + threadIdx.x / 32; tile < tiles;
+       tile += static_cast<int64_t>(gridDim.x) * kNarrowWarps) {
+    const int64_t row0 = tile * kNarrowTile;
+    float acc[4][4] = {};
+    NarrowChunk even, odd;
+    even.load(p, row0, 0);
+    odd.load(p, row0, kNarrowChunk);
+#pragma unroll 1
+    for (int k0 = 0; k0 < k_padded; k0 += 2 * kNarrowChunk) {
+      NarrowChunk a = even;
+      if (k0 + 2 * kNarrowChunk < k_padded) even.load(p, row0, k0 + 2 * kNarrowChunk);
+      narrow_products(a, w, k0, acc);
+      a = odd;
+      if (k0 + 3 * kNarrowChunk < k_padded) odd.load(p, row0, k0 + 3 * kNarrowChunk);
+      narrow_products(a, w, k0 + kNarrowChunk, acc);
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t row = row0 + 8 * (e / 2) + g;
+        const int col = 8 * n + 2 * t + e % 2;
+        if (row < p.m && col < p.n) p.y[row * p.n + col] = acc[n][e] + (p.bias != nullptr ? p.bias[col] : 0.0f);
+      }
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t stream) {
+  if (p.n < 1 || p.n > kNarrowLinearMaxOutputs || p.k < 1 || p.k > kNarrowLinearMaxInputs || p.k % 4 != 0 ||
+      p.ldx % 4 != 0 || !is_aligned(p.x, 16))
+    return cudaErrorInvalidValue;
+  if (p.m == 0) return cudaSuccess;
+  const size_t shared = narrow_shared_bytes(p.k);
+  cudaError_t status =
+      cudaFuncSetAttribute(narrow_linear_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  int per_sm = 0;
+  if (status == cudaSuccess)
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, narrow_linear_kernel, kNarrowWarps * 32, shared);
+  if (status != cudaSuccess) return status;
+  // One wave of blocks (each stages the weight once), fewer when there are fewer tiles.
+  const int64_t blocks =
+      std::min<int64_t>(ceil_div(ceil_div(p.m, int64_t{kNarrowTile}), int64_t{kNarrowWarps}),
+                        std::max(per_sm, 1) * static_cast<int64_t>(sm_count()));
+  narrow_linear_kernel<<<static_cast<unsigned>(blocks), kNarrowWarps * 32, shared, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_small_linear(const SmallLinearParams& p, cudaStream_t stream) {
   if (p.m < 1 || p.m > kSmallLinearMaxRows || p.m * p.k > kSmallLinearMaxInputs) return cudaErrorInvalidValue;

@@ -31,4 +31,26 @@ struct SmallLinearParams {
 // Requires 1 <= m <= kSmallLinearMaxRows and m * k <= kSmallLinearMaxInputs.
 cudaError_t launch_small_linear(const SmallLinearParams& params, cudaStream_t stream);
 
+// mirage::linear with few outputs and many rows, float32 (PaiNN's basis gradient: [139k, 384] x
+// [384, 21] at 3,000 atoms, on which cuBLAS's float32 kernels reached a quarter of the GPU's
+// FMA rate): the weight in shared memory, each warp a 16 x 32 tile of the output on TF32 tensor
+// cores with every operand split into two TF32 parts (three products: float32's accuracy; an
+// infinite x gives NaN where F.linear gives an infinity, as in mirage::cfconv), x read once,
+// straight from memory into the products' fragments.
+inline constexpr int64_t kNarrowLinearMaxOutputs = 32;
+// The weight in shared memory, [K, 34] floats: 136 KiB at most.
+inline constexpr int64_t kNarrowLinearMaxInputs = 1024;
+
+struct NarrowLinearParams {
+  const float* x;       // [m, k], rows ldx floats apart; x and ldx 16-byte aligned, k % 4 == 0
+  const float* weight;  // element (n, k) at weight[n * wn + k * wk]
+  const float* bias;    // [n], or null
+  float* y;             // [m, n], contiguous
+  int64_t m, ldx, wn, wk;
+  int n, k;             // 1 <= n <= kNarrowLinearMaxOutputs, 1 <= k <= kNarrowLinearMaxInputs
+};
+
+// y = x @ weight^T + bias, summed in float32 (three TF32 products each).
+cudaError_t launch_narrow_linear(const NarrowLinearParams& params, cudaStream_t stream);
+
 }  // namespace mirage::cuda

@@ -1,6 +1,7 @@
 // mirage::linear on CUDA: one cuBLASLt matmul whose epilogue adds the bias and the residual, so
 // x @ weight^T + bias + residual costs one pass over the output instead of PyTorch's two or three;
-// for up to 8 rows (time embeddings) one kernel of mirage's own, the input activation included.
+// for up to 8 rows (time embeddings) one kernel of mirage's own, the input activation included;
+// for float32 outputs of up to 32 features from many rows (PaiNN's basis gradient) another.
 // The algorithm is timed, not guessed: cuBLASLt's first heuristic pick was up to 1.6x slower than
 // its best candidate at the U-Net's [8192, 320] x [320, 320] (docs/perf/norms.md), so the first
 // eager call of each problem times the heuristic's candidates and keeps the fastest.
@@ -176,6 +177,38 @@ void small_linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   check_launch(kLinear, cuda::launch_small_linear(params, c10::cuda::getCurrentCUDAStream()));
 }
 
+// From this many rows on, float32 products of at most kNarrowLinearMaxOutputs outputs run on
+// mirage's narrow kernel. H200, 2026-11-24, [m, 384] x [384, 21] (docs/perf/linear.md): 92.6
+// against cuBLAS's 108.8 us at m = 139,046, 581 against 772 at 1M, but 37.3 against 27.9 at
+// 32,768 (a warp's 16-row tile is then all it has: too little work in flight).
+constexpr int64_t kNarrowLinearMinRows = 131072;
+
+// The narrow kernel's shapes: float32 x with 16-byte aligned rows, n <= 32 and k a multiple of 4
+// up to 1,024, no input activation or residual, many rows.
+bool use_narrow_linear(const at::Tensor& rows, bool has_residual, std::string_view activation, int64_t m,
+                       int64_t n, int64_t k) {
+  return rows.scalar_type() == at::kFloat && !has_residual && activation == "none" && m >= kNarrowLinearMinRows &&
+         n <= cuda::kNarrowLinearMaxOutputs && k <= cuda::kNarrowLinearMaxInputs && k % 4 == 0 &&
+         row_stride(rows) % 4 == 0 && reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0;
+}
+
+void narrow_linear(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   at::Tensor& y, int64_t m, int64_t n, int64_t k) {
+  const at::Tensor bias_vector = contiguous_or_undefined(bias);
+  cuda::NarrowLinearParams params{};
+  params.x = rows.const_data_ptr<float>();
+  params.weight = weight.const_data_ptr<float>();
+  params.bias = bias_vector.defined() ? bias_vector.const_data_ptr<float>() : nullptr;
+  params.y = y.mutable_data_ptr<float>();
+  params.m = m;
+  params.ldx = row_stride(rows);
+  params.wn = weight.stride(0);
+  params.wk = weight.stride(1);
+  params.n = static_cast<int>(n);
+  params.k = static_cast<int>(k);
+  check_launch(kLinear, cuda::launch_narrow_linear(params, c10::cuda::getCurrentCUDAStream()));
+}
+
 at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
@@ -199,6 +232,13 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   if (!weight_columns && m <= cuda::kSmallLinearMaxRows && m * k <= cuda::kSmallLinearMaxInputs) {
     small_linear(x_in, weight, bias, residual, input_activation, y, m, n, k);
     return y;
+  }
+  if (m >= kNarrowLinearMinRows) {
+    const at::Tensor rows = as_rows(x_in, m, k);
+    if (use_narrow_linear(rows, has_residual, input_activation, m, n, k)) {
+      narrow_linear(rows, weight, bias, y, m, n, k);
+      return y;
+    }
   }
   // cuBLASLt takes no activation of its operands: past the few-rows kernel it is a pass of its own.
   const at::Tensor x = apply_activation(x_in, input_activation);

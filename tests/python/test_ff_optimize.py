@@ -141,15 +141,15 @@ def test_energy_and_forces_match_the_original(name, dtype, kind):
 def test_painn_fused_filters_match_the_original(dtype, device):
     # From fused_filters_min_pairs of capacity on (large systems) each interaction's filter is
     # formed inside vector_message_passing (its filter_weight) instead of one batched GEMM for
-    # all; the small systems above never reach it. The only products left are the basis'
-    # gradients (one a layer).
+    # all; the small systems above never reach it. The basis' gradients (one a layer) are
+    # mirage::linear's.
     model = make_reference("PaiNN", dtype, device=device)
     fused = swapped(model)
     z, pos, cell, pbc = system("triclinic", dtype, device)
     fused.fused_filters_min_pairs = 1
     with OpCounter() as ops:
         per_layer = energy_and_forces(fused, z, pos, cell, pbc)
-    assert "aten.bmm" not in ops.calls and ops.calls.count("aten.mm") == 3, ops.calls
+    assert "aten.bmm" not in ops.calls and "aten.mm" not in ops.calls, ops.calls
     fused.fused_filters_min_pairs = 2**62
     with OpCounter() as ops:
         batched = energy_and_forces(fused, z, pos, cell, pbc)

@@ -403,3 +403,55 @@ def test_cuda_tf32_follows_pytorch_setting():
         torch.testing.assert_close(got, composite(x, weight, bias, residual), atol=0.05, rtol=0.01)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# ---- few outputs of many rows: the narrow kernel (float32, TF32 parts) ----------------------
+
+NARROW_MIN_ROWS = 131072  # csrc/ops/linear_cuda.cpp, kNarrowLinearMinRows
+
+
+def narrow_kernel_ran(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, any("narrow_linear_kernel" in e.name for e in prof.events())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,k,n,layout", [(NARROW_MIN_ROWS, 384, 21, "weight_transposed"), (139_046, 384, 21, "weight_transposed"),
+                                          (NARROW_MIN_ROWS + 3, 4, 1, "contiguous"), (NARROW_MIN_ROWS + 5, 1024, 32, "contiguous"),
+                                          (NARROW_MIN_ROWS + 9, 36, 7, "strided"), (NARROW_MIN_ROWS + 1, 388, 32, "row_stride")])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cuda_narrow_outputs(m, k, n, layout, with_bias):
+    """float32 outputs of up to 32 features from 131,072 rows on (k % 4 == 0 and 16-byte aligned x
+    rows, no residual or activation) run on the narrow kernel: float32's accuracy from three TF32
+    products; rows with a stride of k + 3 take cuBLASLt."""
+    x, weight, bias, _ = operands((m, k), n, torch.float32, "cuda", layout)
+    bias = bias if with_bias else None
+    y, ran = narrow_kernel_ran(lambda: mirage.ops.linear(x, weight, bias))
+    assert ran == (layout != "row_stride")
+    assert_linear_close(y, x, weight, bias, None)
+
+
+@pytest.mark.cuda
+def test_cuda_narrow_kernel_only_where_it_applies():
+    x, weight, bias, residual = operands((NARROW_MIN_ROWS, 64), 32, torch.float32, "cuda")
+    assert narrow_kernel_ran(lambda: mirage.ops.linear(x, weight))[1]
+    _, wide, _, _ = operands((NARROW_MIN_ROWS, 64), 33, torch.float32, "cuda")
+    cases = [lambda: mirage.ops.linear(x[1:], weight),  # one row too few
+             lambda: mirage.ops.linear(x, wide),  # 33 outputs
+             lambda: mirage.ops.linear(x, weight, bias, residual),
+             lambda: mirage.ops.linear(x, weight, input_activation="silu"),
+             lambda: mirage.ops.linear(x[:, :63], weight[:, :63]),  # k % 4 != 0
+             lambda: mirage.ops.linear(x.half(), weight.half())]
+    for case in cases:
+        y, ran = narrow_kernel_ran(case)
+        assert not ran
+
+
+@pytest.mark.cuda
+def test_cuda_narrow_outputs_propagate_nan_and_inf():
+    x, weight, _, _ = operands((NARROW_MIN_ROWS, 16), 8, torch.float32, "cuda")
+    x[5, 3], x[9, 0] = float("nan"), float("inf")
+    y = mirage.ops.linear(x, weight)
+    assert torch.isnan(y[5]).all() and not torch.isfinite(y[9]).any() and torch.isfinite(y[10]).all()
