@@ -225,6 +225,14 @@ __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(Narrow
 
 }  // namespace
 
+bool narrow_linear_fits(int64_t k) {
+  if (k < 1 || k > kNarrowLinearMaxInputs) return false;
+  int device = 0, bytes = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return narrow_shared_bytes(static_cast<int>(k)) <= static_cast<size_t>(bytes);
+}
+
 cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t stream) {
   if (p.n < 1 || p.n > kNarrowLinearMaxOutputs || p.k < 1 || p.k > kNarrowLinearMaxInputs || p.k % 4 != 0 ||
       p.ldx % 4 != 0 || !is_aligned(p.x, 16))

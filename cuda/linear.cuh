@@ -50,6 +50,10 @@ struct NarrowLinearParams {
   int n, k;             // 1 <= n <= kNarrowLinearMaxOutputs, 1 <= k <= kNarrowLinearMaxInputs
 };
 
+// Whether the current device's shared memory per block holds the weight of k inputs (every k up
+// to kNarrowLinearMaxInputs on compute capability 8.0 and 9.0; up to 704 on 8.6 and 8.9).
+bool narrow_linear_fits(int64_t k);
+
 // y = x @ weight^T + bias, summed in float32 (three TF32 products each).
 cudaError_t launch_narrow_linear(const NarrowLinearParams& params, cudaStream_t stream);
 

@@ -184,12 +184,14 @@ void small_linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 constexpr int64_t kNarrowLinearMinRows = 131072;
 
 // The narrow kernel's shapes: float32 x with 16-byte aligned rows, n <= 32 and k a multiple of 4
-// up to 1,024, no input activation or residual, many rows.
+// up to 1,024 whose weight fits the device's shared memory, no input activation or residual, many
+// rows.
 bool use_narrow_linear(const at::Tensor& rows, bool has_residual, std::string_view activation, int64_t m,
                        int64_t n, int64_t k) {
   return rows.scalar_type() == at::kFloat && !has_residual && activation == "none" && m >= kNarrowLinearMinRows &&
          n <= cuda::kNarrowLinearMaxOutputs && k <= cuda::kNarrowLinearMaxInputs && k % 4 == 0 &&
-         row_stride(rows) % 4 == 0 && reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0;
+         row_stride(rows) % 4 == 0 && reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0 &&
+         cuda::narrow_linear_fits(k);
 }
 
 void narrow_linear(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

@@ -147,9 +147,15 @@ def test_painn_fused_filters_match_the_original(dtype, device):
     fused = swapped(model)
     z, pos, cell, pbc = system("triclinic", dtype, device)
     fused.fused_filters_min_pairs = 1
-    with OpCounter() as ops:
+    activity = torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU
+    with OpCounter() as ops, torch.profiler.profile(activities=[activity]) as prof:
         per_layer = energy_and_forces(fused, z, pos, cell, pbc)
+        if device == "cuda":
+            torch.cuda.synchronize()
     assert "aten.bmm" not in ops.calls and "aten.mm" not in ops.calls, ops.calls
+    if device == "cuda":  # the kernels formed the filters themselves (no GEMM inside the op either)
+        names = [e.name for e in prof.events()]
+        assert sum("forward_kernel<float, 4, true" in n for n in names) == 3, names
     fused.fused_filters_min_pairs = 2**62
     with OpCounter() as ops:
         batched = energy_and_forces(fused, z, pos, cell, pbc)
@@ -594,3 +600,16 @@ def test_cuda_graph_energy_and_forces_replay(name, kind):
         torch.testing.assert_close(graph_forces, eager_forces, rtol=1e-5, atol=1e-5 * float(eager_forces.abs().max()))
         torch.testing.assert_close(graph_energy, reference_energy, rtol=1e-4, atol=1e-4)
         assert int(fused.num_pairs) <= fused.max_pairs
+
+
+@pytest.mark.cuda
+def test_painn_filters_are_gemms_where_the_kernels_cannot_form_them():
+    # Under autocast the messages run in bfloat16, which the kernels do not form filters in: each
+    # layer's filter is then its own GEMM (not a GEMM inside the op, forward and backward).
+    model = make_reference("PaiNN", torch.float32, device="cuda")
+    fused = swapped(model)
+    z, pos, cell, pbc = system("triclinic", torch.float32, "cuda")
+    fused.fused_filters_min_pairs = 1
+    with OpCounter() as ops, torch.autocast("cuda", dtype=torch.bfloat16):
+        energy_and_forces(fused, z, pos, cell, pbc)
+    assert "aten.bmm" not in ops.calls and ops.calls.count("aten.mm") >= 3, ops.calls

@@ -608,8 +608,10 @@ class PaiNN(_FusedModel):
         norm_eps: added under the square root of ``|V v|`` (1e-8, the reference's): keeps its
             gradient finite where ``V v`` vanishes (every atom's ``v`` starts at zero).
         fused_filters_min_pairs: from this neighbor capacity on, each interaction's filter is
-            formed from the basis inside ``mirage::vector_message_passing`` (its ``filter_weight``);
-            below it the three are one batched GEMM (fewer launches for small molecules).
+            formed from the basis inside ``mirage::vector_message_passing`` (its ``filter_weight``)
+            where its kernels can (``mirage.ops.fused_filter_supported``, float32 outside autocast;
+            and on the CPU), else its own GEMM; below it the three are one batched GEMM (fewer
+            launches for small molecules).
     """
 
     norm_eps = 1e-8
@@ -688,7 +690,7 @@ class PaiNN(_FusedModel):
                  ("radial_basis", f"sinc (Bessel) basis ({self.num_rbf} `frequencies`)"),
                  ("batched_filters", f"the {count} filter Linears (messages.*.filter; from "
                                      f"{self.fused_filters_min_pairs} pairs of neighbor capacity on, formed inside "
-                                     "vector_message_passing instead)")]
+                                     "vector_message_passing instead, or a GEMM each where its kernels cannot)")]
                 + [("vector_message_passing", f"messages.{t}") for t in range(count)]
                 + [("painn_update", f"updates.{t}") for t in range(count)]
                 + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
@@ -709,12 +711,16 @@ class PaiNN(_FusedModel):
         fcut = _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)
         basis = torch.cat([rbf * fcut, fcut], dim=-1) if messages[0].filter.bias is not None else rbf * fcut
         weights = [_with_bias_column(m.filter) for m in messages]
-        if pairs.shape[1] >= self.fused_filters_min_pairs:
-            # Each layer's filter formed from the basis inside vector_message_passing's kernels
-            # (where they can: float32, mirage.ops.fused_filter_supported), never written as a
-            # [P, 3F] tensor: at 3,000 atoms its GEMM and its gradient's took ~300 us a layer
-            # on an H200 (docs/perf/forcefield.md).
+        if pairs.shape[1] >= self.fused_filters_min_pairs and self._forms_filters(positions, basis.shape[1]):
+            # Each layer's filter formed from the basis inside vector_message_passing's kernels,
+            # never written as a [P, 3F] tensor: at 3,000 atoms its GEMM and its gradient's took
+            # ~300 us a layer on an H200 (docs/perf/forcefield.md).
             filters, filter_weights = [basis] * count, [weight.t() for weight in weights]
+        elif pairs.shape[1] >= self.fused_filters_min_pairs:
+            # One GEMM per layer: the batched one's backward stacks the layers' [P, 3F] gradients
+            # into a copy first (at 3,000 atoms the three filters forward and backward took 755
+            # instead of 1,020 us on an H200).
+            filters, filter_weights = [basis @ weight for weight in weights], [None] * count
         else:  # one launch instead of three: 18 instead of 43 us at 132 pairs
             filters = torch.bmm(basis.expand(count, -1, -1), _stack(weights)).unbind(0)
             filter_weights = [None] * count
@@ -732,6 +738,15 @@ class PaiNN(_FusedModel):
             a = _mlp(ops.painn_update_input(s, vv, self.norm_eps), update.mlp, self.update_activations[t])
             s, v = ops.painn_update(s, v, uv, vv, a)
         return self._readout(s)
+
+    def _forms_filters(self, positions: Tensor, basis_width: int) -> bool:
+        """Whether vector_message_passing forms the filters from the basis without a GEMM of its
+        own: on CUDA in float32 outside autocast where its kernels take the sizes (static, so
+        graph-safe), and on the CPU (its reference forms them in float64)."""
+        if positions.device.type != "cuda":
+            return True
+        return (positions.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
+                and ops.fused_filter_supported(self.hidden, basis_width, positions.device))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_rbf={self.num_rbf}, hidden={self.hidden}"
