@@ -64,7 +64,8 @@ __device__ __forceinline__ void for_each_run(int64_t num_pairs, int pairs_per_wa
 
 // Fused filters are formed a group of pairs at a time, each weight load serving the group: four
 // in the forward, two in the backward (four spill registers at two blocks an SM: 229 against
-// 270 us a layer of PaiNN at 3,000 atoms on an H100, 2026-11-24).
+// 270 us a layer of PaiNN at 3,000 atoms on an H100, 2026-11-24; three spill fewer but still
+// lose, 227 against 222 us on an H200).
 constexpr int kForwardGroup = 4;
 constexpr int kBackwardGroup = 2;
 
