@@ -787,13 +787,6 @@ size_t shared_bytes(int num_rbf) {
   return Layout<D>(num_rbf, 0).bytes();
 }
 
-int max_shared_bytes() {
-  int device = 0, bytes = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return bytes;
-}
-
 // Launches a kernel of `teams` teams (threads in all) with its shared memory on one block per SM,
 // or fewer where there are fewer tiles than teams.
 template <typename Params>
@@ -862,7 +855,7 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const int rbf = static_cast<int>(num_rbf);  // checked <= kMaxRbf above
   const size_t needed = width == 64 ? shared_bytes<64>(rbf) : shared_bytes<128>(rbf);
-  return major >= 8 && needed <= static_cast<size_t>(max_shared_bytes());
+  return major >= 8 && needed <= max_shared_bytes_per_block();
 }
 
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {

@@ -688,11 +688,10 @@ struct Plan {
 
 // Whether this device can run the resident path with `bytes` of shared memory a block.
 bool resident_fits(size_t bytes) {
-  int device = 0, cooperative = 0, shared_optin = 0;
+  int device = 0, cooperative = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
-  cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return cooperative && bytes <= static_cast<size_t>(shared_optin);
+  return cooperative && bytes <= max_shared_bytes_per_block();
 }
 
 // Sizes the channels-last resident path: as many blocks per sample as multiprocessors allow,

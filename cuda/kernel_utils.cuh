@@ -174,6 +174,28 @@ inline int sm_count() {
   return sms > 0 ? sms : 1;
 }
 
+// The shared memory one block of the current device may opt in to, in bytes.
+inline size_t max_shared_bytes_per_block() {
+  int device = 0, bytes = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return static_cast<size_t>(bytes);
+}
+
+// How many blocks of `threads` threads with `shared` bytes of dynamic shared memory fit on the
+// current device at once (one wave; at least one a multiprocessor), after opting the kernel in to
+// that much shared memory. Grids of this size whose blocks walk the work stage per-block data
+// once per block.
+template <typename Kernel>
+cudaError_t blocks_per_wave(Kernel kernel, int threads, size_t shared, int64_t& blocks) {
+  cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  int per_sm = 0;
+  if (status == cudaSuccess) status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared);
+  blocks = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
+  return status;
+}
+
 // Affine parameters (weight, bias) may be stored in the activation dtype or in float32
 // (mixed-precision models keep them in float32); a null pointer means "absent".
 __device__ __forceinline__ float load_param(const void* p, DType dtype, int64_t i, float absent) {

@@ -129,7 +129,9 @@ constexpr int kNarrowWarps = 8;
 constexpr int kNarrowTile = 16;   // output rows a warp takes at a time: one m16 tile
 constexpr int kNarrowChunk = 32;  // k columns of x a lane loads at once; two chunks are in flight
 
-__host__ __device__ int narrow_padded_k(int k) { return static_cast<int>(ceil_div(k, 2 * kNarrowChunk) * 2 * kNarrowChunk); }
+__host__ __device__ int narrow_padded_k(int k) {
+  return static_cast<int>(ceil_div(k, 2 * kNarrowChunk) * 2 * kNarrowChunk);
+}
 size_t narrow_shared_bytes(int k) { return static_cast<size_t>(narrow_padded_k(k)) * kNarrowLd * sizeof(float); }
 
 // A lane's part of a chunk of x: rows g and g + 8 of the warp's m16 tile, 4 columns at
@@ -226,11 +228,8 @@ __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(Narrow
 }  // namespace
 
 bool narrow_linear_fits(int64_t k) {
-  if (k < 1 || k > kNarrowLinearMaxInputs) return false;
-  int device = 0, bytes = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return narrow_shared_bytes(static_cast<int>(k)) <= static_cast<size_t>(bytes);
+  return k >= 1 && k <= kNarrowLinearMaxInputs &&
+         narrow_shared_bytes(static_cast<int>(k)) <= max_shared_bytes_per_block();
 }
 
 cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t stream) {
@@ -239,16 +238,11 @@ cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t strea
     return cudaErrorInvalidValue;
   if (p.m == 0) return cudaSuccess;
   const size_t shared = narrow_shared_bytes(p.k);
-  cudaError_t status =
-      cudaFuncSetAttribute(narrow_linear_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-  int per_sm = 0;
-  if (status == cudaSuccess)
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, narrow_linear_kernel, kNarrowWarps * 32, shared);
+  int64_t wave = 0;
+  const cudaError_t status = blocks_per_wave(narrow_linear_kernel, kNarrowWarps * 32, shared, wave);
   if (status != cudaSuccess) return status;
   // One wave of blocks (each stages the weight once), fewer when there are fewer tiles.
-  const int64_t blocks =
-      std::min<int64_t>(ceil_div(ceil_div(p.m, int64_t{kNarrowTile}), int64_t{kNarrowWarps}),
-                        std::max(per_sm, 1) * static_cast<int64_t>(sm_count()));
+  const int64_t blocks = std::min(ceil_div(ceil_div(p.m, int64_t{kNarrowTile}), int64_t{kNarrowWarps}), wave);
   narrow_linear_kernel<<<static_cast<unsigned>(blocks), kNarrowWarps * 32, shared, stream>>>(p);
   return cudaGetLastError();
 }

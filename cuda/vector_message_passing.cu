@@ -440,16 +440,14 @@ cudaError_t launch_over_pairs(void (*kernel)(Params, int, KernelArgs...), const 
     return cudaGetLastError();
   }
   const size_t shared = fused_shared_bytes(p.features, p.fused.width);
-  cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-  int per_sm = 0;
-  if (status == cudaSuccess)
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLanes * kWarps, shared);
+  int64_t wave = 0;
+  const cudaError_t status = blocks_per_wave(kernel, kLanes * kWarps, shared, wave);
   if (status != cudaSuccess) return status;
-  const int64_t blocks = std::max<int64_t>(1, std::max(per_sm, 1) * static_cast<int64_t>(sm_count()) / tiles);
+  const int64_t blocks = std::max<int64_t>(1, wave / tiles);
   const int64_t warps = blocks * kWarps;
   const int64_t runs_per_warp = std::max<int64_t>(1, ceil_div(p.num_pairs, warps * kLanes));
-  const int pairs_per_warp = static_cast<int>(std::clamp<int64_t>(ceil_div(p.num_pairs, warps * runs_per_warp), 1, kLanes));
+  const int pairs_per_warp =
+      static_cast<int>(std::clamp<int64_t>(ceil_div(p.num_pairs, warps * runs_per_warp), 1, kLanes));
   dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
   grid.x = static_cast<unsigned>(std::min<int64_t>(grid.x, blocks));
   kernel<<<grid, dim3(kLanes, kWarps), shared, stream>>>(p, pairs_per_warp, args...);
@@ -476,10 +474,7 @@ cudaError_t with_kernel_kind(bool pack, bool fused, F&& kernel) {
 bool fused_filter_supported(int64_t features, int64_t width, DType dtype) {
   if (dtype != DType::kFloat32 || features < 4 || features % 4 != 0 || width < 1 || width > kMaxFusedFilterWidth)
     return false;
-  int device = 0, bytes = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return fused_shared_bytes(features, static_cast<int>(width)) <= static_cast<size_t>(bytes);
+  return fused_shared_bytes(features, static_cast<int>(width)) <= max_shared_bytes_per_block();
 }
 
 size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& p) {

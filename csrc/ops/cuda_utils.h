@@ -1,6 +1,7 @@
 // Shared by the *_cuda.cpp files: dtype mapping and the launch-status check.
 #pragma once
 
+#include <cstdint>
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
@@ -17,6 +18,11 @@ inline cuda::DType to_kernel_dtype(at::ScalarType dtype) {
     case at::kBFloat16: return cuda::DType::kBFloat16;
     default: return cuda::DType::kFloat32;  // checks admit only float32 besides these on CUDA
   }
+}
+
+// Whether t's data starts on a 16-byte boundary (the kernels move rows as float4s).
+inline bool is_16_byte_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
 inline const void* data_or_null(const at::Tensor& t) {

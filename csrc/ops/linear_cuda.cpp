@@ -190,7 +190,7 @@ bool use_narrow_linear(const at::Tensor& rows, bool has_residual, std::string_vi
                        int64_t n, int64_t k) {
   return rows.scalar_type() == at::kFloat && !has_residual && activation == "none" && m >= kNarrowLinearMinRows &&
          n <= cuda::kNarrowLinearMaxOutputs && k <= cuda::kNarrowLinearMaxInputs && k % 4 == 0 &&
-         row_stride(rows) % 4 == 0 && reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0 &&
+         row_stride(rows) % 4 == 0 && is_16_byte_aligned(rows) &&
          cuda::narrow_linear_fits(k);
 }
 
@@ -266,7 +266,7 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   at::Tensor bias_vector;
   if (has_bias) {
     bias_vector = bias->contiguous();
-    if (reinterpret_cast<uintptr_t>(bias_vector.const_data_ptr()) % 16 != 0) bias_vector = bias_vector.clone();
+    if (!is_16_byte_aligned(bias_vector)) bias_vector = bias_vector.clone();
   }
 
   const at::ScalarType dtype = x.scalar_type();

@@ -92,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
 // copy only for a view that starts at an odd offset.
 at::Tensor aligned(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
-  return reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0 ? c : c.clone();
+  return is_16_byte_aligned(c) ? c : c.clone();
 }
 
 // The filter network for the kernels; `held` keeps the contiguous copies alive until the launch.

@@ -30,7 +30,7 @@ struct FilterSource {
     bool fusable = filter_weight.has_value() &&
                    cuda::fused_filter_supported(filter_weight->size(0) / 3, filter_weight->size(1),
                                                 to_kernel_dtype(filter_arg.scalar_type()));
-    for (const at::Tensor* t : rows) fusable = fusable && reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0;
+    for (const at::Tensor* t : rows) fusable = fusable && is_16_byte_aligned(*t);
     if (fusable) {
       filter = filter_arg.contiguous();
       weight = filter_weight->contiguous();

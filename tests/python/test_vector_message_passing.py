@@ -60,7 +60,8 @@ def assert_forward_matches(inputs, dtype):
 
 
 def gradients(fn, inputs, grad_scalar, grad_vector):
-    """d(<grad_scalar, scalar> + <grad_vector, vector>) / d(x, filter, vectors, directions)."""
+    """d(<grad_scalar, scalar> + <grad_vector, vector>) / d(each floating input): inputs are the
+    floating inputs, then pairs."""
     *floats, pairs = inputs
     leaves = [t.detach().requires_grad_() for t in floats]
     scalar, vector = fn(*leaves, pairs)
@@ -473,9 +474,14 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(dtype, nodes, count):
 
 # ---- the filter formed from a basis (filter_weight) -----------------------------------------
 
-def formed(x, basis, vectors, directions, pairs, weight):
-    """The op with filter_weight, in plain torch: the filter is basis @ weight^T."""
+def formed(x, basis, vectors, directions, weight, pairs):
+    """The op with filter_weight, in plain torch: the filter is basis @ weight^T. The floating
+    inputs first, as `gradients` takes them."""
     return composite(x, basis @ weight.T, vectors, directions, pairs)
+
+
+def mirage_formed(x, basis, vectors, directions, weight, pairs):
+    return mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, weight)
 
 
 def make_formed_inputs(nodes, features, count, width, dtype=torch.float32, device="cpu", order="sorted"):
@@ -486,30 +492,21 @@ def make_formed_inputs(nodes, features, count, width, dtype=torch.float32, devic
     return x, basis, vectors, directions, pairs, weight
 
 
-def formed_gradients(fn, inputs, grad_scalar, grad_vector):
-    """Gradients of <grad_scalar, scalar> + <grad_vector, vector> in x, basis, vectors, directions
-    and filter_weight."""
-    x, basis, vectors, directions, pairs, weight = inputs
-    leaves = [t.detach().requires_grad_() for t in (x, basis, vectors, directions, weight)]
-    scalar, vector = fn(*leaves[:4], pairs, leaves[4])
-    return torch.autograd.grad((scalar, vector), leaves, (grad_scalar, grad_vector))
-
-
 def assert_formed_matches(inputs, dtype):
     """Forward and every gradient against `formed` in float64 (bounds as assert_forward_matches)."""
-    pairs = inputs[4]
+    x, basis, vectors, directions, pairs, weight = inputs
+    ordered = (x, basis, vectors, directions, weight, pairs)
     as64 = lambda t: t.detach().double().cpu()  # noqa: E731
-    exact = [as64(t) if t is not pairs else pairs.cpu() for t in inputs]
-    bound = [as64(t).abs() if t is not pairs else pairs.cpu() for t in inputs]
+    exact = [as64(t) for t in ordered[:5]] + [pairs.cpu()]
+    bound = [as64(t).abs() for t in ordered[:5]] + [pairs.cpu()]
     got = mirage.ops.vector_message_passing(*inputs)
     for g, w, m in zip(got, formed(*exact), formed(*bound)):
         assert_close_to(g, w, dtype, m)
-    x, vectors = inputs[0], inputs[2]
     grad_scalar = randn(x.shape[0], vectors.shape[-1], dtype=dtype, device=x.device)
     grad_vector = randn(*vectors.shape, dtype=dtype, device=x.device)
-    got = formed_gradients(mirage.ops.vector_message_passing, inputs, grad_scalar, grad_vector)
-    want = formed_gradients(formed, exact, as64(grad_scalar), as64(grad_vector))
-    magnitudes = formed_gradients(formed, bound, as64(grad_scalar).abs(), as64(grad_vector).abs())
+    got = gradients(mirage_formed, ordered, grad_scalar, grad_vector)
+    want = gradients(formed, exact, as64(grad_scalar), as64(grad_vector))
+    magnitudes = gradients(formed, bound, as64(grad_scalar).abs(), as64(grad_vector).abs())
     for name, g, w, m in zip(["x", "basis", "vectors", "directions", "filter_weight"], got, want, magnitudes):
         try:
             assert_close_to(g, w, dtype, m)
