@@ -12,6 +12,10 @@
 // tangent row beside each pair's row in the filter network's products) instead of back-propagated:
 // the backward then needs no product through the filter networks, only a dot product per pair.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
+// The filter networks, which depend on the distances alone, run first as a kernel of their own
+// over many blocks: in the cluster they were 42% of the benzene kernel's cycles (each block's
+// ~11 pairs in sequence on one multiprocessor, H200, 2026-11-24), spread over the GPU they are
+// a few microseconds.
 #include <cfloat>
 
 #include <cooperative_groups.h>
@@ -30,9 +34,18 @@ constexpr int kTransposedRows = 2;   // ... and in `transposed_product`
 constexpr int kPartialFloats = kThreads * (kRowTile > 4 * kTransposedRows ? kRowTile : 4 * kTransposedRows);
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
 // Up to this many pairs in all (the neighbor list's capacity, padding included) each block keeps
-// its pair list in shared memory: every product's row index reads it, on the path of each row
-// tile's loads (from the workspace, an L2 round trip).
+// its pairs' indices and geometry in shared memory: the message phases read them on the path of
+// their loads (from the workspace, an L2 round trip each).
 constexpr int kSharedPairs = 512;
+
+// A pair the block owns (its receiver is one of the block's atoms) and its geometry.
+struct OwnPair {
+  int pair, receiver, sender, unused;
+};
+struct PairGeometry {
+  float distance, cutoff_value, cutoff_slope;  // the cosine cutoff and its derivative
+  float grad_distance;                          // d energy / d distance, summed over interactions
+};
 
 __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 
@@ -40,12 +53,10 @@ __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 // are 16-byte aligned. [T] = one per interaction.
 struct Layout {
   int64_t R4, H4, M4, F4, K4, Kr4;
-  int64_t pair_list;    // int [kMaxCluster][P]: each block's pairs (beyond kSharedPairs pairs)
-  int64_t geometry;       // [P][4]: distance, cutoff function, its derivative
-  int64_t grad_distance;  // [P]: d energy / d distance, summed over interactions
-  int64_t basis;          // [P][2][R4]: the radial basis, its derivative in the distance
-  int64_t filter_hidden;  // [P][2][H4]: the filter's hidden layer and its derivative
-  int64_t filter_out;     // [T][P][M4]: the filters before the cutoff
+  // Beyond kSharedPairs pairs, each block's OwnPair and PairGeometry rows [kMaxCluster][P]
+  // (otherwise in shared memory).
+  int64_t own_pairs, pair_geometry;
+  int64_t filter_out;     // [T][P][M4]: the filters before the cutoff (schnet_filters_kernel)
   int64_t filter_slope;   // [T][P][M4]: their derivative in the distance
   int64_t x;            // [N][F4]: atom features
   int64_t h;            // [T][N][M4]: in2f(x), read by every block
@@ -74,11 +85,9 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
     at += pad4(floats);
     return offset;
   };
-  l.pair_list = take(kMaxCluster * P);
-  l.geometry = take(4 * P);
-  l.grad_distance = take(P);
-  l.basis = take(2 * P * l.R4);
-  l.filter_hidden = take(2 * P * l.H4);
+  const int64_t per_block_pairs = P > kSharedPairs ? kMaxCluster * P : 0;
+  l.own_pairs = take(4 * per_block_pairs);
+  l.pair_geometry = take(4 * per_block_pairs);
   l.filter_out = take(T * P * l.M4);
   l.filter_slope = take(T * P * l.M4);
   l.x = take(N * l.F4);
@@ -122,8 +131,10 @@ __device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
 // outputs o, o + 1 of this lane's group. See linear_product.
 template <int kRows, bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
-                                            int ins, const float* w, int o, int outs, Store store) {
+                                            int ins, const float* w, const float* bias, int o, int outs, Store store) {
   const int lane = threadIdx.x % 32, li = lane % 8;
+  // The biases first: loaded behind the product, they cost a memory round trip of their own.
+  const float b0 = o < outs ? bias_at(bias, o) : 0.0f, b1 = o + 1 < outs ? bias_at(bias, o + 1) : 0.0f;
   float acc[kRows][2] = {};
   const float* x[kRows];
 #pragma unroll
@@ -158,12 +169,12 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     const int out = o + (upper ? 1 : 0);
-    if (li % 4 == 0 && first + t < rows && out < outs) store(first + t, out, v);
+    if (li % 4 == 0 && first + t < rows && out < outs) store(first + t, out, v, upper ? b1 : b0);
   }
 }
 
-// nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o][k]), w [outs][ins],
-// the input rows `in_stride` floats apart and 16-byte aligned. The weights' rows are contiguous in
+// nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o][k], bias[o]) (a
+// null bias: 0), w [outs][ins], the input rows `in_stride` floats apart and 16-byte aligned. The weights' rows are contiguous in
 // k, so lanes go along k: a group of 8 lanes covers 128 inputs (lane l the float4s at 4 (l + 8 c),
 // so a group reads 128 consecutive bytes at once), holds the weights of two outputs in registers
 // and multiplies up to 4 rows by them; a warp is 4 groups (8 outputs), the block 128 outputs at a
@@ -179,35 +190,35 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // benzene kernel from 136 to 114 us (H200, 2026-11-24).
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                            const float* w, int outs, Store store) {
+                                            const float* w, const float* bias, int outs, Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   for (int o0 = warp * 8; o0 < outs; o0 += warps * 8) {
     const int o = o0 + 2 * (lane / 8);
     int first = 0;
     for (; first + 1 < rows; first += 4)  // 4 rows at a time while two or more are left
-      linear_tile<4, kVector>(first, rows, row_of, in, in_stride, ins, w, o, outs, store);
-    if (first < rows) linear_tile<1, kVector>(first, rows, row_of, in, in_stride, ins, w, o, outs, store);
+      linear_tile<4, kVector>(first, rows, row_of, in, in_stride, ins, w, bias, o, outs, store);
+    if (first < rows) linear_tile<1, kVector>(first, rows, row_of, in, in_stride, ins, w, bias, o, outs, store);
   }
 }
 
 template <class RowOf, class Store>
 __device__ __noinline__ void linear_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                            const float* w, int outs, Store store) {
+                                            const float* w, const float* bias, int outs, Store store) {
   if (ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0)
-    linear_rows<true>(rows, row_of, in, in_stride, ins, w, outs, store);
+    linear_rows<true>(rows, row_of, in, in_stride, ins, w, bias, outs, store);
   else
-    linear_rows<false>(rows, row_of, in, in_stride, ins, w, outs, store);
+    linear_rows<false>(rows, row_of, in, in_stride, ins, w, bias, outs, store);
   __syncthreads();
 }
 
-// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * w[o][k]), w [outs][ins], the
+// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * w[o][k], bias[o]), w [outs][ins], the
 // input rows `in_stride` floats apart and 16-byte aligned: nn.Linear for few inputs (the filters'
 // first, on the radial basis, where most of linear_product's lanes would idle). Thread items are
 // (o, tile of kRowTile rows), o fastest. With fewer items than threads the sum over k is split
 // among threads too, the parts added in `partial`. Every thread of the block calls it.
 template <class RowOf, class Store>
 __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                        const float* w, int outs, Store store, float* partial) {
+                                        const float* w, const float* bias, int outs, Store store, float* partial) {
   const int tiles = (rows + kRowTile - 1) / kRowTile, items = outs * tiles;
   int splits = 1;
   while (2 * splits * items <= static_cast<int>(blockDim.x) && ins >= 32 * splits) splits *= 2;
@@ -217,6 +228,7 @@ __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in,
     const int item = work % items, split = work / items;
     const int o = item % outs, tile = item / outs;
     const int k0 = split * chunk, k1 = min(ins, k0 + chunk);
+    const float b = splits == 1 ? bias_at(bias, o) : 0.0f;  // ahead of the product (see linear_tile)
     const float* row[kRowTile];
 #pragma unroll
     for (int t = 0; t < kRowTile; ++t) row[t] = in + row_of(min(tile * kRowTile + t, rows - 1)) * in_stride;
@@ -238,18 +250,19 @@ __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in,
 #pragma unroll
     for (int t = 0; t < kRowTile; ++t) {
       if (splits > 1) partial[work * kRowTile + t] = acc[t];
-      else if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, acc[t]);
+      else if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, acc[t], b);
     }
   }
   if (splits == 1) return;
   __syncthreads();
   for (int item = threadIdx.x; item < items; item += blockDim.x) {
     const int o = item % outs, tile = item / outs;
+    const float b = bias_at(bias, o);
 #pragma unroll
     for (int t = 0; t < kRowTile; ++t) {
       float sum = 0.0f;
       for (int split = 0; split < splits; ++split) sum += partial[(split * items + item) * kRowTile + t];
-      if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, sum);
+      if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, sum, b);
     }
   }
   __syncthreads();  // partial is free again
@@ -324,21 +337,116 @@ __device__ __noinline__ void transposed_product(int rows, RowOf row_of, const fl
     transposed_rows<false>(rows, row_of, in, in_stride, ins, w, outs, store, partial);
 }
 
+// The schnet_energy kernel's atom-wise products: rows a0 + r (a block's atoms), and their outputs
+// out[a0 + r][o] = f(v), written or (accumulate) added, `stride` floats a row. Forward, with the
+// bias b: f = activate(v + b), v + b kept in `pre` where given. Backward (transposed_product, no
+// bias): f = v * activation_grad(gate[a0 + r][o]) where a gate is given, else v. One type for every
+// call, so that each product's code is compiled once: the kernel's code outgrows the instruction
+// caches (see linear_product), and a phase whose instructions were fetched by the last one runs
+// without waiting for them.
+struct AtomRows {
+  int64_t a0;
+  __device__ int64_t operator()(int r) const { return a0 + r; }
+};
+
+struct AtomStore {
+  float* out;
+  int64_t stride, a0;
+  Activation activation = Activation::kNone;
+  float* pre = nullptr;
+  const float* gate = nullptr;
+  bool accumulate = false;
+  __device__ void operator()(int r, int o, float v, float b = 0.0f) const {
+    const int64_t at = (a0 + r) * stride + o;
+    if (gate != nullptr) {
+      v *= activation_grad(gate[at], activation);
+    } else {
+      v += b;
+      if (pre != nullptr) pre[at] = v;
+      v = activate(v, activation);
+    }
+    out[at] = accumulate ? out[at] + v : v;
+  }
+};
+
+// Pairs a block of schnet_filters_kernel takes through one interaction's filter network: their
+// value and derivative rows (8) are two row tiles of `product` and `linear_product`. Benzene's
+// 132 pairs and 3 interactions make 99 blocks, one wave; with 2 pairs a block (one row tile)
+// the kernel took 12 us in two waves (H200).
+constexpr int kFilterPairs = 4;
+static_assert((2 * kFilterPairs) % kRowTile == 0 && kRowTile % 2 == 0,
+              "a pair's value and derivative rows must share a row tile, and a block's rows make whole tiles");
+
+size_t filters_shared_bytes(const Layout& l) { return 2 * kFilterPairs * (l.R4 + l.H4) * sizeof(float); }
+
+// Each interaction's filters before the cutoff and their derivatives in the distance, on every
+// pair (those at or beyond the cutoff too: the cluster kernel leaves them out), into the
+// workspace's filter_out and filter_slope. Block (b, t): pairs kFilterPairs b on, interaction t.
+// The derivative is carried forward: a row of the basis' derivative goes through the same
+// products beside each pair's row, without the biases, times the activation's slope between them.
+__global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_constant__ SchnetEnergyParams p) {
+  extern __shared__ float4 shared_rows[];  // [2 kFilterPairs][R4] basis, then [2 kFilterPairs][H4] hidden
+  __shared__ float4 partial[kPartialFloats / 4];
+  const Layout L = layout_of(p);
+  const int64_t P = p.num_pairs, R4 = L.R4, H4 = L.H4, M4 = L.M4;
+  const int R = p.num_rbf, H = p.filter_hidden, M = p.message_width, t = blockIdx.y;
+  const SchnetInteraction& layer = p.interactions[t];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kFilterPairs;
+  float* basis = reinterpret_cast<float*>(shared_rows);
+  float* hidden = basis + 2 * kFilterPairs * R4;
+  // Row 2 q is pair first + q's value, row 2 q + 1 its derivative; past the last pair the rows
+  // repeat it, their results not stored.
+  const float spacing = gaussian_spacing(R, p.cutoff);
+  for (int e = threadIdx.x; e < kFilterPairs * R; e += blockDim.x) {
+    const int q = e / R, k = e % R;
+    const float* v = p.vectors + 3 * min(first + q, P - 1);
+    const float d = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]), value = gaussian(d, k, spacing);
+    basis[2 * q * R4 + k] = value;
+    basis[(2 * q + 1) * R4 + k] = gaussian_derivative(value, d, k, spacing);
+  }
+  __syncthreads();
+  const auto row = [](int r) -> int64_t { return r; };
+  // product's thread stores a row tile's rows in order: the value's store leaves the
+  // activation's slope where the derivative's store multiplies by it.
+  product(2 * kFilterPairs, row, basis, R4, R, layer.filter1_w, layer.filter1_b, H, [&](int r, int o, float v, float b) {
+    float* at = hidden + r * H4 + o;
+    if (r % 2 == 0) {
+      const float pre = v + b;
+      at[0] = activate(pre, p.filter_activation);
+      at[H4] = activation_grad(pre, p.filter_activation);
+    } else {
+      at[0] *= v;
+    }
+  }, reinterpret_cast<float*>(partial));
+  __syncthreads();
+  float* ws = static_cast<float*>(p.workspace);
+  float *out = ws + L.filter_out + t * P * M4, *slope = ws + L.filter_slope + t * P * M4;
+  linear_product(2 * kFilterPairs, row, hidden, H4, H, layer.filter2_w, layer.filter2_b, M,
+                 [&](int r, int o, float v, float b) {
+    const int64_t pair = first + r / 2;
+    if (pair >= P) return;
+    if (r % 2 == 0) out[pair * M4 + o] = v + b;
+    else slope[pair * M4 + o] = v;
+  });
+}
+
 __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_constant__ SchnetEnergyParams p) {
   __shared__ int own_pairs, invalid;
-  __shared__ int shared_pair_list[kSharedPairs];
+  __shared__ OwnPair shared_own_pairs[kSharedPairs];
+  __shared__ PairGeometry shared_geometry[kSharedPairs];
   __shared__ float scratch[32];
   __shared__ float4 partial[kPartialFloats / 4];
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
   const int64_t N = p.num_atoms, P = p.num_pairs;
-  const int R = p.num_rbf, H = p.filter_hidden, M = p.message_width, F = p.features;
+  const int M = p.message_width, F = p.features;
   const int K = p.update_hidden, Kr = p.readout_hidden, T = p.num_interactions;
   const Layout L = layout_of(p);
-  const int64_t R4 = L.R4, H4 = L.H4, M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
+  const int64_t M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
   float* ws = static_cast<float*>(p.workspace);
-  int* pair_list = P <= kSharedPairs ? shared_pair_list : reinterpret_cast<int*>(ws + L.pair_list) + block * P;
-  float *geometry = ws + L.geometry, *grad_distance = ws + L.grad_distance, *basis = ws + L.basis;
-  float* filter_hidden = ws + L.filter_hidden;
+  const bool shared_pairs = P <= kSharedPairs;
+  OwnPair* own = shared_pairs ? shared_own_pairs : reinterpret_cast<OwnPair*>(ws + L.own_pairs) + block * P;
+  PairGeometry* geometry =
+      shared_pairs ? shared_geometry : reinterpret_cast<PairGeometry*>(ws + L.pair_geometry) + block * P;
   float *x = ws + L.x, *m = ws + L.m, *u = ws + L.u, *readout = ws + L.readout, *grad_x = ws + L.grad_x;
   const auto filter_out = [&](int t) { return ws + L.filter_out + t * P * M4; };
   const auto filter_slope = [&](int t) { return ws + L.filter_slope + t * P * M4; };
@@ -365,7 +473,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   for (int64_t e = tid; e < P; e += threads) {
     const int64_t i = p.pairs[e], j = senders[e];
     if (i < 0 || i >= N || j < 0 || j >= N) invalid = 1;
-    else if (i >= a0 && i < a1 && !beyond_cutoff(e)) pair_list[atomicAdd(&own_pairs, 1)] = static_cast<int>(e);
+    else if (i >= a0 && i < a1 && !beyond_cutoff(e))
+      own[atomicAdd(&own_pairs, 1)] = OwnPair{static_cast<int>(e), static_cast<int>(i), static_cast<int>(j), 0};
   }
   for (int64_t a = tid; a < N; a += threads)
     if (p.atomic_numbers[a] < 0 || p.atomic_numbers[a] >= p.num_embeddings) invalid = 1;
@@ -380,61 +489,20 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(e))
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
   const int np = own_pairs;
-  // The filter network's rows come in twos: row 2 r is pair_list[r]'s value, row 2 r + 1 its
-  // derivative in the distance (the arrays [P][2][...]).
-  const auto value_and_slope_row = [&](int r) -> int64_t { return 2 * static_cast<int64_t>(pair_list[r / 2]) + r % 2; };
-  const auto atom_row = [&](int r) -> int64_t { return a0 + r; };
+  const AtomRows atom_row{a0};
+  const auto to = [&](float* out, int64_t stride) { return AtomStore{out, stride, a0}; };
 
   for (int e = tid; e < T * na * M; e += threads) {
     const int t = e / (na * M), rest = e % (na * M);
     grad_h(t)[(a0 + rest / M) * M4 + rest % M] = 0.0f;
   }
-  // Geometry and basis of the block's pairs.
+  // Geometry of the block's pairs (read by the messages, after the barriers below).
   for (int r = tid; r < np; r += threads) {
-    const int64_t e = pair_list[r];
+    const int64_t e = own[r].pair;
     const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
     const float d = sqrtf(vx * vx + vy * vy + vz * vz);
-    geometry[4 * e] = d;
-    geometry[4 * e + 1] = envelope(CutoffFn::kCosine, d, p.cutoff);
-    geometry[4 * e + 2] = envelope_derivative(CutoffFn::kCosine, d, p.cutoff);
-    grad_distance[e] = 0.0f;
-  }
-  __syncthreads();
-  const float spacing = gaussian_spacing(R, p.cutoff);
-  for (int e = tid; e < np * R; e += threads) {
-    const int64_t pair = pair_list[e / R];
-    const int k = e % R;
-    const float d = geometry[4 * pair], value = gaussian(d, k, spacing);
-    basis[2 * pair * R4 + k] = value;
-    basis[(2 * pair + 1) * R4 + k] = gaussian_derivative(value, d, k, spacing);
-  }
-  __syncthreads();
-
-  // Filters of every interaction and their derivatives in the distance (forward mode: the
-  // derivative rows go through the same products, without the biases, times the activation's
-  // slope between them).
-  for (int t = 0; t < T; ++t) {
-    const SchnetInteraction& layer = p.interactions[t];
-    // A pair's two rows lie in one of product's row tiles, stored in order by one thread: the
-    // value's store leaves the activation's slope where the derivative's store multiplies by it.
-    static_assert(kRowTile % 2 == 0, "a pair's value and derivative rows must share a row tile");
-    product(2 * np, value_and_slope_row, basis, R4, R, layer.filter1_w, H, [&](int r, int o, float v) {
-      const int64_t at = value_and_slope_row(r) * H4 + o;
-      if (r % 2 == 0) {
-        const float pre = v + bias_at(layer.filter1_b, o);
-        filter_hidden[at] = activate(pre, p.filter_activation);
-        filter_hidden[at + H4] = activation_grad(pre, p.filter_activation);
-      } else {
-        filter_hidden[at] *= v;
-      }
-    }, reinterpret_cast<float*>(partial));
-    __syncthreads();
-    float *out = filter_out(t), *slope = filter_slope(t);
-    linear_product(2 * np, value_and_slope_row, filter_hidden, H4, H, layer.filter2_w, M, [&](int r, int o, float v) {
-      const int64_t at = pair_list[r / 2] * M4 + o;
-      if (r % 2 == 0) out[at] = v + bias_at(layer.filter2_b, o);
-      else slope[at] = v;
-    });
+    geometry[r] = PairGeometry{d, envelope(CutoffFn::kCosine, d, p.cutoff),
+                               envelope_derivative(CutoffFn::kCosine, d, p.cutoff), 0.0f};
   }
 
   // Forward over the atoms. m, where the messages are added up, is zeroed here and after each
@@ -450,9 +518,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   __syncthreads();
   const auto features_to_h = [&](int t) {
     const SchnetInteraction& layer = p.interactions[t];
-    float* out = h(t);
-    linear_product(na, atom_row, x, F4, F, layer.in2f_w, M,
-                   [&](int r, int o, float v) { out[(a0 + r) * M4 + o] = v + bias_at(layer.in2f_b, o); });
+    linear_product(na, atom_row, x, F4, F, layer.in2f_w, layer.in2f_b, M, to(h(t), M4));
   };
   features_to_h(0);
   cluster_sync();
@@ -461,29 +527,26 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const float* ht = h(t);
     const float* filters = filter_out(t);
     for (int e = tid; e < np * M; e += threads) {
-      const int64_t pair = pair_list[e / M];
-      const int o = e % M;
-      const float w = filters[pair * M4 + o] * geometry[4 * pair + 1];
-      atomicAdd(&m[p.pairs[pair] * M4 + o], __ldcg(&ht[senders[pair] * M4 + o]) * w);
+      const int r = e / M, o = e % M;
+      const OwnPair pair = own[r];
+      const float w = filters[pair.pair * M4 + o] * geometry[r].cutoff_value;
+      atomicAdd(&m[pair.receiver * M4 + o], __ldcg(&ht[pair.sender * M4 + o]) * w);
     }
     __syncthreads();
-    float* qt = q(t);
-    linear_product(na, atom_row, m, M4, M, layer.f2out1_w, K, [&](int r, int o, float v) {
-      const int64_t at = (a0 + r) * K4 + o;
-      v += bias_at(layer.f2out1_b, o);
-      qt[at] = v;
-      u[at] = activate(v, layer.update_activation);
-    });
+    AtomStore to_u = to(u, K4);  // u = activation(q), q kept for the backward
+    to_u.activation = layer.update_activation;
+    to_u.pre = q(t);
+    linear_product(na, atom_row, m, M4, M, layer.f2out1_w, layer.f2out1_b, K, to_u);
     zero_messages();
-    linear_product(na, atom_row, u, K4, K, layer.f2out2_w, F,
-                   [&](int r, int o, float v) { x[(a0 + r) * F4 + o] += v + bias_at(layer.f2out2_b, o); });
+    AtomStore add_to_x = to(x, F4);
+    add_to_x.accumulate = true;
+    linear_product(na, atom_row, u, K4, K, layer.f2out2_w, layer.f2out2_b, F, add_to_x);
     if (t + 1 < T) {
       features_to_h(t + 1);
       cluster_sync();
     }
   }
-  linear_product(na, atom_row, x, F4, F, p.readout1_w, Kr,
-                 [&](int r, int o, float v) { readout[(a0 + r) * Kr4 + o] = v + bias_at(p.readout1_b, o); });
+  linear_product(na, atom_row, x, F4, F, p.readout1_w, p.readout1_b, Kr, to(readout, Kr4));
   float energy = 0.0f;
   for (int e = tid; e < na * Kr; e += threads) {
     const int64_t at = (a0 + e / Kr) * Kr4 + e % Kr;
@@ -495,17 +558,16 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   if (tid == 0) ws[L.parts + block] = energy + na * bias_at(p.readout2_b, 0);
 
   // Backward. grad_x = d energy / d x, interaction by interaction from the last.
-  transposed_product(na, atom_row, readout, Kr4, Kr, p.readout1_w, F,
-                     [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] = v; }, partial);
+  transposed_product(na, atom_row, readout, Kr4, Kr, p.readout1_w, F, to(grad_x, F4), partial);
+  AtomStore add_to_grad_x = to(grad_x, F4);
+  add_to_grad_x.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
     const SchnetInteraction& layer = p.interactions[t];
-    const float* qt = q(t);
-    transposed_product(na, atom_row, grad_x, F4, F, layer.f2out2_w, K, [&](int r, int o, float v) {
-      const int64_t at = (a0 + r) * K4 + o;
-      u[at] = v * activation_grad(qt[at], layer.update_activation);
-    }, partial);
-    transposed_product(na, atom_row, u, K4, K, layer.f2out1_w, M,
-                       [&](int r, int o, float v) { m[(a0 + r) * M4 + o] = v; }, partial);
+    AtomStore to_grad_q = to(u, K4);  // the gradient before f2out's activation, in u
+    to_grad_q.activation = layer.update_activation;
+    to_grad_q.gate = q(t);
+    transposed_product(na, atom_row, grad_x, F4, F, layer.f2out2_w, K, to_grad_q, partial);
+    transposed_product(na, atom_row, u, K4, K, layer.f2out1_w, M, to(m, M4), partial);
     // Per pair (i <- j), w = filter * fcut: grad_h[j] += grad_m[i] * w, and d energy / d distance
     // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair.
     const float* ht = h(t);
@@ -513,8 +575,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const float *filters = filter_out(t), *slopes = filter_slope(t);
     const int lane = tid % 32;
     for (int r = tid / 32; r < np; r += threads / 32) {
-      const int64_t pair = pair_list[r], i = p.pairs[pair], j = senders[pair];
-      const float fcut = geometry[4 * pair + 1], fcut_slope = geometry[4 * pair + 2];
+      const OwnPair own_pair = own[r];
+      const int64_t pair = own_pair.pair, i = own_pair.receiver, j = own_pair.sender;
+      const float fcut = geometry[r].cutoff_value, fcut_slope = geometry[r].cutoff_slope;
       float distance_sum = 0.0f;
       for (int o = lane; o < M; o += 32) {
         const float gm = m[i * M4 + o], f = filters[pair * M4 + o];
@@ -522,7 +585,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
         distance_sum += gm * __ldcg(&ht[j * M4 + o]) * (f * fcut_slope + slopes[pair * M4 + o] * fcut);
       }
       distance_sum = warp_sum(distance_sum);
-      if (lane == 0) grad_distance[pair] += distance_sum;
+      if (lane == 0) geometry[r].grad_distance += distance_sum;
     }
     cluster_sync();  // grad_h(t) complete; every block's energy share written
     if (t == T - 1 && block == 0 && tid == 0) {
@@ -535,15 +598,14 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       m[at] = __ldcg(&ght[at]);
     }
     __syncthreads();
-    transposed_product(na, atom_row, m, M4, M, layer.in2f_w, F,
-                       [&](int r, int o, float v) { grad_x[(a0 + r) * F4 + o] += v; }, partial);
+    transposed_product(na, atom_row, m, M4, M, layer.in2f_w, F, add_to_grad_x, partial);
   }
 
   // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
   for (int r = tid; r < np; r += threads) {
-    const int64_t pair = pair_list[r];
-    const float d = geometry[4 * pair];
-    const float scale = d > 0.0f ? grad_distance[pair] / d : 0.0f;
+    const int64_t pair = own[r].pair;
+    const float d = geometry[r].distance;
+    const float scale = d > 0.0f ? geometry[r].grad_distance / d : 0.0f;
     for (int c = 0; c < 3; ++c) p.grad_vectors[3 * pair + c] = scale * p.vectors[3 * pair + c];
   }
 }
@@ -580,6 +642,18 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
 }
 
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
+  if (params.num_pairs > 0) {
+    const size_t shared = filters_shared_bytes(layout_of(params));
+    if (shared > 48 * 1024) {  // beyond the default only for filter networks thousands wide
+      const cudaError_t error =
+          cudaFuncSetAttribute(schnet_filters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+      if (error != cudaSuccess) return error;
+    }
+    const dim3 grid(static_cast<unsigned>(ceil_div(params.num_pairs, kFilterPairs)), params.num_interactions);
+    schnet_filters_kernel<<<grid, kThreads, shared, stream>>>(params);
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
   const int limit = cluster_limit();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
   cudaLaunchConfig_t config{};
