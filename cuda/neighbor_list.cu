@@ -17,6 +17,7 @@
 //  - direct: one warp per center atom scans the atoms of its molecule 32 at a time and, on a
 //    periodic axis, only the images S_k whose slab can come within the cutoff (usually one or two).
 //    Consecutive warps read the same neighbor positions, which L1 serves: no shared-memory tiles.
+//    Up to kOneBlockMaxAtoms atoms every step runs in one block, in one launch.
 //  - cell list (one molecule of many atoms): atoms are binned in fractional coordinates into bins
 //    at least one cutoff thick (coarser when there would be more bins than atoms), sorted by bin
 //    with a stable radix sort, and each atom (one warp, in bin order) scans the bins around its
@@ -37,6 +38,9 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSetupThreads = 1024;
+// The direct search runs in one block up to this many atoms (see one_block_direct_kernel).
+constexpr int kOneBlockMaxAtoms = 128;
+constexpr int kOneBlockThreads = 512;
 // kAuto uses the cell list from this many atoms (one molecule). Measured on an H200 (2026-11-23,
 // benchmarks/bench_neighbor_list.py: water boxes at a 5 A cutoff, in a CUDA graph, µs direct /
 // cell list): 648 atoms 56 / 62, 1,536 atoms 99 / 53, 3,000 atoms 181 / 60, 8,232 atoms 1,073 /
@@ -134,13 +138,9 @@ __device__ int64_t lower_bound(const T* sorted, int64_t n, T value) {
   return lo;
 }
 
-// Per atom: validity (finite position, a valid cell, batch sorted and naming a cell), the range
-// of its molecule, and its position wrapped into the cell along periodic axes.
-__global__ void __launch_bounds__(kThreads) prepare_atoms_kernel(NeighborListParams p,
-                                                                  AtomFrame* frames,  // [N]
-                                                                  int* invalid) {     // [1]
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= p.num_atoms) return;
+// Atom i: validity (finite position, a valid cell, batch sorted and naming a cell), the range of
+// its molecule, and its position wrapped into the cell along periodic axes.
+__device__ void prepare_atom(const NeighborListParams& p, int64_t i, AtomFrame* frames, int* invalid) {
   bool ok = true;
   AtomFrame atom;
   atom.first = 0;
@@ -170,6 +170,13 @@ __global__ void __launch_bounds__(kThreads) prepare_atoms_kernel(NeighborListPar
     atom.r[c] = r[c] - (atom.wrap[0] * lat.a[0][c] + atom.wrap[1] * lat.a[1][c] + atom.wrap[2] * lat.a[2][c]);
   frames[i] = atom;
   if (!ok) *invalid = 1;  // every writer stores the same value
+}
+
+__global__ void __launch_bounds__(kThreads) prepare_atoms_kernel(NeighborListParams p,
+                                                                  AtomFrame* frames,  // [N]
+                                                                  int* invalid) {     // [1]
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < p.num_atoms) prepare_atom(p, i, frames, invalid);
 }
 
 __device__ __forceinline__ bool lexicographically_positive(const float s[3]) {
@@ -263,13 +270,9 @@ __device__ __forceinline__ int64_t warp_inclusive_sum(int64_t v) {
   return v;
 }
 
-// One warp per center atom i: counts[i] = its pairs.
-__global__ void __launch_bounds__(kThreads) direct_count_kernel(NeighborListParams p,
-                                                                 const AtomFrame* frames,  // [N]
-                                                                 int64_t* counts) {         // [N]
-  const int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+// The pairs of center atom i, counted by one warp (every lane returns the count).
+__device__ int64_t direct_count(const NeighborListParams& p, const AtomFrame* frames, int64_t i) {
   const int lane = threadIdx.x % 32;
-  if (i >= p.num_atoms) return;  // warp-uniform
   const Lattice lat = load_lattice(p, molecule_of(p, i));
   const AtomFrame ai = frames[i];
   int64_t count = 0;
@@ -277,22 +280,26 @@ __global__ void __launch_bounds__(kThreads) direct_count_kernel(NeighborListPara
     for (int64_t j = ai.first + lane; j < ai.end; j += 32)
       for_each_direct_image(p, lat, ai, frames[j], i, j, [&](const Hit&) { ++count; });
   }
-  count = warp_sum(count);
-  if (lane == 0) counts[i] = count;
+  return warp_sum(count);
 }
 
-// One warp per center atom i: its pairs from offsets[i], in ascending j, then image. Each round
-// of 32 neighbors counts first, so that a warp scan places every lane's pairs.
-__global__ void __launch_bounds__(kThreads) direct_write_kernel(NeighborListParams p,
+// One warp per center atom i: counts[i] = its pairs.
+__global__ void __launch_bounds__(kThreads) direct_count_kernel(NeighborListParams p,
                                                                  const AtomFrame* frames,  // [N]
-                                                                 const int64_t* offsets) { // [N + 1]
+                                                                 int64_t* counts) {         // [N]
   const int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
   if (i >= p.num_atoms) return;  // warp-uniform
+  const int64_t count = direct_count(p, frames, i);
+  if (threadIdx.x % 32 == 0) counts[i] = count;
+}
+
+// The pairs of center atom i from slot `next` on, in ascending j, then image, written by one warp.
+// Each round of 32 neighbors counts first, so that a warp scan places every lane's pairs.
+__device__ void direct_write(const NeighborListParams& p, const AtomFrame* frames, int64_t i, int64_t next) {
+  const int lane = threadIdx.x % 32;
   const Lattice lat = load_lattice(p, molecule_of(p, i));
   if (!lat.valid) return;
   const AtomFrame ai = frames[i];
-  int64_t next = offsets[i];
   for (int64_t start = ai.first; start < ai.end; start += 32) {  // warp-uniform
     const int64_t j = start + lane;
     const bool has = j < ai.end;
@@ -308,6 +315,14 @@ __global__ void __launch_bounds__(kThreads) direct_write_kernel(NeighborListPara
       for_each_direct_image(p, lat, ai, aj, i, j, [&](const Hit& hit) { write_pair(p, slot++, i, j, hit); });
     next += __shfl_sync(0xffffffffu, inclusive, 31);
   }
+}
+
+// One warp per center atom i: its pairs from offsets[i].
+__global__ void __launch_bounds__(kThreads) direct_write_kernel(NeighborListParams p,
+                                                                 const AtomFrame* frames,  // [N]
+                                                                 const int64_t* offsets) { // [N + 1]
+  const int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  if (i < p.num_atoms) direct_write(p, frames, i, offsets[i]);  // warp-uniform
 }
 
 // ---- cell list --------------------------------------------------------------------------------
@@ -527,14 +542,10 @@ __global__ void __launch_bounds__(kThreads) cell_list_write_kernel(
 // Padding after the pairs: (0, 0), shift (cutoff, 0, 0), distance cutoff, so that r_j - r_i +
 // shift has length cutoff and every cutoff function gives zero. Invalid input: NaN shifts and
 // distances everywhere and num_pairs = -1, so that energies turn NaN rather than silently finite.
-__global__ void __launch_bounds__(kThreads) finish_kernel(NeighborListParams p,
-                                                           const int64_t* total,  // [1]
-                                                           const int* invalid) {  // [1]
-  const bool bad = *invalid != 0;
-  const int64_t count = *total;
-  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+// Thread `first` of `threads` takes slots first, first + threads, ...
+__device__ void finish_pairs(const NeighborListParams& p, int64_t count, bool bad, int64_t first, int64_t threads) {
   const float nan = __int_as_float(0x7fc00000);
-  for (int64_t e = first; e < p.max_pairs; e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t e = first; e < p.max_pairs; e += threads) {
     if (!bad && e < count) continue;
     p.pairs[e] = 0;
     p.pairs[p.max_pairs + e] = 0;
@@ -544,6 +555,56 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(NeighborListParams p,
     p.distances[e] = bad ? nan : p.cutoff;
   }
   if (first == 0) *p.num_pairs = bad ? -1 : count;
+}
+
+__global__ void __launch_bounds__(kThreads) finish_kernel(NeighborListParams p,
+                                                           const int64_t* total,  // [1]
+                                                           const int* invalid) {  // [1]
+  finish_pairs(p, *total, *invalid != 0, blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x,
+               static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+
+// ---- one block --------------------------------------------------------------------------------
+
+// The direct search of a small system in one block, every step above with its buffers in shared
+// memory: one launch instead of two memsets and six kernels, each of which costs a CUDA graph
+// 1-2 us however little it does (benzene's whole neighbor list was ~9 us on an H200).
+__global__ void __launch_bounds__(kOneBlockThreads) one_block_direct_kernel(NeighborListParams p) {
+  __shared__ AtomFrame frames[kOneBlockMaxAtoms];
+  __shared__ int64_t offsets[kOneBlockMaxAtoms + 1];  // offsets[i + 1]: atom i's count, then scanned
+  __shared__ int invalid;
+  const int n = static_cast<int>(p.num_atoms), warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) prepare_atom(p, i, frames, &invalid);
+  __syncthreads();
+  for (int i = warp; i < n; i += warps) {
+    const int64_t count = direct_count(p, frames, i);
+    if (lane == 0) offsets[i + 1] = count;
+  }
+  __syncthreads();
+  if (warp == 0) {  // inclusive scan of offsets[1 .. n], a lane kOneBlockMaxAtoms / 32 counts
+    constexpr int kPerLane = kOneBlockMaxAtoms / 32;
+    int64_t local[kPerLane], sum = 0;
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) {
+      const int i = lane * kPerLane + c;
+      sum += i < n ? offsets[i + 1] : 0;
+      local[c] = sum;
+    }
+    const int64_t below = warp_inclusive_sum(sum) - sum;
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) {
+      const int i = lane * kPerLane + c;
+      if (i < n) offsets[i + 1] = below + local[c];
+    }
+    if (lane == 0) offsets[0] = 0;
+  }
+  __syncthreads();
+  for (int i = warp; i < n; i += warps) direct_write(p, frames, i, offsets[i]);
+  __syncthreads();  // on invalid input the padding overwrites every slot
+  finish_pairs(p, offsets[n], invalid != 0, threadIdx.x, blockDim.x);
 }
 
 // ---- workspace --------------------------------------------------------------------------------
@@ -616,8 +677,12 @@ size_t neighbor_list_workspace_bytes(const NeighborListParams& params) {
 cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, cudaStream_t stream) {
   const NeighborSearch search = resolve_neighbor_search(p);
   if (search == NeighborSearch::kCellList && p.batch != nullptr) return cudaErrorInvalidValue;
-  Workspace w = plan_workspace(p, static_cast<char*>(workspace));
   const int64_t n = p.num_atoms;
+  if (search == NeighborSearch::kDirect && n <= kOneBlockMaxAtoms) {
+    one_block_direct_kernel<<<1, kOneBlockThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  Workspace w = plan_workspace(p, static_cast<char*>(workspace));
   cudaError_t status = cudaMemsetAsync(w.invalid, 0, sizeof(int), stream);
   if (status == cudaSuccess) status = cudaMemsetAsync(w.offsets, 0, sizeof(int64_t), stream);
   if (status != cudaSuccess) return status;

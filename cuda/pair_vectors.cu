@@ -58,10 +58,10 @@ __device__ __forceinline__ void add_row(float4* acc, int64_t k, const float (&g)
 #endif
 }
 
-__global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVectorsBackwardParams p,
-                                                                         float4* acc,   // [N] rows, zeroed
-                                                                         int* invalid) {  // [1], zeroed
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+// Pair k's terms of the gradient (none for k >= P): add(atom, g, sign) adds sign * g to the
+// atom's row; an out-of-range index sets *invalid. Every lane of the warp calls it.
+template <class Add>
+__device__ __forceinline__ void backward_pair(const PairVectorsBackwardParams& p, int64_t k, int* invalid, Add add) {
   const int lane = threadIdx.x % 32;
   int64_t i = -1, j = -1;
   float g[3] = {0.0f, 0.0f, 0.0f};
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVec
       const float radial = d != 0.0f ? p.grad_distances[k] / d : 0.0f;
 #pragma unroll
       for (int c = 0; c < 3; ++c) g[c] = p.grad_vectors[3 * k + c] + radial * v[c];
-      add_row(acc, j, g, 1.0f);
+      add(j, g, 1.0f);
     } else {
       *invalid = 1;
       i = -1;  // adds nothing below
@@ -94,7 +94,14 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVec
       if (lane + offset <= run_end) g[c] += other;
     }
   }
-  if (i >= 0 && (starts >> lane & 1u)) add_row(acc, i, g, -1.0f);
+  if (i >= 0 && (starts >> lane & 1u)) add(i, g, -1.0f);
+}
+
+__global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVectorsBackwardParams p,
+                                                                         float4* acc,   // [N] rows, zeroed
+                                                                         int* invalid) {  // [1], zeroed
+  backward_pair(p, static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, invalid,
+                [acc](int64_t atom, const float (&g)[3], float sign) { add_row(acc, atom, g, sign); });
 }
 
 // The [N, 4] accumulator into the [N, 3] gradient; NaN everywhere after an out-of-range index.
@@ -105,6 +112,29 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_finish_kernel(const flo
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (e >= values) return;
   grad[e] = *invalid ? __int_as_float(0x7fc00000) : reinterpret_cast<const float*>(acc + e / 3)[e % 3];
+}
+
+// Small systems: the whole backward in one block, the accumulator in shared memory: one launch
+// where the grid takes three (a memset, the scatter and the conversion), each of which costs a
+// CUDA graph 1-2 us however little it does (benzene: 12 atoms, 132 pairs).
+constexpr int kOneBlockMaxAtoms = 1024;
+constexpr int64_t kOneBlockMaxPairs = 8192;
+constexpr int kOneBlockThreads = 1024;
+
+__global__ void __launch_bounds__(kOneBlockThreads) pair_vectors_backward_one_block_kernel(PairVectorsBackwardParams p) {
+  __shared__ float acc[3 * kOneBlockMaxAtoms];
+  __shared__ int invalid;
+  const int values = static_cast<int>(3 * p.num_atoms);
+  for (int e = threadIdx.x; e < values; e += blockDim.x) acc[e] = 0.0f;
+  if (threadIdx.x == 0) invalid = 0;
+  __syncthreads();
+  for (int64_t k0 = 0; k0 < p.num_pairs; k0 += blockDim.x)  // the same trip count in every warp
+    backward_pair(p, k0 + threadIdx.x, &invalid, [](int64_t atom, const float (&g)[3], float sign) {
+      for (int c = 0; c < 3; ++c) atomicAdd(&acc[3 * atom + c], sign * g[c]);
+    });
+  __syncthreads();
+  for (int e = threadIdx.x; e < values; e += blockDim.x)
+    p.grad_positions[e] = invalid ? __int_as_float(0x7fc00000) : acc[e];
 }
 
 unsigned blocks_for(int64_t pairs) { return static_cast<unsigned>(ceil_div(pairs, kThreads)); }
@@ -126,6 +156,10 @@ cudaError_t launch_pair_vectors(const PairVectorsParams& params, cudaStream_t st
 cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params, void* workspace,
                                          cudaStream_t stream) {
   const int64_t values = params.num_atoms * 3;
+  if (params.num_atoms <= kOneBlockMaxAtoms && params.num_pairs <= kOneBlockMaxPairs) {
+    if (values > 0) pair_vectors_backward_one_block_kernel<<<1, kOneBlockThreads, 0, stream>>>(params);
+    return cudaGetLastError();
+  }
   if (ceil_div(std::max(params.num_pairs, values), kThreads) > INT32_MAX) return cudaErrorInvalidValue;
   int* invalid = static_cast<int*>(workspace);
   float4* acc = reinterpret_cast<float4*>(static_cast<char*>(workspace) + 16);

@@ -28,9 +28,10 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations);
   const c10::cuda::CUDAGuard guard(embedding.device());
-  at::Tensor energy = at::zeros({}, embedding.options());
   at::Tensor grad_vectors = at::empty({s.pairs, 3}, embedding.options());
-  if (s.atoms == 0) return {energy, grad_vectors};  // then there are no pairs either (checked)
+  // No atoms: no pairs either (checked), and the energy is 0; otherwise the kernel writes it.
+  if (s.atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors};
+  at::Tensor energy = at::empty({}, embedding.options());
 
   std::vector<at::Tensor> held;  // contiguous copies live until the launch is queued
   const auto ptr = [&held](const at::Tensor& t) -> const float* {

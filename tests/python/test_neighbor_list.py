@@ -630,6 +630,18 @@ def test_cuda_auto_takes_the_cell_list_from_1024_atoms(atoms, method, periodic):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("atoms", [2, 127, 128, 129])
+@pytest.mark.parametrize("periodic", [True, False])
+def test_cuda_direct_search_in_one_block_and_in_many(atoms, periodic):
+    # Up to 128 atoms the direct search runs in one block (one launch), beyond it in a grid.
+    pos, cell = liquid_box(atoms)
+    gpu = assert_cuda_matches_cpu(pos, 5.0, cell if periodic else None, max_pairs=30_000, method="direct")
+    again = mirage.ops.neighbor_list(pos.cuda(), 5.0, cell.cuda() if periodic else None, max_pairs=30_000)
+    for a, b in zip(gpu, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("method", ["direct", "cell_list"])
 def test_cuda_overflow_and_determinism(method):
     cell_values, cutoff = CELLS["triclinic"]

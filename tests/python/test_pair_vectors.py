@@ -248,6 +248,13 @@ def test_cuda_large():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("atoms,count", [(1024, 8192), (1025, 100), (100, 8193), (5, 0)])
+def test_cuda_backward_in_one_block_and_in_a_grid(atoms, count):
+    # Up to 1,024 atoms and 8,192 pairs the backward runs in one block, beyond either in a grid.
+    assert_matches(*make_inputs(atoms, count, torch.float32, "cuda"), torch.float32)
+
+
+@pytest.mark.cuda
 def test_cuda_receiver_runs_within_and_across_warps():
     # The backward sums each run of equal receivers within a warp before its atomic: runs of 1,
     # 31, 32, 33 and 70 pairs (within a warp, a whole warp, across warps), in neighbor_list's
