@@ -188,6 +188,12 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // fit the instruction caches, so each phase waits for its instructions from L2 (ncu: "no
 // instruction" stalls). Keeping the loads branch-free (load4) and the k loop rolled cut the
 // benzene kernel from 136 to 114 us (H200, 2026-11-24).
+//
+// A one-row product's ~2.8k cycles are mostly its 64 KB of weights arriving. Fetching the next
+// product's weights ahead, while this one runs, made each product slower, not faster (H200,
+// 2026-11-24, benzene): into L1 with prefetch.global.L1, 2.8k -> 3.2-3.6k cycles; into shared
+// memory with cp.async (two 64 KB slots), 4.0-4.7k. The fetch seems bound by the requests one
+// multiprocessor keeps in flight, which the early fetch shares with the product's own loads.
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                             const float* w, const float* bias, int outs, Store store) {
@@ -313,7 +319,10 @@ __device__ __forceinline__ void transposed_tile(int first, RowOf row_of, const f
 // load of a thread is independent of the others, so the product waits for memory about once: a
 // 128 x 128 product of one row took 5.5-7k cycles on an H200 (benzene, 2026-11-24) where
 // `product` (a thread an output, k in sequence) took 9-10k. Every thread calls it; with rows >= 1
-// (every block owns an atom) it ends with a barrier.
+// (every block owns an atom) it ends with a barrier. Lanes along k instead (a warp eight outputs,
+// its lanes' sums met by shuffles, no shared memory) took 6.3-7.2k cycles a product against
+// 3.5-4.5k (H200, 2026-11-24): each load instruction then touches 32 rows' lines, and L1's
+// throughput in lines bounds it.
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void transposed_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                                 const float* w, int outs, Store store, float4* partial) {
