@@ -135,7 +135,8 @@ def time_fused_interactions(system_name: str = "box3k") -> None:
 def time_whole_model(sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
     """µs per energy+forces (a CUDA graph of 20 calls) of mirage's SchNet in eval mode on random
     molecules at liquid density (open boundaries, 0.1 atoms/Å^3): one mirage::schnet_energy
-    kernel against the layer-by-layer path, which places SchNet.whole_model_max_pairs."""
+    kernel against the layer-by-layer path, which places SchNet.whole_model_max_pairs and
+    whole_model_max_atoms."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     fused = mirage.ff.optimize(MODELS["schnet"](**MODEL_CONFIG).to(device)).eval()
@@ -151,11 +152,11 @@ def time_whole_model(sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
         fused(z, positions)  # chooses the capacity eagerly
         times = []
         for limit in (1 << 30, 0):
-            fused.whole_model_max_pairs = limit
+            fused.whole_model_max_pairs = fused.whole_model_max_atoms = limit
             times.append(time_in_graph(lambda: energy_and_forces(lambda q: fused(z, q), positions), [()],
                                        calls=20, repeats=5))
         print(f"{positions.shape[0]:>6} {fused.max_pairs:>9} {times[0]:>11.1f} {times[1]:>8.1f}")
-    del fused.whole_model_max_pairs
+    del fused.whole_model_max_pairs, fused.whole_model_max_atoms
 
 
 def main() -> None:

@@ -38,8 +38,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSetupThreads = 1024;
-// The direct search runs in one block up to this many atoms (see one_block_direct_kernel).
+// The direct search runs in one block up to this many atoms and pairs of capacity (see
+// one_block_direct_kernel; the block also writes the padding, one slot a thread at a time).
 constexpr int kOneBlockMaxAtoms = 128;
+constexpr int64_t kOneBlockMaxPairs = 65536;
 constexpr int kOneBlockThreads = 512;
 // kAuto uses the cell list from this many atoms (one molecule). Measured on an H200 (2026-11-23,
 // benchmarks/bench_neighbor_list.py: water boxes at a 5 A cutoff, in a CUDA graph, µs direct /
@@ -678,7 +680,7 @@ cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, c
   const NeighborSearch search = resolve_neighbor_search(p);
   if (search == NeighborSearch::kCellList && p.batch != nullptr) return cudaErrorInvalidValue;
   const int64_t n = p.num_atoms;
-  if (search == NeighborSearch::kDirect && n <= kOneBlockMaxAtoms) {
+  if (search == NeighborSearch::kDirect && n <= kOneBlockMaxAtoms && p.max_pairs <= kOneBlockMaxPairs) {
     one_block_direct_kernel<<<1, kOneBlockThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }

@@ -1,21 +1,19 @@
-// mirage::schnet_energy: SchNet's energy and its gradient in the pair vectors in one launch.
+// mirage::schnet_energy: SchNet's energy and its gradient in the pair vectors in two launches.
 //
 // Small molecules are launch-bound: the layer-by-layer model is ~160 kernels per energy+forces
-// (docs/perf/forcefield.md), each too small to fill the GPU. Here one thread-block cluster runs
-// the whole forward and backward. Block b owns a contiguous range of atoms and every pair whose
-// receiving atom it owns, so messages, the filter networks and their backward stay inside the
-// block; blocks meet at a cluster barrier twice per interaction: after the in2f features h_t
+// (docs/perf/forcefield.md), each too small to fill the GPU. Here the filter networks, which
+// depend on the distances alone, run first as a kernel of their own over many blocks (in the
+// cluster they were 42% of the benzene kernel's cycles: each block's ~11 pairs in sequence on one
+// multiprocessor, H200, 2026-11-24). Then one thread-block cluster runs the rest, forward and
+// backward. Block b owns a contiguous range of atoms and every pair whose receiving atom it owns,
+// so messages, updates and their backward stay inside the block; blocks meet at a cluster barrier twice per interaction: after the in2f features h_t
 // (read by every block through the pairs' senders) and after the senders' gradients grad_h_t
 // (added by every block). Intermediates live in a global workspace (L2-resident at these sizes);
 // data written by another block is read with __ldcg, past the non-coherent L1.
-// The filters depend on the distance alone, so their derivative in it is carried forward (a
-// tangent row beside each pair's row in the filter network's products) instead of back-propagated:
-// the backward then needs no product through the filter networks, only a dot product per pair.
+// The filters' derivative in the distance is carried forward (a tangent row beside each pair's
+// row in the filter network's products) instead of back-propagated: the backward then needs no
+// product through the filter networks, only a dot product per pair.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
-// The filter networks, which depend on the distances alone, run first as a kernel of their own
-// over many blocks: in the cluster they were 42% of the benzene kernel's cycles (each block's
-// ~11 pairs in sequence on one multiprocessor, H200, 2026-11-24), spread over the GPU they are
-// a few microseconds.
 #include <cfloat>
 
 #include <cooperative_groups.h>
@@ -39,10 +37,10 @@ constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
 constexpr int kSharedPairs = 512;
 
 // A pair the block owns (its receiver is one of the block's atoms) and its geometry.
-struct OwnPair {
+struct alignas(16) OwnPair {
   int pair, receiver, sender, unused;
 };
-struct PairGeometry {
+struct alignas(16) PairGeometry {
   float distance, cutoff_value, cutoff_slope;  // the cosine cutoff and its derivative
   float grad_distance;                          // d energy / d distance, summed over interactions
 };
@@ -104,6 +102,19 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
 }
 
 __device__ __forceinline__ float bias_at(const float* bias, int o) { return bias ? bias[o] : 0.0f; }
+
+// |vectors[e]|, computed the same way by both kernels, so that they agree on which pairs count.
+__device__ __forceinline__ float pair_distance(const SchnetEnergyParams& p, int64_t e) {
+  const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
+  return sqrtf(vx * vx + vy * vy + vz * vz);
+}
+
+// Pairs at or beyond the cutoff add exactly nothing (the cosine cutoff's value and slope are 0
+// there); finite distances only: NaN and Inf stay in, to come out as NaN.
+__device__ __forceinline__ bool beyond_cutoff(const SchnetEnergyParams& p, int64_t e) {
+  const float d = pair_distance(p, e);
+  return d >= p.cutoff && d <= FLT_MAX;
+}
 
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -184,7 +195,7 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // instead of ~21k; the whole kernel 219 -> 175 us. Every thread of the block calls it; it ends
 // with a barrier. Not inlined: its registers on top of the kernel's would spill.
 //
-// The code size matters as much as the arithmetic: the kernel's code (460 KB on sm_90a) does not
+// The code size matters as much as the arithmetic: the kernel's code (460 KB on sm_90a then; 194 KB since one store type serves every atom-wise product) does not
 // fit the instruction caches, so each phase waits for its instructions from L2 (ncu: "no
 // instruction" stalls). Keeping the loads branch-free (load4) and the k loop rolled cut the
 // benzene kernel from 136 to 114 us (H200, 2026-11-24).
@@ -401,6 +412,10 @@ __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_c
   const int R = p.num_rbf, H = p.filter_hidden, M = p.message_width, t = blockIdx.y;
   const SchnetInteraction& layer = p.interactions[t];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kFilterPairs;
+  // A block whose pairs all lie at or beyond the cutoff has nothing to compute: the cluster kernel
+  // leaves such pairs out (in MD most of the capacity can be such padding).
+  const bool needed = threadIdx.x < kFilterPairs && first + threadIdx.x < P && !beyond_cutoff(p, first + threadIdx.x);
+  if (!__syncthreads_or(needed)) return;
   float* basis = reinterpret_cast<float*>(shared_rows);
   float* hidden = basis + 2 * kFilterPairs * R4;
   // Row 2 q is pair first + q's value, row 2 q + 1 its derivative; past the last pair the rows
@@ -408,8 +423,7 @@ __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_c
   const float spacing = gaussian_spacing(R, p.cutoff);
   for (int e = threadIdx.x; e < kFilterPairs * R; e += blockDim.x) {
     const int q = e / R, k = e % R;
-    const float* v = p.vectors + 3 * min(first + q, P - 1);
-    const float d = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]), value = gaussian(d, k, spacing);
+    const float d = pair_distance(p, min(first + q, P - 1)), value = gaussian(d, k, spacing);
     basis[2 * q * R4 + k] = value;
     basis[(2 * q + 1) * R4 + k] = gaussian_derivative(value, d, k, spacing);
   }
@@ -472,17 +486,12 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   // early (none waits at a barrier alone).
   const int64_t a0 = block * N / blocks, a1 = (block + 1) * N / blocks;
   const int na = static_cast<int>(a1 - a0);
-  const auto beyond_cutoff = [&](int64_t e) {  // finite only: NaN and Inf stay in, to come out as NaN
-    const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
-    const float d = sqrtf(vx * vx + vy * vy + vz * vz);
-    return d >= p.cutoff && d <= FLT_MAX;
-  };
   if (tid == 0) own_pairs = invalid = 0;
   __syncthreads();
   for (int64_t e = tid; e < P; e += threads) {
     const int64_t i = p.pairs[e], j = senders[e];
     if (i < 0 || i >= N || j < 0 || j >= N) invalid = 1;
-    else if (i >= a0 && i < a1 && !beyond_cutoff(e))
+    else if (i >= a0 && i < a1 && !beyond_cutoff(p, e))
       own[atomicAdd(&own_pairs, 1)] = OwnPair{static_cast<int>(e), static_cast<int>(i), static_cast<int>(j), 0};
   }
   for (int64_t a = tid; a < N; a += threads)
@@ -495,7 +504,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     return;
   }
   for (int64_t e = tid; e < P; e += threads)  // after the index check: its NaNs must not race these
-    if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(e))
+    if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(p, e))
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
   const int np = own_pairs;
   const AtomRows atom_row{a0};
@@ -507,9 +516,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   }
   // Geometry of the block's pairs (read by the messages, after the barriers below).
   for (int r = tid; r < np; r += threads) {
-    const int64_t e = own[r].pair;
-    const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
-    const float d = sqrtf(vx * vx + vy * vy + vz * vz);
+    const float d = pair_distance(p, own[r].pair);
     geometry[r] = PairGeometry{d, envelope(CutoffFn::kCosine, d, p.cutoff),
                                envelope_derivative(CutoffFn::kCosine, d, p.cutoff), 0.0f};
   }
@@ -653,7 +660,9 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
   if (params.num_pairs > 0) {
     const size_t shared = filters_shared_bytes(layout_of(params));
-    if (shared > 48 * 1024) {  // beyond the default only for filter networks thousands wide
+    // Static and dynamic shared memory beyond the default 48 KB (filter networks ~1,000 wide or
+    // more) need the kernel's opt-in; beyond the device's limit the launch fails with its error.
+    if (shared + kPartialFloats * sizeof(float) > 48 * 1024) {
       const cudaError_t error =
           cudaFuncSetAttribute(schnet_filters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
       if (error != cudaSuccess) return error;

@@ -1,5 +1,5 @@
-// mirage::schnet_energy: a whole SchNet energy and its gradient in the pair vectors, in one
-// kernel, for small systems (docs/ops.md). float32.
+// mirage::schnet_energy: a whole SchNet energy and its gradient in the pair vectors, in two
+// kernels, for small systems (docs/ops.md). float32.
 #pragma once
 
 #include <cstddef>

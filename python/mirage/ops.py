@@ -499,7 +499,7 @@ def schnet_energy(
     weights: Sequence[Tensor],
     activations: Sequence[str],
 ) -> Tuple[Tensor, Tensor]:
-    """A whole SchNet energy and its gradient in the pair vectors, in one kernel.
+    """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels).
 
     Computes, with ``d = |vectors|``, a Gaussian basis of ``num_rbf`` centers evenly over
     ``[0, cutoff]`` (width their spacing) and the cosine cutoff ``cos^2(pi d / 2 cutoff)`` (zero
@@ -511,9 +511,10 @@ def schnet_energy(
 
     with ``filter``, ``f2out`` and ``readout`` each ``Linear, activation, Linear``. This is
     ``mirage.ff.SchNet`` (and ``examples/forcefield/models.py``'s SchNet) end to end. On CUDA it
-    is one launch: one thread-block cluster (Hopper; one block before it) for the whole model,
-    forward and backward, fast for molecules of up to a few hundred pairs and slower than the
-    layer-by-layer model beyond that (docs/perf/forcefield.md).
+    is two launches: the filter networks over many blocks, then one thread-block cluster (Hopper;
+    one block before it) for the rest of the model, forward and backward; fast for molecules of up
+    to a few thousand pairs and slower than the layer-by-layer model beyond that
+    (docs/perf/forcefield.md).
 
     Args:
         atomic_numbers: ``(N,)`` int64, rows of ``embedding``.

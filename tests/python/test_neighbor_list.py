@@ -583,15 +583,16 @@ def test_cuda_lattice_on_boundaries():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("per_molecule_pbc", [False, True])
-def test_cuda_batches(per_molecule_pbc):
+@pytest.mark.parametrize("max_pairs", [20_000, 70_000])  # one block; beyond its capacity limit, the grid
+def test_cuda_batches(per_molecule_pbc, max_pairs):
     names = ["orthorhombic", "triclinic", "small"]
     cells = tensor([CELLS[k][0] for k in names], torch.float32)
     sizes = [40, 3, 25]
     pos = torch.cat([random_in_cell(s, CELLS[k][0], torch.float32) for s, k in zip(sizes, names)])
     batch = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
     pbc = torch.tensor(PBCS) if per_molecule_pbc else torch.tensor([True, False, True])
-    assert_cuda_matches_cpu(pos, 3.2, cells, pbc, batch)
-    assert_cuda_matches_cpu(pos, 3.2, None, None, batch, half=True)
+    assert_cuda_matches_cpu(pos, 3.2, cells, pbc, batch, max_pairs=max_pairs)
+    assert_cuda_matches_cpu(pos, 3.2, None, None, batch, half=True, max_pairs=max_pairs)
 
 
 def liquid_box(n, dtype=torch.float32):
@@ -642,10 +643,10 @@ def test_cuda_direct_search_in_one_block_and_in_many(atoms, periodic):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("method", ["direct", "cell_list"])
-def test_cuda_overflow_and_determinism(method):
+@pytest.mark.parametrize("method,atoms", [("direct", 80), ("direct", 150), ("cell_list", 80)])
+def test_cuda_overflow_and_determinism(method, atoms):
     cell_values, cutoff = CELLS["triclinic"]
-    pos = random_in_cell(80, cell_values, torch.float32).cuda()
+    pos = random_in_cell(atoms, cell_values, torch.float32).cuda()
     cell = tensor(cell_values, torch.float32, "cuda")
     full = mirage.ops.neighbor_list(pos, cutoff, cell, max_pairs=20000, method=method)
     again = mirage.ops.neighbor_list(pos, cutoff, cell, max_pairs=20000, method=method)
@@ -660,13 +661,14 @@ def test_cuda_overflow_and_determinism(method):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kwargs,message", INVALID_VALUES)
-@pytest.mark.parametrize("method", ["direct", "cell_list"])
-def test_cuda_invalid_values_poison_the_output(kwargs, message, method):
+# the direct search in one block, and in a grid (a capacity beyond the one block's limit)
+@pytest.mark.parametrize("method,max_pairs", [("direct", 40), ("direct", 70_000), ("cell_list", 40)])
+def test_cuda_invalid_values_poison_the_output(kwargs, message, method, max_pairs):
     kwargs = {k: v.cuda() for k, v in kwargs.items()}
     if "batch" in kwargs:
         if method == "cell_list":
             pytest.skip("the cell list takes no batch")
-    result = nl("cuda", max_pairs=40, method=method, **kwargs)
+    result = nl("cuda", max_pairs=max_pairs, method=method, **kwargs)
     assert int(result.num_pairs) == -1
     assert torch.isnan(result.distances).all() and torch.isnan(result.shifts).all()
     assert (result.pairs == 0).all()

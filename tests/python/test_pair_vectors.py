@@ -269,10 +269,11 @@ def test_cuda_receiver_runs_within_and_across_warps():
 
 
 @pytest.mark.cuda
-def test_cuda_bad_index_inside_a_run():
-    positions, _, shifts = make_inputs(4, 40, torch.float32, "cuda")
+@pytest.mark.parametrize("atoms", [4, 1100])  # the backward in one block, and in a grid
+def test_cuda_bad_index_inside_a_run(atoms):
+    positions, _, shifts = make_inputs(atoms, 40, torch.float32, "cuda")
     pairs = torch.stack([torch.full((40,), 1), torch.randint(0, 4, (40,))]).cuda()
-    pairs[1, 17] = 9
+    pairs[1, 17] = atoms + 5
     positions.requires_grad_()
     vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts)
     (grad,) = torch.autograd.grad(distances.nan_to_num().sum(), positions)

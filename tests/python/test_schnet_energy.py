@@ -33,6 +33,9 @@ CONFIGS = {
     # and few rows); 300 features: the backward's products run 96 threads along the outputs, which
     # do not divide the block (idle threads).
     "split_sums": (20, 60, 300, 64, 16, 16, 16, 8, ["shifted_softplus", "silu", "shifted_softplus"], True),
+    # A filter network 1,030 wide: the filters kernel's rows need more shared memory than the
+    # default 48 KB (its opt-in), and the padded widths are not multiples of 4.
+    "wide_filter": (6, 30, 16, 20, 1030, 16, 16, 8, ["shifted_softplus", "silu", "shifted_softplus"], True),
 }
 CUTOFF = 4.0
 
@@ -186,11 +189,12 @@ def test_schnet_energy_non_finite_vectors(device):
 
 @pytest.mark.cuda
 def test_schnet_energy_cuda_unaligned_weights():
-    """A weight whose storage starts 4 bytes off a 16-byte boundary takes the scalar loads."""
+    """A weight whose storage starts 4 bytes off a 16-byte boundary takes the scalar loads (in the
+    filters kernel and in the cluster's forward and backward products)."""
     args = list(make_inputs("benzene", "cuda", torch.float32))
     want_energy, want_grad = mirage.ops.schnet_energy(*args)
     weights = list(args[6])
-    for index in (4, 8):  # in2f.weight, f2out.2.weight of the first interaction (forward and backward products)
+    for index in (0, 2, 4, 8):  # the first interaction's filter weights, in2f.weight, f2out.2.weight
         w = weights[index]
         shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
         assert shifted.data_ptr() % 16 != 0

@@ -275,7 +275,7 @@ class Calculator(_AseCalculator):
     Args:
         model: the model (an ``nn.Module`` or callable); its floating-point parameters' dtype is
             the dtype positions are given in. Its mode is left alone: call ``model.eval()`` for
-            inference, where :func:`mirage.ff.optimize`'s SchNet runs small systems as one kernel
+            inference, where :func:`mirage.ff.optimize`'s SchNet runs small systems as one op
             (``mirage::schnet_energy``; training mode keeps the layer-by-layer path).
         device: where to run; default the model's device. The model is moved there.
         precision: ``"fp32"`` (default), ``"tf32"`` or ``"bf16-mixed"`` (see :data:`PRECISIONS`

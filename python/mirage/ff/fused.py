@@ -392,14 +392,18 @@ class SchNet(_FusedModel):
         max_pairs: neighbor-list capacity (None: the first forward chooses it).
         num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
         whole_model_max_pairs: the largest capacity that runs as one schnet_energy op in eval mode (see
-            :meth:`forward`); 0 turns that path off. Measured crossover: docs/perf/forcefield.md.
+            :meth:`forward`); 0 turns that path off.
+        whole_model_max_atoms: ... and the most atoms. Measured crossover: docs/perf/forcefield.md.
     """
 
     # H200, 2026-11-24 11:50 UTC, with the filter networks in a kernel of their own (profile_forcefield's
     # time_whole_model, molecules at liquid density, µs per energy+forces, one kernel vs layers):
     # 75 vs 292 at 132 pairs, 134 vs 329 at 552, 251 vs 349 at 2,256 (48 atoms), 354 vs 391 at 4,032
-    # (64 atoms), 440 vs 380 at 3,968 (96 atoms), 599 vs 412 at 5,440 (docs/perf/forcefield.md).
+    # (64 atoms), 440 vs 380 at 3,968 (96 atoms), 599 vs 412 at 5,440 (docs/perf/forcefield.md). The
+    # crossover depends on the atoms too (more of them a block, more row tiles a product), hence
+    # both limits. Measured on Hopper only: before sm_90 the op runs in one block.
     whole_model_max_pairs = 2560
+    whole_model_max_atoms = 64
     #: Larger systems in eval mode on CUDA run each interaction as one mirage::cfconv (filter
     #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
     #: the batched filter GEMMs (for comparisons).
@@ -495,7 +499,8 @@ class SchNet(_FusedModel):
         boundaries, as in the reference models).
 
         In eval mode, on CUDA in float32 outside autocast, systems of at most
-        :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) run as one op,
+        :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
+        :attr:`whole_model_max_atoms` atoms run as one op,
         ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Larger systems under the same conditions run each
         interaction as one ``mirage::cfconv`` (filter network, cutoff and message passing fused;
@@ -567,7 +572,8 @@ class SchNet(_FusedModel):
         """Whether this forward runs as one mirage::schnet_energy op (static: shapes, dtypes,
         modes; never the data, so the choice is graph-safe)."""
         return (self._eval_kernels(positions) and self._max_pairs is not None
-                and self._max_pairs <= self.whole_model_max_pairs and len(self.interactions) <= 8)
+                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
+                and len(self.interactions) <= 8)
 
     def _kernel_weights(self) -> List[Tensor]:
         """mirage::schnet_energy's ``weights``: the parameters themselves (shared, never copied),
