@@ -27,9 +27,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kRowTile = 4;          // rows a thread carries in registers in `product`
-constexpr int kTransposedRows = 2;   // ... and in `transposed_product`
-// Floats of the block's shared buffer for the products' partial sums: the larger need of the two.
-constexpr int kPartialFloats = kThreads * (kRowTile > 4 * kTransposedRows ? kRowTile : 4 * kTransposedRows);
+constexpr int kPartialFloats = kThreads * kRowTile;  // `product`'s partial sums (split sums over k)
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
 // Up to this many pairs in all (the neighbor list's capacity, padding included) each block keeps
 // its pairs' indices and geometry in shared memory: the message phases read them on the path of
@@ -65,6 +63,9 @@ struct Layout {
   int64_t readout;      // [N][Kr4]: the readout's hidden layer, later its gradient
   int64_t grad_x;       // [N][F4]
   int64_t parts;        // [kMaxCluster]: each block's share of the energy
+  // The atom-wise weights transposed (schnet_filters_kernel), for the backward's products:
+  // readout1 [F][Kr], then per interaction f2out2 [K][F], f2out1 [M][K], in2f [F][M].
+  int64_t readout1_t, f2out2_t, f2out1_t, in2f_t;  // the last three [T][...]
   int64_t total;
 };
 
@@ -97,6 +98,11 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   l.readout = take(N * l.Kr4);
   l.grad_x = take(N * l.F4);
   l.parts = take(kMaxCluster);
+  const int64_t F = p.features, M = p.message_width, K = p.update_hidden;
+  l.readout1_t = take(F * p.readout_hidden);
+  l.f2out2_t = take(T * pad4(K * F));
+  l.f2out1_t = take(T * pad4(M * K));
+  l.in2f_t = take(T * pad4(F * M));
   l.total = at;
   return l;
 }
@@ -285,82 +291,10 @@ __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in,
   __syncthreads();  // partial is free again
 }
 
-// Rows first .. first + kRows - 1 (all of them rows: transposed_rows passes whole tiles) times
-// w [ins][outs], outputs 4 q0 on. See transposed_product.
-template <int kRows, bool kVector, class RowOf, class Store>
-__device__ __forceinline__ void transposed_tile(int first, RowOf row_of, const float* in, int64_t in_stride,
-                                                int ins, const float* w, int q0, int lanes, int outs, Store store,
-                                                float4* partial) {
-  const int lane_q = threadIdx.x % lanes, split = threadIdx.x / lanes, splits = blockDim.x / lanes;
-  const int chunk = (ins + splits - 1) / splits, k0 = split * chunk, k1 = min(ins, k0 + chunk);
-  const int o = 4 * (q0 + lane_q);  // this thread's outputs o .. o + 3
-  const float* x[kRows];
-#pragma unroll
-  for (int t = 0; t < kRows; ++t) x[t] = in + row_of(first + t) * in_stride;
-  float4 acc[kRows] = {};
-#pragma unroll 4
-  for (int k = k0; k < k1; ++k) {
-    const float4 wk = load4<kVector>(w + static_cast<int64_t>(k) * outs, o, outs);  // w[k][o .. o + 3]
-#pragma unroll
-    for (int t = 0; t < kRows; ++t) {
-      const float a = x[t][k];
-      acc[t] = make_float4(fmaf(a, wk.x, acc[t].x), fmaf(a, wk.y, acc[t].y), fmaf(a, wk.z, acc[t].z),
-                           fmaf(a, wk.w, acc[t].w));
-    }
-  }
-  if (split < splits) {  // threads past the last whole slice (lanes not dividing the block) hold nothing
-#pragma unroll
-    for (int t = 0; t < kRows; ++t) partial[(split * kRows + t) * lanes + lane_q] = acc[t];
-  }
-  __syncthreads();
-  const int width = min(4 * lanes, outs - 4 * q0);  // outputs of this pass
-  for (int item = threadIdx.x; item < kRows * width; item += blockDim.x) {
-    const int t = item / width, c = item % width;
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += reinterpret_cast<const float*>(partial + (s * kRows + t) * lanes)[c];
-    store(first + t, 4 * q0 + c, sum);
-  }
-  __syncthreads();  // partial is free again
-}
-
-// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * w[k][o]), w [ins][outs]: the
-// backward of an nn.Linear with `outs` inputs, for the few rows of a block's atoms. A thread takes
-// four consecutive outputs (a float4 of each weight row: a warp reads 512 consecutive bytes) and
-// a slice of k, for kTransposedRows rows at a time; the slices' sums meet in `partial`. Every
-// load of a thread is independent of the others, so the product waits for memory about once: a
-// 128 x 128 product of one row took 5.5-7k cycles on an H200 (benzene, 2026-11-24) where
-// `product` (a thread an output, k in sequence) took 9-10k. Every thread calls it; with rows >= 1
-// (every block owns an atom) it ends with a barrier. Lanes along k instead (a warp eight outputs,
-// its lanes' sums met by shuffles, no shared memory) took 6.3-7.2k cycles a product against
-// 3.5-4.5k (H200, 2026-11-24): each load instruction then touches 32 rows' lines, and L1's
-// throughput in lines bounds it.
-template <bool kVector, class RowOf, class Store>
-__device__ __forceinline__ void transposed_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                                const float* w, int outs, Store store, float4* partial) {
-  const int quads = (outs + 3) / 4;
-  const int lanes = min((quads + 31) / 32 * 32, static_cast<int>(blockDim.x));
-  for (int q0 = 0; q0 < quads; q0 += lanes) {
-    int first = 0;
-    for (; first + kTransposedRows <= rows; first += kTransposedRows)
-      transposed_tile<kTransposedRows, kVector>(first, row_of, in, in_stride, ins, w, q0, lanes, outs, store, partial);
-    if (first < rows)
-      transposed_tile<1, kVector>(first, row_of, in, in_stride, ins, w, q0, lanes, outs, store, partial);
-  }
-}
-
-template <class RowOf, class Store>
-__device__ __noinline__ void transposed_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
-                                                const float* w, int outs, Store store, float4* partial) {
-  if (outs % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0)
-    transposed_rows<true>(rows, row_of, in, in_stride, ins, w, outs, store, partial);
-  else
-    transposed_rows<false>(rows, row_of, in, in_stride, ins, w, outs, store, partial);
-}
-
 // The schnet_energy kernel's atom-wise products: rows a0 + r (a block's atoms), and their outputs
 // out[a0 + r][o] = f(v), written or (accumulate) added, `stride` floats a row. Forward, with the
-// bias b: f = activate(v + b), v + b kept in `pre` where given. Backward (transposed_product, no
-// bias): f = v * activation_grad(gate[a0 + r][o]) where a gate is given, else v. One type for every
+// bias b: f = activate(v + b), v + b kept in `pre` where given. Backward (the transposed weights,
+// no bias): f = v * activation_grad(gate[a0 + r][o]) where a gate is given, else v. One type for every
 // call, so that each product's code is compiled once: the kernel's code outgrows the instruction
 // caches (see linear_product), and a phase whose instructions were fetched by the last one runs
 // without waiting for them.
@@ -399,14 +333,47 @@ static_assert((2 * kFilterPairs) % kRowTile == 0 && kRowTile % 2 == 0,
 
 size_t filters_shared_bytes(const Layout& l) { return 2 * kFilterPairs * (l.R4 + l.H4) * sizeof(float); }
 
+// schnet_filters_kernel's blocks of row T (at least this many) transpose the atom-wise weights.
+constexpr int kTransposeBlocks = 8;
+
+// a [rows][cols] into a_t [cols][rows], over the blocks of this grid row (writes coalesced).
+__device__ void transpose(const float* a, int rows, int cols, float* a_t) {
+  const int64_t count = static_cast<int64_t>(rows) * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    a_t[e] = a[(e % rows) * cols + e / rows];
+}
+
+// The backward's products read the atom-wise weights transposed, so that they run as
+// linear_product, lanes along the inputs: the products of each weight's columns (a thread per
+// four outputs, a slice of k, the slices' sums met in shared memory behind a second barrier) took
+// ~4k cycles a one-row product on benzene where linear_product takes ~2.8k (H200, 2026-11-24).
+__device__ void transpose_weights(const SchnetEnergyParams& p) {
+  const Layout L = layout_of(p);
+  float* ws = static_cast<float*>(p.workspace);
+  const int F = p.features, M = p.message_width, K = p.update_hidden;
+  transpose(p.readout1_w, p.readout_hidden, F, ws + L.readout1_t);
+  for (int t = 0; t < p.num_interactions; ++t) {
+    const SchnetInteraction& layer = p.interactions[t];
+    transpose(layer.f2out2_w, F, K, ws + L.f2out2_t + t * pad4(static_cast<int64_t>(K) * F));
+    transpose(layer.f2out1_w, K, M, ws + L.f2out1_t + t * pad4(static_cast<int64_t>(M) * K));
+    transpose(layer.in2f_w, M, F, ws + L.in2f_t + t * pad4(static_cast<int64_t>(F) * M));
+  }
+}
+
 // Each interaction's filters before the cutoff and their derivatives in the distance, on every
-// pair (those at or beyond the cutoff too: the cluster kernel leaves them out), into the
-// workspace's filter_out and filter_slope. Block (b, t): pairs kFilterPairs b on, interaction t.
+// pair but those at or beyond the cutoff (the cluster kernel leaves them out), into the
+// workspace's filter_out and filter_slope. Block (b, t): pairs kFilterPairs b on, interaction t;
+// the blocks (b, T) transpose the atom-wise weights instead (transpose_weights).
 // The derivative is carried forward: a row of the basis' derivative goes through the same
 // products beside each pair's row, without the biases, times the activation's slope between them.
 __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_constant__ SchnetEnergyParams p) {
   extern __shared__ float4 shared_rows[];  // [2 kFilterPairs][R4] basis, then [2 kFilterPairs][H4] hidden
   __shared__ float4 partial[kPartialFloats / 4];
+  if (blockIdx.y == p.num_interactions) {
+    transpose_weights(p);
+    return;
+  }
   const Layout L = layout_of(p);
   const int64_t P = p.num_pairs, R4 = L.R4, H4 = L.H4, M4 = L.M4;
   const int R = p.num_rbf, H = p.filter_hidden, M = p.message_width, t = blockIdx.y;
@@ -458,7 +425,6 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   __shared__ OwnPair shared_own_pairs[kSharedPairs];
   __shared__ PairGeometry shared_geometry[kSharedPairs];
   __shared__ float scratch[32];
-  __shared__ float4 partial[kPartialFloats / 4];
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
   const int64_t N = p.num_atoms, P = p.num_pairs;
   const int M = p.message_width, F = p.features;
@@ -574,7 +540,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   if (tid == 0) ws[L.parts + block] = energy + na * bias_at(p.readout2_b, 0);
 
   // Backward. grad_x = d energy / d x, interaction by interaction from the last.
-  transposed_product(na, atom_row, readout, Kr4, Kr, p.readout1_w, F, to(grad_x, F4), partial);
+  // The backward's products read the weights transposed (transpose_weights).
+  const auto transposed = [&](int64_t offset, int t, int64_t floats) { return ws + offset + t * pad4(floats); };
+  linear_product(na, atom_row, readout, Kr4, Kr, transposed(L.readout1_t, 0, 0), nullptr, F, to(grad_x, F4));
   AtomStore add_to_grad_x = to(grad_x, F4);
   add_to_grad_x.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
@@ -582,8 +550,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     AtomStore to_grad_q = to(u, K4);  // the gradient before f2out's activation, in u
     to_grad_q.activation = layer.update_activation;
     to_grad_q.gate = q(t);
-    transposed_product(na, atom_row, grad_x, F4, F, layer.f2out2_w, K, to_grad_q, partial);
-    transposed_product(na, atom_row, u, K4, K, layer.f2out1_w, M, to(m, M4), partial);
+    linear_product(na, atom_row, grad_x, F4, F, transposed(L.f2out2_t, t, int64_t{K} * F), nullptr, K, to_grad_q);
+    linear_product(na, atom_row, u, K4, K, transposed(L.f2out1_t, t, int64_t{M} * K), nullptr, M, to(m, M4));
     // Per pair (i <- j), w = filter * fcut: grad_h[j] += grad_m[i] * w, and d energy / d distance
     // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair.
     const float* ht = h(t);
@@ -614,7 +582,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       m[at] = __ldcg(&ght[at]);
     }
     __syncthreads();
-    transposed_product(na, atom_row, m, M4, M, layer.in2f_w, F, add_to_grad_x, partial);
+    linear_product(na, atom_row, m, M4, M, transposed(L.in2f_t, t, int64_t{F} * M), nullptr, F, add_to_grad_x);
   }
 
   // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
@@ -658,7 +626,7 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
 }
 
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
-  if (params.num_pairs > 0) {
+  {
     const size_t shared = filters_shared_bytes(layout_of(params));
     // Static and dynamic shared memory beyond the default 48 KB (filter networks ~1,000 wide or
     // more) need the kernel's opt-in; beyond the device's limit the launch fails with its error.
@@ -667,7 +635,8 @@ cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t 
           cudaFuncSetAttribute(schnet_filters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
       if (error != cudaSuccess) return error;
     }
-    const dim3 grid(static_cast<unsigned>(ceil_div(params.num_pairs, kFilterPairs)), params.num_interactions);
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(ceil_div(params.num_pairs, kFilterPairs), kTransposeBlocks)),
+                    params.num_interactions + 1);
     schnet_filters_kernel<<<grid, kThreads, shared, stream>>>(params);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
