@@ -672,15 +672,25 @@ NeighborSearch resolve_neighbor_search(const NeighborListParams& params) {
                                                                           : NeighborSearch::kDirect;
 }
 
+namespace {
+
+// Whether the search runs as one_block_direct_kernel, which needs no workspace.
+bool runs_in_one_block(const NeighborListParams& p) {
+  return resolve_neighbor_search(p) == NeighborSearch::kDirect && p.num_atoms <= kOneBlockMaxAtoms &&
+         p.max_pairs <= kOneBlockMaxPairs;
+}
+
+}  // namespace
+
 size_t neighbor_list_workspace_bytes(const NeighborListParams& params) {
-  return plan_workspace(params, nullptr).total_bytes;
+  return runs_in_one_block(params) ? 0 : plan_workspace(params, nullptr).total_bytes;
 }
 
 cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, cudaStream_t stream) {
   const NeighborSearch search = resolve_neighbor_search(p);
   if (search == NeighborSearch::kCellList && p.batch != nullptr) return cudaErrorInvalidValue;
   const int64_t n = p.num_atoms;
-  if (search == NeighborSearch::kDirect && n <= kOneBlockMaxAtoms && p.max_pairs <= kOneBlockMaxPairs) {
+  if (runs_in_one_block(p)) {
     one_block_direct_kernel<<<1, kOneBlockThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }

@@ -121,7 +121,8 @@ constexpr int kOneBlockMaxAtoms = 1024;
 constexpr int64_t kOneBlockMaxPairs = 8192;
 constexpr int kOneBlockThreads = 1024;
 
-__global__ void __launch_bounds__(kOneBlockThreads) pair_vectors_backward_one_block_kernel(PairVectorsBackwardParams p) {
+__global__ void __launch_bounds__(kOneBlockThreads)
+    pair_vectors_backward_one_block_kernel(PairVectorsBackwardParams p) {
   __shared__ float acc[3 * kOneBlockMaxAtoms];
   __shared__ int invalid;
   const int values = static_cast<int>(3 * p.num_atoms);

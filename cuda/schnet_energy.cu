@@ -6,10 +6,11 @@
 // cluster they were 42% of the benzene kernel's cycles: each block's ~11 pairs in sequence on one
 // multiprocessor, H200, 2026-11-24). Then one thread-block cluster runs the rest, forward and
 // backward. Block b owns a contiguous range of atoms and every pair whose receiving atom it owns,
-// so messages, updates and their backward stay inside the block; blocks meet at a cluster barrier twice per interaction: after the in2f features h_t
-// (read by every block through the pairs' senders) and after the senders' gradients grad_h_t
-// (added by every block). Intermediates live in a global workspace (L2-resident at these sizes);
-// data written by another block is read with __ldcg, past the non-coherent L1.
+// so messages, updates and their backward stay inside the block; blocks meet at a cluster
+// barrier twice per interaction: after the in2f features h_t (read by every block through the
+// pairs' senders) and after the senders' gradients grad_h_t (added by every block).
+// Intermediates live in a global workspace (L2-resident at these sizes); data written by another
+// block is read with __ldcg, past the non-coherent L1.
 // The filters' derivative in the distance is carried forward (a tangent row beside each pair's
 // row in the filter network's products) instead of back-propagated: the backward then needs no
 // product through the filter networks, only a dot product per pair.
@@ -45,6 +46,9 @@ struct alignas(16) PairGeometry {
 
 __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 
+// Floats a rows x cols matrix takes in a workspace array of them, 16-byte aligned.
+__host__ __device__ inline int64_t padded_matrix(int64_t rows, int64_t cols) { return pad4(rows * cols); }
+
 // Offsets (in floats) of the workspace arrays; row strides are padded to 4 floats so that rows
 // are 16-byte aligned. [T] = one per interaction.
 struct Layout {
@@ -64,8 +68,9 @@ struct Layout {
   int64_t grad_x;       // [N][F4]
   int64_t parts;        // [kMaxCluster]: each block's share of the energy
   // The atom-wise weights transposed (schnet_filters_kernel), for the backward's products:
-  // readout1 [F][Kr], then per interaction f2out2 [K][F], f2out1 [M][K], in2f [F][M].
-  int64_t readout1_t, f2out2_t, f2out1_t, in2f_t;  // the last three [T][...]
+  // readout1 [F][Kr], then per interaction f2out2 [K][F], f2out1 [M][K], in2f [F][M] (each
+  // interaction's matrix padded_matrix(...) floats after the last one's).
+  int64_t readout1_t, f2out2_t, f2out1_t, in2f_t;
   int64_t total;
 };
 
@@ -100,9 +105,9 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   l.parts = take(kMaxCluster);
   const int64_t F = p.features, M = p.message_width, K = p.update_hidden;
   l.readout1_t = take(F * p.readout_hidden);
-  l.f2out2_t = take(T * pad4(K * F));
-  l.f2out1_t = take(T * pad4(M * K));
-  l.in2f_t = take(T * pad4(F * M));
+  l.f2out2_t = take(T * padded_matrix(K, F));
+  l.f2out1_t = take(T * padded_matrix(M, K));
+  l.in2f_t = take(T * padded_matrix(F, M));
   l.total = at;
   return l;
 }
@@ -191,20 +196,22 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 }
 
 // nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o][k], bias[o]) (a
-// null bias: 0), w [outs][ins], the input rows `in_stride` floats apart and 16-byte aligned. The weights' rows are contiguous in
-// k, so lanes go along k: a group of 8 lanes covers 128 inputs (lane l the float4s at 4 (l + 8 c),
-// so a group reads 128 consecutive bytes at once), holds the weights of two outputs in registers
-// and multiplies up to 4 rows by them; a warp is 4 groups (8 outputs), the block 128 outputs at a
-// time. The forward's Linears use it but for the filters' first (few inputs, the radial basis:
-// most lanes would idle), where `product` is faster. Against `product` (H200, benzene, one block
+// null bias: 0), w [outs][ins], the input rows `in_stride` floats apart and 16-byte aligned. The
+// weights' rows are contiguous in k, so lanes go along k: a group of 8 lanes covers 128 inputs
+// (lane l the float4s at 4 (l + 8 c), so a group reads 128 consecutive bytes at once), holds the
+// weights of two outputs in registers and multiplies up to 4 rows by them; a warp is 4 groups (8
+// outputs), the block 128 outputs at a time. Every Linear uses it (the backward's on the
+// transposed weights) but the filters' first (few inputs, the radial basis: most lanes would
+// idle), where `product` is faster. Against `product` (H200, benzene, one block
 // an atom): a 128 x 128 product of one row ~3-5k cycles instead of ~10-13k, of 11 pair rows ~12k
 // instead of ~21k; the whole kernel 219 -> 175 us. Every thread of the block calls it; it ends
 // with a barrier. Not inlined: its registers on top of the kernel's would spill.
 //
-// The code size matters as much as the arithmetic: the kernel's code (460 KB on sm_90a then; 194 KB since one store type serves every atom-wise product) does not
-// fit the instruction caches, so each phase waits for its instructions from L2 (ncu: "no
+// The code size matters as much as the arithmetic: the kernel's code (460 KB on sm_90a then) did
+// not fit the instruction caches, so each phase waited for its instructions from L2 (ncu: "no
 // instruction" stalls). Keeping the loads branch-free (load4) and the k loop rolled cut the
-// benzene kernel from 136 to 114 us (H200, 2026-11-24).
+// benzene kernel from 136 to 114 us (H200, 2026-11-24); one store type for every atom-wise
+// product (AtomStore) took the code to 194 KB.
 //
 // A one-row product's ~2.8k cycles are mostly its 64 KB of weights arriving. Fetching the next
 // product's weights ahead, while this one runs, made each product slower, not faster (H200,
@@ -310,7 +317,7 @@ struct AtomStore {
   float* pre = nullptr;
   const float* gate = nullptr;
   bool accumulate = false;
-  __device__ void operator()(int r, int o, float v, float b = 0.0f) const {
+  __device__ void operator()(int r, int o, float v, float b) const {
     const int64_t at = (a0 + r) * stride + o;
     if (gate != nullptr) {
       v *= activation_grad(gate[at], activation);
@@ -355,9 +362,9 @@ __device__ void transpose_weights(const SchnetEnergyParams& p) {
   transpose(p.readout1_w, p.readout_hidden, F, ws + L.readout1_t);
   for (int t = 0; t < p.num_interactions; ++t) {
     const SchnetInteraction& layer = p.interactions[t];
-    transpose(layer.f2out2_w, F, K, ws + L.f2out2_t + t * pad4(static_cast<int64_t>(K) * F));
-    transpose(layer.f2out1_w, K, M, ws + L.f2out1_t + t * pad4(static_cast<int64_t>(M) * K));
-    transpose(layer.in2f_w, M, F, ws + L.in2f_t + t * pad4(static_cast<int64_t>(F) * M));
+    transpose(layer.f2out2_w, F, K, ws + L.f2out2_t + t * padded_matrix(K, F));
+    transpose(layer.f2out1_w, K, M, ws + L.f2out1_t + t * padded_matrix(M, K));
+    transpose(layer.in2f_w, M, F, ws + L.in2f_t + t * padded_matrix(F, M));
   }
 }
 
@@ -398,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_c
   const auto row = [](int r) -> int64_t { return r; };
   // product's thread stores a row tile's rows in order: the value's store leaves the
   // activation's slope where the derivative's store multiplies by it.
-  product(2 * kFilterPairs, row, basis, R4, R, layer.filter1_w, layer.filter1_b, H, [&](int r, int o, float v, float b) {
+  const auto to_hidden = [&](int r, int o, float v, float b) {
     float* at = hidden + r * H4 + o;
     if (r % 2 == 0) {
       const float pre = v + b;
@@ -407,7 +414,9 @@ __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_c
     } else {
       at[0] *= v;
     }
-  }, reinterpret_cast<float*>(partial));
+  };
+  product(2 * kFilterPairs, row, basis, R4, R, layer.filter1_w, layer.filter1_b, H, to_hidden,
+          reinterpret_cast<float*>(partial));
   __syncthreads();
   float* ws = static_cast<float*>(p.workspace);
   float *out = ws + L.filter_out + t * P * M4, *slope = ws + L.filter_slope + t * P * M4;
@@ -541,8 +550,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
 
   // Backward. grad_x = d energy / d x, interaction by interaction from the last.
   // The backward's products read the weights transposed (transpose_weights).
-  const auto transposed = [&](int64_t offset, int t, int64_t floats) { return ws + offset + t * pad4(floats); };
-  linear_product(na, atom_row, readout, Kr4, Kr, transposed(L.readout1_t, 0, 0), nullptr, F, to(grad_x, F4));
+  linear_product(na, atom_row, readout, Kr4, Kr, ws + L.readout1_t, nullptr, F, to(grad_x, F4));
   AtomStore add_to_grad_x = to(grad_x, F4);
   add_to_grad_x.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
@@ -550,8 +558,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     AtomStore to_grad_q = to(u, K4);  // the gradient before f2out's activation, in u
     to_grad_q.activation = layer.update_activation;
     to_grad_q.gate = q(t);
-    linear_product(na, atom_row, grad_x, F4, F, transposed(L.f2out2_t, t, int64_t{K} * F), nullptr, K, to_grad_q);
-    linear_product(na, atom_row, u, K4, K, transposed(L.f2out1_t, t, int64_t{M} * K), nullptr, M, to(m, M4));
+    linear_product(na, atom_row, grad_x, F4, F, ws + L.f2out2_t + t * padded_matrix(K, F), nullptr, K, to_grad_q);
+    linear_product(na, atom_row, u, K4, K, ws + L.f2out1_t + t * padded_matrix(M, K), nullptr, M, to(m, M4));
     // Per pair (i <- j), w = filter * fcut: grad_h[j] += grad_m[i] * w, and d energy / d distance
     // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair.
     const float* ht = h(t);
@@ -582,7 +590,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       m[at] = __ldcg(&ght[at]);
     }
     __syncthreads();
-    linear_product(na, atom_row, m, M4, M, transposed(L.in2f_t, t, int64_t{F} * M), nullptr, F, add_to_grad_x);
+    linear_product(na, atom_row, m, M4, M, ws + L.in2f_t + t * padded_matrix(F, M), nullptr, F, add_to_grad_x);
   }
 
   // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
@@ -619,6 +627,21 @@ int cluster_limit() {
   return limit;
 }
 
+cudaError_t launch_schnet_filters(const SchnetEnergyParams& params, cudaStream_t stream) {
+  const size_t shared = filters_shared_bytes(layout_of(params));
+  // Static and dynamic shared memory beyond the default 48 KB (filter networks ~1,000 wide or
+  // more) need the kernel's opt-in; beyond the device's limit the launch fails with its error.
+  if (shared + kPartialFloats * sizeof(float) > 48 * 1024) {
+    const cudaError_t error = cudaFuncSetAttribute(schnet_filters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(shared));
+    if (error != cudaSuccess) return error;
+  }
+  const int64_t pair_blocks = ceil_div(params.num_pairs, kFilterPairs);
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(pair_blocks, kTransposeBlocks)), params.num_interactions + 1);
+  schnet_filters_kernel<<<grid, kThreads, shared, stream>>>(params);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
@@ -626,21 +649,8 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
 }
 
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
-  {
-    const size_t shared = filters_shared_bytes(layout_of(params));
-    // Static and dynamic shared memory beyond the default 48 KB (filter networks ~1,000 wide or
-    // more) need the kernel's opt-in; beyond the device's limit the launch fails with its error.
-    if (shared + kPartialFloats * sizeof(float) > 48 * 1024) {
-      const cudaError_t error =
-          cudaFuncSetAttribute(schnet_filters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-      if (error != cudaSuccess) return error;
-    }
-    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(ceil_div(params.num_pairs, kFilterPairs), kTransposeBlocks)),
-                    params.num_interactions + 1);
-    schnet_filters_kernel<<<grid, kThreads, shared, stream>>>(params);
-    const cudaError_t error = cudaGetLastError();
-    if (error != cudaSuccess) return error;
-  }
+  const cudaError_t error = launch_schnet_filters(params, stream);
+  if (error != cudaSuccess) return error;
   const int limit = cluster_limit();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
   cudaLaunchConfig_t config{};
