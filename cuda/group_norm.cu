@@ -5,7 +5,7 @@
 //    statistics, then normalize. Small groups (the deep U-Net levels).
 //  - resident (tensors that fit in the shared memory of the whole GPU): one cooperative kernel,
 //    one block per multiprocessor; each block copies its part of x into shared memory, writes the
-//    shifted sums of its groups to the workspace, waits at a grid barrier, adds up the sums of
+//    shifted sums of its groups to the workspace, waits at a grid barrier, combines the sums of
 //    the blocks that share its groups and normalizes from shared memory. x is read once and y
 //    written once.
 //    Channels-last blocks own rows of pixels (all groups); NCHW blocks own spans of one group.
@@ -51,6 +51,9 @@ constexpr int kResidentThreads = 1024;
 // NCHW groups above this many vectors take the resident path even when the fused kernel fits.
 // Measured on an H200 (docs/perf/norms.md): 2x640x32x32 (2560 vectors a group) 15.0 us fused.
 constexpr int64_t kSpansMinVecs = 2048;
+// The resident channels-last kernel's merge holds a group's sums from this many blocks at most in
+// registers (a warp's lanes, kMaxPixelChunks / 32 each).
+constexpr int kMaxPixelChunks = 160;
 
 // The resident channels-last kernel's stride between the V planes of its lanes' sums: padded to
 // 2 more than a multiple of 16 float2, so the 16 channels a half-warp reads back (V planes, two
@@ -78,8 +81,11 @@ struct Args {
   int tiles;           // nhwc path: column tiles per sample
   int tile_vecs;       // nhwc path: column vectors per tile (whole groups)
   int64_t resident_rows;  // resident path: pixel rows per block (chunks = blocks per sample)
+  // resident pixels: values of a group in a block, in the last block of a sample, 1 / in a sample
+  float block_count, last_block_count, inv_count;
   Moments* partial;    // split paths: [N * G, chunks]
-  float2* sums;        // resident paths: [N * G, chunks] shifted sums (the same workspace)
+  float2* sums;        // resident spans: [N * G, chunks] shifted sums (the same workspace)
+  float4* shifted;     // resident pixels: [N * G, chunks] (sums, the block's shift; the same workspace)
   float2* stats;       // split paths: [N * G] (mean, rstd)
 };
 
@@ -87,8 +93,14 @@ __device__ __forceinline__ int64_t group_offset(const Args& a, int64_t n, int64_
   return n * a.channels * a.spatial + g * a.cpg * (a.channels_last ? 1 : a.spatial);
 }
 
+// The activation of a result stored as T: silu_as<T> (one MUFU.TANH for 16-bit types), which
+// made the fused and channels-last resident kernels faster (H200, 2026-11-24, fp16: 2x640x32x32
+// channels-last 9.4 -> 8.9 us, 2x960x64x64 17.3 -> 16.0) but the NCHW resident kernel slower at
+// its large spans (2x960x64x64 15.9 -> 20.9, 2x320x64x64 9.2 -> 9.6; cause not found): that
+// kernel, and the split ones (not measured), pass T = float, which keeps silu().
+template <typename T>
 __device__ __forceinline__ float activate(const Args& a, float v) {
-  return a.activation == Activation::kSilu ? silu(v) : v;
+  return a.activation == Activation::kSilu ? silu_as<T>(v) : v;
 }
 
 // weight[ch] (1 when absent) and bias[ch] (0 when absent), P being the parameters' type.
@@ -129,7 +141,11 @@ __device__ __forceinline__ Moments batch_moments(const float (&vals)[kUnroll][V]
 template <typename T, typename P, int V, int K, bool kChannelsLast, bool kSilu>
 __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a) {
   __shared__ float scratch[32];
-  extern __shared__ float2 affine[];  // [cpg]: scale, shift of the group's channels
+  // [cpg]: scale, shift of the group's channels. Channels-last: as V planes [V][row_vecs], so
+  // that a warp's lanes (consecutive columns) read consecutive entries; indexed by channel, lanes
+  // V channels apart read every 16th bank (16-way conflicts at V = 8: 0.9 of 4.2 us at 2x2560x8x8,
+  // H200, 2026-11-24).
+  extern __shared__ float2 affine[];
   const int64_t ng = blockIdx.x, n = ng / a.groups, g = ng % a.groups;
   const int64_t offset = n * a.channels * a.spatial + g * a.cpg * (kChannelsLast ? 1 : a.spatial);
   const T* x = static_cast<const T*>(a.x) + offset;
@@ -138,7 +154,7 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
   const int group_vecs = static_cast<int>(gv.group_vecs), row_vecs = static_cast<int>(gv.row_vecs);
 
   // Each vector's place in the group and the slot of its scale and shift: channels-last rows are
-  // pixels C apart (the slot is the channel), an NCHW group is contiguous (the slot is the row;
+  // pixels C apart (the slot is the column), an NCHW group is contiguous (the slot is the row;
   // a vector's offset is u * V, as rows are HW apart and hold row_vecs whole vectors). Written out
   // here rather than through group_offset() and split(), whose run-time layout and 64-bit branch
   // made the NCHW forms 2-4% slower (H200, 2026-11-24 06:20 UTC, 2x2560x8x8: 3.72 -> 3.86 us).
@@ -153,7 +169,7 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
     const int v = threadIdx.x + k * blockDim.x, u = v < group_vecs ? v : 0;
     const int row = u / row_vecs, col = u - row * row_vecs;
     at[k] = kChannelsLast ? row * gv.row_stride + col * V : static_cast<int64_t>(u) * V;
-    slot[k] = kChannelsLast ? col * V : row;
+    slot[k] = kChannelsLast ? col : row;
     load_packed<T, V>(x + at[k], vals[k]);
   }
   // The first blockDim.x channels' weight and bias, fetched behind x: their latency hides behind
@@ -171,7 +187,8 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
   const float rstd = rsqrtf(block_sum(m2, scratch) / count + a.eps);
   for (int64_t c = threadIdx.x; c < a.cpg; c += blockDim.x) {
     const float2 wb = c == threadIdx.x ? first_wb : affine_at<P>(a, g * a.cpg + c);
-    affine[c] = make_float2(rstd * wb.x, wb.y - mean * rstd * wb.x);
+    const int64_t at_c = kChannelsLast ? c % V * row_vecs + c / V : c;
+    affine[at_c] = make_float2(rstd * wb.x, wb.y - mean * rstd * wb.x);
   }
   __syncthreads();
 #pragma unroll
@@ -179,9 +196,9 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
     if (in_group(k)) {
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float2 ss = affine[kChannelsLast ? slot[k] + i : slot[k]];
+        const float2 ss = affine[kChannelsLast ? i * row_vecs + slot[k] : slot[k]];
         const float out = vals[k][i] * ss.x + ss.y;
-        vals[k][i] = kSilu ? silu(out) : out;
+        vals[k][i] = kSilu ? silu_as<T>(out) : out;
       }
       store_packed<T, V>(y + at[k], vals[k]);
     }
@@ -284,7 +301,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(
         for (int i = 0; i < V; ++i) {
           const float2 wb = a.channels_last ? affine_at<P>(a, g * a.cpg + col * V + i) : row_affine[u];
           const float scale = rstd * wb.x;
-          vals[u][i] = activate(a, vals[u][i] * scale + (wb.y - mean * scale));
+          vals[u][i] = activate<float>(a, vals[u][i] * scale + (wb.y - mean * scale));
         }
         store_packed<T, V>(y + row * gv.row_stride + col * V, vals[u]);
       }
@@ -433,7 +450,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
       const int64_t p = p0 + u * blockDim.y;
       if (p < b.pixel_end) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) vals[u][i] = activate(a, vals[u][i] * scale[i] + shift[i]);
+        for (int i = 0; i < V; ++i) vals[u][i] = activate<float>(a, vals[u][i] * scale[i] + shift[i]);
         store_packed<T, V>(y + p * a.channels, vals[u]);
       }
     }
@@ -441,15 +458,21 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Ar
 }
 
 // Resident paths. Their statistics are shifted sums per group, (sum(x - k), sum((x - k)^2)), with
-// a shift k near the group's mean that every block computes alike: with a common k the sums of
-// rows, channels and blocks simply add, so a block reduces once and the merge after the grid
-// barrier is a single read of the other blocks' sums. Measured on an H200 (docs/perf/norms.md):
-// with exact per-block moments (two passes, Chan merges reading the partials twice) the
-// reductions, not the bytes, set these kernels' time. The sums lose about log10(1 + (k - mean)^2
-// / var) digits to cancellation, so k is the mean of 32 values spread over the group (one value
-// could be an outlier), taken by a whole warp: shift_sample is this lane's, shift_of the mean,
-// which every lane gets, bit for bit the same in every block. The samples are loaded after the
-// block's tile has gone out: loaded before it, they delayed it by about 1 us (H200).
+// a shift k near the group's mean: with one k for the block the sums of its rows and channels
+// simply add, so a block reduces once and the merge after the grid barrier is a single read of
+// the other blocks' sums. Measured on an H200 (docs/perf/norms.md): with exact per-block moments
+// (two passes, Chan merges reading the partials twice) the reductions, not the bytes, set these
+// kernels' time. The sums lose about log10(1 + (k - mean)^2 / var) digits to cancellation, so k
+// is the mean of 32 values spread over the group (one value could be an outlier), taken by a
+// whole warp: shift_of is their mean, which every lane gets.
+//  - NCHW (spans): every block of a group takes the same 32 values from global memory
+//    (shift_sample), bit for bit the same k everywhere, so the blocks' sums add too. They are
+//    loaded after the block's tile has gone out: loaded before it, they delayed it by about 1 us.
+//  - Channels-last (pixels): a block holds all the groups of its pixels, and 32 scattered loads
+//    for each of 32 groups were more requests than the tile's own (at 2x640x32x32 they took the
+//    load phase from 1.0 to 2.2 us, H200, 2026-11-24). Each block takes its 32 values from its
+//    tile in shared memory instead and stores its k beside its sums; the merge combines the
+//    blocks' sums about the group's mean (finalize_block_shifted).
 template <typename T>
 __device__ __forceinline__ float shift_sample(const Args& a, int64_t n, int64_t g, int lane) {
   const int64_t channel = lane % static_cast<int>(a.cpg), pixel = lane * a.spatial / 32;
@@ -482,15 +505,48 @@ __device__ __forceinline__ float2 finalize_shifted(const Args& a, int64_t ng, fl
   return make_float2(shift + d, rsqrtf(var + a.eps));
 }
 
+// (mean, rstd) of group ng from its `chunks` blocks' shifted sums (s1, s2) about their own shifts
+// k_c, by one whole warp, holding each block's sums in registers (Chan's merge): the mean first,
+// sum(n_c k_c + s1_c) / N, then the squared deviations, sum(s2_c + d_c (2 s1_c + n_c d_c)) with
+// d_c = k_c - mean, so neither step cancels, however far a block's k_c lies from the mean (a
+// block of outliers). Block c holds n_c = rows_c * cpg values (the last block may hold fewer
+// rows); sums are added in a fixed order. Every warp of every block runs this once per group,
+// so its instructions count: the counts come from the host, no division (with 64-bit counts and
+// a division in every warp this phase took 2.3 us instead of 1.1 at 2x640x32x32, H200).
+__device__ __forceinline__ float2 finalize_block_shifted(const Args& a, int64_t ng, int lane) {
+  constexpr int kPerLane = kMaxPixelChunks / 32;
+  const int chunks = a.chunks;
+  const float4* partials = a.shifted + static_cast<int>(ng) * chunks;
+  float4 p[kPerLane];
+  float n[kPerLane];
+  float total = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int c = lane + 32 * j;
+    p[j] = c < chunks ? partials[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    n[j] = c < chunks - 1 ? a.block_count : (c == chunks - 1 ? a.last_block_count : 0.0f);
+    total += fmaf(n[j], p[j].z, p[j].x);
+  }
+  const float mean = warp_sum(total) * a.inv_count;
+  float m2 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float d = p[j].z - mean;
+    m2 += fmaf(d, fmaf(n[j], d, 2.0f * p[j].x), p[j].y);  // 0 for an absent block (n, p zero)
+  }
+  return make_float2(mean, rsqrtf(nonnegative(warp_sum(m2) * a.inv_count) + a.eps));
+}
+
 // resident path, channels-last. Block b of sample n = b / chunks owns pixel rows
 // [(b % chunks) * resident_rows, +resident_rows) of that sample: a contiguous span of x. Threads
 // are (row lane, column vector) pairs, so a thread always sees the same V channels.
 // Shared memory: the tile [rows][C] in T; the threads' shifted sums [V][lane_stride] (i
 // outermost, so lanes store to distinct banks; the stride's padding spreads a group's channels
 // over the banks when warps read them back), whose space later holds the (scale, shift) planes;
-// per channel (weight, bias) [C]; per group the shift [G].
+// per channel (weight, bias) [C], then its group's shift [C] (16-byte aligned: C % V == 0).
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixels_kernel(Args a) {
+  static_assert(V % 4 == 0, "shifts are read as float4");
   extern __shared__ __align__(16) unsigned char resident_smem[];
   const int channels = static_cast<int>(a.channels), groups = static_cast<int>(a.groups);
   const int cpg = static_cast<int>(a.cpg), col_vecs = channels / V;
@@ -515,24 +571,27 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
   __pipeline_commit();
   for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) affine[ch] = affine_at<P>(a, ch);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int g = warp; g < groups; g += warps) {
-    const float shift = shift_of(shift_sample<T>(a, n, g, lane));
-    if (lane == 0) shifts[g] = shift;
-  }
   __pipeline_wait_prior(0);
+  __syncthreads();
+  // The block's shift of each group, 32 of its values over the tile's rows, stored for each of
+  // the group's channels: a thread then reads its V channels' shifts as vectors (finding each
+  // channel's group took ~50 instructions a thread, in a phase bound by instruction issue).
+  for (int g = warp; g < groups; g += warps) {
+    const float shift = shift_of(to_float(tile[lane * rows / 32 * channels + g * cpg + lane % cpg]));
+    for (int c = lane; c < cpg; c += 32) shifts[g * cpg + c] = shift;
+  }
   __syncthreads();
 
   // The thread's V channels over its rows.
   if (active) {
     float shift[V], s1[V], s2[V];
-    int g = col * V / cpg, in_group = col * V - g * cpg;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if (in_group == cpg) ++g, in_group = 0;
-      shift[i] = shifts[g];
-      ++in_group;
-      s1[i] = s2[i] = 0.0f;
+    for (int i = 0; i < V; i += 4) {
+      const float4 k = *reinterpret_cast<const float4*>(shifts + col * V + i);
+      shift[i] = k.x, shift[i + 1] = k.y, shift[i + 2] = k.z, shift[i + 3] = k.w;
     }
+#pragma unroll
+    for (int i = 0; i < V; ++i) s1[i] = s2[i] = 0.0f;
     for (int r = row_lane; r < rows; r += row_lanes) {
       float vals[V];
       load_packed<T, V>(tile + (r * col_vecs + col) * V, vals);
@@ -571,7 +630,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
     }
     s1 = warp_sum(s1);
     s2 = warp_sum(s2);
-    if (lane == 0) a.sums[(n * groups + g) * a.chunks + chunk] = make_float2(s1, s2);
+    if (lane == 0) a.shifted[(n * groups + g) * a.chunks + chunk] = make_float4(s1, s2, shifts[g * cpg], 0.0f);
   }
 
   cooperative_groups::this_grid().sync();
@@ -581,9 +640,8 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
   // below are then consecutive. Read from [C], 64 bytes a thread apart, they were 16-way bank
   // conflicts (2 us at 2x320x64x64 on an H200).
   float2* scale_shift = lane_sums;
-  const float count = static_cast<float>(a.spatial) * cpg;
   for (int g = warp; g < groups; g += warps) {
-    const float2 s = finalize_shifted(a, n * groups + g, shifts[g], count, lane);
+    const float2 s = finalize_block_shifted(a, n * groups + g, lane);
     for (int ch = g * cpg + lane; ch < (g + 1) * cpg; ch += 32) {
       const float2 wb = affine[ch];
       scale_shift[(ch % V) * col_vecs + ch / V] = make_float2(s.y * wb.x, wb.y - s.x * s.y * wb.x);
@@ -599,7 +657,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
     float vals[V];
     load_packed<T, V>(tile + (r * col_vecs + col) * V, vals);
 #pragma unroll
-    for (int i = 0; i < V; ++i) vals[i] = activate(a, vals[i] * ss[i].x + ss[i].y);
+    for (int i = 0; i < V; ++i) vals[i] = activate<T>(a, vals[i] * ss[i].x + ss[i].y);
     store_packed<T, V>(y + (r * col_vecs + col) * V, vals);
   }
 }
@@ -671,7 +729,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans
     float vals[V];
     load_packed<T, V>(tile + v * V, vals);
 #pragma unroll
-    for (int i = 0; i < V; ++i) vals[i] = activate(a, vals[i] * ss.x + ss.y);
+    for (int i = 0; i < V; ++i) vals[i] = activate<float>(a, vals[i] * ss.x + ss.y);
     store_packed<T, V>(y + v * V, vals);
   }
 }
@@ -704,9 +762,13 @@ bool resident_pixels_plan(const GroupNormParams& p, Plan& plan) {
   Args& a = plan.args;
   a.resident_rows = ceil_div(p.spatial, sms / p.batch);
   a.chunks = static_cast<int>(ceil_div(p.spatial, a.resident_rows));
+  if (a.chunks > kMaxPixelChunks) return false;
+  a.block_count = static_cast<float>(a.resident_rows * a.cpg);
+  a.last_block_count = static_cast<float>((p.spatial - (a.chunks - 1) * a.resident_rows) * a.cpg);
+  a.inv_count = static_cast<float>(1.0 / static_cast<double>(p.spatial * a.cpg));
   const int lanes = static_cast<int>(kResidentThreads / col_vecs * col_vecs);
   const int64_t bytes = a.resident_rows * p.channels * elem + vec * resident_lane_stride(lanes) * sizeof(float2) +
-                        p.channels * sizeof(float2) + p.groups * sizeof(float);
+                        p.channels * (sizeof(float2) + sizeof(float));
   if (!resident_fits(static_cast<size_t>(bytes))) return false;
   plan.shared_bytes = static_cast<size_t>(bytes);
   plan.grid = dim3(static_cast<unsigned>(p.batch * a.chunks));
@@ -900,6 +962,7 @@ size_t group_norm_workspace_bytes(const GroupNormParams& params) {
   if (params.batch * params.channels * params.spatial == 0) return 0;
   const Plan plan = make_plan(params);
   if (plan.path == Path::kFused) return 0;
+  if (plan.path == Path::kResidentPixels) return plan.groups_total * plan.args.chunks * sizeof(float4);
   return padded_moments(plan) * sizeof(Moments) + plan.groups_total * sizeof(float2);
 }
 
@@ -910,6 +973,7 @@ cudaError_t launch_group_norm(const GroupNormParams& params, void* workspace, cu
   // The (mean, rstd) array follows the moments, 8-byte aligned (Moments are 12 bytes).
   plan.args.stats = reinterpret_cast<float2*>(plan.args.partial + padded_moments(plan));
   plan.args.sums = static_cast<float2*>(workspace);
+  plan.args.shifted = static_cast<float4*>(workspace);
   cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int kPack = kPackWidth<scalar_t>;

@@ -114,12 +114,17 @@ def test_large_offset_keeps_precision(device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", [(2, 320, 64, 64), (3, 96, 111, 113)])
-def test_cuda_large_offset_and_outliers_keep_precision(layout, shape):
+@pytest.mark.parametrize("outliers", ["first pixel", "first rows"])
+def test_cuda_large_offset_and_outliers_keep_precision(layout, shape, outliers):
     # Shapes of the whole-GPU kernels, which sum around an estimate of each group's mean: an
     # offset 100x the spread, and every group's first pixel 40 spreads out (where an estimate
-    # from one value would sit), must not cost float32 its precision.
+    # from one value would sit), or its first two rows of pixels (whole blocks of the
+    # channels-last kernel, whose estimates are per block), must not cost float32 its precision.
     x = randn(*shape, device="cuda", mean=100.0, std=1.0)
-    x[:, :, 0, 0] += 40.0
+    if outliers == "first pixel":
+        x[:, :, 0, 0] += 40.0
+    else:
+        x[:, :, :2, :] += 40.0
     x = make_input(shape, layout, torch.float32, "cuda").copy_(x)
     assert_matches(mirage.ops.group_norm(x, 32), composite, (x, 32, None, None, 1e-5, "none"),
                    torch.float32, reduction=True)
