@@ -47,7 +47,7 @@ __device__ __forceinline__ void bias_act_vector(const BiasActParams& p, Index i,
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    value[j] = activate_as<T>(value[j], kAct);
+    value[j] = activate(value[j], kAct);
     if constexpr (kResidual) value[j] += r[j];
     value[j] *= p.scale;  // exact for the usual 1
   }
