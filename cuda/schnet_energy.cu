@@ -218,6 +218,12 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // 2026-11-24, benzene): into L1 with prefetch.global.L1, 2.8k -> 3.2-3.6k cycles; into shared
 // memory with cp.async (two 64 KB slots), 4.0-4.7k. The fetch seems bound by the requests one
 // multiprocessor keeps in flight, which the early fetch shares with the product's own loads.
+// Staging every product's weights in shared memory with the bulk-copy engine (TMA,
+// cp.async.bulk into two 64 KB slots, each refilled for the product after next, the products
+// reading them from there) was slower still: the cluster kernel 48 -> 74 us (H200, 2026-11-24
+// 14:45, benzene, all -m cuda schnet_energy tests passing); the copies, every block of the
+// cluster fetching the same 64 KB at once, did not keep up with the products. Untried: one
+// multicast copy for the whole cluster.
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                             const float* w, const float* bias, int outs, Store store) {
