@@ -221,9 +221,9 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // Staging every product's weights in shared memory with the bulk-copy engine (TMA,
 // cp.async.bulk into two 64 KB slots, each refilled for the product after next, the products
 // reading them from there) was slower still: the cluster kernel 48 -> 74 us (H200, 2026-11-24
-// 14:45, benzene, all -m cuda schnet_energy tests passing); the copies, every block of the
-// cluster fetching the same 64 KB at once, did not keep up with the products. Untried: one
-// multicast copy for the whole cluster.
+// 14:45, benzene, all -m cuda schnet_energy tests passing), and with one copy multicast to the
+// whole cluster by block 0 (slots released to it through an mbarrier in its shared memory) 48 ->
+// 68 us (14:52): a 64 KB bulk copy seems to arrive no faster than the product's own loads.
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                             const float* w, const float* bias, int outs, Store store) {
