@@ -506,33 +506,38 @@ __device__ __forceinline__ float2 finalize_shifted(const Args& a, int64_t ng, fl
 }
 
 // (mean, rstd) of group ng from its `chunks` blocks' shifted sums (s1, s2) about their own shifts
-// k_c, by one whole warp, holding each block's sums in registers (Chan's merge): the mean first,
-// sum(n_c k_c + s1_c) / N, then the squared deviations, sum(s2_c + d_c (2 s1_c + n_c d_c)) with
-// d_c = k_c - mean, so neither step cancels, however far a block's k_c lies from the mean (a
-// block of outliers). Block c holds n_c = rows_c * cpg values (the last block may hold fewer
-// rows); sums are added in a fixed order. Every warp of every block runs this once per group,
-// so its instructions count: the counts come from the host, no division (with 64-bit counts and
-// a division in every warp this phase took 2.3 us instead of 1.1 at 2x640x32x32, H200).
+// k_c, by one whole warp holding each block's sums in registers (Chan's merge). The mean first,
+// about chunk 0's shift: k_0 + sum(n_c (k_c - k_0) + s1_c) / N (summing n_c k_c itself could
+// overflow and would lose the mean's low digits at large offsets); then the squared deviations,
+// sum(s2_c + d_c (2 s1_c + n_c d_c)) with d_c = k_c - mean. Neither step cancels, however far a
+// block's k_c lies from the mean (a block of outliers). Block c holds n_c = rows_c * cpg values
+// (the last block may hold fewer rows); lanes past the last block add nothing; sums are added in
+// a fixed order. Each block runs this for every group of its sample, a warp a group, in a phase
+// bound by instruction issue: the counts come from the host, no division (with 64-bit counts and
+// a division in each warp this phase took 2.3 us instead of 1.1 at 2x640x32x32, H200).
 __device__ __forceinline__ float2 finalize_block_shifted(const Args& a, int64_t ng, int lane) {
+  static_assert(kMaxPixelChunks % 32 == 0, "a warp's lanes hold kMaxPixelChunks / 32 blocks each");
   constexpr int kPerLane = kMaxPixelChunks / 32;
   const int chunks = a.chunks;
   const float4* partials = a.shifted + static_cast<int>(ng) * chunks;
   float4 p[kPerLane];
   float n[kPerLane];
-  float total = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int c = lane + 32 * j;
     p[j] = c < chunks ? partials[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     n[j] = c < chunks - 1 ? a.block_count : (c == chunks - 1 ? a.last_block_count : 0.0f);
-    total += fmaf(n[j], p[j].z, p[j].x);
   }
-  const float mean = warp_sum(total) * a.inv_count;
+  const float k0 = __shfl_sync(0xffffffffu, p[0].z, 0);
+  float total = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) total += n[j] > 0.0f ? fmaf(n[j], p[j].z - k0, p[j].x) : 0.0f;
+  const float mean = k0 + warp_sum(total) * a.inv_count;
   float m2 = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const float d = p[j].z - mean;
-    m2 += fmaf(d, fmaf(n[j], d, 2.0f * p[j].x), p[j].y);  // 0 for an absent block (n, p zero)
+    m2 += n[j] > 0.0f ? fmaf(d, fmaf(n[j], d, 2.0f * p[j].x), p[j].y) : 0.0f;
   }
   return make_float2(mean, rsqrtf(nonnegative(warp_sum(m2) * a.inv_count) + a.eps));
 }
