@@ -216,9 +216,9 @@ __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __e
 // silu of a result stored as T. 16-bit types take 0.5 v (1 + tanh(v / 2)) on the special-function
 // unit's tanh (one MUFU.TANH, relative error at most 1.1e-5, instead of an exponential and a
 // reciprocal), which sped up group_norm's fused and channels-last passes (H200, 2026-11-24,
-// docs/perf/norms.md; not every kernel gains: see group_norm.cu's activate). Its error, at most 5.6e-6 |v|, is below half an fp16 ulp of the result
-// for v > -3.7 and far below the ulp of values near 1 everywhere. float32 results keep silu().
-// silu(-inf) is NaN, as in PyTorch.
+// docs/perf/norms.md; not every kernel gains: see group_norm.cu's activate). Its error, at most
+// 5.6e-6 |v|, is below half an fp16 ulp of the result for v > -3.7 and far below the ulp of values
+// near 1 everywhere. float32 results keep silu(). silu(-inf) is NaN, as in PyTorch.
 template <typename T>
 __device__ __forceinline__ float silu_as(float v) {
   if constexpr (sizeof(T) == 2) {

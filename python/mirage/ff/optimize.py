@@ -113,9 +113,11 @@ class FFOptimizeReport:
         lines.append("  kept as PyTorch ops inside it: the embedding, the activations (shared modules)")
         if self.style == "SchNet-style":
             lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions), systems of up to "
-                         f"{SchNet.whole_model_max_pairs} pairs of neighbor capacity and {SchNet.whole_model_max_atoms} "
-                         "atoms (SchNet.whole_model_max_pairs, whole_model_max_atoms) run as one mirage::schnet_energy op (two kernels) instead, and larger ones each interaction's filter "
-                         "network and message passing as one mirage::cfconv (SchNet.fused_interactions; filter "
+                         f"{SchNet.whole_model_max_pairs} pairs of neighbor capacity and "
+                         f"{SchNet.whole_model_max_atoms} atoms (SchNet.whole_model_max_pairs, whole_model_max_atoms) "
+                         "run as one mirage::schnet_energy op (two kernels) instead, and larger ones each "
+                         "interaction's filter network and message passing as one mirage::cfconv "
+                         "(SchNet.fused_interactions; filter "
                          "networks of H == M = 64 or 128 that fit the GPU: mirage.ops.cfconv_supported)")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
