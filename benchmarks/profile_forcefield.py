@@ -132,16 +132,16 @@ def time_fused_interactions(system_name: str = "box3k") -> None:
     fused.fused_interactions = True
 
 
-def time_whole_model(sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
-    """µs per energy+forces (a CUDA graph of 20 calls) of mirage's SchNet in eval mode on random
-    molecules at liquid density (open boundaries, 0.1 atoms/Å^3): one mirage::schnet_energy
-    kernel against the layer-by-layer path, which places SchNet.whole_model_max_pairs and
-    whole_model_max_atoms."""
+def time_whole_model(name: str, sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
+    """µs per energy+forces (a CUDA graph of 20 calls) of mirage's model `name` in eval mode on
+    random molecules at liquid density (open boundaries, 0.1 atoms/Å^3): its one-op path
+    (mirage::schnet_energy, mirage::painn_energy) against the layer-by-layer path, which places
+    the model's whole_model_max_pairs and whole_model_max_atoms."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    fused = mirage.ff.optimize(MODELS["schnet"](**MODEL_CONFIG).to(device)).eval()
-    print("\nSchNet eval, energy+forces in a CUDA graph of 20 calls (µs)")
-    print(f"{'atoms':>6} {'capacity':>9} {'one kernel':>11} {'layers':>8}")
+    fused = mirage.ff.optimize(MODELS[name](**MODEL_CONFIG).to(device)).eval()
+    print(f"\n{name} eval, energy+forces in a CUDA graph of 20 calls (µs)")
+    print(f"{'atoms':>6} {'capacity':>9} {'one op':>11} {'layers':>8}")
     for n in sizes:
         radius = (3 * n / (4 * math.pi * 0.1)) ** (1 / 3)
         points = torch.randn(4 * n, 3, dtype=torch.float64)
@@ -169,13 +169,14 @@ def main() -> None:
     parser.add_argument("--fused-interactions", action="store_true",
                         help="only time SchNet on the 3,000-atom box with and without mirage::cfconv, TF32 off and on")
     parser.add_argument("--whole-model", action="store_true",
-                        help="only time SchNet's one-kernel path against its layers over molecule sizes")
+                        help="only time each model's one-op path against its layers over molecule sizes")
     opts = parser.parse_args()
     opts.systems = parse_list(opts.systems, SYSTEMS, "systems", parser)  # as bench_forcefield.py takes them
     opts.models = parse_list(opts.models, MODELS, "models", parser)
     device = torch.device("cuda")
     if opts.whole_model:
-        time_whole_model()
+        for name in opts.models:
+            time_whole_model(name)
         return
     if opts.fused_interactions:
         time_fused_interactions()

@@ -919,39 +919,42 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("painn_update_backward", &painn_update_backward_autograd);
 }
 
-// mirage::schnet_energy computes the energy's gradient in the pair vectors with the energy, so its
-// backward is one product (it serves forces, -dE/dr, and the stress). It has no gradient in the
-// model's parameters and no double backward: training on forces takes the layer-by-layer path
-// (mirage.ff.SchNet in training mode). Asking for either is an error, never a silent zero.
+// mirage::schnet_energy and mirage::painn_energy compute the energy's gradient in the pair vectors
+// with the energy, so their backward is one product (it serves forces, -dE/dr, and the stress).
+// They have no gradient in the model's parameters and no double backward: training on forces
+// takes the layer-by-layer path (mirage.ff.SchNet and PaiNN in training mode). Asking for either
+// is an error, never a silent zero.
 namespace {
 
-struct SchnetEnergyFunction : torch::autograd::Function<SchnetEnergyFunction> {
+using EnergyCall = std::function<std::tuple<at::Tensor, at::Tensor>()>;
+
+struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
+  // `energy` runs the op (below autograd) on these tensors; `op` names it in errors.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& vectors, const at::Tensor& embedding,
-                               at::TensorList weights, const at::Tensor& atomic_numbers, const at::Tensor& pairs,
-                               double cutoff, int64_t num_rbf, c10::string_view activations) {
+                               at::TensorList weights, std::string_view op, const EnergyCall& energy_call) {
     at::Tensor energy, grad_vectors;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(energy, grad_vectors) = handles::schnet_energy().call(atomic_numbers, embedding, pairs, vectors,
-                                                                     cutoff, num_rbf, weights, activations);
+      std::tie(energy, grad_vectors) = energy_call();
     }
     ctx->save_for_backward({grad_vectors});
     ctx->saved_data["parameters"] = static_cast<int64_t>(1 + weights.size());
+    ctx->saved_data["op"] = std::string(op);
     ctx->mark_non_differentiable({grad_vectors});
     return {energy, grad_vectors};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    using ops::kSchnetEnergy;
-    MIRAGE_CHECK(!at::GradMode::is_enabled(), kSchnetEnergy,
+    const std::string op = ctx->saved_data["op"].toStringRef();
+    MIRAGE_CHECK(!at::GradMode::is_enabled(), op,
                  ": double backward (create_graph=True, as training on forces needs) is not available; "
                  "put the model in training mode (model.train()) to take the layer-by-layer path");
     const int64_t parameters = ctx->saved_data["parameters"].toInt();
     for (int64_t k = 1; k <= parameters; ++k)
-      MIRAGE_CHECK(!ctx->needs_input_grad(k), kSchnetEnergy,
+      MIRAGE_CHECK(!ctx->needs_input_grad(k), op,
                    ": no gradient in the model's parameters (embedding, weights); put the model in training "
                    "mode (model.train()) to take the layer-by-layer path");
-    variable_list grads(parameters + 6);  // vectors, the parameters, two index tensors, three non-tensors
+    variable_list grads(parameters + 3);  // vectors, the parameters, two non-tensors
     if (grad_outputs[0].defined()) grads[0] = grad_outputs[0] * ctx->get_saved_variables()[0];
     return grads;
   }
@@ -961,14 +964,30 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_autograd(const at::Tensor& atom
                                                           const at::Tensor& embedding, const at::Tensor& pairs,
                                                           const at::Tensor& vectors, double cutoff, int64_t num_rbf,
                                                           at::TensorList weights, c10::string_view activations) {
-  const variable_list out = SchnetEnergyFunction::apply(vectors, embedding, weights, atomic_numbers, pairs, cutoff,
-                                                        num_rbf, activations);
+  const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kSchnetEnergy, EnergyCall([&] {
+    return handles::schnet_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                         activations);
+  }));
+  return {out[0], out[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> painn_energy_autograd(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                                         const at::Tensor& pairs, const at::Tensor& vectors,
+                                                         double cutoff, int64_t num_rbf, at::TensorList weights,
+                                                         c10::string_view activations, double norm_eps) {
+  const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kPainnEnergy, EnergyCall([&] {
+    return handles::painn_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                        activations, norm_eps);
+  }));
   return {out[0], out[1]};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(mirage, Autograd, m) { m.impl("schnet_energy", &schnet_energy_autograd); }
+TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
+  m.impl("schnet_energy", &schnet_energy_autograd);
+  m.impl("painn_energy", &painn_energy_autograd);
+}
 
 // mirage::cfconv: the gradients in x, basis and envelope come from the fused backward op, which
 // reads the filters the forward returned. Like schnet_energy it serves forces (and stress) of a

@@ -42,6 +42,10 @@ using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view);
 
+using PainnEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                           const at::Tensor&, double, int64_t, at::TensorList,
+                                                           c10::string_view, double);
+
 using CfconvSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                      const at::Tensor&, const at::Tensor&,
                                                      const std::optional<at::Tensor>&, const at::Tensor&,
@@ -87,6 +91,7 @@ MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
 MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
 MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
+MIRAGE_OP_HANDLE(painn_energy, PainnEnergySig)
 MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)
 MIRAGE_OP_HANDLE(pair_vectors, PairVectorsSig)

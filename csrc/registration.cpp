@@ -57,6 +57,11 @@ TORCH_LIBRARY(mirage, m) {
   m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
         "float cutoff, int num_rbf, Tensor[] weights, str activations) -> (Tensor energy, "
         "Tensor grad_vectors)");
+  // A whole PaiNN energy and its gradient in the pair vectors, in one kernel (small systems).
+  // weights: 12 tensors per interaction then 4 for the readout; activations: comma-separated.
+  m.def("painn_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
+        "float cutoff, int num_rbf, Tensor[] weights, str activations, float norm_eps) -> (Tensor energy, "
+        "Tensor grad_vectors)");
   // SchNet's continuous-filter convolution with its filter network fused in (larger systems):
   // out = sum over pairs of x[j] * (W2 act(W1 basis + b1) + b2) * envelope; also returns the
   // filters (before the envelope), which its backward reads. tf32: the CUDA products round their

@@ -12,34 +12,6 @@ namespace mirage::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Below this |x|, sin(x) / x is its Taylor series: exact to float64 rounding there, and the
-// autograd composite switches at the same point so that its derivatives stay finite at d = 0.
-constexpr float kSincSeriesBelow = 0.1f;
-
-__device__ __forceinline__ float sinc(float x) {
-  if (fabsf(x) < kSincSeriesBelow) {
-    const float x2 = x * x;
-    return 1.0f - x2 / 6.0f * (1.0f - x2 / 20.0f * (1.0f - x2 / 42.0f * (1.0f - x2 / 72.0f)));
-  }
-  return sinf(x) / x;
-}
-
-// sinc(x) and its derivative, with the forward's Taylor branch: below |x| = 0.1 the derivative of
-// the series, -x/3 + x^3/30 - x^5/840 + x^7/45360 (what autograd of the composite gives there,
-// and no cancellation), else (cos x - sinc x) / x.
-__device__ __forceinline__ void sinc_and_derivative(float x, float& value, float& derivative) {
-  if (fabsf(x) < kSincSeriesBelow) {
-    const float x2 = x * x;
-    value = sinc(x);
-    derivative = -x / 3.0f * (1.0f - x2 / 10.0f * (1.0f - x2 / 28.0f * (1.0f - x2 / 54.0f)));
-    return;
-  }
-  float sine, cosine;
-  sincosf(x, &sine, &cosine);
-  value = sine / x;
-  derivative = (cosine - value) / x;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParams p) {
   const T* distances = static_cast<const T*>(p.distances);  // [count]

@@ -1,5 +1,6 @@
-// Radial functions shared by the force-field kernels (radial_basis, schnet_energy): the Gaussian
-// basis and the cutoff envelopes, float32. Device code: included by .cu files only.
+// Radial functions shared by the force-field kernels (radial_basis, schnet_energy, painn_energy):
+// the Gaussian basis, sinc (for the Bessel basis) and the cutoff envelopes, float32. Device code:
+// included by .cu files only.
 #pragma once
 
 #include "radial_basis.cuh"
@@ -22,6 +23,34 @@ __device__ __forceinline__ float gaussian(float d, int k, float spacing) {
 __device__ __forceinline__ float gaussian_derivative(float value, float d, int k, float spacing) {
   const float z = (d - k * spacing) / spacing;
   return -z / spacing * value;
+}
+
+// Below this |x|, sin(x) / x is its Taylor series: exact to float64 rounding there, and the
+// autograd composite switches at the same point so that its derivatives stay finite at d = 0.
+constexpr float kSincSeriesBelow = 0.1f;
+
+__device__ __forceinline__ float sinc(float x) {
+  if (fabsf(x) < kSincSeriesBelow) {
+    const float x2 = x * x;
+    return 1.0f - x2 / 6.0f * (1.0f - x2 / 20.0f * (1.0f - x2 / 42.0f * (1.0f - x2 / 72.0f)));
+  }
+  return sinf(x) / x;
+}
+
+// sinc(x) and its derivative, with the forward's Taylor branch: below |x| = 0.1 the derivative of
+// the series, -x/3 + x^3/30 - x^5/840 + x^7/45360 (what autograd of the composite gives there,
+// and no cancellation), else (cos x - sinc x) / x.
+__device__ __forceinline__ void sinc_and_derivative(float x, float& value, float& derivative) {
+  if (fabsf(x) < kSincSeriesBelow) {
+    const float x2 = x * x;
+    value = sinc(x);
+    derivative = -x / 3.0f * (1.0f - x2 / 10.0f * (1.0f - x2 / 28.0f * (1.0f - x2 / 54.0f)));
+    return;
+  }
+  float sine, cosine;
+  sincosf(x, &sine, &cosine);
+  value = sine / x;
+  derivative = (cosine - value) / x;
 }
 
 // Zero from the cutoff on (so the padding of mirage::neighbor_list, at the cutoff, is zero).

@@ -29,6 +29,16 @@ inline const void* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr() : nullptr;
 }
 
+// The force-field kernels' activation of a name from kSchnetActivations (schnet_energy.h).
+inline cuda::Activation kernel_activation(std::string_view name) {
+  if (name == "shifted_softplus") return cuda::Activation::kShiftedSoftplus;
+  if (name == "softplus") return cuda::Activation::kSoftplus;
+  if (name == "silu") return cuda::Activation::kSilu;
+  if (name == "tanh") return cuda::Activation::kTanh;
+  if (name == "gelu") return cuda::Activation::kGelu;
+  return cuda::Activation::kRelu;  // the checks admit nothing else
+}
+
 inline void check_launch(std::string_view op, cudaError_t status) {
   MIRAGE_CHECK(status == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(status));
 }

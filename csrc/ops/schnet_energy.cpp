@@ -24,6 +24,90 @@ std::vector<std::string> split_activations(std::string_view activations) {
   }
 }
 
+void check_energy_weight(std::string_view op, const at::Tensor& w, const std::string& name,
+                         const at::Tensor& embedding, std::vector<int64_t> shape) {
+  if (shape.size() == 1 && w.dim() == 1 && w.size(0) == 0) shape = {0};
+  MIRAGE_CHECK(w.device() == embedding.device(), op, ": ", name, " must be on embedding's device (",
+               embedding.device(), "), got ", w.device());
+  MIRAGE_CHECK(w.scalar_type() == embedding.scalar_type(), op, ": ", name, " must have embedding's dtype (",
+               embedding.scalar_type(), "), got ", w.scalar_type());
+  MIRAGE_CHECK(w.sizes() == at::IntArrayRef(shape), op, ": ", name, " must have shape ", at::IntArrayRef(shape),
+               shape.size() == 1 ? " (or [0]: no bias)" : "", ", got ", w.sizes());
+}
+
+void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                         const at::Tensor& pairs, const at::Tensor& vectors, double cutoff) {
+  const auto dtype = embedding.scalar_type();
+  MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !embedding.is_cuda()), op,
+               ": embedding must be float32 (or float64 off the GPU), got ", dtype, " on ", embedding.device());
+  MIRAGE_CHECK(embedding.dim() == 2 && embedding.size(0) > 0 && embedding.size(1) > 0, op,
+               ": embedding must have shape [Z, F] with Z, F >= 1, got ", embedding.sizes());
+  const auto same_device = [&](const at::Tensor& t, std::string_view name) {
+    MIRAGE_CHECK(t.device() == embedding.device(), op, ": ", name, " must be on embedding's device (",
+                 embedding.device(), "), got ", t.device());
+  };
+  same_device(atomic_numbers, "atomic_numbers");
+  same_device(pairs, "pairs");
+  same_device(vectors, "vectors");
+  MIRAGE_CHECK(atomic_numbers.scalar_type() == at::kLong && atomic_numbers.dim() == 1, op,
+               ": atomic_numbers must be a 1-D int64 tensor [N], got ", atomic_numbers.scalar_type(), " of shape ",
+               atomic_numbers.sizes());
+  MIRAGE_CHECK(pairs.scalar_type() == at::kLong && pairs.dim() == 2 && pairs.size(0) == 2, op,
+               ": pairs must be an int64 tensor of shape [2, P], got ", pairs.scalar_type(), " of shape ",
+               pairs.sizes());
+  MIRAGE_CHECK(vectors.scalar_type() == dtype, op, ": vectors must have embedding's dtype (", dtype, "), got ",
+               vectors.scalar_type());
+  MIRAGE_CHECK(vectors.dim() == 2 && vectors.size(0) == pairs.size(1) && vectors.size(1) == 3, op,
+               ": vectors must have shape [P, 3] = [", pairs.size(1), ", 3] (P from pairs), got ", vectors.sizes());
+  MIRAGE_CHECK(atomic_numbers.size(0) > 0 || pairs.size(1) == 0, op,
+               ": atomic_numbers is empty (N=0) but pairs has ", pairs.size(1), " pairs to index");
+  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ", cutoff);
+}
+
+std::vector<std::string> check_activations(std::string_view op, std::string_view activations, int64_t count,
+                                           std::string_view what) {
+  std::vector<std::string> names = split_activations(activations);
+  MIRAGE_CHECK(static_cast<int64_t>(names.size()) == count, op, ": activations must name ", count, " activations (",
+               what, ") separated by commas, got \"", activations, "\"");
+  for (const std::string& name : names) {
+    bool known = false;
+    for (std::string_view k : kSchnetActivations) known = known || name == k;
+    MIRAGE_CHECK(known, op, ": activation \"", name, "\" in activations is not one of shifted_softplus, "
+                 "softplus, silu, tanh, gelu, relu");
+  }
+  return names;
+}
+
+void check_energy_indices(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                          const at::Tensor& pairs) {
+  const at::Tensor numbers = atomic_numbers.contiguous();
+  const int64_t* z = numbers.const_data_ptr<int64_t>();
+  for (int64_t a = 0; a < numbers.size(0); ++a)
+    MIRAGE_CHECK(z[a] >= 0 && z[a] < embedding.size(0), op, ": atomic_numbers[", a, "] = ", z[a],
+                 " is out of range for embedding's ", embedding.size(0), " rows");
+  check_pair_indices(op, pairs.contiguous(), numbers.size(0));
+}
+
+at::Tensor reference_activation(const at::Tensor& v, const std::string& name) {
+  if (name == "shifted_softplus") return at::softplus(v) - std::log(2.0);
+  if (name == "softplus") return at::softplus(v);
+  if (name == "silu") return at::silu(v);
+  if (name == "tanh") return at::tanh(v);
+  if (name == "gelu") return at::gelu(v);
+  return at::relu(v);
+}
+
+at::Tensor reference_activation_grad(const at::Tensor& v, const std::string& name) {
+  if (name == "shifted_softplus" || name == "softplus") return at::where(v > 20, at::ones_like(v), at::sigmoid(v));
+  if (name == "silu") {
+    const at::Tensor s = at::sigmoid(v);
+    return s * (1 + v * (1 - s));
+  }
+  if (name == "tanh") return 1 - at::tanh(v).square();
+  if (name == "gelu") return 0.5 * (1 + at::erf(v * M_SQRT1_2)) + v * at::exp(-0.5 * v.square()) / std::sqrt(2 * M_PI);
+  return (v > 0).to(v.scalar_type());
+}
+
 namespace {
 
 constexpr std::string_view kWeightNames[] = {"filter.0.weight", "filter.0.bias", "filter.2.weight",
@@ -40,19 +124,9 @@ std::string weight_name(int64_t index, int64_t interactions) {
                  kWeightNames[index % kSchnetWeightsPerInteraction], ")");
 }
 
-// weights[index] is a Linear's weight [out, in] (bias: [out], or [0] for none) on embedding's
-// device and dtype.
 void check_weight(at::TensorList weights, int64_t index, int64_t interactions, const at::Tensor& embedding,
                   std::vector<int64_t> shape) {
-  const at::Tensor& w = weights[index];
-  if (shape.size() == 1 && w.dim() == 1 && w.size(0) == 0) shape = {0};
-  MIRAGE_CHECK(w.device() == embedding.device(), kSchnetEnergy, ": ", weight_name(index, interactions),
-               " must be on embedding's device (", embedding.device(), "), got ", w.device());
-  MIRAGE_CHECK(w.scalar_type() == embedding.scalar_type(), kSchnetEnergy, ": ", weight_name(index, interactions),
-               " must have embedding's dtype (", embedding.scalar_type(), "), got ", w.scalar_type());
-  MIRAGE_CHECK(w.sizes() == at::IntArrayRef(shape), kSchnetEnergy, ": ", weight_name(index, interactions),
-               " must have shape ", at::IntArrayRef(shape), shape.size() == 1 ? " (or [0]: no bias)" : "",
-               ", got ", w.sizes());
+  check_energy_weight(kSchnetEnergy, weights[index], weight_name(index, interactions), embedding, std::move(shape));
 }
 
 }  // namespace
@@ -60,47 +134,14 @@ void check_weight(at::TensorList weights, int64_t index, int64_t interactions, c
 SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                 const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
                                 int64_t num_rbf, at::TensorList weights, std::string_view activations) {
-  const auto dtype = embedding.scalar_type();
-  MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !embedding.is_cuda()), kSchnetEnergy,
-               ": embedding must be float32 (or float64 off the GPU), got ", dtype, " on ", embedding.device());
-  MIRAGE_CHECK(embedding.dim() == 2 && embedding.size(0) > 0 && embedding.size(1) > 0, kSchnetEnergy,
-               ": embedding must have shape [Z, F] with Z, F >= 1, got ", embedding.sizes());
-  const auto same_device = [&](const at::Tensor& t, std::string_view name) {
-    MIRAGE_CHECK(t.device() == embedding.device(), kSchnetEnergy, ": ", name, " must be on embedding's device (",
-                 embedding.device(), "), got ", t.device());
-  };
-  same_device(atomic_numbers, "atomic_numbers");
-  same_device(pairs, "pairs");
-  same_device(vectors, "vectors");
-  MIRAGE_CHECK(atomic_numbers.scalar_type() == at::kLong && atomic_numbers.dim() == 1, kSchnetEnergy,
-               ": atomic_numbers must be a 1-D int64 tensor [N], got ", atomic_numbers.scalar_type(), " of shape ",
-               atomic_numbers.sizes());
-  MIRAGE_CHECK(pairs.scalar_type() == at::kLong && pairs.dim() == 2 && pairs.size(0) == 2, kSchnetEnergy,
-               ": pairs must be an int64 tensor of shape [2, P], got ", pairs.scalar_type(), " of shape ",
-               pairs.sizes());
-  MIRAGE_CHECK(vectors.scalar_type() == dtype, kSchnetEnergy, ": vectors must have embedding's dtype (", dtype,
-               "), got ", vectors.scalar_type());
-  MIRAGE_CHECK(vectors.dim() == 2 && vectors.size(0) == pairs.size(1) && vectors.size(1) == 3, kSchnetEnergy,
-               ": vectors must have shape [P, 3] = [", pairs.size(1), ", 3] (P from pairs), got ", vectors.sizes());
-  MIRAGE_CHECK(atomic_numbers.size(0) > 0 || pairs.size(1) == 0, kSchnetEnergy,
-               ": atomic_numbers is empty (N=0) but pairs has ", pairs.size(1), " pairs to index");
-  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, kSchnetEnergy, ": cutoff must be finite and > 0, got ", cutoff);
+  check_energy_inputs(kSchnetEnergy, atomic_numbers, embedding, pairs, vectors, cutoff);
   const int64_t count = static_cast<int64_t>(weights.size());
   const int64_t interactions = (count - kSchnetReadoutWeights) / kSchnetWeightsPerInteraction;
   MIRAGE_CHECK(interactions >= 1 && interactions <= 8 &&
                    count == interactions * kSchnetWeightsPerInteraction + kSchnetReadoutWeights,
                kSchnetEnergy, ": weights must hold 10 tensors per interaction (1 to 8 of them) and 4 for the "
                "readout, got ", count);
-  const std::vector<std::string> names = split_activations(activations);
-  MIRAGE_CHECK(static_cast<int64_t>(names.size()) == interactions + 2, kSchnetEnergy,
-               ": activations must name ", interactions + 2, " activations (filter, one update per interaction, "
-               "readout) separated by commas, got \"", activations, "\"");
-  for (const std::string& name : names) {
-    bool known = false;
-    for (std::string_view k : kSchnetActivations) known = known || name == k;
-    MIRAGE_CHECK(known, kSchnetEnergy, ": activation \"", name, "\" in activations is not one of shifted_softplus, "
-                 "softplus, silu, tanh, gelu, relu");
-  }
+  check_activations(kSchnetEnergy, activations, interactions + 2, "filter, one update per interaction, readout");
 
   SchnetShape s{};
   s.atoms = atomic_numbers.size(0);
@@ -142,26 +183,6 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
 
 namespace {
 
-at::Tensor activate(const at::Tensor& v, const std::string& name) {
-  if (name == "shifted_softplus") return at::softplus(v) - std::log(2.0);
-  if (name == "softplus") return at::softplus(v);
-  if (name == "silu") return at::silu(v);
-  if (name == "tanh") return at::tanh(v);
-  if (name == "gelu") return at::gelu(v);
-  return at::relu(v);
-}
-
-at::Tensor activation_grad(const at::Tensor& v, const std::string& name) {
-  if (name == "shifted_softplus" || name == "softplus") return at::where(v > 20, at::ones_like(v), at::sigmoid(v));
-  if (name == "silu") {
-    const at::Tensor s = at::sigmoid(v);
-    return s * (1 + v * (1 - s));
-  }
-  if (name == "tanh") return 1 - at::tanh(v).square();
-  if (name == "gelu") return 0.5 * (1 + at::erf(v * M_SQRT1_2)) + v * at::exp(-0.5 * v.square()) / std::sqrt(2 * M_PI);
-  return (v > 0).to(v.scalar_type());
-}
-
 // The reference: the forward, then its gradient written out layer by layer, in float64.
 std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                                      const at::Tensor& pairs, const at::Tensor& vectors,
@@ -170,13 +191,8 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations);
   const std::vector<std::string> act = split_activations(activations);
-  const at::Tensor numbers = atomic_numbers.contiguous();
-  const int64_t* z = numbers.const_data_ptr<int64_t>();
-  for (int64_t a = 0; a < s.atoms; ++a)
-    MIRAGE_CHECK(z[a] >= 0 && z[a] < embedding.size(0), kSchnetEnergy, ": atomic_numbers[", a, "] = ", z[a],
-                 " is out of range for embedding's ", embedding.size(0), " rows");
+  check_energy_indices(kSchnetEnergy, atomic_numbers, embedding, pairs);
   const at::Tensor idx = pairs.contiguous();
-  check_pair_indices(kSchnetEnergy, idx, s.atoms);
 
   const auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
   std::vector<at::Tensor> w;  // an absent bias ([0]) is undefined here, as at::linear takes it
@@ -198,26 +214,26 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
   std::vector<at::Tensor> filter_pre, filter, h, q;
   for (int64_t t = 0; t < T; ++t) {
     filter_pre.push_back(at::linear(basis, weight(t, 0), weight(t, 1)));
-    filter.push_back(at::linear(activate(filter_pre[t], act[0]), weight(t, 2), weight(t, 3)));
+    filter.push_back(at::linear(reference_activation(filter_pre[t], act[0]), weight(t, 2), weight(t, 3)));
     h.push_back(at::linear(x, weight(t, 4), weight(t, 5)));
     const at::Tensor messages = at::zeros_like(h[t]).index_add_(0, i, h[t].index_select(0, j) * filter[t] *
                                                                           fcut.unsqueeze(1));
     q.push_back(at::linear(messages, weight(t, 6), weight(t, 7)));
-    x = x + at::linear(activate(q[t], act[t + 1]), weight(t, 8), weight(t, 9));
+    x = x + at::linear(reference_activation(q[t], act[t + 1]), weight(t, 8), weight(t, 9));
   }
   const at::Tensor r = at::linear(x, w[r0], w[r0 + 1]);
-  const at::Tensor energy = at::linear(activate(r, act[T + 1]), w[r0 + 2], w[r0 + 3]).sum();
+  const at::Tensor energy = at::linear(reference_activation(r, act[T + 1]), w[r0 + 2], w[r0 + 3]).sum();
 
-  at::Tensor grad_x = at::matmul(activation_grad(r, act[T + 1]) * w[r0 + 2], w[r0]);
+  at::Tensor grad_x = at::matmul(reference_activation_grad(r, act[T + 1]) * w[r0 + 2], w[r0]);
   at::Tensor grad_basis = at::zeros_like(basis), grad_fcut = at::zeros_like(d);
   for (int64_t t = T - 1; t >= 0; --t) {
-    const at::Tensor grad_q = at::matmul(grad_x, weight(t, 8)) * activation_grad(q[t], act[t + 1]);
+    const at::Tensor grad_q = at::matmul(grad_x, weight(t, 8)) * reference_activation_grad(q[t], act[t + 1]);
     const at::Tensor grad_m = at::matmul(grad_q, weight(t, 6)).index_select(0, i);  // per pair
     const at::Tensor grad_w = grad_m * h[t].index_select(0, j);
     const at::Tensor grad_h = at::zeros_like(h[t]).index_add_(0, j, grad_m * filter[t] * fcut.unsqueeze(1));
     grad_fcut = grad_fcut + (grad_w * filter[t]).sum(1);
     const at::Tensor grad_pre = at::matmul(grad_w * fcut.unsqueeze(1), weight(t, 2)) *
-                                activation_grad(filter_pre[t], act[0]);
+                                reference_activation_grad(filter_pre[t], act[0]);
     grad_basis = grad_basis + at::matmul(grad_pre, weight(t, 0));
     grad_x = grad_x + at::matmul(grad_h, weight(t, 4));
   }
@@ -324,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Ten
   check_pair_indices(kCfconv, idx, s.nodes);
   const std::string act(activation);
   const at::Tensor pre = at::linear(basis.to(at::kDouble), weight1.to(at::kDouble), optional_f64(bias1));
-  const at::Tensor filters = at::linear(activate(pre, act), weight2.to(at::kDouble), optional_f64(bias2));
+  const at::Tensor filters = at::linear(reference_activation(pre, act), weight2.to(at::kDouble), optional_f64(bias2));
   const at::Tensor messages =
       x.to(at::kDouble).index_select(0, idx[1]) * filters * envelope.to(at::kDouble).unsqueeze(1);
   const at::Tensor out = at::zeros({s.nodes, s.width}, messages.options()).index_add_(0, idx[0], messages);
@@ -349,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
   const at::Tensor w1 = weight1.to(at::kDouble);
   const at::Tensor pre = at::linear(basis.to(at::kDouble), w1, optional_f64(bias1));
   const at::Tensor grad_pre =
-      at::matmul(grad_filter * e, weight2.to(at::kDouble)) * activation_grad(pre, std::string(activation));
+      at::matmul(grad_filter * e, weight2.to(at::kDouble)) * reference_activation_grad(pre, std::string(activation));
   const at::Tensor grad_basis = at::matmul(grad_pre, w1);
   const auto dtype = x.scalar_type();
   return {grad_x.to(dtype), grad_basis.to(dtype), grad_envelope.to(dtype)};

@@ -1,4 +1,5 @@
-// mirage::schnet_energy and mirage::cfconv: checks and shapes shared by the CPU, Meta and CUDA kernels.
+// mirage::schnet_energy, mirage::painn_energy and mirage::cfconv: checks and shapes shared by the CPU,
+// Meta and CUDA kernels.
 #pragma once
 
 #include <optional>
@@ -31,6 +32,37 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
 
 // `activations` ("filter,update_0,...,update_{T-1},readout") split at the commas.
 std::vector<std::string> split_activations(std::string_view activations);
+
+// Shared by the whole-model ops (schnet_energy, painn_energy), `op` naming the caller in errors:
+// the inputs every one takes (not the index values); a Linear's weight `name` ([out, in]; a bias
+// [out], or [0] for none) on embedding's device and dtype; `count` activation names (`what`
+// they are) from kSchnetActivations, returned split; the index values (the CPU kernels).
+void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                         const at::Tensor& pairs, const at::Tensor& vectors, double cutoff);
+void check_energy_weight(std::string_view op, const at::Tensor& w, const std::string& name,
+                         const at::Tensor& embedding, std::vector<int64_t> shape);
+std::vector<std::string> check_activations(std::string_view op, std::string_view activations, int64_t count,
+                                           std::string_view what);
+void check_energy_indices(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                          const at::Tensor& pairs);
+// The CPU references' activations and their derivatives, by name.
+at::Tensor reference_activation(const at::Tensor& v, const std::string& name);
+at::Tensor reference_activation_grad(const at::Tensor& v, const std::string& name);
+
+inline constexpr std::string_view kPainnEnergy = "mirage::painn_energy";
+// Tensors per interaction in painn_energy's `weights`: phi.0 (w, b), phi.2 (w, b), filter (w, b),
+// U.weight, V.weight, mlp.0 (w, b), mlp.2 (w, b); then the readout's four, as schnet_energy's.
+inline constexpr int64_t kPainnWeightsPerInteraction = 12;
+
+struct PainnShape {
+  int64_t atoms, pairs, interactions;
+  int64_t rbf, features, phi_hidden, update_hidden, readout_hidden;
+};
+
+// Checks every argument of painn_energy (not the index values) and returns the sizes.
+PainnShape check_painn_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& pairs,
+                              const at::Tensor& vectors, double cutoff, int64_t num_rbf, at::TensorList weights,
+                              std::string_view activations, double norm_eps);
 
 // mirage::cfconv and mirage::cfconv_backward, SchNet's interaction for larger systems.
 inline constexpr std::string_view kCfconv = "mirage::cfconv";

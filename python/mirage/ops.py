@@ -544,6 +544,68 @@ def schnet_energy(
                                           list(weights), ",".join(activations))
 
 
+def painn_energy(
+    atomic_numbers: Tensor,
+    embedding: Tensor,
+    pairs: Tensor,
+    vectors: Tensor,
+    cutoff: float,
+    num_rbf: int,
+    weights: Sequence[Tensor],
+    activations: Sequence[str],
+    norm_eps: float = 1e-8,
+) -> Tuple[Tensor, Tensor]:
+    """A whole PaiNN energy and its gradient in the pair vectors, in one op (one CUDA kernel).
+
+    Computes, with ``d = |vectors|``, ``u = vectors / d``, the sinc basis ``sqrt(2 / cutoff)
+    sin(n pi d / cutoff) / d`` (n = 1..num_rbf) and the cosine cutoff ``fcut = (cos(pi d /
+    cutoff) + 1) / 2`` (zero from ``cutoff`` on)::
+
+        s = embedding[atomic_numbers]; v = 0                          # [N, F], [N, 3, F]
+        per interaction:
+            x = phi(s)[j] * filter(basis) * fcut, split into (x_s, x_vv, x_vs)   # [P, F] each
+            s_i += sum over pairs (i <- j) of x_s
+            v_i += sum over pairs of v_j x_vv + x_vs u
+            a = mlp([s, sqrt(sum over xyz of (V v)^2 + norm_eps)]), split into (a_vv, a_sv, a_ss)
+            v += a_vv (U v); s += a_sv <U v, V v> + a_ss
+        energy = readout(s).sum()
+
+    with ``phi``, ``mlp`` and ``readout`` each ``Linear, activation, Linear``, ``filter`` a Linear
+    and ``U``, ``V`` Linears without bias. This is ``mirage.ff.PaiNN`` (and
+    ``examples/forcefield/models.py``'s PaiNN) end to end. On CUDA it is one launch: one
+    thread-block cluster (Hopper; one block before it) for the whole model, forward and backward;
+    meant for molecules of up to a few hundred pairs (docs/perf/forcefield.md).
+
+    Args:
+        atomic_numbers: ``(N,)`` int64, rows of ``embedding``.
+        embedding: ``(Z, F)``; float32 (float64 too on the CPU). Every weight has its dtype and
+            device.
+        pairs: ``(2, P)`` int64; row 0 the receivers ``i``, row 1 the senders ``j``, any order.
+        vectors: ``(P, 3)``, ``r_j - r_i`` plus the cell shift; pairs at or past the cutoff (the
+            neighbor list's padding) add nothing.
+        cutoff: in the units of ``vectors``, > 0.
+        num_rbf: basis size, the filters' input width.
+        weights: per interaction ``phi.0.weight [H, F], phi.0.bias [H], phi.2.weight [3F, H],
+            phi.2.bias [3F], filter.weight [3F, R], filter.bias [3F], U.weight [F, F], V.weight
+            [F, F], mlp.0.weight [K, 2F], mlp.0.bias [K], mlp.2.weight [3F, K], mlp.2.bias [3F]`` (a
+            bias may be empty, ``[0]``), then ``readout.0.weight [Kr, F], readout.0.bias [Kr],
+            readout.2.weight [1, Kr], readout.2.bias [1]``; 1 to 8 interactions.
+        activations: ``2 * interactions + 1`` names from ``shifted_softplus, softplus, silu, tanh,
+            gelu, relu``: each interaction's ``phi``, then each interaction's ``mlp``, then the
+            readout's.
+        norm_eps: added under the square root of ``|V v|``, > 0.
+
+    Returns:
+        ``(energy, grad_vectors)``: a 0-dim tensor and ``d energy / d vectors`` ``(P, 3)``, in
+        the embedding's dtype. Differentiable in ``vectors`` (first order: forces and stress);
+        asking for a gradient in the embedding or weights, or for a second order, raises
+        ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
+        their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
+    """
+    return torch.ops.mirage.painn_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
+                                         list(weights), ",".join(activations), float(norm_eps))
+
+
 def cfconv(
     x: Tensor,
     basis: Tensor,

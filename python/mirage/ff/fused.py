@@ -277,6 +277,13 @@ class _FusedModel(nn.Module):
         # float32 at least (in the same kernel), so the total keeps what precision they have.
         return atomic.sum(dtype=torch.promote_types(atomic.dtype, torch.float32))
 
+    def _eval_kernels(self, positions: Tensor) -> bool:
+        """Whether the eval-mode kernels (schnet_energy, painn_energy, cfconv) may run: eval mode,
+        on CUDA in float32, outside autocast. Static, like the choices built on it: never the data,
+        so they are graph-safe."""
+        return (not self.training and positions.is_cuda and positions.dtype == torch.float32
+                and self.embedding.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"))
+
     def extra_repr(self) -> str:
         return f"cutoff={self.cutoff}, max_pairs={self._max_pairs}"
 
@@ -553,13 +560,6 @@ class SchNet(_FusedModel):
             filters = _batched_linear(ACTIVATIONS[self.filter_activation](hidden), second)
         return filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)
 
-    def _eval_kernels(self, positions: Tensor) -> bool:
-        """Whether the eval-mode kernels (schnet_energy, cfconv) may run: eval mode, on CUDA in
-        float32, outside autocast. Static, like the two choices built on it: never the data, so
-        they are graph-safe."""
-        return (not self.training and positions.is_cuda and positions.dtype == torch.float32
-                and self.embedding.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"))
-
     def _fused_interactions(self, positions: Tensor) -> bool:
         """Whether the interactions run as mirage::cfconv (the filter network fused with the
         message passing): eval-mode kernels allowed, and sizes its CUDA kernels take."""
@@ -624,6 +624,12 @@ class PaiNN(_FusedModel):
 
     norm_eps = 1e-8
     fused_filters_min_pairs = 8192
+    # H200, 2026-11-24 16:53 UTC (profile_forcefield.py --models painn --whole-model, molecules at
+    # liquid density, µs per energy+forces, one op vs layers): 205 vs 365 at 132 pairs (12 atoms),
+    # 374 vs 436 at 380 (20), 408 vs 441 at 552 (24), 622 vs 568 at 2,256 (48 atoms). Measured on
+    # Hopper only: before sm_90 the op runs in one block.
+    whole_model_max_pairs = 640
+    whole_model_max_atoms = 32
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "silu", max_pairs: Optional[int] = None) -> None:
@@ -706,8 +712,18 @@ class PaiNN(_FusedModel):
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
-        """Energy (0-dim); arguments as :meth:`SchNet.forward`."""
+        """Energy (0-dim); arguments as :meth:`SchNet.forward`.
+
+        In eval mode, on CUDA in float32 outside autocast, systems of at most
+        :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
+        :attr:`whole_model_max_atoms` atoms whose ``U`` and ``V`` have no bias run as one op,
+        ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
+        parameters and no double backward. Training mode takes the layer-by-layer path, which has
+        both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
+        if self._whole_model_kernel(positions):
+            return ops.painn_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
+                                    self._kernel_weights(), self._kernel_activations(), self.norm_eps)[0]
         directions = vectors / distances.unsqueeze(-1)
         rbf = ops.radial_basis(distances, "bessel", self.num_rbf, self.cutoff, "none")
         messages, updates = list(self.messages), list(self.updates)
@@ -746,6 +762,32 @@ class PaiNN(_FusedModel):
             a = _mlp(ops.painn_update_input(s, vv, self.norm_eps), update.mlp, self.update_activations[t])
             s, v = ops.painn_update(s, v, uv, vv, a)
         return self._readout(s)
+
+    def _whole_model_kernel(self, positions: Tensor) -> bool:
+        """Whether this forward runs as one mirage::painn_energy op (static: shapes, dtypes,
+        modes; never the data, so the choice is graph-safe)."""
+        return (self._eval_kernels(positions) and self._max_pairs is not None
+                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
+                and len(self.messages) <= 8
+                and all(u.U.bias is None and u.V.bias is None for u in self.updates))
+
+    def _kernel_weights(self) -> List[Tensor]:
+        """mirage::painn_energy's ``weights``: the parameters themselves (shared, never copied),
+        an empty tensor for each absent bias."""
+        none = self.embedding.weight.new_empty(0)
+        tensors: List[Tensor] = []
+        for message, update in zip(self.messages, self.updates):
+            for linear in (message.phi[0], message.phi[2], message.filter):
+                tensors += [linear.weight, none if linear.bias is None else linear.bias]
+            tensors += [update.U.weight, update.V.weight]
+            for linear in (update.mlp[0], update.mlp[2]):
+                tensors += [linear.weight, none if linear.bias is None else linear.bias]
+        for linear in (self.readout[0], self.readout[2]):
+            tensors += [linear.weight, none if linear.bias is None else linear.bias]
+        return tensors
+
+    def _kernel_activations(self) -> List[str]:
+        return [*self.phi_activations, *self.update_activations, self.readout_activation]
 
     def _forms_filters(self, positions: Tensor, basis_width: int) -> bool:
         """Whether vector_message_passing forms the filters from the basis without a GEMM of its

@@ -119,6 +119,11 @@ class FFOptimizeReport:
                          "interaction's filter network and message passing as one mirage::cfconv "
                          "(SchNet.fused_interactions; filter "
                          "networks of H == M = 64 or 128 that fit the GPU: mirage.ops.cfconv_supported)")
+        if self.style == "PaiNN-style":
+            lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions, U and V without "
+                         f"bias), systems of up to {PaiNN.whole_model_max_pairs} pairs of neighbor capacity and "
+                         f"{PaiNN.whole_model_max_atoms} atoms (PaiNN.whole_model_max_pairs, whole_model_max_atoms) "
+                         "run as one mirage::painn_energy op (one kernel) instead")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
 

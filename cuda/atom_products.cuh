@@ -1,0 +1,370 @@
+// Building blocks of the whole-model force-field kernels (schnet_energy, painn_energy): a block's
+// Linear products over a few atom rows, their one store type, the cluster barrier and the
+// largest cluster a device runs. Device code: included by .cu files only.
+#pragma once
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+
+#include <cooperative_groups.h>
+
+#include "kernel_utils.cuh"
+
+namespace mirage::cuda::atomwise {
+
+constexpr int kThreads = 512;
+constexpr int kRowTile = 4;          // rows a thread carries in registers in `product`
+constexpr int kPartialFloats = kThreads * kRowTile;  // `product`'s partial sums (split sums over k)
+constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
+
+__host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
+
+// Floats a rows x cols matrix takes in a workspace array of them, 16-byte aligned.
+__host__ __device__ inline int64_t padded_matrix(int64_t rows, int64_t cols) { return pad4(rows * cols); }
+
+__device__ __forceinline__ float bias_at(const float* bias, int o) { return bias ? bias[o] : 0.0f; }
+
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();  // release/acquire at cluster scope: global writes too
+#else
+  __syncthreads();  // the launcher runs a single block here
+#endif
+}
+
+// p[k .. k + 3], zero from n on. kVector: p + k is 16-byte aligned and n % 4 == 0, so one float4
+// load, predicated (branch-free: the kernel is large enough that its code is fetched from L2 at
+// every call, and each branch path of an unrolled loop adds to it).
+template <bool kVector>
+__device__ __forceinline__ float4 load4(const float* p, int k, int n) {
+  if constexpr (kVector) return k < n ? *reinterpret_cast<const float4*>(p + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return make_float4(k < n ? p[k] : 0.0f, k + 1 < n ? p[k + 1] : 0.0f, k + 2 < n ? p[k + 2] : 0.0f,
+                     k + 3 < n ? p[k + 3] : 0.0f);
+}
+
+__device__ __forceinline__ float dot4(float acc, float4 a, float4 w) {
+  return fmaf(a.w, w.w, fmaf(a.z, w.z, fmaf(a.y, w.y, fmaf(a.x, w.x, acc))));
+}
+
+// kRows rows from `first` (clamped to the last row; what they add past it is dropped) times the
+// outputs o, o + 1 of this lane's group. See linear_product.
+template <int kRows, bool kVector, class RowOf, class Store>
+__device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, const float* in, int64_t in_stride,
+                                            int ins, const float* w, const float* bias, int o, int outs, Store store) {
+  const int lane = threadIdx.x % 32, li = lane % 8;
+  // The biases first: loaded behind the product, they cost a memory round trip of their own.
+  const float b0 = o < outs ? bias_at(bias, o) : 0.0f, b1 = o + 1 < outs ? bias_at(bias, o + 1) : 0.0f;
+  float acc[kRows][2] = {};
+  const float* x[kRows];
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) x[t] = in + row_of(min(first + t, rows - 1)) * in_stride;
+  // Rows o and o + 1 of w, empty past its last.
+  const float* w_o = w + static_cast<int64_t>(o) * ins;
+  const int n0 = o < outs ? ins : 0, n1 = o + 1 < outs ? ins : 0;
+#pragma unroll 1  // one pass at 128 inputs; unrolled it only multiplies the code (see load4)
+  for (int k0 = 0; k0 < ins; k0 += 128) {
+    float4 w0[4], w1[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int k = k0 + 4 * (li + 8 * c);
+      w0[c] = load4<kVector>(w_o, k, n0);
+      w1[c] = load4<kVector>(w_o + ins, k, n1);
+    }
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float4 a = load4<kVector>(x[t], k0 + 4 * (li + 8 * c), ins);
+        acc[t][0] = dot4(acc[t][0], a, w0[c]);
+        acc[t][1] = dot4(acc[t][1], a, w1[c]);
+      }
+    }
+  }
+  // The group's 8 lanes add their parts: lanes 0-3 keep output o, lanes 4-7 output o + 1.
+  const bool upper = li & 4;
+#pragma unroll
+  for (int t = 0; t < kRows; ++t) {
+    float v = (upper ? acc[t][1] : acc[t][0]) + __shfl_xor_sync(0xffffffffu, upper ? acc[t][0] : acc[t][1], 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    const int out = o + (upper ? 1 : 0);
+    if (li % 4 == 0 && first + t < rows && out < outs) store(first + t, out, v, upper ? b1 : b0);
+  }
+}
+
+// nn.Linear: for r < rows and o < outs, store(r, o, sum_k in[row_of(r)][k] * w[o][k], bias[o]) (a
+// null bias: 0), w [outs][ins], the input rows `in_stride` floats apart and 16-byte aligned. The
+// weights' rows are contiguous in k, so lanes go along k: a group of 8 lanes covers 128 inputs
+// (lane l the float4s at 4 (l + 8 c), so a group reads 128 consecutive bytes at once), holds the
+// weights of two outputs in registers and multiplies up to 4 rows by them; a warp is 4 groups (8
+// outputs), the block 128 outputs at a time. Every Linear uses it (the backward's on the
+// transposed weights) but the filters' first (few inputs, the radial basis: most lanes would
+// idle), where `product` is faster. Against `product` (H200, benzene, one block
+// an atom): a 128 x 128 product of one row ~3-5k cycles instead of ~10-13k, of 11 pair rows ~12k
+// instead of ~21k; the whole kernel 219 -> 175 us. Every thread of the block calls it; it ends
+// with a barrier. Not inlined: its registers on top of the kernel's would spill.
+//
+// The code size matters as much as the arithmetic: the kernel's code (460 KB on sm_90a then) did
+// not fit the instruction caches, so each phase waited for its instructions from L2 (ncu: "no
+// instruction" stalls). Keeping the loads branch-free (load4) and the k loop rolled cut the
+// benzene kernel from 136 to 114 us (H200, 2026-11-24); one store type for every atom-wise
+// product (AtomStore) took the code to 194 KB.
+//
+// A one-row product's ~2.8k cycles are mostly its 64 KB of weights arriving. Fetching the next
+// product's weights ahead, while this one runs, made each product slower, not faster (H200,
+// 2026-11-24, benzene): into L1 with prefetch.global.L1, 2.8k -> 3.2-3.6k cycles; into shared
+// memory with cp.async (two 64 KB slots), 4.0-4.7k. The fetch seems bound by the requests one
+// multiprocessor keeps in flight, which the early fetch shares with the product's own loads.
+// Staging every product's weights in shared memory with the bulk-copy engine (TMA,
+// cp.async.bulk into two 64 KB slots, each refilled for the product after next, the products
+// reading them from there) was slower still: the cluster kernel 48 -> 74 us (H200, 2026-11-24
+// 14:45, benzene, all -m cuda schnet_energy tests passing), and with one copy multicast to the
+// whole cluster by block 0 (slots released to it through an mbarrier in its shared memory) 48 ->
+// 68 us (14:52): a 64 KB bulk copy seems to arrive no faster than the product's own loads.
+template <bool kVector, class RowOf, class Store>
+__device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                            const float* w, const float* bias, int outs, Store store) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (int o0 = warp * 8; o0 < outs; o0 += warps * 8) {
+    const int o = o0 + 2 * (lane / 8);
+    int first = 0;
+    for (; first + 1 < rows; first += 4)  // 4 rows at a time while two or more are left
+      linear_tile<4, kVector>(first, rows, row_of, in, in_stride, ins, w, bias, o, outs, store);
+    if (first < rows) linear_tile<1, kVector>(first, rows, row_of, in, in_stride, ins, w, bias, o, outs, store);
+  }
+}
+
+template <class RowOf, class Store>
+__device__ __noinline__ void linear_product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                            const float* w, const float* bias, int outs, Store store) {
+  if (ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0)
+    linear_rows<true>(rows, row_of, in, in_stride, ins, w, bias, outs, store);
+  else
+    linear_rows<false>(rows, row_of, in, in_stride, ins, w, bias, outs, store);
+  __syncthreads();
+}
+
+// For r < rows and o < outs: store(r, o, sum_k in[row_of(r)][k] * w[o][k], bias[o]), w [outs][ins], the
+// input rows `in_stride` floats apart and 16-byte aligned: nn.Linear for few inputs (the filters'
+// first, on the radial basis, where most of linear_product's lanes would idle). Thread items are
+// (o, tile of kRowTile rows), o fastest. With fewer items than threads the sum over k is split
+// among threads too, the parts added in `partial`. Every thread of the block calls it.
+template <class RowOf, class Store>
+__device__ __forceinline__ void product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
+                                        const float* w, const float* bias, int outs, Store store, float* partial) {
+  const int tiles = (rows + kRowTile - 1) / kRowTile, items = outs * tiles;
+  int splits = 1;
+  while (2 * splits * items <= static_cast<int>(blockDim.x) && ins >= 32 * splits) splits *= 2;
+  const int chunk = static_cast<int>(pad4((ins + splits - 1) / splits));
+  const bool vector = ins % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  for (int work = threadIdx.x; work < items * splits; work += blockDim.x) {
+    const int item = work % items, split = work / items;
+    const int o = item % outs, tile = item / outs;
+    const int k0 = split * chunk, k1 = min(ins, k0 + chunk);
+    const float b = splits == 1 ? bias_at(bias, o) : 0.0f;  // ahead of the product (see linear_tile)
+    const float* row[kRowTile];
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t) row[t] = in + row_of(min(tile * kRowTile + t, rows - 1)) * in_stride;
+    const float* wo = w + static_cast<int64_t>(o) * ins;
+    float acc[kRowTile] = {};
+    if (vector) {
+#pragma unroll 2
+      for (int k = k0; k < k1; k += 4) {
+        const float4 wv = *reinterpret_cast<const float4*>(wo + k);
+#pragma unroll
+        for (int t = 0; t < kRowTile; ++t) acc[t] = dot4(acc[t], *reinterpret_cast<const float4*>(row[t] + k), wv);
+      }
+    } else {
+      for (int k = k0; k < k1; ++k) {
+#pragma unroll
+        for (int t = 0; t < kRowTile; ++t) acc[t] += row[t][k] * wo[k];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t) {
+      if (splits > 1) partial[work * kRowTile + t] = acc[t];
+      else if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, acc[t], b);
+    }
+  }
+  if (splits == 1) return;
+  __syncthreads();
+  for (int item = threadIdx.x; item < items; item += blockDim.x) {
+    const int o = item % outs, tile = item / outs;
+    const float b = bias_at(bias, o);
+#pragma unroll
+    for (int t = 0; t < kRowTile; ++t) {
+      float sum = 0.0f;
+      for (int split = 0; split < splits; ++split) sum += partial[(split * items + item) * kRowTile + t];
+      if (tile * kRowTile + t < rows) store(tile * kRowTile + t, o, sum, b);
+    }
+  }
+  __syncthreads();  // partial is free again
+}
+
+// The whole-model kernels' atom-wise products: rows a0 + r (a block's atoms), and their outputs
+// out[a0 + r][o] = f(v), written or (accumulate) added, `stride` floats a row. Forward, with the
+// bias b: f = activate(v + b), v + b kept in `pre` where given. Backward (the transposed weights,
+// no bias): f = v * activation_grad(gate[a0 + r][o]) where a gate is given, else v. One type for every
+// call, so that each product's code is compiled once: the kernel's code outgrows the instruction
+// caches (see linear_product), and a phase whose instructions were fetched by the last one runs
+// without waiting for them.
+struct AtomRows {
+  int64_t a0;
+  __device__ int64_t operator()(int r) const { return a0 + r; }
+};
+
+struct AtomStore {
+  float* out;
+  int64_t stride, a0;
+  Activation activation = Activation::kNone;
+  float* pre = nullptr;
+  const float* gate = nullptr;
+  bool accumulate = false;
+  __device__ void operator()(int r, int o, float v, float b) const {
+    const int64_t at = (a0 + r) * stride + o;
+    if (gate != nullptr) {
+      v *= activation_grad(gate[at], activation);
+    } else {
+      v += b;
+      if (pre != nullptr) pre[at] = v;
+      v = activate(v, activation);
+    }
+    out[at] = accumulate ? out[at] + v : v;
+  }
+};
+
+// transpose()'s tile in shared memory: 32 x 32 floats (a column of padding keeps the reads of
+// its columns off a single bank).
+constexpr int kTransposeTile = 32;
+constexpr size_t kTransposeSharedBytes = kTransposeTile * (kTransposeTile + 1) * sizeof(float);
+
+// a [rows][cols] into a_t [cols][rows] (its rows `stride` floats apart), a 32 x 32 tile at a time
+// through shared memory so that both the reads and the writes are coalesced (read straight from
+// a's columns, 4-byte loads 4 * cols bytes apart, the transposes of PaiNN's weights took 14 us
+// over 64 blocks on an H200). Tile t goes to block (offset + t) % gridDim.x of this grid row;
+// returns offset plus the tile count, the next call's offset, so that a sequence of calls deals
+// its tiles round the blocks. Every thread of the block calls it.
+__device__ inline int transpose(const float* a, int rows, int cols, float* a_t, int stride, int offset) {
+  __shared__ float tile[kTransposeTile][kTransposeTile + 1];
+  const int tile_rows = (rows + kTransposeTile - 1) / kTransposeTile;
+  const int tile_cols = (cols + kTransposeTile - 1) / kTransposeTile;
+  const int x = threadIdx.x % kTransposeTile, y0 = threadIdx.x / kTransposeTile;
+  const int y_step = blockDim.x / kTransposeTile, blocks = gridDim.x;
+  for (int t = ((static_cast<int>(blockIdx.x) - offset) % blocks + blocks) % blocks; t < tile_rows * tile_cols;
+       t += blocks) {
+    const int r0 = t / tile_cols * kTransposeTile, c0 = t % tile_cols * kTransposeTile;
+    for (int y = y0; y < kTransposeTile; y += y_step)
+      if (r0 + y < rows && c0 + x < cols) tile[y][x] = a[static_cast<int64_t>(r0 + y) * cols + c0 + x];
+    __syncthreads();
+    for (int y = y0; y < kTransposeTile; y += y_step)
+      if (c0 + y < cols && r0 + x < rows) a_t[static_cast<int64_t>(c0 + y) * stride + r0 + x] = tile[x][y];
+    __syncthreads();
+  }
+  return offset + tile_rows * tile_cols;
+}
+
+// A pair the block owns: its receiver is one of the block's atoms.
+struct alignas(16) OwnPair {
+  int pair, receiver, sender, unused;
+};
+
+// |vectors[e]|, computed the same way by every kernel of a call, so that they agree on which
+// pairs count.
+template <class Params>
+__device__ __forceinline__ float pair_distance(const Params& p, int64_t e) {
+  const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
+  return sqrtf(vx * vx + vy * vy + vz * vz);
+}
+
+// Pairs at or beyond the cutoff add exactly nothing (the cosine cutoff's value and slope are 0
+// there); finite distances only: NaN and Inf stay in, to come out as NaN.
+template <class Params>
+__device__ __forceinline__ bool beyond_cutoff(const Params& p, int64_t e) {
+  const float d = pair_distance(p, e);
+  return d >= p.cutoff && d <= FLT_MAX;
+}
+
+// Lists into `own` the pairs that atoms [a0, a1) (this block's, an even split) receive within
+// the cutoff and returns their count; `counters` is 2 ints of shared memory. Pairs at or beyond
+// the cutoff add exactly nothing, so they are left out, their gradient set to 0 here: the
+// neighbor list's padding, pair (0, 0) at the cutoff, would otherwise pile onto atom 0's block
+// (in MD, where molecules move apart, most of the capacity can be padding). An index out of
+// range: every output NaN and -1 returned. Every block checks every index, so all of them agree
+// on leaving early (none waits at a barrier alone). Not inlined: inlined, it took the schnet_energy
+// kernel's register spills from 20 to 44 bytes.
+template <class Params>
+__device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1, OwnPair* own, int* counters) {
+  const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
+  const int64_t N = p.num_atoms, P = p.num_pairs;
+  const int64_t* senders = p.pairs + P;
+  int &count = counters[0], &invalid = counters[1];
+  if (tid == 0) count = invalid = 0;
+  __syncthreads();
+  for (int64_t e = tid; e < P; e += threads) {
+    const int64_t i = p.pairs[e], j = senders[e];
+    if (i < 0 || i >= N || j < 0 || j >= N) invalid = 1;
+    else if (i >= a0 && i < a1 && !beyond_cutoff(p, e))
+      own[atomicAdd(&count, 1)] = OwnPair{static_cast<int>(e), static_cast<int>(i), static_cast<int>(j), 0};
+  }
+  for (int64_t a = tid; a < N; a += threads)
+    if (p.atomic_numbers[a] < 0 || p.atomic_numbers[a] >= p.num_embeddings) invalid = 1;
+  __syncthreads();
+  if (invalid) {
+    for (int64_t e = block + static_cast<int64_t>(blocks) * tid; e < P; e += static_cast<int64_t>(blocks) * threads)
+      for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = __int_as_float(0x7fc00000);
+    if (block == 0 && tid == 0) *p.energy = __int_as_float(0x7fc00000);
+    return -1;
+  }
+  for (int64_t e = tid; e < P; e += threads)  // after the index check: its NaNs must not race these
+    if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(p, e))
+      for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
+  return count;
+}
+
+// The largest cluster (at most kMaxCluster blocks of kThreads) this device runs `kernel` in, 1
+// below sm_90; cached per kernel and device.
+template <class Params>
+int cluster_limit(void (*kernel)(Params)) {
+  static int cached[64] = {};
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  if (device < 64 && cached[device] > 0) return cached[device];
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  int limit = 1;
+  if (major >= 9) {
+    limit = 8;  // portable
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(kMaxCluster);
+      config.blockDim = dim3(kThreads);
+      int most = 0;
+      if (cudaOccupancyMaxPotentialClusterSize(&most, kernel, &config) == cudaSuccess && most > 0)
+        limit = std::min(most, kMaxCluster);
+    }
+    cudaGetLastError();  // a refused query leaves the portable size; clear its error
+  }
+  if (device < 64) cached[device] = limit;
+  return limit;
+}
+
+// Launches `kernel` as one cluster of `blocks` blocks (a plain launch below sm_90).
+template <class Params>
+cudaError_t launch_cluster(void (*kernel)(Params), int blocks, const Params& params, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = blocks;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  if (cluster_limit(kernel) > 1) {
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, params);
+}
+
+}  // namespace mirage::cuda::atomwise

@@ -1,0 +1,301 @@
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirage
+import mirage.ff
+from common import (DEVICES, FF_ACTIVATIONS, assert_error, assert_first_order_only, capture_graph,
+                    energy_forces_and_ops)
+from tolerances import REDUCTION_ERROR_FACTOR, tolerance
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+# name: (N, P, F, R, H, K, Kr, activations (phi per interaction, mlp per interaction, readout),
+# biases). benzene: the benchmark's sizes, every pair. odd: widths that are no multiple of 4 (the
+# kernel's scalar paths), mixed activations, absent biases. many_atoms: more atoms than a cluster
+# has blocks, and more pairs than a block keeps in shared memory. lonely: one atom, no pairs.
+# wide: 3F = 399 outputs (several passes of the products over outputs and inputs).
+CONFIGS = {
+    "benzene": (12, 132, 128, 20, 128, 128, 64, ["silu"] * 7, True),
+    "odd": (7, 41, 7, 3, 5, 9, 3, ["silu", "tanh", "gelu", "softplus", "shifted_softplus"], False),
+    "many_atoms": (40, 600, 32, 8, 24, 16, 16, ["silu", "relu", "tanh"], True),
+    "lonely": (1, 0, 16, 4, 8, 8, 4, ["silu"] * 3, True),
+    "wide": (30, 300, 133, 5, 131, 129, 130, ["silu", "tanh", "silu", "gelu", "silu"], True),
+}
+CUTOFF = 4.0
+NORM_EPS = 1e-8
+
+
+def make_inputs(name, device="cpu", dtype=torch.float64):
+    """(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, norm_eps)."""
+    n, p, f, r, h, k, kr, activations, biases = CONFIGS[name]
+    interactions = (len(activations) - 1) // 2
+
+    def linear(out_features, in_features, bias=True):
+        weight = torch.randn(out_features, in_features, dtype=torch.float64) / math.sqrt(in_features)
+        b = torch.randn(out_features, dtype=torch.float64) * 0.3 if bias else torch.empty(0, dtype=torch.float64)
+        return [weight, b]
+
+    weights = []
+    for _ in range(interactions):
+        weights += linear(h, f) + linear(3 * f, h, biases) + linear(3 * f, r)
+        weights += [torch.randn(f, f, dtype=torch.float64) / math.sqrt(f) for _ in range(2)]  # U, V
+        weights += linear(k, 2 * f) + linear(3 * f, k, biases)
+    weights += linear(kr, f) + linear(1, kr)
+    embedding = torch.randn(10, f, dtype=torch.float64)
+    atomic_numbers = torch.randint(0, 10, (n,))
+    pairs = torch.randint(0, n, (2, p))
+    # Lengths from 0.4 to 1.1 cutoff (some pairs outside it); the last fifth is the neighbor list's
+    # padding: pair (0, 0), vector (cutoff, 0, 0).
+    directions = F.normalize(torch.randn(p, 3, dtype=torch.float64), dim=1)
+    vectors = directions * (0.4 * CUTOFF + 0.7 * CUTOFF * torch.rand(p, 1, dtype=torch.float64))
+    pairs[:, p - p // 5:] = 0
+    vectors[p - p // 5:] = torch.tensor([CUTOFF, 0.0, 0.0], dtype=torch.float64)
+
+    def to(t):
+        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+    return (to(atomic_numbers), to(embedding), to(pairs), to(vectors), CUTOFF, r, [to(w) for w in weights],
+            activations, NORM_EPS)
+
+
+def painn_composite(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, norm_eps):
+    """docs/ops.md's definition in plain torch (as examples/forcefield/models.py's PaiNN computes
+    it); the energy and autograd's d energy / d vectors."""
+    vectors = vectors.detach().requires_grad_(True)
+    act = [FF_ACTIVATIONS[name] for name in activations]
+    interactions = (len(activations) - 1) // 2
+
+    def linear(x, index, bias=True):
+        b = weights[index + 1] if bias else None
+        return F.linear(x, weights[index], b if b is not None and b.numel() else None)
+
+    i, j = pairs
+    kept = ~((vectors.norm(dim=1) >= cutoff) & torch.isfinite(vectors.norm(dim=1)))
+    i, j, vec = i[kept], j[kept], vectors[kept]
+    d = vec.norm(dim=1)
+    direction = vec / d[:, None]
+    n = torch.arange(1, num_rbf + 1, dtype=d.dtype, device=d.device)
+    basis = math.sqrt(2 / cutoff) * torch.sin(d[:, None] * n * math.pi / cutoff) / d[:, None]
+    fcut = torch.where(d < cutoff, 0.5 * (torch.cos(math.pi * d / cutoff) + 1), 0.0)
+    s = embedding[atomic_numbers]
+    v = s.new_zeros(s.shape[0], 3, s.shape[1])
+    f = s.shape[1]
+    for t in range(interactions):
+        b = 12 * t
+        x = linear(act[t](linear(s, b)), b + 2)[j] * linear(basis, b + 4) * fcut[:, None]
+        ds, dv_v, dv_s = x.split(f, dim=1)
+        s = s + torch.zeros_like(s).index_add(0, i, ds)
+        v = v + torch.zeros_like(v).index_add(0, i, v[j] * dv_v[:, None] + dv_s[:, None] * direction[:, :, None])
+        uv, vv = v @ weights[b + 6].t(), v @ weights[b + 7].t()
+        a = linear(act[interactions + t](linear(torch.cat([s, torch.sqrt((vv ** 2).sum(1) + norm_eps)], 1), b + 8)),
+                   b + 10)
+        a_vv, a_sv, a_ss = a.split(f, dim=1)
+        v = v + a_vv[:, None] * uv
+        s = s + a_sv * (uv * vv).sum(1) + a_ss
+    r0 = len(weights) - 4
+    energy = linear(act[-1](linear(s, r0)), r0 + 2).sum()
+    grad, = torch.autograd.grad(energy, vectors, allow_unused=True)
+    return energy.detach(), torch.zeros_like(vectors) if grad is None else grad
+
+
+# ---- equivalence ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_painn_energy_matches_composite(device, name):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = make_inputs(name, device, dtype)
+    energy, grad = mirage.ops.painn_energy(*args)
+    assert energy.shape == () and grad.shape == args[3].shape
+    assert energy.dtype == grad.dtype == dtype
+    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, norm_eps = args
+    beyond = vectors.double().norm(dim=1) > cutoff * (1 + 1e-6)  # clear of float32 rounding
+    assert (grad[beyond] == 0).all() and (grad[vectors[:, 0] == cutoff] == 0).all()  # padding included
+    ref_energy, ref_grad = painn_composite(atomic_numbers, embedding.double(), pairs, vectors.double(), cutoff,
+                                           num_rbf, [w.double() for w in weights], activations, norm_eps)
+    if dtype == torch.float64:
+        torch.testing.assert_close(energy, ref_energy, **tolerance(dtype))
+        torch.testing.assert_close(grad, ref_grad, **tolerance(dtype))
+        return
+    # float32 through a whole network: bounded by PyTorch's own float32 error on the same inputs.
+    torch_energy, torch_grad = painn_composite(*args)
+    for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad)):
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
+        theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
+        assert ours_error <= REDUCTION_ERROR_FACTOR * theirs_error + tolerance(dtype)["atol"] * max(scale, 1.0), \
+            (name, ours_error, theirs_error, scale)
+
+
+def test_painn_energy_gradcheck():
+    args = list(make_inputs("odd"))
+    args[3].requires_grad_(True)
+    torch.autograd.gradcheck(lambda v: mirage.ops.painn_energy(*args[:3], v, *args[4:])[0], (args[3],))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_painn_energy_opcheck(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("odd", device, dtype))
+    args[3].requires_grad_(True)
+    args[7] = ",".join(args[7])
+    torch.library.opcheck(torch.ops.mirage.painn_energy.default, tuple(args))
+
+
+@pytest.mark.cuda
+def test_painn_energy_cuda_graph_replays_new_vectors():
+    args = list(make_inputs("benzene", "cuda", torch.float32))
+    static = args[3].clone()
+    graph, (energy, grad) = capture_graph(lambda: mirage.ops.painn_energy(*args[:3], static, *args[4:]))
+    for _ in range(3):
+        static.copy_(args[3] * (1 + 0.05 * torch.rand(args[3].shape[0], 1, device="cuda")))
+        graph.replay()
+        want_energy, want_grad = mirage.ops.painn_energy(*args[:3], static, *args[4:])
+        # Not bitwise: float atomics add the messages and the senders' gradients in whatever order
+        # the blocks reach them; a replay that read stale inputs would be off by far more.
+        torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_painn_energy_pairs_beyond_the_cutoff_add_nothing(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("benzene", device, dtype))
+    args[3] = F.normalize(args[3], dim=1) * (1.2 * CUTOFF)  # every pair outside
+    energy, grad = mirage.ops.painn_energy(*args)
+    alone, _ = mirage.ops.painn_energy(args[0], args[1], args[2][:, :0], args[3][:0], *args[4:])
+    torch.testing.assert_close(energy, alone, rtol=1e-6, atol=1e-6)
+    assert (grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_painn_energy_nan_vector_gives_nan(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("odd", device, dtype))
+    args[3] = args[3].clone()
+    args[3][5, 0] = float("nan")
+    energy, _ = mirage.ops.painn_energy(*args)
+    assert torch.isnan(energy)
+
+
+@pytest.mark.cuda
+def test_painn_energy_cuda_unaligned_weights():
+    """Weights whose storage starts 4 bytes off a 16-byte boundary take the scalar loads."""
+    args = list(make_inputs("benzene", "cuda", torch.float32))
+    want_energy, want_grad = mirage.ops.painn_energy(*args)
+    weights = list(args[6])
+    for index in (0, 2, 4, 6, 8):  # phi's two weights, the filter, U, the MLP's first
+        w = weights[index]
+        shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
+        assert shifted.data_ptr() % 16 != 0
+        weights[index] = shifted
+    energy, grad = mirage.ops.painn_energy(*args[:6], weights, *args[7:])
+    torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
+
+
+# ---- gradients it does not give ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_painn_energy_refuses_parameter_gradients(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("odd", device, dtype))
+    args[6][6].requires_grad_(True)  # U.weight
+    args[3].requires_grad_(True)
+    energy, _ = mirage.ops.painn_energy(*args)
+    assert_first_order_only(energy, args[3], "no gradient in the model's parameters")
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def _call(device, **changes):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    names = ["atomic_numbers", "embedding", "pairs", "vectors", "cutoff", "num_rbf", "weights", "activations",
+             "norm_eps"]
+    args = dict(zip(names, make_inputs("odd", device, dtype)))
+    for key, change in changes.items():
+        args[key] = change(args[key])
+    return mirage.ops.painn_energy(**args)
+
+
+def _replace(index, value):
+    def change(weights):
+        weights = list(weights)
+        weights[index] = value(weights[index])
+        return weights
+    return change
+
+
+BAD = [
+    (dict(weights=lambda w: w[:-1]), "weights must hold 12 tensors per interaction"),
+    (dict(activations=lambda a: a[:-1]), "activations must name 5 activations"),
+    (dict(activations=lambda a: ["swish"] + a[1:]), "activation \"swish\" in activations is not one of"),
+    (dict(weights=_replace(4, lambda w: w[:, :-1])), "weights[4] (interaction 0: filter.weight) must have shape"),
+    (dict(weights=_replace(19, lambda w: w[:-1])), "weights[19] (interaction 1: V.weight) must have shape"),
+    (dict(weights=_replace(20, lambda w: w[:, :-1])), "weights[20] (interaction 1: mlp.0.weight) must have shape"),
+    (dict(weights=_replace(24, lambda w: w.t())), "weights[24] (readout.0.weight) must have shape"),
+    (dict(weights=_replace(1, lambda w: w.to(torch.float16))), "weights[1] (interaction 0: phi.0.bias) must have "
+                                                              "embedding's dtype"),
+    (dict(num_rbf=lambda r: r + 1), "weights[4] (interaction 0: filter.weight) must have shape [21, 4]"),
+    (dict(norm_eps=lambda e: 0.0), "norm_eps must be finite and > 0"),
+    (dict(cutoff=lambda c: -1.0), "cutoff must be finite and > 0"),
+    (dict(vectors=lambda v: v[:, :2]), "vectors must have shape [P, 3] = [41, 3]"),
+    (dict(pairs=lambda p: p.int()), "pairs must be an int64 tensor of shape [2, P]"),
+    (dict(atomic_numbers=lambda z: z.float()), "atomic_numbers must be a 1-D int64 tensor"),
+    (dict(embedding=lambda e: e.to(torch.int32)), "embedding must be float32"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changes, message", BAD)
+def test_painn_energy_bad_input(device, changes, message):
+    assert_error(lambda d: _call(d, **changes), device, "mirage::painn_energy: " + message)
+
+
+def test_painn_energy_cpu_checks_indices():
+    def bad_pair(p):
+        p = p.clone()
+        p[1, 3] = 7
+        return p
+    assert_error(lambda d: _call(d, pairs=bad_pair), "cpu", "pairs[1, 3] = 7 is out of range for N=7 rows")
+    assert_error(lambda d: _call(d, atomic_numbers=lambda z: z + 10), "cpu", "is out of range for embedding's 10 rows")
+
+
+@pytest.mark.cuda
+def test_painn_energy_cuda_bad_indices_give_nan():
+    def bad_pair(p):
+        p = p.clone()
+        p[0, 5] = -1
+        return p
+    for changes in (dict(pairs=bad_pair), dict(atomic_numbers=lambda z: z + 10)):
+        energy, grad = _call("cuda", **changes)
+        assert torch.isnan(energy) and torch.isnan(grad).all()
+
+
+# ---- the fused PaiNN takes it in eval mode ----------------------------------------------------
+
+@pytest.mark.cuda
+def test_fused_painn_eval_mode_runs_one_kernel_with_the_same_forces():
+    from forcefield.benzene import benzene
+    from forcefield.models import PaiNN
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(PaiNN().cuda())
+    numbers, positions = benzene(torch.float32, "cuda")
+    positions = positions.requires_grad_(True)
+
+    layered_energy, layered_forces, layered_ops = energy_forces_and_ops(model, numbers, positions, True)
+    energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
+    assert "mirage.painn_energy" in calls and "mirage.painn_energy" not in layered_ops
+    torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * layered_forces.abs().max().item())
+
+    # The limit is on the capacity: at it the kernel runs, one pair above it the layers do.
+    for capacity, one_kernel in ((model.whole_model_max_pairs, True), (model.whole_model_max_pairs + 1, False)):
+        model.max_pairs = capacity
+        _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
+        assert ("mirage.painn_energy" in calls) == one_kernel, capacity
