@@ -322,6 +322,38 @@ __device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1
   return count;
 }
 
+// The readout (Linear, activation, Linear to one output) of the block's atom rows `x`, their
+// energy into parts[blockIdx.x], then its backward: d energy / d x into grad_x. `readout` holds
+// the hidden layer, then its gradient; `readout1_t` is readout1_w transposed [F][Kr]. Every
+// thread of the block calls it.
+template <class Params>
+__device__ void readout_and_gradient(const Params& p, int64_t a0, int na, const float* x, int64_t x_stride,
+                                     float* readout, int64_t readout_stride, const float* readout1_t, float* parts,
+                                     float* grad_x, int64_t grad_stride, float* scratch) {
+  const int F = p.features, Kr = p.readout_hidden;
+  const AtomRows atom_row{a0};
+  linear_product(na, atom_row, x, x_stride, F, p.readout1_w, p.readout1_b, Kr, AtomStore{readout, readout_stride, a0});
+  float energy = 0.0f;
+  for (int e = threadIdx.x; e < na * Kr; e += blockDim.x) {
+    const int64_t at = (a0 + e / Kr) * readout_stride + e % Kr;
+    const float v = readout[at];
+    energy += activate(v, p.readout_activation) * p.readout2_w[e % Kr];
+    readout[at] = activation_grad(v, p.readout_activation) * p.readout2_w[e % Kr];  // its gradient
+  }
+  energy = block_sum(energy, scratch);  // its barrier also orders the readout gradient's writes
+  if (threadIdx.x == 0) parts[blockIdx.x] = energy + na * bias_at(p.readout2_b, 0);
+  linear_product(na, atom_row, readout, readout_stride, Kr, readout1_t, nullptr, F,
+                 AtomStore{grad_x, grad_stride, a0});
+}
+
+// Block 0 adds the blocks' energies, behind a cluster barrier that follows every block's part.
+__device__ inline void total_energy(float* energy, const float* parts) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  float total = 0.0f;
+  for (int b = 0; b < static_cast<int>(gridDim.x); ++b) total += __ldcg(&parts[b]);
+  *energy = total;
+}
+
 // The largest cluster (at most kMaxCluster blocks of kThreads) this device runs `kernel` in, 1
 // below sm_90; cached per kernel and device.
 template <class Params>

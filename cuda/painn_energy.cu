@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
   __shared__ Layout L;
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
   const int64_t N = p.num_atoms, P = p.num_pairs;
-  const int F = p.features, H = p.phi_hidden, K = p.update_hidden, Kr = p.readout_hidden;
+  const int F = p.features, H = p.phi_hidden, K = p.update_hidden;
   const int R = p.num_rbf, T = p.num_interactions, M = 3 * F, Z = 2 * F;
   if (tid == 0) L = layout_of(p);
   __syncthreads();
@@ -317,19 +317,9 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
     }
     __syncthreads();
   }
-  linear_product(na, atom_row, s, F4, F, p.readout1_w, p.readout1_b, Kr, to(readout, Kr4));
-  float energy = 0.0f;
-  for (int e = tid; e < na * Kr; e += threads) {
-    const int64_t at = (a0 + e / Kr) * Kr4 + e % Kr;
-    const float x = readout[at];
-    energy += activate(x, p.readout_activation) * p.readout2_w[e % Kr];
-    readout[at] = activation_grad(x, p.readout_activation) * p.readout2_w[e % Kr];  // its gradient
-  }
-  energy = block_sum(energy, scratch);  // its barrier also orders the readout gradient's writes
-  if (tid == 0) ws[L.parts + block] = energy + na * bias_at(p.readout2_b, 0);
-
-  // Backward: gs = d energy / d s and gv = d energy / d v, interaction by interaction from the last.
-  linear_product(na, atom_row, readout, Kr4, Kr, ws + L.readout1_t, nullptr, F, to(gs, F4));
+  // The readout and its gradient; then gs = d energy / d s and gv = d energy / d v, interaction
+  // by interaction from the last.
+  readout_and_gradient(p, a0, na, s, F4, readout, Kr4, ws + L.readout1_t, ws + L.parts, gs, F4, scratch);
   AtomStore add_to_gs = to(gs, F4), add_to_gv = to_vectors(gv, F4);
   add_to_gs.accumulate = add_to_gv.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
@@ -411,11 +401,7 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
       }
     }
     cluster_sync();  // gphi(t) and gvs(t) complete; every block's energy share written
-    if (t == T - 1 && block == 0 && tid == 0) {
-      float total = 0.0f;
-      for (int b = 0; b < blocks; ++b) total += __ldcg(&ws[L.parts + b]);
-      *p.energy = total;
-    }
+    if (t == T - 1) total_energy(p.energy, ws + L.parts);
     for (int e = tid; e < 3 * na * F; e += threads) {
       const int64_t at = (3 * a0 + e / F) * F4 + e % F;
       gv[at] += __ldcg(&gvst[at]);

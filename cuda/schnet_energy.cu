@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
   const int64_t N = p.num_atoms, P = p.num_pairs;
   const int M = p.message_width, F = p.features;
-  const int K = p.update_hidden, Kr = p.readout_hidden, T = p.num_interactions;
+  const int K = p.update_hidden, T = p.num_interactions;
   const Layout L = layout_of(p);
   const int64_t M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
   float* ws = static_cast<float*>(p.workspace);
@@ -272,20 +272,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       cluster_sync();
     }
   }
-  linear_product(na, atom_row, x, F4, F, p.readout1_w, p.readout1_b, Kr, to(readout, Kr4));
-  float energy = 0.0f;
-  for (int e = tid; e < na * Kr; e += threads) {
-    const int64_t at = (a0 + e / Kr) * Kr4 + e % Kr;
-    const float v = readout[at];
-    energy += activate(v, p.readout_activation) * p.readout2_w[e % Kr];
-    readout[at] = activation_grad(v, p.readout_activation) * p.readout2_w[e % Kr];  // its gradient
-  }
-  energy = block_sum(energy, scratch);  // its barrier also orders the readout gradient's writes
-  if (tid == 0) ws[L.parts + block] = energy + na * bias_at(p.readout2_b, 0);
-
-  // Backward. grad_x = d energy / d x, interaction by interaction from the last.
-  // The backward's products read the weights transposed (transpose_weights).
-  linear_product(na, atom_row, readout, Kr4, Kr, ws + L.readout1_t, nullptr, F, to(grad_x, F4));
+  // The readout and its gradient; then grad_x = d energy / d x, interaction by interaction from
+  // the last. The backward's products read the weights transposed (transpose_weights).
+  readout_and_gradient(p, a0, na, x, F4, readout, Kr4, ws + L.readout1_t, ws + L.parts, grad_x, F4, scratch);
   AtomStore add_to_grad_x = to(grad_x, F4);
   add_to_grad_x.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
@@ -315,11 +304,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       if (lane == 0) geometry[r].grad_distance += distance_sum;
     }
     cluster_sync();  // grad_h(t) complete; every block's energy share written
-    if (t == T - 1 && block == 0 && tid == 0) {
-      float total = 0.0f;
-      for (int b = 0; b < blocks; ++b) total += __ldcg(&ws[L.parts + b]);
-      *p.energy = total;
-    }
+    if (t == T - 1) total_energy(p.energy, ws + L.parts);
     for (int e = tid; e < na * M; e += threads) {
       const int64_t at = (a0 + e / M) * M4 + e % M;
       m[at] = __ldcg(&ght[at]);

@@ -13,72 +13,88 @@
 namespace mirage::ops {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                      const at::Tensor& pairs, const at::Tensor& vectors,
-                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                      c10::string_view activations) {
-  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                            activations);
+// What the whole-model ops' wrappers share: the outputs, the common fields of their kernel
+// parameters, contiguous copies of the inputs (alive until the launch is queued; `fill` gets the
+// function that makes them, for the weights), the workspace and the launch.
+template <class Params, class Fill>
+std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms, const at::Tensor& atomic_numbers,
+                                              const at::Tensor& embedding, const at::Tensor& pairs,
+                                              const at::Tensor& vectors, double cutoff, Fill fill,
+                                              size_t (*workspace_bytes)(const Params&),
+                                              cudaError_t (*launch)(const Params&, cudaStream_t)) {
   const c10::cuda::CUDAGuard guard(embedding.device());
-  at::Tensor grad_vectors = at::empty({s.pairs, 3}, embedding.options());
+  at::Tensor grad_vectors = at::empty({pairs.size(1), 3}, embedding.options());
   // No atoms: no pairs either (checked), and the energy is 0; otherwise the kernel writes it.
-  if (s.atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors};
+  if (atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors};
   at::Tensor energy = at::empty({}, embedding.options());
 
-  std::vector<at::Tensor> held;  // contiguous copies live until the launch is queued
+  std::vector<at::Tensor> held;
   const auto ptr = [&held](const at::Tensor& t) -> const float* {
     if (t.numel() == 0) return nullptr;  // an absent bias
     held.push_back(t.contiguous());
     return held.back().const_data_ptr<float>();
   };
   const at::Tensor z = atomic_numbers.contiguous(), idx = pairs.contiguous();
-  cuda::SchnetEnergyParams p{};
+  Params p{};
   p.atomic_numbers = z.const_data_ptr<int64_t>();
   p.embedding = ptr(embedding);
   p.pairs = idx.const_data_ptr<int64_t>();
   p.vectors = ptr(vectors);
   p.energy = energy.mutable_data_ptr<float>();
   p.grad_vectors = grad_vectors.mutable_data_ptr<float>();
-  p.num_atoms = s.atoms;
-  p.num_pairs = s.pairs;
+  p.num_atoms = atoms;
+  p.num_pairs = pairs.size(1);
   p.num_embeddings = embedding.size(0);
-  p.num_rbf = static_cast<int>(s.rbf);
-  p.filter_hidden = static_cast<int>(s.filter_hidden);
-  p.message_width = static_cast<int>(s.message_width);
-  p.features = static_cast<int>(s.features);
-  p.update_hidden = static_cast<int>(s.update_hidden);
-  p.readout_hidden = static_cast<int>(s.readout_hidden);
-  p.num_interactions = static_cast<int>(s.interactions);
   p.cutoff = static_cast<float>(cutoff);
-  const std::vector<std::string> names = split_activations(activations);
-  p.filter_activation = kernel_activation(names.front());
-  p.readout_activation = kernel_activation(names.back());
-  for (int64_t t = 0; t < s.interactions; ++t) {
-    const int64_t b = t * kSchnetWeightsPerInteraction;
-    cuda::SchnetInteraction& layer = p.interactions[t];
-    layer.filter1_w = ptr(weights[b]);
-    layer.filter1_b = ptr(weights[b + 1]);
-    layer.filter2_w = ptr(weights[b + 2]);
-    layer.filter2_b = ptr(weights[b + 3]);
-    layer.in2f_w = ptr(weights[b + 4]);
-    layer.in2f_b = ptr(weights[b + 5]);
-    layer.f2out1_w = ptr(weights[b + 6]);
-    layer.f2out1_b = ptr(weights[b + 7]);
-    layer.f2out2_w = ptr(weights[b + 8]);
-    layer.f2out2_b = ptr(weights[b + 9]);
-    layer.update_activation = kernel_activation(names[t + 1]);
-  }
-  const int64_t r0 = s.interactions * kSchnetWeightsPerInteraction;
-  p.readout1_w = ptr(weights[r0]);
-  p.readout1_b = ptr(weights[r0 + 1]);
-  p.readout2_w = ptr(weights[r0 + 2]);
-  p.readout2_b = ptr(weights[r0 + 3]);
+  fill(p, ptr);
   // From the caching allocator (graph-safe); the kernel initializes what it reads.
-  const at::Tensor workspace = at::empty({static_cast<int64_t>(cuda::schnet_energy_workspace_bytes(p))},
+  const at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes(p))},
                                          embedding.options().dtype(at::kByte));
   p.workspace = workspace.mutable_data_ptr();
-  check_launch(kSchnetEnergy, cuda::launch_schnet_energy(p, c10::cuda::getCurrentCUDAStream()));
+  check_launch(op, launch(p, c10::cuda::getCurrentCUDAStream()));
   return {energy, grad_vectors};
+}
+
+std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                                      const at::Tensor& pairs, const at::Tensor& vectors,
+                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
+                                                      c10::string_view activations) {
+  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                            activations);
+  const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr) {
+    p.num_rbf = static_cast<int>(s.rbf);
+    p.filter_hidden = static_cast<int>(s.filter_hidden);
+    p.message_width = static_cast<int>(s.message_width);
+    p.features = static_cast<int>(s.features);
+    p.update_hidden = static_cast<int>(s.update_hidden);
+    p.readout_hidden = static_cast<int>(s.readout_hidden);
+    p.num_interactions = static_cast<int>(s.interactions);
+    const std::vector<std::string> names = split_activations(activations);
+    p.filter_activation = kernel_activation(names.front());
+    p.readout_activation = kernel_activation(names.back());
+    for (int64_t t = 0; t < s.interactions; ++t) {
+      const int64_t b = t * kSchnetWeightsPerInteraction;
+      cuda::SchnetInteraction& layer = p.interactions[t];
+      layer.filter1_w = ptr(weights[b]);
+      layer.filter1_b = ptr(weights[b + 1]);
+      layer.filter2_w = ptr(weights[b + 2]);
+      layer.filter2_b = ptr(weights[b + 3]);
+      layer.in2f_w = ptr(weights[b + 4]);
+      layer.in2f_b = ptr(weights[b + 5]);
+      layer.f2out1_w = ptr(weights[b + 6]);
+      layer.f2out1_b = ptr(weights[b + 7]);
+      layer.f2out2_w = ptr(weights[b + 8]);
+      layer.f2out2_b = ptr(weights[b + 9]);
+      layer.update_activation = kernel_activation(names[t + 1]);
+    }
+    const int64_t r0 = s.interactions * kSchnetWeightsPerInteraction;
+    p.readout1_w = ptr(weights[r0]);
+    p.readout1_b = ptr(weights[r0 + 1]);
+    p.readout2_w = ptr(weights[r0 + 2]);
+    p.readout2_b = ptr(weights[r0 + 3]);
+  };
+  return run_energy(kSchnetEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, fill,
+                    &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
 }
 
 std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
@@ -87,68 +103,42 @@ std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_nu
                                                      c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
-  const c10::cuda::CUDAGuard guard(embedding.device());
-  at::Tensor grad_vectors = at::empty({s.pairs, 3}, embedding.options());
-  // No atoms: no pairs either (checked), and the energy is 0; otherwise the kernel writes it.
-  if (s.atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors};
-  at::Tensor energy = at::empty({}, embedding.options());
-
-  std::vector<at::Tensor> held;  // contiguous copies live until the launch is queued
-  const auto ptr = [&held](const at::Tensor& t) -> const float* {
-    if (t.numel() == 0) return nullptr;  // an absent bias
-    held.push_back(t.contiguous());
-    return held.back().const_data_ptr<float>();
+  const auto fill = [&](cuda::PainnEnergyParams& p, const auto& ptr) {
+    p.num_rbf = static_cast<int>(s.rbf);
+    p.features = static_cast<int>(s.features);
+    p.phi_hidden = static_cast<int>(s.phi_hidden);
+    p.update_hidden = static_cast<int>(s.update_hidden);
+    p.readout_hidden = static_cast<int>(s.readout_hidden);
+    p.num_interactions = static_cast<int>(s.interactions);
+    p.norm_eps = static_cast<float>(norm_eps);
+    const std::vector<std::string> names = split_activations(activations);
+    p.readout_activation = kernel_activation(names.back());
+    for (int64_t t = 0; t < s.interactions; ++t) {
+      const int64_t b = t * kPainnWeightsPerInteraction;
+      cuda::PainnInteraction& layer = p.interactions[t];
+      layer.phi1_w = ptr(weights[b]);
+      layer.phi1_b = ptr(weights[b + 1]);
+      layer.phi2_w = ptr(weights[b + 2]);
+      layer.phi2_b = ptr(weights[b + 3]);
+      layer.filter_w = ptr(weights[b + 4]);
+      layer.filter_b = ptr(weights[b + 5]);
+      layer.u_w = ptr(weights[b + 6]);
+      layer.v_w = ptr(weights[b + 7]);
+      layer.mlp1_w = ptr(weights[b + 8]);
+      layer.mlp1_b = ptr(weights[b + 9]);
+      layer.mlp2_w = ptr(weights[b + 10]);
+      layer.mlp2_b = ptr(weights[b + 11]);
+      layer.phi_activation = kernel_activation(names[t]);
+      layer.update_activation = kernel_activation(names[s.interactions + t]);
+    }
+    const int64_t r0 = s.interactions * kPainnWeightsPerInteraction;
+    p.readout1_w = ptr(weights[r0]);
+    p.readout1_b = ptr(weights[r0 + 1]);
+    p.readout2_w = ptr(weights[r0 + 2]);
+    p.readout2_b = ptr(weights[r0 + 3]);
   };
-  const at::Tensor z = atomic_numbers.contiguous(), idx = pairs.contiguous();
-  cuda::PainnEnergyParams p{};
-  p.atomic_numbers = z.const_data_ptr<int64_t>();
-  p.embedding = ptr(embedding);
-  p.pairs = idx.const_data_ptr<int64_t>();
-  p.vectors = ptr(vectors);
-  p.energy = energy.mutable_data_ptr<float>();
-  p.grad_vectors = grad_vectors.mutable_data_ptr<float>();
-  p.num_atoms = s.atoms;
-  p.num_pairs = s.pairs;
-  p.num_embeddings = embedding.size(0);
-  p.num_rbf = static_cast<int>(s.rbf);
-  p.features = static_cast<int>(s.features);
-  p.phi_hidden = static_cast<int>(s.phi_hidden);
-  p.update_hidden = static_cast<int>(s.update_hidden);
-  p.readout_hidden = static_cast<int>(s.readout_hidden);
-  p.num_interactions = static_cast<int>(s.interactions);
-  p.cutoff = static_cast<float>(cutoff);
-  p.norm_eps = static_cast<float>(norm_eps);
-  const std::vector<std::string> names = split_activations(activations);
-  p.readout_activation = kernel_activation(names.back());
-  for (int64_t t = 0; t < s.interactions; ++t) {
-    const int64_t b = t * kPainnWeightsPerInteraction;
-    cuda::PainnInteraction& layer = p.interactions[t];
-    layer.phi1_w = ptr(weights[b]);
-    layer.phi1_b = ptr(weights[b + 1]);
-    layer.phi2_w = ptr(weights[b + 2]);
-    layer.phi2_b = ptr(weights[b + 3]);
-    layer.filter_w = ptr(weights[b + 4]);
-    layer.filter_b = ptr(weights[b + 5]);
-    layer.u_w = ptr(weights[b + 6]);
-    layer.v_w = ptr(weights[b + 7]);
-    layer.mlp1_w = ptr(weights[b + 8]);
-    layer.mlp1_b = ptr(weights[b + 9]);
-    layer.mlp2_w = ptr(weights[b + 10]);
-    layer.mlp2_b = ptr(weights[b + 11]);
-    layer.phi_activation = kernel_activation(names[t]);
-    layer.update_activation = kernel_activation(names[s.interactions + t]);
-  }
-  const int64_t r0 = s.interactions * kPainnWeightsPerInteraction;
-  p.readout1_w = ptr(weights[r0]);
-  p.readout1_b = ptr(weights[r0 + 1]);
-  p.readout2_w = ptr(weights[r0 + 2]);
-  p.readout2_b = ptr(weights[r0 + 3]);
-  // From the caching allocator (graph-safe); the kernel initializes what it reads.
-  const at::Tensor workspace = at::empty({static_cast<int64_t>(cuda::painn_energy_workspace_bytes(p))},
-                                         embedding.options().dtype(at::kByte));
-  p.workspace = workspace.mutable_data_ptr();
-  check_launch(kPainnEnergy, cuda::launch_painn_energy(p, c10::cuda::getCurrentCUDAStream()));
-  return {energy, grad_vectors};
+  return run_energy(kPainnEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, fill,
+                    &cuda::painn_energy_workspace_bytes, &cuda::launch_painn_energy);
 }
 
 // t as a contiguous tensor whose data is 16-byte aligned (the kernels move rows as float4): a
