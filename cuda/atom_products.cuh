@@ -354,10 +354,10 @@ __device__ inline void total_energy(float* energy, const float* parts) {
   *energy = total;
 }
 
-// The largest cluster (at most kMaxCluster blocks of kThreads) this device runs `kernel` in, 1
-// below sm_90; cached per kernel and device.
-template <class Params>
-int cluster_limit(void (*kernel)(Params)) {
+// The largest cluster (at most kMaxCluster blocks of kThreads) this device runs kKernel in, 1
+// below sm_90; cached per kernel (a template instance each) and device.
+template <auto kKernel>
+int cluster_limit() {
   static int cached[64] = {};
   int device = 0, major = 0;
   cudaGetDevice(&device);
@@ -366,12 +366,12 @@ int cluster_limit(void (*kernel)(Params)) {
   int limit = 1;
   if (major >= 9) {
     limit = 8;  // portable
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
       cudaLaunchConfig_t config{};
       config.gridDim = dim3(kMaxCluster);
       config.blockDim = dim3(kThreads);
       int most = 0;
-      if (cudaOccupancyMaxPotentialClusterSize(&most, kernel, &config) == cudaSuccess && most > 0)
+      if (cudaOccupancyMaxPotentialClusterSize(&most, kKernel, &config) == cudaSuccess && most > 0)
         limit = std::min(most, kMaxCluster);
     }
     cudaGetLastError();  // a refused query leaves the portable size; clear its error
@@ -380,9 +380,9 @@ int cluster_limit(void (*kernel)(Params)) {
   return limit;
 }
 
-// Launches `kernel` as one cluster of `blocks` blocks (a plain launch below sm_90).
-template <class Params>
-cudaError_t launch_cluster(void (*kernel)(Params), int blocks, const Params& params, cudaStream_t stream) {
+// Launches kKernel as one cluster of `blocks` blocks (a plain launch below sm_90).
+template <auto kKernel, class Params>
+cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(blocks);
   config.blockDim = dim3(kThreads);
@@ -392,11 +392,11 @@ cudaError_t launch_cluster(void (*kernel)(Params), int blocks, const Params& par
   cluster.val.clusterDim.x = blocks;
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
-  if (cluster_limit(kernel) > 1) {
+  if (cluster_limit<kKernel>() > 1) {
     config.attrs = &cluster;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, kernel, params);
+  return cudaLaunchKernelEx(&config, kKernel, params);
 }
 
 }  // namespace mirage::cuda::atomwise

@@ -1,4 +1,4 @@
-// mirage::painn_energy: PaiNN's energy and its gradient in the pair vectors in one launch.
+// mirage::painn_energy: PaiNN's energy and its gradient in the pair vectors in two launches.
 //
 // Small molecules are launch-bound: the layer-by-layer model is ~165 kernels per energy+forces
 // on benzene (docs/perf/forcefield.md). Here one thread-block cluster runs the whole model,
@@ -443,9 +443,9 @@ cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t st
   painn_transpose_kernel<<<kTransposeBlocks, kThreads, 0, stream>>>(params);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
-  const int limit = cluster_limit(painn_energy_kernel);
+  const int limit = cluster_limit<painn_energy_kernel>();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
-  return launch_cluster(painn_energy_kernel, blocks, params, stream);
+  return launch_cluster<painn_energy_kernel>(blocks, params, stream);
 }
 
 }  // namespace mirage::cuda

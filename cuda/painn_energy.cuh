@@ -1,4 +1,4 @@
-// mirage::painn_energy: a whole PaiNN energy and its gradient in the pair vectors in one launch,
+// mirage::painn_energy: a whole PaiNN energy and its gradient in the pair vectors in two launches,
 // for small systems (docs/ops.md). float32.
 #pragma once
 

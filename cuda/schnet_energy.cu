@@ -346,9 +346,9 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
   const cudaError_t error = launch_schnet_filters(params, stream);
   if (error != cudaSuccess) return error;
-  const int limit = atomwise::cluster_limit(schnet_energy_kernel);
+  const int limit = cluster_limit<schnet_energy_kernel>();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
-  return atomwise::launch_cluster(schnet_energy_kernel, blocks, params, stream);
+  return launch_cluster<schnet_energy_kernel>(blocks, params, stream);
 }
 
 }  // namespace mirage::cuda

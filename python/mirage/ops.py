@@ -555,7 +555,7 @@ def painn_energy(
     activations: Sequence[str],
     norm_eps: float = 1e-8,
 ) -> Tuple[Tensor, Tensor]:
-    """A whole PaiNN energy and its gradient in the pair vectors, in one op (one CUDA kernel).
+    """A whole PaiNN energy and its gradient in the pair vectors, in one op (two CUDA kernels).
 
     Computes, with ``d = |vectors|``, ``u = vectors / d``, the sinc basis ``sqrt(2 / cutoff)
     sin(n pi d / cutoff) / d`` (n = 1..num_rbf) and the cosine cutoff ``fcut = (cos(pi d /
@@ -572,8 +572,9 @@ def painn_energy(
 
     with ``phi``, ``mlp`` and ``readout`` each ``Linear, activation, Linear``, ``filter`` a Linear
     and ``U``, ``V`` Linears without bias. This is ``mirage.ff.PaiNN`` (and
-    ``examples/forcefield/models.py``'s PaiNN) end to end. On CUDA it is one launch: one
-    thread-block cluster (Hopper; one block before it) for the whole model, forward and backward;
+    ``examples/forcefield/models.py``'s PaiNN) end to end. On CUDA it is two launches: the
+    weights transposed for the backward over many blocks, then one thread-block cluster (Hopper;
+    one block before it) for the whole model, forward and backward;
     meant for molecules of up to a few hundred pairs (docs/perf/forcefield.md).
 
     Args:

@@ -279,7 +279,7 @@ def test_painn_energy_cuda_bad_indices_give_nan():
 # ---- the fused PaiNN takes it in eval mode ----------------------------------------------------
 
 @pytest.mark.cuda
-def test_fused_painn_eval_mode_runs_one_kernel_with_the_same_forces():
+def test_fused_painn_eval_mode_runs_one_op_with_the_same_forces():
     from forcefield.benzene import benzene
     from forcefield.models import PaiNN
 
@@ -293,6 +293,11 @@ def test_fused_painn_eval_mode_runs_one_kernel_with_the_same_forces():
     assert "mirage.painn_energy" in calls and "mirage.painn_energy" not in layered_ops
     torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * layered_forces.abs().max().item())
+
+    # int32 atomic numbers (nn.Embedding takes them, the op does not) keep the layers.
+    energy32, _, calls = energy_forces_and_ops(model, numbers.int(), positions, False)
+    assert "mirage.painn_energy" not in calls
+    torch.testing.assert_close(energy32, layered_energy, rtol=1e-5, atol=1e-5)
 
     # The limit is on the capacity: at it the kernel runs, one pair above it the layers do.
     for capacity, one_kernel in ((model.whole_model_max_pairs, True), (model.whole_model_max_pairs + 1, False)):

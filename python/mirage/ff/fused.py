@@ -514,7 +514,7 @@ class SchNet(_FusedModel):
         :attr:`fused_interactions`), with the same two limits. Training mode takes the
         layer-by-layer path, which has both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
-        if self._whole_model_kernel(positions):
+        if self._whole_model_kernel(atomic_numbers, positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                      self._kernel_weights(), self._kernel_activations())[0]
         rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
@@ -568,10 +568,11 @@ class SchNet(_FusedModel):
         first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
         return ops.cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
 
-    def _whole_model_kernel(self, positions: Tensor) -> bool:
+    def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
         """Whether this forward runs as one mirage::schnet_energy op (static: shapes, dtypes,
-        modes; never the data, so the choice is graph-safe)."""
-        return (self._eval_kernels(positions) and self._max_pairs is not None
+        modes; never the data, so the choice is graph-safe). The op takes int64 atomic numbers
+        only; nn.Embedding takes int32 too, so those keep the layers."""
+        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
                 and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
                 and len(self.interactions) <= 8)
 
@@ -721,7 +722,7 @@ class PaiNN(_FusedModel):
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
-        if self._whole_model_kernel(positions):
+        if self._whole_model_kernel(atomic_numbers, positions):
             return ops.painn_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                     self._kernel_weights(), self._kernel_activations(), self.norm_eps)[0]
         directions = vectors / distances.unsqueeze(-1)
@@ -763,10 +764,10 @@ class PaiNN(_FusedModel):
             s, v = ops.painn_update(s, v, uv, vv, a)
         return self._readout(s)
 
-    def _whole_model_kernel(self, positions: Tensor) -> bool:
+    def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
         """Whether this forward runs as one mirage::painn_energy op (static: shapes, dtypes,
-        modes; never the data, so the choice is graph-safe)."""
-        return (self._eval_kernels(positions) and self._max_pairs is not None
+        modes; never the data, so the choice is graph-safe). As SchNet's: int64 atomic numbers."""
+        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
                 and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
                 and len(self.messages) <= 8
                 and all(u.U.bias is None and u.V.bias is None for u in self.updates))

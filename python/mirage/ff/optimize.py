@@ -123,7 +123,7 @@ class FFOptimizeReport:
             lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions, U and V without "
                          f"bias), systems of up to {PaiNN.whole_model_max_pairs} pairs of neighbor capacity and "
                          f"{PaiNN.whole_model_max_atoms} atoms (PaiNN.whole_model_max_pairs, whole_model_max_atoms) "
-                         "run as one mirage::painn_energy op (one kernel) instead")
+                         "run as one mirage::painn_energy op (two kernels) instead")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
 
