@@ -13,6 +13,13 @@
 // block is read with __ldcg, past the non-coherent L1. The backward's products read the weights
 // transposed, by a kernel of many blocks before the cluster's.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
+//
+// Each block reads every weight for its one or few atoms, which bounds the kernel. Tried and not
+// kept: the four products with 3F on one side (128 x 384) over every atom's row, each block taking
+// its share of the outputs between two cluster barriers, so that a block reads a twelfth of their
+// weights on benzene. Correct (the CUDA tests passed), but the 18 extra barriers (each a
+// MEMBAR.GPU, the barrier and an L1 invalidation in SASS) cost more than the weights: the kernel
+// took 312 us against 176 (H200, 2026-11-24 17:20 UTC, benzene).
 #include "atom_products.cuh"
 #include "painn_energy.cuh"
 #include "radial_functions.cuh"

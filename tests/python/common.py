@@ -63,6 +63,37 @@ def assert_first_order_only(output, leaf, parameter_message):
         torch.autograd.grad(output, leaf, create_graph=True)
 
 
+def replace_item(index, value):
+    """A change for a list argument (the energy ops' weights): item `index` becomes value(item)."""
+    def change(items):
+        items = list(items)
+        items[index] = value(items[index])
+        return items
+    return change
+
+
+def _bad_pair(row, value):
+    def change(pairs):
+        pairs = pairs.clone()
+        pairs[row, 3 if row else 5] = value
+        return pairs
+    return change
+
+
+def assert_energy_op_cpu_index_errors(call):
+    """A whole-model energy op (schnet_energy, painn_energy) on the CPU names an out-of-range pair
+    index or atomic number; call(device, **changes) runs it on 7-atom inputs with argument changes."""
+    assert_error(lambda d: call(d, pairs=_bad_pair(1, 7)), "cpu", "pairs[1, 3] = 7 is out of range for N=7 rows")
+    assert_error(lambda d: call(d, atomic_numbers=lambda z: z + 10), "cpu", "is out of range for embedding's 10 rows")
+
+
+def assert_energy_op_cuda_index_nans(call):
+    """... and on CUDA gives NaN everywhere for the same errors (no host sync to raise)."""
+    for changes in (dict(pairs=_bad_pair(0, -1)), dict(atomic_numbers=lambda z: z + 10)):
+        energy, grad = call("cuda", **changes)
+        assert torch.isnan(energy) and torch.isnan(grad).all()
+
+
 def cast(value, dtype):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.detach().to(dtype)

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import mirage
 import mirage.ff
-from common import (DEVICES, FF_ACTIVATIONS, assert_error, assert_first_order_only, capture_graph,
-                    energy_forces_and_ops)
+from common import (DEVICES, FF_ACTIVATIONS, assert_energy_op_cpu_index_errors, assert_energy_op_cuda_index_nans,
+                    assert_error, assert_first_order_only, capture_graph, energy_forces_and_ops, replace_item)
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -222,24 +222,16 @@ def _call(device, **changes):
     return mirage.ops.painn_energy(**args)
 
 
-def _replace(index, value):
-    def change(weights):
-        weights = list(weights)
-        weights[index] = value(weights[index])
-        return weights
-    return change
-
-
 BAD = [
     (dict(weights=lambda w: w[:-1]), "weights must hold 12 tensors per interaction"),
     (dict(activations=lambda a: a[:-1]), "activations must name 5 activations"),
     (dict(activations=lambda a: ["swish"] + a[1:]), "activation \"swish\" in activations is not one of"),
-    (dict(weights=_replace(4, lambda w: w[:, :-1])), "weights[4] (interaction 0: filter.weight) must have shape"),
-    (dict(weights=_replace(19, lambda w: w[:-1])), "weights[19] (interaction 1: V.weight) must have shape"),
-    (dict(weights=_replace(20, lambda w: w[:, :-1])), "weights[20] (interaction 1: mlp.0.weight) must have shape"),
-    (dict(weights=_replace(24, lambda w: w.t())), "weights[24] (readout.0.weight) must have shape"),
-    (dict(weights=_replace(1, lambda w: w.to(torch.float16))), "weights[1] (interaction 0: phi.0.bias) must have "
-                                                              "embedding's dtype"),
+    (dict(weights=replace_item(4, lambda w: w[:, :-1])), "weights[4] (interaction 0: filter.weight) must have shape"),
+    (dict(weights=replace_item(19, lambda w: w[:-1])), "weights[19] (interaction 1: V.weight) must have shape"),
+    (dict(weights=replace_item(20, lambda w: w[:, :-1])), "weights[20] (interaction 1: mlp.0.weight) must have shape"),
+    (dict(weights=replace_item(24, lambda w: w.t())), "weights[24] (readout.0.weight) must have shape"),
+    (dict(weights=replace_item(1, lambda w: w.to(torch.float16))),
+     "weights[1] (interaction 0: phi.0.bias) must have embedding's dtype"),
     (dict(num_rbf=lambda r: r + 1), "weights[4] (interaction 0: filter.weight) must have shape [21, 4]"),
     (dict(norm_eps=lambda e: 0.0), "norm_eps must be finite and > 0"),
     (dict(cutoff=lambda c: -1.0), "cutoff must be finite and > 0"),
@@ -257,23 +249,12 @@ def test_painn_energy_bad_input(device, changes, message):
 
 
 def test_painn_energy_cpu_checks_indices():
-    def bad_pair(p):
-        p = p.clone()
-        p[1, 3] = 7
-        return p
-    assert_error(lambda d: _call(d, pairs=bad_pair), "cpu", "pairs[1, 3] = 7 is out of range for N=7 rows")
-    assert_error(lambda d: _call(d, atomic_numbers=lambda z: z + 10), "cpu", "is out of range for embedding's 10 rows")
+    assert_energy_op_cpu_index_errors(_call)
 
 
 @pytest.mark.cuda
 def test_painn_energy_cuda_bad_indices_give_nan():
-    def bad_pair(p):
-        p = p.clone()
-        p[0, 5] = -1
-        return p
-    for changes in (dict(pairs=bad_pair), dict(atomic_numbers=lambda z: z + 10)):
-        energy, grad = _call("cuda", **changes)
-        assert torch.isnan(energy) and torch.isnan(grad).all()
+    assert_energy_op_cuda_index_nans(_call)
 
 
 # ---- the fused PaiNN takes it in eval mode ----------------------------------------------------
