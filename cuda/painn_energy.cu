@@ -17,9 +17,10 @@
 // Each block reads every weight for its one or few atoms, which bounds the kernel. Tried and not
 // kept: the four products with 3F on one side (128 x 384) over every atom's row, each block taking
 // its share of the outputs between two cluster barriers, so that a block reads a twelfth of their
-// weights on benzene. Correct (the CUDA tests passed), but the 18 extra barriers (each a
-// MEMBAR.GPU, the barrier and an L1 invalidation in SASS) cost more than the weights: the kernel
-// took 312 us against 176 (H200, 2026-11-24 17:20 UTC, benzene).
+// weights on benzene. Correct (the CUDA tests passed), but the kernel took 312 us against 176
+// (H200, 2026-11-24 17:20 UTC, benzene): 18 more barriers a call (each a MEMBAR.GPU, the barrier
+// and an L1 invalidation in SASS) and products of few outputs over every row; which of the two
+// cost more was not measured.
 #include "atom_products.cuh"
 #include "painn_energy.cuh"
 #include "radial_functions.cuh"
