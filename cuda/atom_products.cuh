@@ -380,23 +380,45 @@ int cluster_limit() {
   return limit;
 }
 
-// Launches kKernel as one cluster of `blocks` blocks (a plain launch below sm_90).
+// Launches kKernel as one cluster of `blocks` blocks (a plain launch below sm_90). `overlap`: it
+// may start before the kernel ahead of it in the stream has finished (programmatic dependent
+// launch), and must wait for it (wait_for_prior_grid) before reading what that kernel writes.
 template <auto kKernel, class Params>
-cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream) {
+cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream, bool overlap = false) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(blocks);
   config.blockDim = dim3(kThreads);
   config.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = blocks;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
+  cudaLaunchAttribute attrs[2]{};
   if (cluster_limit<kKernel>() > 1) {
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    attrs[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[config.numAttrs].val.clusterDim.x = blocks;
+    attrs[config.numAttrs].val.clusterDim.y = 1;
+    attrs[config.numAttrs].val.clusterDim.z = 1;
+    ++config.numAttrs;
+    if (overlap) {
+      attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+      ++config.numAttrs;
+    }
   }
+  config.attrs = attrs;
   return cudaLaunchKernelEx(&config, kKernel, params);
+}
+
+// In a kernel launched with `overlap`: waits until the kernel ahead of it has finished and its
+// writes are visible (a no-op without the overlap, or below sm_90).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// In the kernel ahead: lets the overlapping kernel start now.
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 }
 
 }  // namespace mirage::cuda::atomwise
