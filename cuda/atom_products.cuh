@@ -23,6 +23,16 @@ __host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
 // Floats a rows x cols matrix takes in a workspace array of them, 16-byte aligned.
 __host__ __device__ inline int64_t padded_matrix(int64_t rows, int64_t cols) { return pad4(rows * cols); }
 
+// Hands out the consecutive float arrays of a kernel's workspace layout, each 16-byte aligned.
+struct FloatArena {
+  int64_t size = 0;
+  __host__ __device__ int64_t take(int64_t floats) {
+    const int64_t offset = size;
+    size += pad4(floats);
+    return offset;
+  }
+};
+
 __device__ __forceinline__ float bias_at(const float* bias, int o) { return bias ? bias[o] : 0.0f; }
 
 __device__ __forceinline__ void cluster_sync() {

@@ -85,46 +85,41 @@ __host__ __device__ inline Layout layout_of(const PainnEnergyParams& p) {
   l.K4 = pad4(K);
   l.Z4 = pad4(2 * F);
   l.Kr4 = pad4(Kr);
-  int64_t at = 0;
-  const auto take = [&at](int64_t floats) {
-    const int64_t offset = at;
-    at += pad4(floats);
-    return offset;
-  };
+  FloatArena arena;
   const int64_t per_block_pairs = P > kSharedPairs ? kMaxCluster * P : 0;
-  l.own_pairs = take(4 * per_block_pairs);
-  l.pair_geometry = take(12 * per_block_pairs);
-  l.basis = take(2 * P * l.R4);
-  l.filter = take(T * P * l.M4);
-  l.filter_slope = take(T * P * l.M4);
-  l.s = take(N * l.F4);
-  l.v = take(T * 3 * N * l.F4);
-  l.vm = take(3 * N * l.F4);
-  l.z = take(T * N * l.Z4);
-  l.pre1 = take(T * N * l.H4);
-  l.h1 = take(N * l.H4);
-  l.phi = take(T * N * l.M4);
-  l.uvv = take(T * 3 * N * l.Z4);
-  l.pre2 = take(T * N * l.K4);
-  l.h2 = take(N * l.K4);
-  l.a = take(T * N * l.M4);
-  l.readout = take(N * l.Kr4);
-  l.gs = take(N * l.F4);
-  l.gv = take(3 * N * l.F4);
-  l.ga = take(N * l.M4);
-  l.gz = take(N * l.Z4);
-  l.guvv = take(3 * N * l.Z4);
-  l.gphi = take(T * N * l.M4);
-  l.gvs = take(T * 3 * N * l.F4);
-  l.parts = take(kMaxCluster);
-  l.uv_cat = take(T * padded_matrix(2 * F, F));
-  l.readout1_t = take(F * Kr);
-  l.phi1_t = take(T * padded_matrix(F, H));
-  l.phi2_t = take(T * padded_matrix(H, 3 * F));
-  l.uv_t = take(T * padded_matrix(F, 2 * F));
-  l.mlp1_t = take(T * padded_matrix(2 * F, K));
-  l.mlp2_t = take(T * padded_matrix(K, 3 * F));
-  l.total = at;
+  l.own_pairs = arena.take(per_block_pairs * static_cast<int64_t>(sizeof(OwnPair) / sizeof(float)));
+  l.pair_geometry = arena.take(per_block_pairs * static_cast<int64_t>(sizeof(PairGeometry) / sizeof(float)));
+  l.basis = arena.take(2 * P * l.R4);
+  l.filter = arena.take(T * P * l.M4);
+  l.filter_slope = arena.take(T * P * l.M4);
+  l.s = arena.take(N * l.F4);
+  l.v = arena.take(T * 3 * N * l.F4);
+  l.vm = arena.take(3 * N * l.F4);
+  l.z = arena.take(T * N * l.Z4);
+  l.pre1 = arena.take(T * N * l.H4);
+  l.h1 = arena.take(N * l.H4);
+  l.phi = arena.take(T * N * l.M4);
+  l.uvv = arena.take(T * 3 * N * l.Z4);
+  l.pre2 = arena.take(T * N * l.K4);
+  l.h2 = arena.take(N * l.K4);
+  l.a = arena.take(T * N * l.M4);
+  l.readout = arena.take(N * l.Kr4);
+  l.gs = arena.take(N * l.F4);
+  l.gv = arena.take(3 * N * l.F4);
+  l.ga = arena.take(N * l.M4);
+  l.gz = arena.take(N * l.Z4);
+  l.guvv = arena.take(3 * N * l.Z4);
+  l.gphi = arena.take(T * N * l.M4);
+  l.gvs = arena.take(T * 3 * N * l.F4);
+  l.parts = arena.take(kMaxCluster);
+  l.uv_cat = arena.take(T * padded_matrix(2 * F, F));
+  l.readout1_t = arena.take(F * Kr);
+  l.phi1_t = arena.take(T * padded_matrix(F, H));
+  l.phi2_t = arena.take(T * padded_matrix(H, 3 * F));
+  l.uv_t = arena.take(T * padded_matrix(F, 2 * F));
+  l.mlp1_t = arena.take(T * padded_matrix(2 * F, K));
+  l.mlp2_t = arena.take(T * padded_matrix(K, 3 * F));
+  l.total = arena.size;
   return l;
 }
 
@@ -311,11 +306,11 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
     linear_product(na, atom_row, zt, Z4, Z, layer.mlp1_w, layer.mlp1_b, K, to_h2);
     linear_product(na, atom_row, h2, K4, K, layer.mlp2_w, layer.mlp2_b, M, to(a_out(t), M4));
     // v = v_m + a_vv U v; s = s_m + a_sv <U v, V v> + a_ss.
-    const float* at_ = a_out(t);
+    const float* gates = a_out(t);
     for (int e = tid; e < na * F; e += threads) {
       const int64_t a = a0 + e / F;
       const int f = e % F;
-      const float a_vv = at_[a * M4 + f], a_sv = at_[a * M4 + F + f], a_ss = at_[a * M4 + 2 * F + f];
+      const float a_vv = gates[a * M4 + f], a_sv = gates[a * M4 + F + f], a_ss = gates[a * M4 + 2 * F + f];
       float dot = 0.0f;
       for (int c = 0; c < 3; ++c) {
         const int64_t row = (3 * a + c) * F4 + f, uv_at = (3 * a + c) * Z4 + f;
@@ -334,13 +329,13 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
   add_to_gs.accumulate = add_to_gv.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
     const PainnInteraction& layer = p.interactions[t];
-    const float *at_ = a_out(t), *uvt = uvv(t), *zt = z(t);
+    const float *gates = a_out(t), *uvt = uvv(t), *zt = z(t);
     // The gated update's gradient: d a = (sum_xyz gv U v, gs <U v, V v>, gs); d (U v) and the
     // part of d (V v) that does not pass through |V v|.
     for (int e = tid; e < na * F; e += threads) {
       const int64_t a = a0 + e / F;
       const int f = e % F;
-      const float g = gs[a * F4 + f], a_vv = at_[a * M4 + f], a_sv = at_[a * M4 + F + f];
+      const float g = gs[a * F4 + f], a_vv = gates[a * M4 + f], a_sv = gates[a * M4 + F + f];
       float dot = 0.0f, grad_a_vv = 0.0f;
       for (int c = 0; c < 3; ++c) {
         const int64_t row = (3 * a + c) * F4 + f, uv_at = (3 * a + c) * Z4 + f;

@@ -14,12 +14,14 @@ namespace mirage::ops {
 namespace {
 
 // What the whole-model ops' wrappers share: the outputs, the common fields of their kernel
-// parameters, contiguous copies of the inputs (alive until the launch is queued; `fill` gets the
-// function that makes them, for the weights), the workspace and the launch.
+// parameters (the readout: the last four weights and the last activation), contiguous copies of
+// the inputs (alive until the launch is queued; `fill` gets the function that makes them, for the
+// interactions' weights, and the activations by name), the workspace and the launch.
 template <class Params, class Fill>
 std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms, const at::Tensor& atomic_numbers,
                                               const at::Tensor& embedding, const at::Tensor& pairs,
-                                              const at::Tensor& vectors, double cutoff, Fill fill,
+                                              const at::Tensor& vectors, double cutoff, at::TensorList weights,
+                                              std::string_view activations, Fill fill,
                                               size_t (*workspace_bytes)(const Params&),
                                               cudaError_t (*launch)(const Params&, cudaStream_t)) {
   const c10::cuda::CUDAGuard guard(embedding.device());
@@ -46,7 +48,14 @@ std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms
   p.num_pairs = pairs.size(1);
   p.num_embeddings = embedding.size(0);
   p.cutoff = static_cast<float>(cutoff);
-  fill(p, ptr);
+  const std::vector<std::string> names = split_activations(activations);
+  p.readout_activation = kernel_activation(names.back());
+  const int64_t r0 = static_cast<int64_t>(weights.size()) - kSchnetReadoutWeights;
+  p.readout1_w = ptr(weights[r0]);
+  p.readout1_b = ptr(weights[r0 + 1]);
+  p.readout2_w = ptr(weights[r0 + 2]);
+  p.readout2_b = ptr(weights[r0 + 3]);
+  fill(p, ptr, names);
   // From the caching allocator (graph-safe); the kernel initializes what it reads.
   const at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes(p))},
                                          embedding.options().dtype(at::kByte));
@@ -61,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
                                                       c10::string_view activations) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations);
-  const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr) {
+  const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
     p.num_rbf = static_cast<int>(s.rbf);
     p.filter_hidden = static_cast<int>(s.filter_hidden);
     p.message_width = static_cast<int>(s.message_width);
@@ -69,9 +78,7 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
     p.update_hidden = static_cast<int>(s.update_hidden);
     p.readout_hidden = static_cast<int>(s.readout_hidden);
     p.num_interactions = static_cast<int>(s.interactions);
-    const std::vector<std::string> names = split_activations(activations);
     p.filter_activation = kernel_activation(names.front());
-    p.readout_activation = kernel_activation(names.back());
     for (int64_t t = 0; t < s.interactions; ++t) {
       const int64_t b = t * kSchnetWeightsPerInteraction;
       cuda::SchnetInteraction& layer = p.interactions[t];
@@ -87,14 +94,9 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
       layer.f2out2_b = ptr(weights[b + 9]);
       layer.update_activation = kernel_activation(names[t + 1]);
     }
-    const int64_t r0 = s.interactions * kSchnetWeightsPerInteraction;
-    p.readout1_w = ptr(weights[r0]);
-    p.readout1_b = ptr(weights[r0 + 1]);
-    p.readout2_w = ptr(weights[r0 + 2]);
-    p.readout2_b = ptr(weights[r0 + 3]);
   };
-  return run_energy(kSchnetEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, fill,
-                    &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
+  return run_energy(kSchnetEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, weights, activations,
+                    fill, &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
 }
 
 std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
@@ -103,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_nu
                                                      c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
-  const auto fill = [&](cuda::PainnEnergyParams& p, const auto& ptr) {
+  const auto fill = [&](cuda::PainnEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
     p.num_rbf = static_cast<int>(s.rbf);
     p.features = static_cast<int>(s.features);
     p.phi_hidden = static_cast<int>(s.phi_hidden);
@@ -111,8 +113,6 @@ std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_nu
     p.readout_hidden = static_cast<int>(s.readout_hidden);
     p.num_interactions = static_cast<int>(s.interactions);
     p.norm_eps = static_cast<float>(norm_eps);
-    const std::vector<std::string> names = split_activations(activations);
-    p.readout_activation = kernel_activation(names.back());
     for (int64_t t = 0; t < s.interactions; ++t) {
       const int64_t b = t * kPainnWeightsPerInteraction;
       cuda::PainnInteraction& layer = p.interactions[t];
@@ -131,14 +131,9 @@ std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_nu
       layer.phi_activation = kernel_activation(names[t]);
       layer.update_activation = kernel_activation(names[s.interactions + t]);
     }
-    const int64_t r0 = s.interactions * kPainnWeightsPerInteraction;
-    p.readout1_w = ptr(weights[r0]);
-    p.readout1_b = ptr(weights[r0 + 1]);
-    p.readout2_w = ptr(weights[r0 + 2]);
-    p.readout2_b = ptr(weights[r0 + 3]);
   };
-  return run_energy(kPainnEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, fill,
-                    &cuda::painn_energy_workspace_bytes, &cuda::launch_painn_energy);
+  return run_energy(kPainnEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, weights, activations,
+                    fill, &cuda::painn_energy_workspace_bytes, &cuda::launch_painn_energy);
 }
 
 // t as a contiguous tensor whose data is 16-byte aligned (the kernels move rows as float4): a

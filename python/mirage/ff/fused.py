@@ -284,6 +284,22 @@ class _FusedModel(nn.Module):
         return (not self.training and positions.is_cuda and positions.dtype == torch.float32
                 and self.embedding.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"))
 
+    def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
+        """Whether this forward runs as the model's one whole-model op (mirage::schnet_energy,
+        mirage::painn_energy): eval-mode kernels allowed, a capacity and an atom count within the
+        model's whole_model_max_pairs and whole_model_max_atoms, a structure the op takes
+        (:meth:`_whole_model_structure`). Static, never the data, so the choice is graph-safe. The
+        ops take int64 atomic numbers only; nn.Embedding takes int32 too, so those keep the layers."""
+        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
+                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
+                and self._whole_model_structure())
+
+    def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
+        """Each Linear's weight and bias, the parameters themselves (shared, never copied), an
+        empty tensor for an absent bias: the whole-model ops' ``weights``."""
+        none = self.embedding.weight.new_empty(0)
+        return [t for linear in linears for t in (linear.weight, none if linear.bias is None else linear.bias)]
+
     def extra_repr(self) -> str:
         return f"cutoff={self.cutoff}, max_pairs={self._max_pairs}"
 
@@ -568,22 +584,14 @@ class SchNet(_FusedModel):
         first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
         return ops.cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
 
-    def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
-        """Whether this forward runs as one mirage::schnet_energy op (static: shapes, dtypes,
-        modes; never the data, so the choice is graph-safe). The op takes int64 atomic numbers
-        only; nn.Embedding takes int32 too, so those keep the layers."""
-        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
-                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
-                and len(self.interactions) <= 8)
+    def _whole_model_structure(self) -> bool:
+        return len(self.interactions) <= 8
 
     def _kernel_weights(self) -> List[Tensor]:
-        """mirage::schnet_energy's ``weights``: the parameters themselves (shared, never copied),
-        an empty tensor for each absent bias."""
-        none = self.embedding.weight.new_empty(0)
+        """mirage::schnet_energy's ``weights``."""
         linears = [linear for block in self.interactions
                    for linear in (block.filter[0], block.filter[2], block.in2f, block.f2out[0], block.f2out[2])]
-        linears += [self.readout[0], self.readout[2]]
-        return [t for linear in linears for t in (linear.weight, none if linear.bias is None else linear.bias)]
+        return self._with_biases(linears + [self.readout[0], self.readout[2]])
 
     def _kernel_activations(self) -> List[str]:
         return [self.filter_activation, *self.update_activations, self.readout_activation]
@@ -764,28 +772,17 @@ class PaiNN(_FusedModel):
             s, v = ops.painn_update(s, v, uv, vv, a)
         return self._readout(s)
 
-    def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
-        """Whether this forward runs as one mirage::painn_energy op (static: shapes, dtypes,
-        modes; never the data, so the choice is graph-safe). As SchNet's: int64 atomic numbers."""
-        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
-                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
-                and len(self.messages) <= 8
-                and all(u.U.bias is None and u.V.bias is None for u in self.updates))
+    def _whole_model_structure(self) -> bool:
+        return len(self.messages) <= 8 and all(u.U.bias is None and u.V.bias is None for u in self.updates)
 
     def _kernel_weights(self) -> List[Tensor]:
-        """mirage::painn_energy's ``weights``: the parameters themselves (shared, never copied),
-        an empty tensor for each absent bias."""
-        none = self.embedding.weight.new_empty(0)
+        """mirage::painn_energy's ``weights`` (U and V without a bias slot)."""
         tensors: List[Tensor] = []
         for message, update in zip(self.messages, self.updates):
-            for linear in (message.phi[0], message.phi[2], message.filter):
-                tensors += [linear.weight, none if linear.bias is None else linear.bias]
+            tensors += self._with_biases((message.phi[0], message.phi[2], message.filter))
             tensors += [update.U.weight, update.V.weight]
-            for linear in (update.mlp[0], update.mlp[2]):
-                tensors += [linear.weight, none if linear.bias is None else linear.bias]
-        for linear in (self.readout[0], self.readout[2]):
-            tensors += [linear.weight, none if linear.bias is None else linear.bias]
-        return tensors
+            tensors += self._with_biases((update.mlp[0], update.mlp[2]))
+        return tensors + self._with_biases((self.readout[0], self.readout[2]))
 
     def _kernel_activations(self) -> List[str]:
         return [*self.phi_activations, *self.update_activations, self.readout_activation]
