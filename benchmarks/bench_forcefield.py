@@ -21,8 +21,8 @@ graphed peers also "device": the same calls queued behind a GPU sleep, so only G
 Force error: each peer's forces at the unjittered positions against the same model in float64
 (max abs and RMS over all components, eV/A). MD: steps/s of mirage.ff.md.VelocityVerlet (K
 steps per graph replay) and of ASE's VelocityVerlet driving mirage.ff.Calculator (Python
-included), counted over wall time, and ns/day at a 0.5 fs time step; SchNet on benzene runs
-its MD with the trained student's weights, so the molecule stays bound (see md_weights).
+included), counted over wall time, and ns/day at a 0.5 fs time step; on benzene both models run
+their MD with the trained students' weights, so the molecule stays bound (see md_weights).
 
     python benchmarks/bench_forcefield.py [--models schnet,painn] [--systems benzene,box3k,box100k]
         [--peers eager,compile,eager+graph,mirage] [--no-md] [--json out.json] [--quick]
@@ -55,7 +55,8 @@ from harness import capture_graph, device_facts, print_table, write_json
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 from forcefield.benzene import benzene  # noqa: E402
-from forcefield.models import PaiNN, SchNet, cosine_cutoff, radius_graph  # noqa: E402
+from forcefield.models import PaiNN, SchNet, radius_graph  # noqa: E402
+from forcefield.pair_energy import atom_energies  # noqa: E402
 
 PEERS = ("eager", "compile", "eager+graph", "mirage")
 # mirage runs before the hand-made graph: a failed capture there must not take mirage's row with it.
@@ -217,27 +218,10 @@ def reference_pairs(system):
 # ------------------------------------------------------------------------- the static-pair peer
 def static_pair_energy(model, atomic_numbers, positions, i, j, shift):
     """The reference model's energy with a given pair list (i, j, image shift [P, 3]): the body
-    of SchNet.forward / PaiNN.forward after radius_graph, on the same modules, written out here
-    because the reference builds its pairs with nonzero, which a CUDA graph cannot capture."""
-    if not isinstance(model, (SchNet, PaiNN)):
-        raise TypeError(f"static_pair_energy: no static-pair forward for {type(model).__name__}")
-    vec = positions[j] + shift - positions[i]
-    d = vec.norm(dim=-1)
-    fcut = cosine_cutoff(d, model.cutoff)
-    if isinstance(model, SchNet):
-        rbf = torch.exp(-((d[:, None] - model.centers) ** 2) / (2 * model.width**2))
-        x = model.embedding(atomic_numbers)
-        for interaction in model.interactions:
-            x = x + interaction(x, rbf, fcut, i, j)
-        return model.readout(x).sum()
-    direction = vec / d[:, None]
-    rbf = math.sqrt(2.0 / model.cutoff) * torch.sin(d[:, None] * model.frequencies) / d[:, None]
-    s = model.embedding(atomic_numbers)
-    v = torch.zeros(s.shape[0], 3, s.shape[1], dtype=s.dtype, device=s.device)
-    for message, update in zip(model.messages, model.updates):
-        s, v = message(s, v, rbf, fcut, direction, i, j)
-        s, v = update(s, v)
-    return model.readout(s).sum()
+    of SchNet.forward / PaiNN.forward after radius_graph, on the same modules
+    (examples/forcefield/pair_energy.py), because the reference builds its pairs with nonzero,
+    which a CUDA graph cannot capture."""
+    return atom_energies(model, atomic_numbers, i, j, positions[j] + shift - positions[i]).sum()
 
 
 def energy_and_forces(energy_fn, positions):
@@ -577,21 +561,21 @@ def steps_per_second(run, multiple: int, device, target_s: float) -> tuple[float
 
 
 def md_weights(model_name, model, system):
-    """(the model MD runs, what its weights are). SchNet on benzene at the trained student's size
-    takes the student's weights (examples/forcefield/benzene_schnet.pt): the molecule stays
-    bound, so every step sees all of its pairs, as a real run does. Other models keep their random
-    weights, under which a molecule may fly apart: fewer pairs within the cutoff, less work per
-    step than a real run (the table's "pairs end" says how many were left)."""
-    if model_name != "schnet" or system["name"] != "benzene":
+    """(the model MD runs, what its weights are). SchNet and PaiNN on benzene at the trained
+    students' size take the students' weights (examples/forcefield/benzene_<model>.pt): the
+    molecule stays bound, so every step sees all of its pairs, as a real run does. Other systems
+    keep their random weights, under which a molecule may fly apart: fewer pairs within the
+    cutoff, less work per step than a real run (the table's "pairs end" says how many were left)."""
+    if system["name"] != "benzene":
         return model, "random"
     try:
-        from forcefield.train_student import load_student
+        from forcefield.train_student import STUDENT_PATHS, load_student
 
-        student, _ = load_student()
+        student, _ = load_student(STUDENT_PATHS[model_name])
     except Exception as error:  # the MD still runs, and says why its weights are random
         return model, f"random (student: {first_line(error)})"
     mine, theirs = model.state_dict(), student.state_dict()
-    if student.cutoff != model.cutoff or mine.keys() != theirs.keys() or any(
+    if type(student) is not type(model) or student.cutoff != model.cutoff or mine.keys() != theirs.keys() or any(
             mine[k].shape != theirs[k].shape for k in mine):
         return model, "random (the student has another size)"
     trained = copy.deepcopy(model)

@@ -1,7 +1,7 @@
 """NVE validation of benzene molecular dynamics with mirage's force-field stack (issue 4).
 
-The model is the reference SchNet of examples/forcefield/models.py trained to an analytic benzene
-force field (examples/forcefield/teacher.py, train_student.py), so the dynamics is that of a real,
+The model is a reference SchNet or PaiNN of examples/forcefield/models.py (--model) trained to an
+analytic benzene force field (examples/forcefield/teacher.py, train_student.py), so the dynamics is that of a real,
 bound molecule. It is wrapped with mirage.ff.optimize and mirage.ff.Calculator (CUDA when there is
 a GPU) and integrated in the microcanonical ensemble (velocity Verlet, no thermostat) from a
 Maxwell-Boltzmann start at 300 K. A conservative force field integrated correctly keeps the total
@@ -27,8 +27,9 @@ finite.
 Backends: "ase" (ASE's VelocityVerlet driving mirage.ff.Calculator: the issue's case) and
 "mirage-md" (mirage.ff.md.VelocityVerlet: the GPU-resident integrator, K steps per graph replay).
 
-    python scripts/validate_nve.py [--time-ps 100] [--out nve_validation] [--backend ase|mirage-md]
-                                   [--no-optimize] [--device cuda|cpu] [--precision fp32|tf32|bf16-mixed]
+    python scripts/validate_nve.py [--model schnet|painn] [--time-ps 100] [--out nve_validation]
+                                   [--backend ase|mirage-md] [--no-optimize] [--device cuda|cpu]
+                                   [--precision fp32|tf32|bf16-mixed]
 
 Writes nve_summary.json, nve_series.csv and nve_energy.png (needs matplotlib) to --out; exits 1
 when the drift criterion fails or the run breaks down, 0 when it passes.
@@ -114,14 +115,17 @@ def temperature_K(kinetic_eV, dof):
 
 
 # ---------------------------------------------------------------------------------------- setup
-def load_model(weights, train_steps):
-    """The trained student SchNet and its metadata; trains it first if ``weights`` is missing."""
+def load_model(model_name, weights, train_steps):
+    """The trained student and its metadata; trains it first if ``weights`` is missing."""
     weights = Path(weights)
     if not weights.exists():
-        message(f"{weights} not found: training the student SchNet on the analytic benzene teacher first "
-                f"({train_steps} steps; three to six minutes on a CPU for the default)")
-        train_student.train(weights, steps=train_steps, log=message)
+        message(f"{weights} not found: training the student {model_name} on the analytic benzene teacher first "
+                f"({train_steps} steps; minutes on a CPU)")
+        train_student.train(weights, model=model_name, steps=train_steps, log=message)
     model, metadata = train_student.load_student(weights)
+    if type(model) is not train_student.MODELS[model_name]:
+        raise SystemExit(f"validate_nve: --weights {weights} holds a {type(model).__name__}, not the --model "
+                         f"{model_name}")
     held_out = metadata.get("held_out", {})
     if "force_rmse_eV_per_A" in held_out:
         message(f"student {weights.name}: held-out force RMSE {held_out['force_rmse_eV_per_A']:.4f} eV/Å "
@@ -318,7 +322,11 @@ def parse_args(argv):
                              "nothing from more, and loses much on a busy machine)")
     parser.add_argument("--no-optimize", action="store_true", help="use the plain model (no mirage.ff.optimize)")
     parser.add_argument("--no-cuda-graph", action="store_true", help="evaluate eagerly on CUDA")
-    parser.add_argument("--weights", type=Path, default=train_student.DEFAULT_PATH)
+    parser.add_argument("--model", choices=sorted(train_student.MODELS), default="schnet",
+                        help="the student to run (default schnet)")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="the student's file (default: the model's committed student, "
+                             "examples/forcefield/benzene_<model>.pt)")
     parser.add_argument("--train-steps", type=int, default=train_student.DEFAULT_STEPS,
                         help="training steps if --weights is missing")
     parser.add_argument("--max-drift", type=float, default=1e-3,
@@ -334,6 +342,8 @@ def parse_args(argv):
     for name in ("record_every", "steps_per_replay", "train_steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.weights is None:
+        args.weights = train_student.STUDENT_PATHS[args.model]
     return args
 
 
@@ -353,7 +363,7 @@ def main(argv=None):
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
 
-    model, metadata = load_model(args.weights, args.train_steps)
+    model, metadata = load_model(args.model, args.weights, args.train_steps)
     fused, optimized, report = wrap_model(model, device, not args.no_optimize)
     # A CUDA graph needs the fused model: the reference model's radius graph (nonzero) syncs.
     cuda_graph = device.type == "cuda" and optimized and not args.no_cuda_graph
@@ -362,8 +372,8 @@ def main(argv=None):
     recorder = Recorder(steps, args.timestep_fs, dof, teacher.bonds.numpy(), teacher.r0.numpy(),
                         args.progress_seconds)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    message(f"{args.time_ps:g} ps NVE of benzene at {args.timestep_fs:g} fs ({steps} steps) from "
-            f"{args.temperature:g} K, backend {args.backend}, {device_name}, precision {args.precision}, "
+    message(f"{args.time_ps:g} ps NVE of benzene ({type(model).__name__} student) at {args.timestep_fs:g} fs "
+            f"({steps} steps) from {args.temperature:g} K, backend {args.backend}, {device_name}, precision {args.precision}, "
             f"{'mirage.ff.optimize' if optimized else 'plain model'}, cuda_graph={cuda_graph}")
 
     run = run_ase if args.backend == "ase" else run_mirage_md
@@ -394,7 +404,7 @@ def main(argv=None):
         "optimized": optimized,
         "optimize_report": report,
         "cuda_graph": cuda_graph,
-        "model": {"weights": str(args.weights), "metadata": metadata},
+        "model": {"name": type(model).__name__, "weights": str(args.weights), "metadata": metadata},
         "md": {"timestep_fs": args.timestep_fs, "steps": steps, "steps_done": steps_done,
                "time_ps": args.time_ps, "initial_temperature_K": args.temperature, "seed": args.seed,
                "record_every": args.record_every, "degrees_of_freedom": dof,
@@ -414,8 +424,8 @@ def main(argv=None):
     }
     write_csv(args.out / "nve_series.csv", series, dof)
     if len(series) >= 3 and stats is not None:
-        title = (f"benzene NVE, {args.time_ps:g} ps at {args.timestep_fs:g} fs, {args.backend}, {device_name}, "
-                 f"{'mirage.ff.optimize' if optimized else 'plain model'}")
+        title = (f"benzene NVE ({type(model).__name__}), {args.time_ps:g} ps at {args.timestep_fs:g} fs, "
+                 f"{args.backend}, {device_name}, {'mirage.ff.optimize' if optimized else 'plain model'}")
         if plot(args.out / "nve_energy.png", series, stats, dof, title):
             summary["files"]["plot"] = "nve_energy.png"
     with open(args.out / "nve_summary.json", "w") as f:

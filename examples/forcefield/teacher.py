@@ -1,4 +1,4 @@
-"""An analytic force field for benzene: the "teacher" the NVE validation's student SchNet learns.
+"""An analytic force field for benzene: the "teacher" the NVE validation's students (SchNet, PaiNN) learn.
 
 The reference models of models.py have random weights; molecular dynamics on a random energy
 surface says nothing (the molecule flies apart, and free particles conserve energy trivially).

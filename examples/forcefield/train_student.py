@@ -1,5 +1,5 @@
-"""Fit the reference SchNet (models.py) to the analytic benzene teacher (teacher.py): the "student"
-whose molecular dynamics scripts/validate_nve.py checks for energy conservation.
+"""Fit a reference model (SchNet or PaiNN, models.py) to the analytic benzene teacher (teacher.py):
+the "student" whose molecular dynamics scripts/validate_nve.py checks for energy conservation.
 
 Data: configurations drawn from the teacher's harmonic Boltzmann distribution (independent
 normal-mode displacements of variance kT/omega^2 around the equilibrium) at temperatures uniform in
@@ -8,12 +8,14 @@ and potential energy have equilibrated, with excursions). Labels: the teacher's 
 Loss: mean squared error of energies over the energies' variance plus that of forces over their
 mean square (the force term differentiates the predicted forces with respect to the weights:
 double backward). Adam with a cosine learning-rate decay, 4000 steps of 16 configurations,
-float32, one CPU thread: 3 to 6 minutes on a busy two-core machine (the weights are committed, so
-this runs only to reproduce them). Half the steps leave a force error of ~18% instead of ~10%.
+float32, one CPU thread. The weights of both students are committed (benzene_schnet.pt,
+benzene_painn.pt), so this runs only to reproduce them; each file's metadata says how long its
+training took and its force error. For SchNet, half the steps leave a force error of ~18% instead
+of ~10%.
 
 The result is written with the force error on held-out configurations in its metadata:
 
-    python examples/forcefield/train_student.py [--out examples/forcefield/benzene_schnet.pt]
+    python examples/forcefield/train_student.py [--model schnet|painn] [--out PATH]
 
 Load it with :func:`load_student`.
 """
@@ -31,10 +33,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `forcefield` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from forcefield.models import SchNet, cosine_cutoff  # noqa: E402
+from forcefield.models import PaiNN, SchNet  # noqa: E402
+from forcefield.pair_energy import atom_energies  # noqa: E402
 from forcefield.teacher import BenzeneTeacher, energy_and_forces, normal_modes  # noqa: E402
 
-DEFAULT_PATH = Path(__file__).resolve().parent / "benzene_schnet.pt"
+MODELS = {"schnet": SchNet, "painn": PaiNN}
+# Where each model's committed student lives.
+STUDENT_PATHS = {name: Path(__file__).resolve().parent / f"benzene_{name}.pt" for name in MODELS}
 FORMAT = "mirage-benzene-student-v1"
 BOLTZMANN_EV_PER_K = 8.617333262e-5
 MASSES = {1: 1.008, 6: 12.011}  # amu (ASE's values)
@@ -64,23 +69,18 @@ def all_pairs(n, device=None):
 
 
 def batched_energy(model, atomic_numbers, positions):
-    """SchNet.forward of models.py for a batch of conformations of one molecule: positions [B, N, 3]
-    -> energies [B]. The model's own forward takes one molecule; this evaluates the same modules
-    on all ordered pairs of each conformation at once. Pairs at or beyond the cutoff contribute
-    exactly nothing (cosine_cutoff is 0 there), so the result equals model(atomic_numbers, pos[b])
-    up to rounding (checked by :func:`check_batched_energy`)."""
+    """The model's energies for a batch of conformations of one molecule: positions [B, N, 3] ->
+    [B]. The model's own forward takes one molecule; this evaluates the same modules once on the
+    batch as one graph of B disjoint molecules with every ordered pair of each (pair_energy.py).
+    Pairs at or beyond the cutoff contribute exactly nothing, so the result equals
+    model(atomic_numbers, pos[b]) up to rounding (checked by :func:`check_batched_energy`)."""
     b, n, _ = positions.shape
     i, j = all_pairs(n, positions.device)
-    d = (positions[:, j] - positions[:, i]).norm(dim=-1)  # [B, P]
-    rbf = torch.exp(-((d[..., None] - model.centers) ** 2) / (2 * model.width**2))
-    fcut = cosine_cutoff(d, model.cutoff)
-    x = model.embedding(atomic_numbers).expand(b, n, -1)
-    for interaction in model.interactions:
-        w = interaction.filter(rbf) * fcut[..., None]
-        h = interaction.in2f(x)
-        agg = torch.zeros_like(h).index_add_(1, i, h[:, j] * w)
-        x = x + interaction.f2out(agg)
-    return model.readout(x).sum(dim=(-2, -1))
+    offsets = n * torch.arange(b, device=positions.device)[:, None]
+    i, j = (i + offsets).reshape(-1), (j + offsets).reshape(-1)
+    flat = positions.reshape(b * n, 3)
+    energies = atom_energies(model, atomic_numbers.repeat(b), i, j, flat[j] - flat[i])
+    return energies.view(b, n).sum(dim=1)
 
 
 def check_batched_energy(model, atomic_numbers, positions, rtol=1e-5, atol=1e-5):
@@ -89,7 +89,7 @@ def check_batched_energy(model, atomic_numbers, positions, rtol=1e-5, atol=1e-5)
         batched = batched_energy(model, atomic_numbers, positions)
         single = torch.stack([model(atomic_numbers, p) for p in positions])
     if not torch.allclose(batched, single, rtol=rtol, atol=atol):
-        raise RuntimeError("train_student: batched_energy does not reproduce SchNet.forward "
+        raise RuntimeError(f"train_student: batched_energy does not reproduce {type(model).__name__}.forward "
                            f"(max difference {float((batched - single).abs().max()):.3g} eV)")
 
 
@@ -120,19 +120,20 @@ def force_errors(model, atomic_numbers, positions, energies, forces, batch=100):
     }
 
 
-def train(out=DEFAULT_PATH, *, hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, steps=DEFAULT_STEPS,
+def train(out, *, model="schnet", hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, steps=DEFAULT_STEPS,
           batch=16, n_train=2000, n_test=300, lr=2e-3, seed=0, log=print):
     """Train the student and save it to ``out`` (None: do not save). Returns (model, metadata)."""
     threads = torch.get_num_threads()
     # Small tensors: one thread is faster, by 10x on a busy two-core machine (thread contention).
     torch.set_num_threads(1)
     try:
-        return _train(out, hidden, num_interactions, num_rbf, cutoff, steps, batch, n_train, n_test, lr, seed, log)
+        return _train(out, MODELS[model], hidden, num_interactions, num_rbf, cutoff, steps, batch, n_train, n_test,
+                      lr, seed, log)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(out, hidden, num_interactions, num_rbf, cutoff, steps, batch, n_train, n_test, lr, seed, log):
+def _train(out, model_class, hidden, num_interactions, num_rbf, cutoff, steps, batch, n_train, n_test, lr, seed, log):
     started = time.monotonic()
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -144,14 +145,14 @@ def _train(out, hidden, num_interactions, num_rbf, cutoff, steps, batch, n_train
     train_e, train_f = energies[:n_train].float(), forces[:n_train].float()
     e_scale, f_scale = float(train_e.std()), float(train_f.pow(2).mean().sqrt())
 
-    model = SchNet(hidden=hidden, num_interactions=num_interactions, num_rbf=num_rbf, cutoff=cutoff)
+    model = model_class(hidden=hidden, num_interactions=num_interactions, num_rbf=num_rbf, cutoff=cutoff)
     check_batched_energy(model, z, train_pos[:4])
     with torch.no_grad():  # start from the teacher's mean energy: the readout bias is per atom
         model.readout[-1].bias += float(train_e.mean() - batched_energy(model, z, train_pos[:256]).mean()) / len(z)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    log(f"train_student: SchNet(hidden={hidden}, interactions={num_interactions}, rbf={num_rbf}, "
+    log(f"train_student: {model_class.__name__}(hidden={hidden}, interactions={num_interactions}, rbf={num_rbf}, "
         f"cutoff={cutoff}) on {n_train} teacher configurations ({T_MIN:.0f}-{T_MAX:.0f} K), {steps} steps of {batch}")
     last_log = time.monotonic()
     for step in range(steps):
@@ -182,34 +183,40 @@ def _train(out, hidden, num_interactions, num_rbf, cutoff, steps, batch, n_train
         f"force MAE {errors['force_mae_eV_per_A']:.4f} eV/Å, energy MAE {errors['energy_mae_eV']:.4f} eV")
     if out is not None:
         config = {"hidden": hidden, "num_interactions": num_interactions, "num_rbf": num_rbf, "cutoff": cutoff}
-        torch.save({"format": FORMAT, "model": "SchNet", "config": config,
+        torch.save({"format": FORMAT, "model": model_class.__name__, "config": config,
                     "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
                     "metadata": metadata}, out)
         log(f"train_student: wrote {out} ({Path(out).stat().st_size / 1e6:.2f} MB)")
     return model, metadata
 
 
-def load_student(path=DEFAULT_PATH):
-    """The trained student: (SchNet in eval mode, float32, CPU; the file's metadata)."""
+def load_student(path):
+    """A trained student: (its model, SchNet or PaiNN as the file says, in eval mode, float32, CPU;
+    the file's metadata)."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise ValueError(f"load_student: {path} is not a student file of format {FORMAT!r}")
-    model = SchNet(**saved["config"])
+    classes = {cls.__name__: cls for cls in MODELS.values()}
+    if saved.get("model") not in classes:
+        raise ValueError(f"load_student: {path} holds a {saved.get('model')!r}, not one of {sorted(classes)}")
+    model = classes[saved["model"]](**saved["config"])
     model.load_state_dict(saved["state_dict"])
     return model.eval(), saved["metadata"]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    parser.add_argument("--model", choices=sorted(MODELS), default="schnet")
+    parser.add_argument("--out", type=Path, default=None, help="default: the model's committed student file")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--interactions", type=int, default=3)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    train(args.out, hidden=args.hidden, num_interactions=args.interactions, steps=args.steps,
-          batch=args.batch, seed=args.seed)
+    train(args.out or STUDENT_PATHS[args.model], model=args.model, hidden=args.hidden,
+          num_interactions=args.interactions, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ def test_static_pair_energy_is_the_reference_model(cls, name, pairs_from):
 
 
 def test_static_pair_energy_refuses_an_unknown_model():
-    with pytest.raises(TypeError, match="static_pair_energy: no static-pair forward for Linear"):
-        bench.static_pair_energy(torch.nn.Linear(3, 1), None, torch.zeros(2, 3), None, None, None)
+    with pytest.raises(TypeError, match="atom_energies: no pair-list forward for Linear"):
+        pair = torch.tensor([1])
+        bench.static_pair_energy(torch.nn.Linear(3, 1), None, torch.zeros(2, 3), pair, pair - 1, torch.zeros(1, 3))
 
 
 def test_water_box_is_liquid_like():
@@ -103,19 +104,22 @@ def test_the_reference_radius_graph_is_refused_where_it_cannot_fit():
             bench.build_peer(peer, model, system, [], "schnet on box100k")
 
 
-def test_md_weights_take_the_trained_student_for_schnet_on_benzene():
-    from forcefield.train_student import load_student
+@pytest.mark.parametrize("name", ["schnet", "painn"])
+def test_md_weights_take_the_trained_student_on_benzene(name):
+    from forcefield.train_student import STUDENT_PATHS, load_student
 
     benzene = bench.make_system("benzene", False, torch.device("cpu"))
-    model = SchNet(**bench.MODEL_CONFIG).eval()
-    trained, label = bench.md_weights("schnet", model, benzene)
+    cls = bench.MODELS[name]
+    model = cls(**bench.MODEL_CONFIG).eval()
+    trained, label = bench.md_weights(name, model, benzene)
     assert label == "trained student" and trained is not model
-    student, _ = load_student()
-    for name, value in student.state_dict().items():
-        assert torch.equal(trained.state_dict()[name], value), name
-    small = SchNet(**bench.QUICK_MODEL_CONFIG).eval()
-    assert bench.md_weights("schnet", small, benzene) == (small, "random (the student has another size)")
-    assert bench.md_weights("painn", model, benzene) == (model, "random")
+    student, _ = load_student(STUDENT_PATHS[name])
+    for key, value in student.state_dict().items():
+        assert torch.equal(trained.state_dict()[key], value), key
+    small = cls(**bench.QUICK_MODEL_CONFIG).eval()
+    assert bench.md_weights(name, small, benzene) == (small, "random (the student has another size)")
+    box = bench.make_system("box3k", True, torch.device("cpu"))
+    assert bench.md_weights(name, model, box) == (model, "random")
 
 
 def test_command_line_errors():

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 from forcefield import train_student  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
-from forcefield.models import SchNet  # noqa: E402
+from forcefield.models import PaiNN, SchNet  # noqa: E402
 from forcefield.teacher import BenzeneTeacher, energy_and_forces, harmonic_wavenumbers, hessian  # noqa: E402
 
 pytest.importorskip("ase")
@@ -30,7 +30,17 @@ def load_script():
 
 
 validate_nve = load_script()
-STUDENT = train_student.DEFAULT_PATH
+STUDENTS = train_student.STUDENT_PATHS
+STUDENT = STUDENTS["schnet"]
+MODEL_NAMES = sorted(STUDENTS)
+
+
+def needs_student(name):
+    return pytest.mark.skipif(not STUDENTS[name].exists(), reason=f"{STUDENTS[name].name} not trained")
+
+
+# Each of the two students, skipped where its file is missing.
+EACH_STUDENT = pytest.mark.parametrize("name", [pytest.param(n, marks=needs_student(n)) for n in MODEL_NAMES])
 KT_300 = train_student.BOLTZMANN_EV_PER_K * 300.0
 
 
@@ -146,8 +156,9 @@ def test_samples_follow_equipartition(teacher):
     assert 1.0 < float(energy.mean()) / (15 * KT_300) < 1.07
 
 
-def test_batched_energy_matches_the_model_forward(teacher):
-    model = SchNet(hidden=16, num_interactions=2).double()
+@pytest.mark.parametrize("cls", [SchNet, PaiNN])
+def test_batched_energy_matches_the_model_forward(teacher, cls):
+    model = cls(hidden=16, num_interactions=2).double()
     pos = torch.stack([distorted(teacher, 0.08) for _ in range(3)])
     # stretch one conformation so that the para H-H pair (4.96 Å) crosses the 5 Å cutoff
     pos[1, 6] = 1.03 * teacher.equilibrium[6]
@@ -159,11 +170,13 @@ def test_batched_energy_matches_the_model_forward(teacher):
     train_student.check_batched_energy(model, teacher.atomic_numbers, pos)
 
 
-def test_train_writes_a_loadable_student(tmp_path):
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_train_writes_a_loadable_student(tmp_path, name):
     out = tmp_path / "student.pt"
-    model, metadata = train_student.train(out, hidden=16, num_interactions=1, steps=3, batch=4, n_train=32,
-                                          n_test=8, log=lambda _: None)
+    model, metadata = train_student.train(out, model=name, hidden=16, num_interactions=1, steps=3, batch=4,
+                                          n_train=32, n_test=8, log=lambda _: None)
     loaded, saved = train_student.load_student(out)
+    assert type(loaded) is train_student.MODELS[name]
     assert saved["held_out"] == metadata["held_out"]
     assert set(saved["held_out"]) == {"energy_mae_eV", "force_rmse_eV_per_A", "force_mae_eV_per_A",
                                       "force_rmse_relative"}
@@ -175,10 +188,11 @@ def test_train_writes_a_loadable_student(tmp_path):
         train_student.load_student(tmp_path / "other.pt")
 
 
-@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
-def test_stored_student_is_small_and_accurate(teacher):
-    assert STUDENT.stat().st_size < 2_000_000
-    model, metadata = train_student.load_student(STUDENT)
+@EACH_STUDENT
+def test_stored_student_is_small_and_accurate(teacher, name):
+    assert STUDENTS[name].stat().st_size < 2_500_000
+    model, metadata = train_student.load_student(STUDENTS[name])
+    assert type(model) is train_student.MODELS[name]
     stored = metadata["held_out"]
     # fresh configurations at 300 K, where the validation runs (the stored error is over 50-800 K)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
@@ -265,12 +279,14 @@ def check_plot(out, summary):
     assert (out / "nve_energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
-def test_script_short_run(tmp_path):
+@EACH_STUDENT
+def test_script_short_run(tmp_path, name):
     out = tmp_path / "nve"
-    code = validate_nve.main(["--time-ps", "0.2", "--device", "cpu", "--no-optimize", "--record-every", "5",
-                              "--out", str(out)])
+    code = validate_nve.main(["--model", name, "--time-ps", "0.2", "--device", "cpu", "--no-optimize",
+                              "--record-every", "5", "--out", str(out)])
     summary, series = read_outputs(out)
+    assert summary["model"]["name"] == train_student.MODELS[name].__name__
+    assert summary["model"]["weights"] == str(STUDENTS[name])
     r = summary["results"]
     assert summary["criterion"]["aborted"] is None
     assert code == (0 if summary["criterion"]["passed"] else 1)
@@ -305,7 +321,7 @@ def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path):
     check_plot(out, summary)
 
 
-@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+@needs_student("schnet")
 def test_script_aborts_when_the_molecule_breaks(tmp_path):
     # 10 fs steps: beyond velocity Verlet's stability limit for the C-H stretch (period ~11 fs)
     out = tmp_path / "nve"
@@ -328,12 +344,19 @@ def test_script_bad_arguments(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+@needs_student("schnet")
+def test_script_refuses_a_student_of_another_model(tmp_path):
+    with pytest.raises(SystemExit, match="holds a SchNet, not the --model painn"):
+        validate_nve.main(["--model", "painn", "--weights", str(STUDENT), "--time-ps", "0.01", "--device", "cpu",
+                           "--out", str(tmp_path)])
+
+
 def test_script_refuses_too_short_a_run(tmp_path):
     with pytest.raises(SystemExit, match="too few to record"):
         validate_nve.main(["--time-ps", "0.001", "--device", "cpu", "--out", str(tmp_path)])
 
 
-@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+@needs_student("schnet")
 def test_script_backends_agree(tmp_path):
     """ASE's VelocityVerlet with the calculator and mirage.ff.md integrate the same trajectory."""
     pytest.importorskip("mirage.ff.md")
@@ -350,19 +373,20 @@ def test_script_backends_agree(tmp_path):
     assert np.ptp(ase_series[:, 2]) > 1e-2  # the potential energy moved: the comparison means something
 
 
-@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
-def test_script_with_mirage_optimize(tmp_path):
-    """The full stack on the CPU: mirage.ff.optimize's fused SchNet under mirage.ff.Calculator."""
+@EACH_STUDENT
+def test_script_with_mirage_optimize(tmp_path, name):
+    """The full stack on the CPU: mirage.ff.optimize's fused model under mirage.ff.Calculator."""
     pytest.importorskip("mirage.ff.optimize")
     out = tmp_path / "nve"
-    code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--record-every", "2", "--out", str(out)])
+    code = validate_nve.main(["--model", name, "--time-ps", "0.01", "--device", "cpu", "--record-every", "2",
+                              "--out", str(out)])
     summary, series = read_outputs(out)
     assert summary["optimized"] is True, summary["optimize_report"]
     assert "message_passing" in summary["optimize_report"]
     assert code in (0, 1) and summary["criterion"]["aborted"] is None
     assert series.shape == (11, 6) and np.isfinite(series).all()
     # the fused model gives the plain model's energies along the same trajectory
-    model, _ = train_student.load_student(STUDENT)
+    model, _ = train_student.load_student(STUDENTS[name])
     z = benzene()[0]
     _, positions = benzene(torch.float32)
     with torch.no_grad():
@@ -370,11 +394,12 @@ def test_script_with_mirage_optimize(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not STUDENT.exists(), reason="examples/forcefield/benzene_schnet.pt not trained")
+@EACH_STUDENT
 @pytest.mark.parametrize("backend", ["ase", "mirage-md"])
-def test_script_on_cuda_matches_the_cpu(tmp_path, backend):
-    """The GPU run (fused model, CUDA graphs) follows the CPU run of the plain model."""
-    common = ["--time-ps", "0.05", "--record-every", "10"]
+def test_script_on_cuda_matches_the_cpu(tmp_path, backend, name):
+    """The GPU run (fused model, CUDA graphs; for both students on benzene the whole-model op)
+    follows the CPU run of the plain model."""
+    common = ["--model", name, "--time-ps", "0.05", "--record-every", "10"]
     assert validate_nve.main(common + ["--device", "cpu", "--no-optimize", "--out", str(tmp_path / "cpu")]) in (0, 1)
     extra = ["--steps-per-replay", "5"] if backend == "mirage-md" else []
     code = validate_nve.main(common + ["--device", "cuda", "--backend", backend, *extra,
