@@ -11,7 +11,8 @@
 // backward needs one dot product per pair for the distance, none through the filter.
 // Intermediates live in a global workspace (L2-resident at these sizes); data written by another
 // block is read with __ldcg, past the non-coherent L1. The backward's products read the weights
-// transposed, by a kernel before the cluster's that runs beside its forward.
+// transposed, and U v, V v one product on [U; V], both written by a kernel before the cluster's
+// that runs beside the start of its forward.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
 //
 // Each block reads every weight for its one or few atoms, which bounds the kernel. Tried and not
@@ -127,7 +128,7 @@ __host__ __device__ inline Layout layout_of(const PainnEnergyParams& p) {
 // [U; V]. In the cluster kernel (on benzene's 12 multiprocessors) the transposes made it 240 us
 // instead of 178 with them here (H200, 2026-11-24).
 __global__ void __launch_bounds__(kThreads) painn_transpose_kernel(const __grid_constant__ PainnEnergyParams p) {
-  allow_next_grid();  // the cluster's forward does not read what this kernel writes
+  allow_next_grid();  // the cluster reads what this kernel writes only after wait_for_prior_grid
   const Layout L = layout_of(p);
   float* ws = static_cast<float*>(p.workspace);
   const int F = p.features, H = p.phi_hidden, K = p.update_hidden;
@@ -287,6 +288,11 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
     }
     __syncthreads();
     float* uvt = uvv(t);
+    // [U; V] and, later, the transposed weights come from the transposes kernel, which may still
+    // be running beside this one: from here on this kernel reads what that kernel writes (the
+    // first interaction waits; later calls return at once). Until that kernel rewrites it, the
+    // workspace holds whatever its memory last held: under a CUDA graph, another tensor's values.
+    wait_for_prior_grid();
     linear_product(3 * na, vector_row, vm, F4, F, ws + L.uv_cat + t * padded_matrix(Z, F), nullptr, Z,
                    to_vectors(uvt, Z4));
     for (int e = tid; e < na * F; e += threads) {
@@ -323,7 +329,6 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
   }
   // The readout and its gradient; then gs = d energy / d s and gv = d energy / d v, interaction
   // by interaction from the last.
-  wait_for_prior_grid();  // the transposed weights, from here on
   readout_and_gradient(p, a0, na, s, F4, readout, Kr4, ws + L.readout1_t, ws + L.parts, gs, F4, scratch);
   AtomStore add_to_gs = to(gs, F4), add_to_gv = to_vectors(gv, F4);
   add_to_gs.accumulate = add_to_gv.accumulate = true;
@@ -442,8 +447,9 @@ size_t painn_energy_workspace_bytes(const PainnEnergyParams& params) {
 }
 
 // Blocks of painn_transpose_kernel (~540 tiles on benzene's sizes). It runs beside the cluster's
-// forward (programmatic dependent launch; the backward waits for it), so it is sized to leave a
-// GPC's worth of multiprocessors free for the cluster, not to finish first: with 32 blocks it
+// forward (programmatic dependent launch; the cluster waits for it before its first U v, V v
+// product, which reads [U; V] from it), so it is sized to leave a GPC's worth of
+// multiprocessors free for the cluster, not to finish first: with 32 blocks it
 // takes 22 us but energy+forces on benzene 198-200 us, against 12 us and 208-211 us with 132
 // blocks in sequence (H200, 2026-11-24 17:43-17:48 UTC, A/B in one call).
 constexpr int kTransposeBlocks = 32;

@@ -161,6 +161,25 @@ def test_painn_energy_cuda_graph_replays_new_vectors():
         torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
 
 
+@pytest.mark.cuda
+def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace():
+    """Two PaiNNs in one graph: the second call's workspace is the first's freed memory, so at each
+    replay the first call finds the second's weights there until its transposes kernel, which runs
+    beside the cluster's start, rewrites them. A cluster that read them before waiting for that
+    kernel could take the other model's weights. (The forward once read [U; V] before its wait;
+    this test passed against that kernel on an H200, whose transposes finished first: it guards
+    the arrangement, it did not catch that race.)"""
+    args = list(make_inputs("benzene", "cuda", torch.float32))
+    other = [1.5 * w for w in args[6]]
+    want_energy, want_grad = mirage.ops.painn_energy(*args)
+    graph, ((energy, grad), _) = capture_graph(
+        lambda: (mirage.ops.painn_energy(*args), mirage.ops.painn_energy(*args[:6], other, *args[7:])))
+    for _ in range(50):
+        graph.replay()
+        torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_painn_energy_pairs_beyond_the_cutoff_add_nothing(device):
     dtype = torch.float32 if device == "cuda" else torch.float64
