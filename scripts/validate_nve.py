@@ -373,8 +373,9 @@ def main(argv=None):
                         args.progress_seconds)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     message(f"{args.time_ps:g} ps NVE of benzene ({type(model).__name__} student) at {args.timestep_fs:g} fs "
-            f"({steps} steps) from {args.temperature:g} K, backend {args.backend}, {device_name}, precision {args.precision}, "
-            f"{'mirage.ff.optimize' if optimized else 'plain model'}, cuda_graph={cuda_graph}")
+            f"({steps} steps) from {args.temperature:g} K, backend {args.backend}, {device_name}, "
+            f"precision {args.precision}, {'mirage.ff.optimize' if optimized else 'plain model'}, "
+            f"cuda_graph={cuda_graph}")
 
     run = run_ase if args.backend == "ase" else run_mirage_md
     aborted = None

@@ -190,7 +190,8 @@ def test_train_writes_a_loadable_student(tmp_path, name):
 
 @EACH_STUDENT
 def test_stored_student_is_small_and_accurate(teacher, name):
-    assert STUDENTS[name].stat().st_size < 2_500_000
+    # SchNet's student is 0.9 MB, PaiNN's (about 2.6 times the parameters) 2.4 MB
+    assert STUDENTS[name].stat().st_size < {"schnet": 2_000_000, "painn": 2_500_000}[name]
     model, metadata = train_student.load_student(STUDENTS[name])
     assert type(model) is train_student.MODELS[name]
     stored = metadata["held_out"]
