@@ -62,10 +62,11 @@ def sample_configurations(teacher, count, generator, t_min=T_MIN, t_max=T_MAX):
 
 
 def all_pairs(n, device=None):
-    """Every ordered pair i != j of an n-atom molecule (receiver i, sender j)."""
-    i, j = torch.meshgrid(torch.arange(n, device=device), torch.arange(n, device=device), indexing="ij")
-    keep = i != j
-    return i[keep], j[keep]
+    """Every ordered pair i != j of an n-atom molecule (receiver i, sender j = i + 1, ..., i + n - 1
+    mod n). Without boolean indexing, which waits for the GPU: a CUDA graph can capture it."""
+    i = torch.arange(n, device=device)[:, None].expand(n, n - 1)
+    j = (i + torch.arange(1, n, device=device)) % n
+    return i.reshape(-1), j.reshape(-1)
 
 
 def batched_energy(model, atomic_numbers, positions):

@@ -1,8 +1,8 @@
 """GPU-resident molecular dynamics: velocity Verlet (NVE) and Langevin (NVT), K steps per CUDA graph.
 
-The state (positions, velocities, forces, masses) lives in device tensors. One replay of a CUDA
-graph advances it by ``steps_per_replay`` steps, force evaluations (forward and backward of the
-model) included, with no host round trip inside; the host only looks at the state to write a
+The state (positions, velocities, forces, masses) lives in device tensors, in float64. One replay
+of a CUDA graph advances it by ``steps_per_replay`` steps, force evaluations (forward and backward
+of the model) included, with no host round trip inside; the host only looks at the state to write a
 trajectory frame or a log line, and, for a model with a neighbor capacity, to read the largest
 pair count of the replay. Units are ASE's: eV, Å, amu, ASE time (``0.5 * ase.units.fs``).
 
@@ -42,6 +42,13 @@ __all__ = ["Langevin", "VelocityVerlet"]
 
 _WHO = "mirage.ff.md.VelocityVerlet"
 _NO_PAIRS = 2**62  # the running minimum of the pair count starts above any real count
+# The integrator's state (positions, velocities, forces, energy) is float64 whatever the model's
+# dtype; the model sees the positions rounded to its own. In float32, rounding x + v dt every step
+# (an update ~1e-5 of |x| at 0.25 fs) is a random walk in the energy: 100 ps NVE runs of the PaiNN
+# student drifted by 0.29% of <E_kin> on average with a float32 state, 0.089% with this one
+# (docs/perf/forcefield.md, "Where the drift comes from"). ASE's integrators hold float64 arrays,
+# OpenMM's "mixed" precision a float64 state, for the same reason.
+STATE_DTYPE = torch.float64
 
 
 def _positive(value: Any, name: str, who: str) -> float:
@@ -167,9 +174,9 @@ class VelocityVerlet:
         self._compute_initial_forces()
 
     # --------------------------------------------------------------------------------- state
-    def _tensor(self, array, dtype=None) -> Tensor:
+    def _tensor(self, array, dtype=STATE_DTYPE) -> Tensor:
         # A copy (torch.tensor, not as_tensor): the state is updated in place and must not alias the Atoms.
-        return torch.tensor(np.asarray(array), dtype=dtype or self.dtype, device=self.device)
+        return torch.tensor(np.asarray(array), dtype=dtype, device=self.device)
 
     def _initial_state(self, atoms) -> Dict[str, Tensor]:
         masses = self._tensor(self._masses)[:, None]
@@ -177,8 +184,8 @@ class VelocityVerlet:
             "numbers": self._tensor(atoms.numbers, torch.int64),
             "positions": self._tensor(atoms.positions),
             "velocities": self._tensor(atoms.get_velocities()),
-            "forces": torch.zeros(len(atoms), 3, dtype=self.dtype, device=self.device),
-            "energy": torch.zeros((), dtype=self.dtype, device=self.device),
+            "forces": torch.zeros(len(atoms), 3, dtype=STATE_DTYPE, device=self.device),
+            "energy": torch.zeros((), dtype=STATE_DTYPE, device=self.device),
             "inverse_masses": 1.0 / masses,
         }
         if self.thermostat is not None:
@@ -189,7 +196,7 @@ class VelocityVerlet:
             if self._fix_com:
                 state["mass_fractions"] = masses / masses.sum()
         if self._periodic:
-            state["cell"] = self._tensor(atoms.cell[:])
+            state["cell"] = self._tensor(atoms.cell[:], self.dtype)
             state["pbc"] = self._tensor(np.asarray(atoms.pbc, dtype=bool), torch.bool)
         for name in ("positions", "velocities", "forces", "energy"):
             state["saved_" + name] = state[name].clone()
@@ -199,8 +206,8 @@ class VelocityVerlet:
 
     def _forces(self, state: Dict[str, Tensor]) -> None:
         """One force evaluation into ``state`` (in place), folding the pair count into its range."""
-        energy, forces, _ = evaluate(self.model, state["numbers"], state["positions"], state.get("cell"),
-                                     state.get("pbc"), precision=self.precision, who=_WHO)
+        energy, forces, _ = evaluate(self.model, state["numbers"], state["positions"].to(self.dtype),
+                                     state.get("cell"), state.get("pbc"), precision=self.precision, who=_WHO)
         state["forces"].copy_(forces)
         state["energy"].copy_(energy)
         if self._counting:

@@ -1,0 +1,211 @@
+"""Where an NVE run's energy drift comes from: the forces, or the integration (issue 4).
+
+validate_nve.py measures the drift of one run. This script splits it, for the benzene students
+(examples/forcefield, --model schnet|painn), with the student in float64 as the yardstick:
+
+  path       One mirage.ff.md.VelocityVerlet run of the student under mirage.ff.optimize (float32,
+             CUDA graphs; --layers keeps the layer-by-layer path instead of the one-op kernels),
+             its state read every --every steps. Along that same path the plain student in float64
+             gives E64 and F64. In continuous time d(E_kin + E64)/dt = (F_run - F64) . v, so:
+               - drift of E_kin + E_run: what validate_nve.py measures;
+               - drift of E_kin + E64: the same path judged by the exact model's energy;
+               - force-error work, sum over records of (F_run - F64) . v dt: the part of the
+                 drift that the run's force errors did (a sampled estimate);
+             when the first two agree and the third is small, the drift is the integration's
+             (time step, rounding of the state), not the forces'.
+  reference  The student in float64 end to end: --seeds trajectories (validate_nve.py's starts,
+             seeds 0..S-1) integrated together by velocity Verlet in float64, each step one batched
+             energy+forces of every molecule (train_student.predict), captured in a CUDA graph on a
+             GPU. Its drifts are what the model itself does at this time step, without mirage.
+
+Drift is validate_nve.py's: the least-squares slope of E_total(t) times the duration, as a
+fraction of <E_kin>.
+
+    python scripts/nve_drift_sources.py path --model painn --seed 1 --timestep-fs 0.25
+    python scripts/nve_drift_sources.py reference --model painn --seeds 8 --timestep-fs 0.25
+
+Prints one JSON object (also written to --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import validate_nve  # noqa: E402  (puts examples/ on the path)
+from forcefield import train_student  # noqa: E402
+
+TEMPERATURE_K = 300.0
+
+
+def load_float64(model_name, device):
+    model, _ = train_student.load_student(train_student.STUDENT_PATHS[model_name])
+    model = model.double().to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def signed_drift_pct(t, kinetic, y):
+    """The drift of y (eV) over the run as a signed fraction of <E_kin>, in %."""
+    return 100 * float(np.polyfit(t, y, 1)[0]) * (t[-1] - t[0]) / float(np.mean(kinetic))
+
+
+def path(args, device):
+    import ase.units
+
+    import mirage.ff
+    from mirage.ff import md
+
+    student, _ = train_student.load_student(train_student.STUDENT_PATHS[args.model])
+    fast = mirage.ff.optimize(copy.deepcopy(student).to(device))
+    if args.layers:
+        type(fast).whole_model_max_atoms = 0  # docs/ff.md: the way to keep the layers
+    exact = load_float64(args.model, device)
+    atoms, _ = validate_nve.initial_atoms(TEMPERATURE_K, args.seed)
+    dyn = md.VelocityVerlet(fast, atoms, args.timestep_fs * ase.units.fs, steps_per_replay=args.every,
+                            device=device, progress_every=None)
+    steps = args.steps // args.every * args.every
+    frames, started, last = [], time.monotonic(), time.monotonic()
+    dyn.run(0, write_every=args.every)
+    while True:
+        state = dyn.atoms
+        frames.append((state.positions, state.get_velocities(), state.get_forces(), state.get_potential_energy()))
+        if dyn.step >= steps:
+            break
+        dyn.run(args.every, write_every=args.every)
+        if time.monotonic() - last > 10:
+            last = time.monotonic()
+            validate_nve.message(f"path: step {dyn.step}/{steps}, {dyn.step / (last - started):.0f} steps/s")
+    md_seconds = time.monotonic() - started
+    x, v, f, e = (np.asarray(column) for column in zip(*frames))
+    z = torch.tensor(atoms.numbers, device=device)
+    e64, f64 = [], []
+    for c in range(0, len(x), 1000):
+        energy, forces = train_student.predict(exact, z, torch.tensor(x[c:c + 1000], device=device))
+        e64.append(energy.detach().cpu().numpy())
+        f64.append(forces.cpu().numpy())
+    e64, f64 = np.concatenate(e64), np.concatenate(f64)
+    masses = atoms.get_masses()[None, :, None]
+    kinetic = 0.5 * (masses * v**2).sum((1, 2))
+    t = np.arange(len(x)) * args.every * args.timestep_fs * 1e-3
+    work = ((f - f64) * v).sum((1, 2)).sum() * args.every * args.timestep_fs * ase.units.fs
+    return {
+        "run": "mirage.ff.md, " + ("layers" if args.layers else "one op where it applies"),
+        "seed": args.seed, "records": len(x), "md_seconds": round(md_seconds, 1),
+        "mean_kinetic_eV": float(kinetic.mean()),
+        "drift_run_pct": signed_drift_pct(t, kinetic, kinetic + e),
+        "drift_float64_energy_pct": signed_drift_pct(t, kinetic, kinetic + e64),
+        "force_error_work_pct": 100 * float(work) / float(kinetic.mean()),
+        "force_error_rel_rms": float(np.sqrt(((f - f64) ** 2).mean() / (f64**2).mean())),
+        "energy_error_rms_eV": float(np.sqrt(((e - e64) ** 2).mean())),
+    }
+
+
+def reference_series(model_name, seeds, timestep_fs, steps, every, device):
+    """Times (ps) [R], kinetic and potential energies (eV) [R, seeds] of the float64 runs, recorded
+    every ``every`` steps from step 0."""
+    import ase.units
+
+    model = load_float64(model_name, device)
+    starts = [validate_nve.initial_atoms(TEMPERATURE_K, seed)[0] for seed in range(seeds)]
+    z = torch.tensor(starts[0].numbers, device=device)
+    masses = torch.tensor(starts[0].get_masses(), dtype=torch.float64, device=device)[None, :, None]
+    x = torch.tensor(np.stack([a.positions for a in starts]), dtype=torch.float64, device=device)
+    v = torch.tensor(np.stack([a.get_velocities() for a in starts]), dtype=torch.float64, device=device)
+    energy, forces = train_student.predict(model, z, x)
+    e, f = energy.detach().clone(), forces.clone()
+    dt = timestep_fs * ase.units.fs
+
+    def advance():
+        for _ in range(every):
+            v.addcmul_(f, 1.0 / masses, value=0.5 * dt)
+            x.add_(v, alpha=dt)
+            energy, forces = train_student.predict(model, z, x)
+            e.copy_(energy.detach())
+            f.copy_(forces)
+            v.addcmul_(f, 1.0 / masses, value=0.5 * dt)
+
+    replay = advance
+    if device.type == "cuda":  # one graph of --every steps; the warm-up's steps are undone
+        start = [t.clone() for t in (x, v, e, f)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            advance()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            advance()
+        for t, s in zip((x, v, e, f), start):
+            t.copy_(s)
+        replay = graph.replay
+    potential, kinetic = [e.clone()], [(0.5 * masses * v**2).sum((1, 2))]
+    replays = steps // every
+    started = last = time.monotonic()
+    for k in range(replays):
+        replay()
+        potential.append(e.clone())
+        kinetic.append((0.5 * masses * v**2).sum((1, 2)))
+        if time.monotonic() - last > 10:
+            last = time.monotonic()
+            validate_nve.message(f"reference: step {(k + 1) * every}/{replays * every}, "
+                                 f"{(k + 1) * every / (last - started):.0f} steps/s")
+    t = np.arange(replays + 1) * every * timestep_fs * 1e-3
+    return t, torch.stack(kinetic).cpu().numpy(), torch.stack(potential).cpu().numpy()
+
+
+def reference(args, device):
+    started = time.monotonic()
+    t, kinetic, potential = reference_series(args.model, args.seeds, args.timestep_fs, args.steps, args.every, device)
+    return {"run": "plain student in float64, batched velocity Verlet in float64",
+            "seconds": round(time.monotonic() - started, 1),
+            "drift_pct_by_seed": [round(signed_drift_pct(t, kinetic[:, b], kinetic[:, b] + potential[:, b]), 4)
+                                  for b in range(args.seeds)]}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["path", "reference"])
+    parser.add_argument("--model", choices=sorted(train_student.MODELS), default="painn")
+    parser.add_argument("--timestep-fs", type=float, default=0.5)
+    parser.add_argument("--time-ps", type=float, default=100.0)
+    parser.add_argument("--every", type=int, default=20, help="steps between records (and per graph replay)")
+    parser.add_argument("--seed", type=int, default=0, help="path: the start (validate_nve.py --seed)")
+    parser.add_argument("--layers", action="store_true", help="path: the layer-by-layer model, not the one op")
+    parser.add_argument("--seeds", type=int, default=8, help="reference: trajectories, seeds 0..S-1")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not (args.timestep_fs > 0 and args.time_ps > 0 and args.every >= 1 and args.seeds >= 1):
+        parser.error("--timestep-fs and --time-ps must be positive, --every and --seeds at least 1")
+    args.steps = int(round(args.time_ps * 1e3 / args.timestep_fs))
+    if args.steps < 2 * args.every:
+        parser.error(f"{args.steps} steps are too few to record every {args.every}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = {"mode": args.mode, "model": args.model, "timestep_fs": args.timestep_fs, "time_ps": args.time_ps,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              **(path if args.mode == "path" else reference)(args, device)}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

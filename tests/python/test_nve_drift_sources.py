@@ -1,0 +1,60 @@
+"""scripts/nve_drift_sources.py: the float64 reference integrates as ASE's VelocityVerlet does,
+and a mirage run's path judged by the float64 model (CPU, short runs)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ase = pytest.importorskip("ase")
+from ase import units  # noqa: E402
+from ase.md.verlet import VelocityVerlet  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import nve_drift_sources  # noqa: E402
+from forcefield import train_student  # noqa: E402
+
+import mirage.ff  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("model_name", sorted(train_student.MODELS))
+def test_reference_matches_ase_velocity_verlet_per_seed(model_name):
+    steps, every, timestep_fs = 12, 4, 0.5
+    t, kinetic, potential = nve_drift_sources.reference_series(model_name, 2, timestep_fs, steps, every,
+                                                               torch.device("cpu"))
+    assert t.shape == (4,) and kinetic.shape == potential.shape == (4, 2)
+    model = nve_drift_sources.load_float64(model_name, torch.device("cpu"))
+    for seed in range(2):
+        atoms, _ = nve_drift_sources.validate_nve.initial_atoms(nve_drift_sources.TEMPERATURE_K, seed)
+        atoms.calc = mirage.ff.Calculator(model, device="cpu")
+        dyn = VelocityVerlet(atoms, timestep=timestep_fs * units.fs)
+        ase_records = []
+        dyn.attach(lambda: ase_records.append((atoms.get_kinetic_energy(), atoms.get_potential_energy())),
+                   interval=every)
+        dyn.run(steps)
+        np.testing.assert_allclose(np.array(ase_records), np.stack([kinetic[:, seed], potential[:, seed]], 1),
+                                   rtol=1e-9, atol=1e-12)
+    assert abs(kinetic[-1] - kinetic[0]).max() > 1e-3  # the molecules moved
+
+
+def test_path_of_a_mirage_run_judged_by_the_float64_model():
+    result = nve_drift_sources.main(["path", "--model", "schnet", "--time-ps", "0.02", "--every", "4",
+                                     "--device", "cpu"])
+    assert result["records"] == 11
+    # A float32 model on float64 states: its energies and forces are the float64 model's to
+    # float32 rounding, so the two energies' drifts agree; the work of the force errors is tiny.
+    assert result["force_error_rel_rms"] < 1e-4
+    assert result["energy_error_rms_eV"] < 1e-5
+    assert abs(result["drift_run_pct"] - result["drift_float64_energy_pct"]) < 0.01
+    assert abs(result["force_error_work_pct"]) < 0.01
+
+
+@pytest.mark.parametrize("argv", [["path", "--every", "0"], ["reference", "--seeds", "0"],
+                                  ["path", "--time-ps", "0.001", "--every", "20"]])
+def test_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        nve_drift_sources.parse_args(argv)
