@@ -31,6 +31,12 @@ struct FloatArena {
     size += pad4(floats);
     return offset;
   }
+  // Room for n items of a struct whose size is a whole number of floats (OwnPair, PairGeometry).
+  template <typename T>
+  __host__ __device__ int64_t take_items(int64_t n) {
+    static_assert(sizeof(T) % sizeof(float) == 0, "FloatArena: the size must be a whole number of floats");
+    return take(n * static_cast<int64_t>(sizeof(T) / sizeof(float)));
+  }
 };
 
 __device__ __forceinline__ float bias_at(const float* bias, int o) { return bias ? bias[o] : 0.0f; }

@@ -88,8 +88,8 @@ __host__ __device__ inline Layout layout_of(const PainnEnergyParams& p) {
   l.Kr4 = pad4(Kr);
   FloatArena arena;
   const int64_t per_block_pairs = P > kSharedPairs ? kMaxCluster * P : 0;
-  l.own_pairs = arena.take(per_block_pairs * static_cast<int64_t>(sizeof(OwnPair) / sizeof(float)));
-  l.pair_geometry = arena.take(per_block_pairs * static_cast<int64_t>(sizeof(PairGeometry) / sizeof(float)));
+  l.own_pairs = arena.take_items<OwnPair>(per_block_pairs);
+  l.pair_geometry = arena.take_items<PairGeometry>(per_block_pairs);
   l.basis = arena.take(2 * P * l.R4);
   l.filter = arena.take(T * P * l.M4);
   l.filter_slope = arena.take(T * P * l.M4);

@@ -29,7 +29,7 @@ inline const void* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr() : nullptr;
 }
 
-// The force-field kernels' activation of a name from kSchnetActivations (schnet_energy.h).
+// The force-field kernels' activation of a name from kEnergyActivations (schnet_energy.h).
 inline cuda::Activation kernel_activation(std::string_view name) {
   if (name == "shifted_softplus") return cuda::Activation::kShiftedSoftplus;
   if (name == "softplus") return cuda::Activation::kSoftplus;

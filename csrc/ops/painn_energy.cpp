@@ -36,9 +36,9 @@ PainnShape check_painn_energy(const at::Tensor& atomic_numbers, const at::Tensor
   MIRAGE_CHECK(std::isfinite(norm_eps) && norm_eps > 0, kPainnEnergy, ": norm_eps must be finite and > 0, got ",
                norm_eps);
   const int64_t count = static_cast<int64_t>(weights.size());
-  const int64_t interactions = (count - kSchnetReadoutWeights) / kPainnWeightsPerInteraction;
+  const int64_t interactions = (count - kEnergyReadoutWeights) / kPainnWeightsPerInteraction;
   MIRAGE_CHECK(interactions >= 1 && interactions <= 8 &&
-                   count == interactions * kPainnWeightsPerInteraction + kSchnetReadoutWeights,
+                   count == interactions * kPainnWeightsPerInteraction + kEnergyReadoutWeights,
                kPainnEnergy, ": weights must hold 12 tensors per interaction (1 to 8 of them) and 4 for the "
                "readout, got ", count);
   check_activations(kPainnEnergy, activations, 2 * interactions + 1,

@@ -71,7 +71,7 @@ std::vector<std::string> check_activations(std::string_view op, std::string_view
                what, ") separated by commas, got \"", activations, "\"");
   for (const std::string& name : names) {
     bool known = false;
-    for (std::string_view k : kSchnetActivations) known = known || name == k;
+    for (std::string_view k : kEnergyActivations) known = known || name == k;
     MIRAGE_CHECK(known, op, ": activation \"", name, "\" in activations is not one of shifted_softplus, "
                  "softplus, silu, tanh, gelu, relu");
   }
@@ -136,9 +136,9 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
                                 int64_t num_rbf, at::TensorList weights, std::string_view activations) {
   check_energy_inputs(kSchnetEnergy, atomic_numbers, embedding, pairs, vectors, cutoff);
   const int64_t count = static_cast<int64_t>(weights.size());
-  const int64_t interactions = (count - kSchnetReadoutWeights) / kSchnetWeightsPerInteraction;
+  const int64_t interactions = (count - kEnergyReadoutWeights) / kSchnetWeightsPerInteraction;
   MIRAGE_CHECK(interactions >= 1 && interactions <= 8 &&
-                   count == interactions * kSchnetWeightsPerInteraction + kSchnetReadoutWeights,
+                   count == interactions * kSchnetWeightsPerInteraction + kEnergyReadoutWeights,
                kSchnetEnergy, ": weights must hold 10 tensors per interaction (1 to 8 of them) and 4 for the "
                "readout, got ", count);
   check_activations(kSchnetEnergy, activations, interactions + 2, "filter, one update per interaction, readout");
@@ -302,7 +302,7 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
   check_bias(bias1, "bias1", s.hidden);
   check_bias(bias2, "bias2", s.width);
   bool known = false;
-  for (std::string_view k : kSchnetActivations) known = known || activation == k;
+  for (std::string_view k : kEnergyActivations) known = known || activation == k;
   MIRAGE_CHECK(known, op, ": activation \"", activation, "\" is not one of shifted_softplus, softplus, silu, "
                "tanh, gelu, relu");
   return s;

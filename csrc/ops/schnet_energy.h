@@ -12,13 +12,15 @@
 namespace mirage::ops {
 
 inline constexpr std::string_view kSchnetEnergy = "mirage::schnet_energy";
-// The activations between two Linears, by the names mirage.ff.fused.ACTIVATIONS uses.
-inline constexpr std::string_view kSchnetActivations[] = {"shifted_softplus", "softplus", "silu",
+// The whole-model ops' (schnet_energy, painn_energy) activations between two Linears, by the
+// names mirage.ff.fused.ACTIVATIONS uses.
+inline constexpr std::string_view kEnergyActivations[] = {"shifted_softplus", "softplus", "silu",
                                                           "tanh", "gelu", "relu"};
-// Tensors per interaction in `weights`: filter.0 (w, b), filter.2 (w, b), in2f (w, b),
-// f2out.0 (w, b), f2out.2 (w, b); then the readout's four: readout.0 (w, b), readout.2 (w, b).
+// Tensors per interaction in schnet_energy's `weights`: filter.0 (w, b), filter.2 (w, b),
+// in2f (w, b), f2out.0 (w, b), f2out.2 (w, b). Both whole-model ops' `weights` end with the
+// readout's four: readout.0 (w, b), readout.2 (w, b).
 inline constexpr int64_t kSchnetWeightsPerInteraction = 10;
-inline constexpr int64_t kSchnetReadoutWeights = 4;
+inline constexpr int64_t kEnergyReadoutWeights = 4;
 
 struct SchnetShape {
   int64_t atoms, pairs, interactions;
@@ -36,7 +38,7 @@ std::vector<std::string> split_activations(std::string_view activations);
 // Shared by the whole-model ops (schnet_energy, painn_energy), `op` naming the caller in errors:
 // the inputs every one takes (not the index values); a Linear's weight `name` ([out, in]; a bias
 // [out], or [0] for none) on embedding's device and dtype; `count` activation names (`what`
-// they are) from kSchnetActivations, returned split; the index values (the CPU kernels).
+// they are) from kEnergyActivations, returned split; the index values (the CPU kernels).
 void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                          const at::Tensor& pairs, const at::Tensor& vectors, double cutoff);
 void check_energy_weight(std::string_view op, const at::Tensor& w, const std::string& name,

@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms
   p.cutoff = static_cast<float>(cutoff);
   const std::vector<std::string> names = split_activations(activations);
   p.readout_activation = kernel_activation(names.back());
-  const int64_t r0 = static_cast<int64_t>(weights.size()) - kSchnetReadoutWeights;
+  const int64_t r0 = static_cast<int64_t>(weights.size()) - kEnergyReadoutWeights;
   p.readout1_w = ptr(weights[r0]);
   p.readout1_b = ptr(weights[r0 + 1]);
   p.readout2_w = ptr(weights[r0 + 2]);

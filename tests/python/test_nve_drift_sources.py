@@ -1,5 +1,6 @@
 """scripts/nve_drift_sources.py: the float64 reference integrates as ASE's VelocityVerlet does,
-and a mirage run's path judged by the float64 model (CPU, short runs)."""
+and a mirage run's path judged by the float64 model (CPU, short runs); on a GPU, the
+reference's CUDA graph against the CPU."""
 
 import sys
 from pathlib import Path
@@ -58,3 +59,13 @@ def test_path_of_a_mirage_run_judged_by_the_float64_model():
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
         nve_drift_sources.parse_args(argv)
+
+
+@pytest.mark.cuda
+def test_reference_in_a_cuda_graph_matches_the_cpu():
+    runs = [nve_drift_sources.reference_series("painn", 2, 0.5, 12, 4, torch.device(device))
+            for device in ("cpu", "cuda")]
+    (t_cpu, kinetic_cpu, potential_cpu), (t_gpu, kinetic_gpu, potential_gpu) = runs
+    np.testing.assert_array_equal(t_cpu, t_gpu)
+    np.testing.assert_allclose(kinetic_gpu, kinetic_cpu, rtol=1e-9)
+    np.testing.assert_allclose(potential_gpu, potential_cpu, rtol=1e-9, atol=1e-12)
