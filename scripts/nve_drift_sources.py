@@ -9,8 +9,8 @@ validate_nve.py measures the drift of one run. This script splits it, for the be
              gives E64 and F64. In continuous time d(E_kin + E64)/dt = (F_run - F64) . v, so:
                - drift of E_kin + E_run: what validate_nve.py measures;
                - drift of E_kin + E64: the same path judged by the exact model's energy;
-               - force-error work, sum over records of (F_run - F64) . v dt: the part of the
-                 drift that the run's force errors did (a sampled estimate);
+               - force-error work, the integral of (F_run - F64) . v dt over the records
+                 (trapezoid rule): the part of the change that the run's force errors did;
              when the first two agree and the third is small, the drift is the integration's
              (time step, rounding of the state), not the forces'.
   reference  The student in float64 end to end: --seeds trajectories (validate_nve.py's starts,
@@ -59,52 +59,77 @@ def signed_drift_pct(t, kinetic, y):
     return 100 * float(np.polyfit(t, y, 1)[0]) * (t[-1] - t[0]) / float(np.mean(kinetic))
 
 
-def path(args, device):
+def record_path(model, atoms, timestep_fs, steps, every, device):
+    """A mirage.ff.md run of ``model`` from ``atoms``: positions, velocities, forces [R, N, 3] and
+    potential energies [R] at every ``every`` steps from step 0 (R = steps // every + 1)."""
     import ase.units
 
-    import mirage.ff
     from mirage.ff import md
 
-    student, _ = train_student.load_student(train_student.STUDENT_PATHS[args.model])
-    fast = mirage.ff.optimize(copy.deepcopy(student).to(device))
-    if args.layers:
-        type(fast).whole_model_max_atoms = 0  # docs/ff.md: the way to keep the layers
-    exact = load_float64(args.model, device)
-    atoms, _ = validate_nve.initial_atoms(TEMPERATURE_K, args.seed)
-    dyn = md.VelocityVerlet(fast, atoms, args.timestep_fs * ase.units.fs, steps_per_replay=args.every,
-                            device=device, progress_every=None)
-    steps = args.steps // args.every * args.every
+    dyn = md.VelocityVerlet(model, atoms, timestep_fs * ase.units.fs, steps_per_replay=every, device=device,
+                            progress_every=None)
+    steps = steps // every * every
     frames, started, last = [], time.monotonic(), time.monotonic()
-    dyn.run(0, write_every=args.every)
+    dyn.run(0, write_every=every)
     while True:
         state = dyn.atoms
         frames.append((state.positions, state.get_velocities(), state.get_forces(), state.get_potential_energy()))
         if dyn.step >= steps:
             break
-        dyn.run(args.every, write_every=args.every)
+        dyn.run(every, write_every=every)
         if time.monotonic() - last > 10:
             last = time.monotonic()
             validate_nve.message(f"path: step {dyn.step}/{steps}, {dyn.step / (last - started):.0f} steps/s")
+    return tuple(np.asarray(column) for column in zip(*frames))
+
+
+def float64_along(exact, atomic_numbers, positions, device):
+    """The float64 model's energies [R] and forces [R, N, 3] at positions [R, N, 3]."""
+    z = torch.tensor(atomic_numbers, device=device)
+    energies, forces = [], []
+    for c in range(0, len(positions), 1000):
+        energy, force = train_student.predict(exact, z, torch.tensor(positions[c:c + 1000], device=device))
+        energies.append(energy.detach().cpu().numpy())
+        forces.append(force.cpu().numpy())
+    return np.concatenate(energies), np.concatenate(forces)
+
+
+def force_error_work(forces, reference_forces, velocities, interval):
+    """The work (eV) of forces - reference_forces along the recorded motion: the trapezoid rule over
+    the records' power (forces - reference) . v, records ``interval`` apart (ASE time units)."""
+    power = ((forces - reference_forces) * velocities).sum((1, 2))
+    return float(0.5 * (power[1:] + power[:-1]).sum() * interval)
+
+
+def path(args, device):
+    import ase.units
+
+    import mirage.ff
+
+    student, _ = train_student.load_student(train_student.STUDENT_PATHS[args.model])
+    fast = mirage.ff.optimize(copy.deepcopy(student).to(device))
+    exact = load_float64(args.model, device)
+    atoms, _ = validate_nve.initial_atoms(TEMPERATURE_K, args.seed)
+    kept = type(fast).whole_model_max_atoms
+    if args.layers:
+        type(fast).whole_model_max_atoms = 0  # docs/ff.md: the way to keep the layers
+    started = time.monotonic()
+    try:
+        x, v, f, e = record_path(fast, atoms, args.timestep_fs, args.steps, args.every, device)
+    finally:
+        type(fast).whole_model_max_atoms = kept
     md_seconds = time.monotonic() - started
-    x, v, f, e = (np.asarray(column) for column in zip(*frames))
-    z = torch.tensor(atoms.numbers, device=device)
-    e64, f64 = [], []
-    for c in range(0, len(x), 1000):
-        energy, forces = train_student.predict(exact, z, torch.tensor(x[c:c + 1000], device=device))
-        e64.append(energy.detach().cpu().numpy())
-        f64.append(forces.cpu().numpy())
-    e64, f64 = np.concatenate(e64), np.concatenate(f64)
-    masses = atoms.get_masses()[None, :, None]
-    kinetic = 0.5 * (masses * v**2).sum((1, 2))
+    e64, f64 = float64_along(exact, atoms.numbers, x, device)
+    kinetic = 0.5 * (atoms.get_masses()[None, :, None] * v**2).sum((1, 2))
     t = np.arange(len(x)) * args.every * args.timestep_fs * 1e-3
-    work = ((f - f64) * v).sum((1, 2)).sum() * args.every * args.timestep_fs * ase.units.fs
+    work = force_error_work(f, f64, v, args.every * args.timestep_fs * ase.units.fs)
     return {
         "run": "mirage.ff.md, " + ("layers" if args.layers else "one op where it applies"),
         "seed": args.seed, "records": len(x), "md_seconds": round(md_seconds, 1),
         "mean_kinetic_eV": float(kinetic.mean()),
         "drift_run_pct": signed_drift_pct(t, kinetic, kinetic + e),
         "drift_float64_energy_pct": signed_drift_pct(t, kinetic, kinetic + e64),
-        "force_error_work_pct": 100 * float(work) / float(kinetic.mean()),
+        "force_error_work_pct": 100 * work / float(kinetic.mean()),
         "force_error_rel_rms": float(np.sqrt(((f - f64) ** 2).mean() / (f64**2).mean())),
         "energy_error_rms_eV": float(np.sqrt(((e - e64) ** 2).mean())),
     }

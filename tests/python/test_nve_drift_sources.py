@@ -54,6 +54,35 @@ def test_path_of_a_mirage_run_judged_by_the_float64_model():
     assert abs(result["force_error_work_pct"]) < 0.01
 
 
+class Scaled(torch.nn.Module):
+    """A model whose energy (and so forces) is ``factor`` times another's."""
+
+    def __init__(self, model, factor):
+        super().__init__()
+        self.model, self.factor = model, factor
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        return self.factor * self.model(atomic_numbers, positions, cell, pbc)
+
+
+def test_force_error_work_accounts_for_a_wrong_model():
+    # Run with forces 5% too large and judge the path by the true model: the run conserves
+    # E_kin + E_run, so the change of E_kin + E64 is the work of the force errors, F_run - F64,
+    # which the trapezoid rule over every step must give (up to velocity Verlet's O(dt^2)).
+    cpu = torch.device("cpu")
+    exact = nve_drift_sources.load_float64("schnet", cpu)
+    atoms, _ = nve_drift_sources.validate_nve.initial_atoms(nve_drift_sources.TEMPERATURE_K, 0)
+    x, v, f, e = nve_drift_sources.record_path(Scaled(exact, 1.05), atoms, 0.25, 200, 1, cpu)
+    e64, f64 = nve_drift_sources.float64_along(exact, atoms.numbers, x, cpu)
+    np.testing.assert_allclose(f, 1.05 * f64, rtol=1e-9, atol=1e-12)
+    kinetic = 0.5 * (atoms.get_masses()[None, :, None] * v**2).sum((1, 2))
+    work = nve_drift_sources.force_error_work(f, f64, v, 0.25 * units.fs)
+    exact_change = (kinetic + e64)[-1] - (kinetic + e64)[0]
+    run_change = (kinetic + e)[-1] - (kinetic + e)[0]
+    assert abs(work) > 20 * abs(run_change)  # the error's work dominates the run's own drift
+    assert work == pytest.approx(exact_change - run_change, rel=0.02)
+
+
 @pytest.mark.parametrize("argv", [["path", "--every", "0"], ["reference", "--seeds", "0"],
                                   ["path", "--time-ps", "0.001", "--every", "20"]])
 def test_bad_arguments(argv):

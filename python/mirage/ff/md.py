@@ -44,10 +44,9 @@ _WHO = "mirage.ff.md.VelocityVerlet"
 _NO_PAIRS = 2**62  # the running minimum of the pair count starts above any real count
 # The integrator's state (positions, velocities, forces, energy) is float64 whatever the model's
 # dtype; the model sees the positions rounded to its own. In float32, rounding x + v dt every step
-# (an update ~1e-5 of |x| at 0.25 fs) is a random walk in the energy: 100 ps NVE runs of the PaiNN
-# student drifted by 0.29% of <E_kin> on average with a float32 state, 0.089% with this one
-# (docs/perf/forcefield.md, "Where the drift comes from"). ASE's integrators hold float64 arrays,
-# OpenMM's "mixed" precision a float64 state, for the same reason.
+# (~1e-7 Å, against a step of ~1e-3 of |x| at 0.25 fs) is a random walk in the energy, estimated
+# at ~0.1% of <E_kin> over 100 ps of benzene (docs/perf/forcefield.md, "Where the drift comes
+# from"). ASE's integrators hold float64 arrays, OpenMM's "mixed" precision a float64 state.
 STATE_DTYPE = torch.float64
 
 
@@ -306,8 +305,8 @@ class VelocityVerlet:
     # ---------------------------------------------------------------------------------- output
     def _host_state(self):
         s = self._state
-        return (s["positions"].detach().cpu().double().numpy(), s["velocities"].detach().cpu().double().numpy(),
-                s["forces"].detach().cpu().double().numpy(), float(s["energy"]))
+        return (s["positions"].detach().cpu().numpy(), s["velocities"].detach().cpu().numpy(),
+                s["forces"].detach().cpu().numpy(), float(s["energy"]))
 
     @property
     def atoms(self) -> "ase.Atoms":
