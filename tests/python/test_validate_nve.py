@@ -309,7 +309,7 @@ def test_script_short_run(tmp_path, name):
     check_plot(out, summary)
 
 
-def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path):
+def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path, capfd):
     out, weights = tmp_path / "nve", tmp_path / "student.pt"
     code = validate_nve.main(["--time-ps", "0.02", "--device", "cpu", "--no-optimize", "--record-every", "2",
                               "--weights", str(weights), "--train-steps", "2", "--max-drift", "1e-15",
@@ -318,8 +318,18 @@ def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path):
     summary, series = read_outputs(out)
     assert code == 1 and not summary["criterion"]["passed"] and summary["criterion"]["aborted"] is None
     assert summary["results"]["drift_relative_kinetic"] >= 1e-15
+    assert "nve_drift_sources" not in capfd.readouterr().err  # it takes the committed students only
     assert series.shape == (21, 6)
     check_plot(out, summary)
+
+
+@needs_student("schnet")
+def test_a_failing_committed_student_points_to_the_drift_sources(tmp_path, capfd):
+    code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                              "--max-drift", "1e-15", "--seed", "3", "--out", str(tmp_path / "nve")])
+    assert code == 1
+    err = capfd.readouterr().err
+    assert "nve_drift_sources.py reference --model schnet --timestep-fs 0.5" in err and "path --seed 3" in err
 
 
 @needs_student("schnet")
