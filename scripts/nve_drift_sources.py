@@ -46,9 +46,14 @@ from forcefield import train_student  # noqa: E402
 TEMPERATURE_K = 300.0
 
 
-def load_float64(model_name, device):
-    model, _ = train_student.load_student(train_student.STUDENT_PATHS[model_name])
-    model = model.double().to(device).eval()
+def load_student(model_name):
+    """The committed student of ``model_name`` (float32, CPU)."""
+    return train_student.load_student(train_student.STUDENT_PATHS[model_name])[0]
+
+
+def float64_copy(model, device):
+    """``model`` in float64 on ``device``, frozen (only positions need gradients)."""
+    model = copy.deepcopy(model).double().to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -85,13 +90,9 @@ def record_path(model, atoms, timestep_fs, steps, every, device):
 
 def float64_along(exact, atomic_numbers, positions, device):
     """The float64 model's energies [R] and forces [R, N, 3] at positions [R, N, 3]."""
-    z = torch.tensor(atomic_numbers, device=device)
-    energies, forces = [], []
-    for c in range(0, len(positions), 1000):
-        energy, force = train_student.predict(exact, z, torch.tensor(positions[c:c + 1000], device=device))
-        energies.append(energy.detach().cpu().numpy())
-        forces.append(force.cpu().numpy())
-    return np.concatenate(energies), np.concatenate(forces)
+    energies, forces = train_student.predict_in_batches(
+        exact, torch.tensor(atomic_numbers, device=device), torch.tensor(positions, device=device), 1000)
+    return energies.cpu().numpy(), forces.cpu().numpy()
 
 
 def force_error_work(forces, reference_forces, velocities, interval):
@@ -106,9 +107,9 @@ def path(args, device):
 
     import mirage.ff
 
-    student, _ = train_student.load_student(train_student.STUDENT_PATHS[args.model])
+    student = load_student(args.model)
     fast = mirage.ff.optimize(copy.deepcopy(student).to(device))
-    exact = load_float64(args.model, device)
+    exact = float64_copy(student, device)
     atoms, _ = validate_nve.initial_atoms(TEMPERATURE_K, args.seed)
     kept = type(fast).whole_model_max_atoms
     if args.layers:
@@ -140,7 +141,7 @@ def reference_series(model_name, seeds, timestep_fs, steps, every, device):
     every ``every`` steps from step 0."""
     import ase.units
 
-    model = load_float64(model_name, device)
+    model = float64_copy(load_student(model_name), device)
     starts = [validate_nve.initial_atoms(TEMPERATURE_K, seed)[0] for seed in range(seeds)]
     z = torch.tensor(starts[0].numbers, device=device)
     masses = torch.tensor(starts[0].get_masses(), dtype=torch.float64, device=device)[None, :, None]

@@ -102,16 +102,21 @@ def predict(model, atomic_numbers, positions, create_graph=False):
     return energy, -grad
 
 
+def predict_in_batches(model, atomic_numbers, positions, batch):
+    """:func:`predict` over ``batch`` conformations at a time (bounded memory), detached."""
+    energies, forces = [], []
+    for start in range(0, positions.shape[0], batch):
+        e, f = predict(model, atomic_numbers, positions[start:start + batch])
+        energies.append(e.detach())
+        forces.append(f.detach())
+    return torch.cat(energies), torch.cat(forces)
+
+
 def force_errors(model, atomic_numbers, positions, energies, forces, batch=100):
     """Held-out errors: energy MAE (eV), force RMSE and MAE per component (eV/Å), force RMSE
     relative to the RMS of the reference forces."""
-    e_err, f_err = [], []
-    for start in range(0, positions.shape[0], batch):
-        sl = slice(start, start + batch)
-        e, f = predict(model, atomic_numbers, positions[sl])
-        e_err.append((e.detach().double() - energies[sl]).abs())
-        f_err.append((f.detach().double() - forces[sl]).reshape(-1))
-    e_err, f_err = torch.cat(e_err), torch.cat(f_err)
+    e, f = predict_in_batches(model, atomic_numbers, positions, batch)
+    e_err, f_err = (e.double() - energies).abs(), (f.double() - forces).reshape(-1)
     rmse = float(f_err.pow(2).mean().sqrt())
     return {
         "energy_mae_eV": float(e_err.mean()),

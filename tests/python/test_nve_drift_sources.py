@@ -28,7 +28,7 @@ def test_reference_matches_ase_velocity_verlet_per_seed(model_name):
     t, kinetic, potential = nve_drift_sources.reference_series(model_name, 2, timestep_fs, steps, every,
                                                                torch.device("cpu"))
     assert t.shape == (4,) and kinetic.shape == potential.shape == (4, 2)
-    model = nve_drift_sources.load_float64(model_name, torch.device("cpu"))
+    model = nve_drift_sources.float64_copy(nve_drift_sources.load_student(model_name), torch.device("cpu"))
     for seed in range(2):
         atoms, _ = nve_drift_sources.validate_nve.initial_atoms(nve_drift_sources.TEMPERATURE_K, seed)
         atoms.calc = mirage.ff.Calculator(model, device="cpu")
@@ -70,7 +70,7 @@ def test_force_error_work_accounts_for_a_wrong_model():
     # E_kin + E_run, so the change of E_kin + E64 is the work of the force errors, F_run - F64,
     # which the trapezoid rule over every step must give (up to velocity Verlet's O(dt^2)).
     cpu = torch.device("cpu")
-    exact = nve_drift_sources.load_float64("schnet", cpu)
+    exact = nve_drift_sources.float64_copy(nve_drift_sources.load_student("schnet"), cpu)
     atoms, _ = nve_drift_sources.validate_nve.initial_atoms(nve_drift_sources.TEMPERATURE_K, 0)
     x, v, f, e = nve_drift_sources.record_path(Scaled(exact, 1.05), atoms, 0.25, 200, 1, cpu)
     e64, f64 = nve_drift_sources.float64_along(exact, atoms.numbers, x, cpu)
