@@ -46,9 +46,13 @@ from forcefield import train_student  # noqa: E402
 TEMPERATURE_K = 300.0
 
 
-def load_student(model_name):
-    """The committed student of ``model_name`` (float32, CPU)."""
-    return train_student.load_student(train_student.STUDENT_PATHS[model_name])[0]
+def load_student(model_name, weights=None):
+    """The student of ``model_name`` (float32, CPU) from the file ``weights``, by default the
+    committed one."""
+    model = train_student.load_student(weights or train_student.STUDENT_PATHS[model_name])[0]
+    if type(model) is not train_student.MODELS[model_name]:
+        raise SystemExit(f"nve_drift_sources: {weights} holds a {type(model).__name__}, not the --model {model_name}")
+    return model
 
 
 def float64_copy(model, device):
@@ -107,7 +111,7 @@ def path(args, device):
 
     import mirage.ff
 
-    student = load_student(args.model)
+    student = load_student(args.model, args.weights)
     fast = mirage.ff.optimize(copy.deepcopy(student).to(device))
     exact = float64_copy(student, device)
     atoms, _ = validate_nve.initial_atoms(TEMPERATURE_K, args.seed)
@@ -136,12 +140,12 @@ def path(args, device):
     }
 
 
-def reference_series(model_name, seeds, timestep_fs, steps, every, device):
+def reference_series(model_name, seeds, timestep_fs, steps, every, device, weights=None):
     """Times (ps) [R], kinetic and potential energies (eV) [R, seeds] of the float64 runs, recorded
     every ``every`` steps from step 0."""
     import ase.units
 
-    model = float64_copy(load_student(model_name), device)
+    model = float64_copy(load_student(model_name, weights), device)
     starts = [validate_nve.initial_atoms(TEMPERATURE_K, seed)[0] for seed in range(seeds)]
     z = torch.tensor(starts[0].numbers, device=device)
     masses = torch.tensor(starts[0].get_masses(), dtype=torch.float64, device=device)[None, :, None]
@@ -191,7 +195,8 @@ def reference_series(model_name, seeds, timestep_fs, steps, every, device):
 
 def reference(args, device):
     started = time.monotonic()
-    t, kinetic, potential = reference_series(args.model, args.seeds, args.timestep_fs, args.steps, args.every, device)
+    t, kinetic, potential = reference_series(args.model, args.seeds, args.timestep_fs, args.steps, args.every, device,
+                                             args.weights)
     return {"run": "plain student in float64, batched velocity Verlet in float64",
             "seconds": round(time.monotonic() - started, 1),
             "drift_pct_by_seed": [round(signed_drift_pct(t, kinetic[:, b], kinetic[:, b] + potential[:, b]), 4)
@@ -202,6 +207,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["path", "reference"])
     parser.add_argument("--model", choices=sorted(train_student.MODELS), default="painn")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="the student's file (default: the committed one, examples/forcefield/benzene_<model>.pt)")
     parser.add_argument("--timestep-fs", type=float, default=0.5)
     parser.add_argument("--time-ps", type=float, default=100.0)
     parser.add_argument("--every", type=int, default=20, help="steps between records (and per graph replay)")

@@ -138,16 +138,21 @@ class PaiNNMessage(nn.Module):
 
 
 class PaiNNUpdate(nn.Module):
-    def __init__(self, hidden):
+    """PaiNN's update block. norm_eps goes under the square root of |V v|: 1e-8 is the customary
+    value; a larger one smooths the norm's cone where V v passes near zero (in molecular dynamics
+    a much smoother energy, docs/perf/forcefield.md)."""
+
+    def __init__(self, hidden, norm_eps=1e-8):
         super().__init__()
         self.hidden = hidden
+        self.norm_eps = norm_eps
         self.U = nn.Linear(hidden, hidden, bias=False)
         self.V = nn.Linear(hidden, hidden, bias=False)
         self.mlp = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.SiLU(), nn.Linear(hidden, 3 * hidden))
 
     def forward(self, s, v):
         uv, vv = self.U(v), self.V(v)  # [N, 3, F]
-        vv_norm = torch.sqrt((vv**2).sum(dim=1) + 1e-8)
+        vv_norm = torch.sqrt((vv**2).sum(dim=1) + self.norm_eps)
         a = self.mlp(torch.cat([s, vv_norm], dim=-1))
         a_vv, a_sv, a_ss = torch.split(a, self.hidden, dim=-1)
         v = v + a_vv[:, None, :] * uv
@@ -156,12 +161,12 @@ class PaiNNUpdate(nn.Module):
 
 
 class PaiNN(nn.Module):
-    def __init__(self, hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, max_z=100):
+    def __init__(self, hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, max_z=100, norm_eps=1e-8):
         super().__init__()
         self.cutoff = cutoff
         self.embedding = nn.Embedding(max_z, hidden)
         self.messages = nn.ModuleList(PaiNNMessage(hidden, num_rbf) for _ in range(num_interactions))
-        self.updates = nn.ModuleList(PaiNNUpdate(hidden) for _ in range(num_interactions))
+        self.updates = nn.ModuleList(PaiNNUpdate(hidden, norm_eps) for _ in range(num_interactions))
         self.readout = nn.Sequential(nn.Linear(hidden, hidden // 2), nn.SiLU(), nn.Linear(hidden // 2, 1))
         # sinc (Bessel) RBF: sqrt(2/c) sin(n pi d / c) / d, n = 1..num_rbf.
         self.register_buffer("frequencies", torch.arange(1, num_rbf + 1, dtype=torch.float32) * math.pi / cutoff)

@@ -377,9 +377,21 @@ def painn_width(model):
     return "updates.2.U gives 8 features, expected 16"
 
 
-@pytest.mark.parametrize("change", [uneven_centers, relu6_filter, linear_subclass, missing_readout, painn_width])
+def painn_norm_eps_differ(model):
+    model.updates[1].norm_eps = 1e-3
+    return "the updates' norm_eps differ"
+
+
+def painn_norm_eps_zero(model):
+    for update in model.updates:
+        update.norm_eps = 0.0
+    return "updates.*.norm_eps must be a finite number > 0, got 0.0"
+
+
+@pytest.mark.parametrize("change", [uneven_centers, relu6_filter, linear_subclass, missing_readout, painn_width,
+                                    painn_norm_eps_differ, painn_norm_eps_zero])
 def test_structure_it_cannot_rebuild_is_left_alone(change):
-    model = make_reference("PaiNN" if change is painn_width else "SchNet")
+    model = make_reference("PaiNN" if change.__name__.startswith("painn") else "SchNet")
     reason = change(model)
     assert mirage.ff.optimize(model) is model
     result = mirage.ff.report(model)
@@ -556,6 +568,28 @@ def test_fused_model_from_sizes_loads_a_reference_state_dict(name):
 
 # ------------------------------------------------------------------------------------------------
 # GPU
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_painn_norm_eps_is_taken_from_the_model(device):
+    """A PaiNN whose updates smooth |V v| with another norm_eps: the fused model computes with
+    it, on the GPU through mirage::painn_energy (benzene, float32, eval). The same model with the
+    default 1e-8 gives other forces, so a fused model that ignored the setting would fail."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = make_reference("PaiNN", dtype, hidden=64 if device == "cuda" else 16, device=device).eval()
+    z, pos, _, _ = system("benzene", dtype, device)
+    _, default_forces = energy_and_forces(model, z, pos)
+    for update in model.updates:
+        update.norm_eps = 0.05
+    fused = swapped(model)
+    assert fused.norm_eps == 0.05
+    energy, forces = energy_and_forces(model, z, pos)
+    fused_energy, fused_forces = energy_and_forces(fused, z, pos)
+    scale = float(forces.abs().max())
+    tol = dict(tolerance(dtype)) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_energy, energy, rtol=tol["rtol"], atol=tol["atol"] * max(float(energy.abs()), 1.0))
+    torch.testing.assert_close(fused_forces, forces, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    assert (default_forces - forces).abs().max() > 100 * tol["atol"] * scale
 
 
 @pytest.mark.cuda

@@ -83,6 +83,19 @@ def test_force_error_work_accounts_for_a_wrong_model():
     assert work == pytest.approx(exact_change - run_change, rel=0.02)
 
 
+def test_reference_of_another_student_file(tmp_path):
+    out = tmp_path / "student.pt"
+    model, _ = train_student.train(out, model="painn", hidden=16, num_interactions=1, steps=3, batch=4, n_train=32,
+                                   n_test=8, log=lambda _: None)
+    cpu = torch.device("cpu")
+    _, _, potential = nve_drift_sources.reference_series("painn", 1, 0.5, 4, 2, cpu, weights=out)
+    atoms, _ = nve_drift_sources.validate_nve.initial_atoms(nve_drift_sources.TEMPERATURE_K, 0)
+    start = nve_drift_sources.float64_copy(model, cpu)(torch.tensor(atoms.numbers), torch.tensor(atoms.positions))
+    assert potential[0, 0] == pytest.approx(float(start), rel=1e-9, abs=1e-12)
+    with pytest.raises(SystemExit, match="holds a PaiNN, not the --model schnet"):
+        nve_drift_sources.load_student("schnet", out)
+
+
 @pytest.mark.parametrize("argv", [["path", "--every", "0"], ["reference", "--seeds", "0"],
                                   ["path", "--time-ps", "0.001", "--every", "20"]])
 def test_bad_arguments(argv):

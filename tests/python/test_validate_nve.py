@@ -173,10 +173,16 @@ def test_batched_energy_matches_the_model_forward(teacher, cls):
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_train_writes_a_loadable_student(tmp_path, name):
     out = tmp_path / "student.pt"
+    settings = {"norm_eps": 0.01} if name == "painn" else {}  # PaiNN's own setting travels in the file
     model, metadata = train_student.train(out, model=name, hidden=16, num_interactions=1, steps=3, batch=4,
-                                          n_train=32, n_test=8, log=lambda _: None)
+                                          n_train=32, n_test=8, log=lambda _: None, **settings)
     loaded, saved = train_student.load_student(out)
     assert type(loaded) is train_student.MODELS[name]
+    if name == "painn":
+        assert loaded.updates[0].norm_eps == 0.01
+    else:
+        with pytest.raises(ValueError, match="norm_eps is a PaiNN setting"):
+            train_student.train(None, model=name, norm_eps=0.01)
     assert saved["held_out"] == metadata["held_out"]
     assert set(saved["held_out"]) == {"energy_mae_eV", "force_rmse_eV_per_A", "force_mae_eV_per_A",
                                       "force_rmse_relative"}

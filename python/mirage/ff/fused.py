@@ -622,8 +622,11 @@ class PaiNN(_FusedModel):
     Attributes:
         max_pairs: neighbor-list capacity (None: the first forward chooses it).
         num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
-        norm_eps: added under the square root of ``|V v|`` (1e-8, the reference's): keeps its
-            gradient finite where ``V v`` vanishes (every atom's ``v`` starts at zero).
+        norm_eps: added under the square root of ``|V v|`` (default 1e-8, the reference's;
+            :meth:`from_model` takes the model's): keeps its gradient finite where ``V v``
+            vanishes (every atom's ``v`` starts at zero). The norm is a cone's tip there, smoothed
+            over ``sqrt(norm_eps)``: in molecular dynamics a larger value makes a smoother energy
+            (docs/perf/forcefield.md, the PaiNN student's NVE).
         fused_filters_min_pairs: from this neighbor capacity on, each interaction's filter is
             formed from the basis inside ``mirage::vector_message_passing`` (its ``filter_weight``)
             where its kernels can (``mirage.ops.fused_filter_supported``, float32 outside autocast;
@@ -669,7 +672,10 @@ class PaiNN(_FusedModel):
         with ``phi`` = Sequential(Linear(F, H), act, Linear(H, 3F)) and ``filter`` = Linear(R, 3F);
         as many ``updates``, each with ``U``, ``V`` = Linear(F, F) and ``mlp`` =
         Sequential(Linear(2F, K), act, Linear(K, 3F)); ``readout`` = Sequential(Linear, act,
-        Linear(., 1)); the basis frequencies ``frequencies`` = n pi / cutoff, n = 1..R.
+        Linear(., 1)); the basis frequencies ``frequencies`` = n pi / cutoff, n = 1..R. The
+        updates' ``norm_eps`` (one value for all, under the square root of ``|V v|``) is taken
+        where they have it; without it the reference's 1e-8 is assumed (another value used but not
+        kept there changes results only where some ``|V v|`` is small, which the probe may miss).
 
         Raises:
             ValueError: the reason, when the structure is not one this model reproduces.
@@ -682,6 +688,12 @@ class PaiNN(_FusedModel):
         if len(messages) != len(updates):
             raise ValueError(f"{len(messages)} messages but {len(updates)} updates")
         num_rbf, filter_bias = None, None
+        norm_eps = {getattr(update, "norm_eps", cls.norm_eps) for update in updates}
+        if len(norm_eps) != 1:
+            raise ValueError(f"the updates' norm_eps differ ({sorted(norm_eps)}); the fused model takes one")
+        (norm_eps,) = norm_eps
+        if not (isinstance(norm_eps, (int, float)) and math.isfinite(norm_eps) and norm_eps > 0):
+            raise ValueError(f"updates.*.norm_eps must be a finite number > 0, got {norm_eps!r}")
         message_blocks, update_blocks, phi_activations, update_activations = [], [], [], []
         for t, (message, update) in enumerate(zip(messages, updates)):
             where = f"messages.{t}"
@@ -704,7 +716,7 @@ class PaiNN(_FusedModel):
         return cls._assemble(model, cutoff, max_pairs, num_rbf, basis_rounding, readout_activation,
                              hidden=features, messages=nn.ModuleList(message_blocks),
                              updates=nn.ModuleList(update_blocks), phi_activations=phi_activations,
-                             update_activations=update_activations)
+                             update_activations=update_activations, norm_eps=float(norm_eps))
 
     def swaps(self) -> List[Tuple[str, str]]:
         """``(kind, where)`` of what this model computes with mirage's ops, for the report."""
