@@ -25,7 +25,13 @@ included), counted over wall time, and ns/day at a 0.5 fs time step; on benzene 
 their MD with the trained students' weights, so the molecule stays bound (see md_weights).
 
     python benchmarks/bench_forcefield.py [--models schnet,painn] [--systems benzene,box3k,box100k]
-        [--peers eager,compile,eager+graph,mirage] [--no-md] [--json out.json] [--quick]
+        [--peers eager,compile,eager+graph,mirage] [--precision fp32|tf32|bf16-mixed] [--no-md]
+        [--json out.json] [--quick]
+
+--precision (default fp32) holds for every peer alike, as mirage.ff.Calculator's option of that
+name: fp32 runs float32 matmuls with TF32 off; tf32 lets matmuls (and mirage's filter products)
+take TF32; bf16-mixed runs each peer's energy+forces under torch.autocast(bfloat16). The force
+errors then say what the precision costs; the MD drivers take the same option.
 
 --quick: hidden 16 and tiny boxes (24 and 81 atoms), short timings, K=2 for MD; runs on the CPU
 (the graphed peers then report n/a, mirage runs eagerly), for the smoke test. Peers that fail
@@ -36,6 +42,7 @@ error>"; the run goes on either way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -59,6 +66,7 @@ from forcefield.models import PaiNN, SchNet, radius_graph  # noqa: E402
 from forcefield.pair_energy import atom_energies  # noqa: E402
 
 PEERS = ("eager", "compile", "eager+graph", "mirage")
+PRECISIONS = ("fp32", "tf32", "bf16-mixed")  # mirage.ff.PRECISIONS (mirage is imported only where a peer needs it)
 # mirage runs before the hand-made graph: a failed capture there must not take mirage's row with it.
 RUN_ORDER = ("eager", "compile", "mirage", "eager+graph")
 MODELS = {"schnet": SchNet, "painn": PaiNN}
@@ -231,6 +239,13 @@ def energy_and_forces(energy_fn, positions):
         energy = energy_fn(positions)
         (grad,) = torch.autograd.grad(energy, positions)
     return energy.detach(), -grad
+
+
+def autocast_for(precision, device):
+    """torch.autocast(bfloat16) for "bf16-mixed", nothing otherwise (TF32 is a global setting)."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -578,9 +593,9 @@ def md_weights(model_name, model, system):
     if type(student) is not type(model) or student.cutoff != model.cutoff or mine.keys() != theirs.keys() or any(
             mine[k].shape != theirs[k].shape for k in mine):
         return model, "random (the student has another size)"
-    trained = copy.deepcopy(model)
-    trained.load_state_dict(theirs)
-    return trained, "trained student"
+    # The student itself, not its state_dict in the model: settings that are not parameters
+    # (PaiNN's norm_eps) come with it.
+    return student.to(device=next(model.parameters()).device).eval().requires_grad_(False), "trained student"
 
 
 def measure_md(model_name, model, system, opts):
@@ -608,12 +623,12 @@ def measure_md(model_name, model, system, opts):
                 from mirage.ff.md import VelocityVerlet
 
                 dyn = VelocityVerlet(fused, atoms, timestep, steps_per_replay=k, device=str(device),
-                                     progress_every=None)
+                                     precision=opts.precision, progress_every=None)
                 run = functools.partial(dyn.run, write_every=MD_WRITE_EVERY)
             else:
                 from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
-                atoms.calc = mirage.ff.Calculator(fused, device=str(device))
+                atoms.calc = mirage.ff.Calculator(fused, device=str(device), precision=opts.precision)
                 dyn = AseVelocityVerlet(atoms, timestep)
                 run = dyn.run
             rate, steps = steps_per_second(run, k, device, opts.md_seconds)
@@ -797,6 +812,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-md", dest="md", action="store_false", help="skip the MD steps/s measurements")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per peer (median); default 7, quick 2")
     parser.add_argument("--quick", action="store_true", help="tiny boxes and short timings (CPU smoke test)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="float32 matmuls (fp32, the default), TF32 matmuls (tf32) or autocast to bfloat16 "
+                             "(bf16-mixed), for every peer")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args(argv)
     models = parse_list(opts.models, MODELS, "models", parser)
@@ -816,10 +834,11 @@ def main(argv=None) -> int:
     print(f"{facts['gpu']}, torch {facts['torch']}, CUDA {facts['cuda']}, mirage {facts['mirage']} "
           f"(commit {facts['commit'] or 'unknown'}), {facts['date']}")
     print(f"command: {command}")
+    print(f"precision: {opts.precision}")
     if device.type == "cuda":
-        # fp32 means fp32: TF32 matmuls would change the force error of every peer.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        # TF32 only where asked for: it changes the force error of every peer.
+        torch.backends.cuda.matmul.allow_tf32 = opts.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = opts.precision == "tf32"
         facts["graph_floor_ms"] = graph_floor_ms(device, opts)
         print(f"graph floor (copy 12 positions in + replay a one-kernel graph): {facts['graph_floor_ms']:.4f} ms")
     rows, md_rows, notes, reports, systems_info = [], [], [], {}, {}
@@ -840,7 +859,9 @@ def main(argv=None) -> int:
             ref = fp64_reference(model, system, notes)
             case = []
             for peer in sorted(peers, key=RUN_ORDER.index):
-                row = measure_peer(peer, model, system, ref, opts, notes, reports, f"{model_name} on {system_name}")
+                with autocast_for(opts.precision, device):
+                    row = measure_peer(peer, model, system, ref, opts, notes, reports,
+                                       f"{model_name} on {system_name}")
                 row.update(model=model_name, system=system_name, atoms=info["atoms"])
                 case.append(row)
             case.sort(key=lambda r: PEERS.index(r["peer"]))
@@ -856,7 +877,8 @@ def main(argv=None) -> int:
     targets = evaluate_targets(rows, md_rows, peers)
     print_report(rows, md_rows, systems_info, notes, reports, targets, peers, opts.quick)
     write_json(opts.json, {"device": facts, "command": command, "argv": sys.argv,
-                           "config": dict(model=opts.model_config, timestep_fs=TIMESTEP_FS, jitter_A=JITTER,
+                           "config": dict(model=opts.model_config, precision=opts.precision,
+                                          timestep_fs=TIMESTEP_FS, jitter_A=JITTER,
                                           repeats=opts.repeats, quick=opts.quick, peers=peers,
                                           md_replay_steps=list(opts.md_replay_steps),
                                           md_write_every=MD_WRITE_EVERY),

@@ -46,12 +46,17 @@ from forcefield import train_student  # noqa: E402
 TEMPERATURE_K = 300.0
 
 
+def student_file(model_name, weights=None):
+    """``weights``, or the committed student file of ``model_name``."""
+    return Path(weights) if weights is not None else train_student.STUDENT_PATHS[model_name]
+
+
 def load_student(model_name, weights=None):
-    """The student of ``model_name`` (float32, CPU) from the file ``weights``, by default the
-    committed one."""
-    model = train_student.load_student(weights or train_student.STUDENT_PATHS[model_name])[0]
+    """The student of ``model_name`` (float32, CPU) from :func:`student_file`."""
+    path = student_file(model_name, weights)
+    model = train_student.load_student(path)[0]
     if type(model) is not train_student.MODELS[model_name]:
-        raise SystemExit(f"nve_drift_sources: {weights} holds a {type(model).__name__}, not the --model {model_name}")
+        raise SystemExit(f"nve_drift_sources: {path} holds a {type(model).__name__}, not the --model {model_name}")
     return model
 
 
@@ -230,7 +235,10 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.backends.cuda.matmul.allow_tf32 = False
-    result = {"mode": args.mode, "model": args.model, "timestep_fs": args.timestep_fs, "time_ps": args.time_ps,
+    weights = student_file(args.model, args.weights)
+    result = {"mode": args.mode, "model": args.model, "weights": str(weights),
+              "config": train_student.load_student(weights)[1]["config"],
+              "timestep_fs": args.timestep_fs, "time_ps": args.time_ps,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               **(path if args.mode == "path" else reference)(args, device)}
     text = json.dumps(result, indent=1)

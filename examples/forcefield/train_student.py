@@ -129,15 +129,25 @@ def force_errors(model, atomic_numbers, positions, energies, forces, batch=100):
     }
 
 
-def train(out, *, model="schnet", hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, norm_eps=None,
-          steps=DEFAULT_STEPS, batch=16, n_train=2000, n_test=300, lr=2e-3, seed=0, log=print):
-    """Train the student and save it to ``out`` (None: do not save). Returns (model, metadata).
-    ``norm_eps`` (PaiNN only; None: the model's default) goes under the square root of |V v|."""
+def student_config(model, hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, norm_eps=None):
+    """The constructor arguments of a student of ``model`` ("schnet" or "painn"), as its file
+    stores them; ValueError for a setting the model does not take. ``norm_eps`` (PaiNN only;
+    None: the model's default) goes under the square root of |V v|."""
     config = {"hidden": hidden, "num_interactions": num_interactions, "num_rbf": num_rbf, "cutoff": cutoff}
     if norm_eps is not None:
         if MODELS[model] is not PaiNN:
             raise ValueError(f"train_student: norm_eps is a PaiNN setting, not {model}'s")
+        if not (math.isfinite(norm_eps) and norm_eps > 0):
+            raise ValueError(f"train_student: norm_eps must be finite and > 0, got {norm_eps}")
         config["norm_eps"] = norm_eps
+    return config
+
+
+def train(out, *, model="schnet", hidden=128, num_interactions=3, num_rbf=20, cutoff=5.0, norm_eps=None,
+          steps=DEFAULT_STEPS, batch=16, n_train=2000, n_test=300, lr=2e-3, seed=0, log=print):
+    """Train the student and save it to ``out`` (None: do not save). Returns (model, metadata).
+    The model's settings as :func:`student_config` takes them."""
+    config = student_config(model, hidden, num_interactions, num_rbf, cutoff, norm_eps)
     threads = torch.get_num_threads()
     # Small tensors: one thread is faster, by 10x on a busy two-core machine (thread contention).
     torch.set_num_threads(1)
@@ -167,7 +177,8 @@ def _train(out, model_class, config, steps, batch, n_train, n_test, lr, seed, lo
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * s / steps)))
     settings = ", ".join(f"{k}={v}" for k, v in config.items())
-    log(f"train_student: {model_class.__name__}({settings}) on {n_train} teacher configurations ({T_MIN:.0f}-{T_MAX:.0f} K), {steps} steps of {batch}")
+    log(f"train_student: {model_class.__name__}({settings}) on {n_train} teacher configurations "
+        f"({T_MIN:.0f}-{T_MAX:.0f} K), {steps} steps of {batch}")
     last_log = time.monotonic()
     for step in range(steps):
         idx = torch.randint(n_train, (batch,), generator=gen)
@@ -205,7 +216,7 @@ def _train(out, model_class, config, steps, batch, n_train, n_test, lr, seed, lo
 
 def load_student(path):
     """A trained student: (its model, SchNet or PaiNN as the file says, in eval mode, float32, CPU;
-    the file's metadata)."""
+    the file's metadata with the model's ``config``)."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise ValueError(f"load_student: {path} is not a student file of format {FORMAT!r}")
@@ -214,7 +225,7 @@ def load_student(path):
         raise ValueError(f"load_student: {path} holds a {saved.get('model')!r}, not one of {sorted(classes)}")
     model = classes[saved["model"]](**saved["config"])
     model.load_state_dict(saved["state_dict"])
-    return model.eval(), saved["metadata"]
+    return model.eval(), {**saved["metadata"], "config": saved["config"]}
 
 
 def main(argv=None):
@@ -230,8 +241,10 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.norm_eps is not None and args.model != "painn":
-        parser.error("--norm-eps is a PaiNN setting")
+    try:
+        student_config(args.model, norm_eps=args.norm_eps)
+    except ValueError as error:
+        parser.error(str(error))
     train(args.out or STUDENT_PATHS[args.model], model=args.model, hidden=args.hidden,
           num_interactions=args.interactions, norm_eps=args.norm_eps, steps=args.steps, batch=args.batch,
           lr=args.lr, seed=args.seed)

@@ -261,6 +261,70 @@ def test_parameters_are_shared_and_the_original_untouched(name):
     assert_same(fused(z, pos), model(z, pos), torch.float64)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_painn_norm_eps_is_taken_from_the_model(device):
+    """A PaiNN whose updates smooth |V v| with another norm_eps (here one-element tensors, one per
+    update): the fused model computes with it, on the GPU as mirage::painn_energy (benzene,
+    float32, eval). The same model with the default 1e-8 gives other forces, so a fused model
+    that ignored the setting would fail."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = make_reference("PaiNN", dtype, hidden=64 if device == "cuda" else 16, device=device).eval()
+    z, pos, _, _ = system("benzene", dtype, device)
+    _, default_forces = energy_and_forces(model, z, pos)
+    for update in model.updates:
+        update.norm_eps = torch.tensor(0.05, dtype=torch.float64)
+    fused = swapped(model)
+    assert fused.norm_eps == 0.05 and "norm_eps=0.05" in repr(fused)
+    assert "(norm_eps 0.05)" in str(mirage.ff.report(fused))
+    energy, forces = energy_and_forces(model, z, pos)
+    with OpCounter() as ops:
+        fused_energy, fused_forces = energy_and_forces(fused, z, pos)
+    assert ("mirage.painn_energy" in ops.calls) == (device == "cuda"), ops.calls
+    scale = float(forces.abs().max())
+    tol = dict(tolerance(dtype)) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_energy, energy, rtol=tol["rtol"], atol=tol["atol"] * max(float(energy.abs()), 1.0))
+    torch.testing.assert_close(fused_forces, forces, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    assert (default_forces - forces).abs().max() > 100 * tol["atol"] * scale
+
+
+def test_painn_norm_eps_from_sizes():
+    fused = ff_fused.PaiNN(hidden=16, num_rbf=8, norm_eps=0.01)
+    assert fused.norm_eps == 0.01 and not fused.norm_eps_assumed
+    with pytest.raises(ValueError, match=r"mirage.ff.PaiNN: norm_eps must be a finite number > 0, got -1.0"):
+        ff_fused.PaiNN(norm_eps=-1.0)
+
+
+class UpdateWithoutNormEps(reference.PaiNNUpdate):
+    """PaiNN's update as models that keep no norm_eps write it: 1e-8 in the forward."""
+
+    def forward(self, s, v):
+        uv, vv = self.U(v), self.V(v)
+        a = self.mlp(torch.cat([s, torch.sqrt((vv**2).sum(dim=1) + 1e-8)], dim=-1))
+        a_vv, a_sv, a_ss = torch.split(a, self.hidden, dim=-1)
+        return s + a_sv * (uv * vv).sum(dim=1) + a_ss, v + a_vv[:, None, :] * uv
+
+
+def test_painn_without_norm_eps_is_reported_as_assumed():
+    model = make_reference("PaiNN")
+    for update in model.updates:
+        update.__class__ = UpdateWithoutNormEps
+        del update.norm_eps
+    fused = swapped(model)
+    assert fused.norm_eps == 1e-8 and fused.norm_eps_assumed
+    assert "(norm_eps 1e-08, assumed: the model keeps none)" in str(mirage.ff.report(fused))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_optimize_under_autocast(name):
+    # The reference models as written fail under autocast (index_add_ of bfloat16 into float32);
+    # the probe compares in the model's dtype all the same, so the swap happens.
+    model = make_reference(name, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = swapped(model)
+    z, pos, cell, pbc = system("benzene", torch.float32)
+    assert_same_energy_forces(fused, model, z, pos, cell, pbc)
+
+
 def test_optimize_under_no_grad_and_inference_mode():
     model = make_reference("SchNet")
     with torch.no_grad():
@@ -385,11 +449,25 @@ def painn_norm_eps_differ(model):
 def painn_norm_eps_zero(model):
     for update in model.updates:
         update.norm_eps = 0.0
-    return "updates.*.norm_eps must be a finite number > 0, got 0.0"
+    return "updates.0.norm_eps must be a finite number > 0, got 0.0"
+
+
+def painn_norm_eps_list(model):
+    for update in model.updates:
+        update.norm_eps = [1e-3]
+    return "updates.0.norm_eps must be a finite number > 0, got [0.001]"
+
+
+def painn_norm_eps_missing_on_one(model):
+    for update in model.updates[1:]:
+        update.norm_eps = 1e-8
+    del model.updates[0].norm_eps
+    return "the updates' norm_eps differ (updates.0: none, updates.1: 1e-08, updates.2: 1e-08)"
 
 
 @pytest.mark.parametrize("change", [uneven_centers, relu6_filter, linear_subclass, missing_readout, painn_width,
-                                    painn_norm_eps_differ, painn_norm_eps_zero])
+                                    painn_norm_eps_differ, painn_norm_eps_zero, painn_norm_eps_list,
+                                    painn_norm_eps_missing_on_one])
 def test_structure_it_cannot_rebuild_is_left_alone(change):
     model = make_reference("PaiNN" if change.__name__.startswith("painn") else "SchNet")
     reason = change(model)
@@ -568,28 +646,6 @@ def test_fused_model_from_sizes_loads_a_reference_state_dict(name):
 
 # ------------------------------------------------------------------------------------------------
 # GPU
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_painn_norm_eps_is_taken_from_the_model(device):
-    """A PaiNN whose updates smooth |V v| with another norm_eps: the fused model computes with
-    it, on the GPU through mirage::painn_energy (benzene, float32, eval). The same model with the
-    default 1e-8 gives other forces, so a fused model that ignored the setting would fail."""
-    dtype = torch.float64 if device == "cpu" else torch.float32
-    model = make_reference("PaiNN", dtype, hidden=64 if device == "cuda" else 16, device=device).eval()
-    z, pos, _, _ = system("benzene", dtype, device)
-    _, default_forces = energy_and_forces(model, z, pos)
-    for update in model.updates:
-        update.norm_eps = 0.05
-    fused = swapped(model)
-    assert fused.norm_eps == 0.05
-    energy, forces = energy_and_forces(model, z, pos)
-    fused_energy, fused_forces = energy_and_forces(fused, z, pos)
-    scale = float(forces.abs().max())
-    tol = dict(tolerance(dtype)) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused_energy, energy, rtol=tol["rtol"], atol=tol["atol"] * max(float(energy.abs()), 1.0))
-    torch.testing.assert_close(fused_forces, forces, rtol=tol["rtol"], atol=tol["atol"] * scale)
-    assert (default_forces - forces).abs().max() > 100 * tol["atol"] * scale
 
 
 @pytest.mark.cuda

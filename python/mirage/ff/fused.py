@@ -26,6 +26,7 @@ forward chooses it from the system) and the ``[1]`` int64 buffer ``num_pairs``, 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -600,6 +601,15 @@ class SchNet(_FusedModel):
         return f"{super().extra_repr()}, num_rbf={self.num_rbf}, filter_activation={self.filter_activation!r}"
 
 
+def _norm_eps(value, what: str) -> float:
+    """PaiNN's norm_eps as a float: a real number or one-element tensor, finite and > 0."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def _shared_mlp(sequential: nn.Module, activation: str) -> nn.Sequential:
     """A Sequential holding the same two Linear modules (shared parameters, same names) with
     mirage's own activation module between them."""
@@ -635,6 +645,7 @@ class PaiNN(_FusedModel):
     """
 
     norm_eps = 1e-8
+    norm_eps_assumed = False  # from_model found no norm_eps on the updates (the report says so)
     fused_filters_min_pairs = 8192
     # H200, 2026-11-24 16:53 UTC (profile_forcefield.py --models painn --whole-model, molecules at
     # liquid density, µs per energy+forces, one op vs layers): 205 vs 365 at 132 pairs (12 atoms),
@@ -644,11 +655,13 @@ class PaiNN(_FusedModel):
     whole_model_max_atoms = 32
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
-                 max_z: int = 100, activation: str = "silu", max_pairs: Optional[int] = None) -> None:
+                 max_z: int = 100, activation: str = "silu", max_pairs: Optional[int] = None,
+                 norm_eps: float = 1e-8) -> None:
         super().__init__(cutoff, max_pairs)
         if num_rbf < 1 or hidden < 2 or num_interactions < 1:
             raise ValueError(f"mirage.ff.PaiNN: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
                              f"{num_rbf}, {hidden}, {num_interactions}")
+        self.norm_eps = _norm_eps(norm_eps, "mirage.ff.PaiNN: norm_eps")
         self.num_rbf = num_rbf
         self.hidden = hidden
         self.embedding = nn.Embedding(max_z, hidden)
@@ -688,12 +701,11 @@ class PaiNN(_FusedModel):
         if len(messages) != len(updates):
             raise ValueError(f"{len(messages)} messages but {len(updates)} updates")
         num_rbf, filter_bias = None, None
-        norm_eps = {getattr(update, "norm_eps", cls.norm_eps) for update in updates}
-        if len(norm_eps) != 1:
-            raise ValueError(f"the updates' norm_eps differ ({sorted(norm_eps)}); the fused model takes one")
-        (norm_eps,) = norm_eps
-        if not (isinstance(norm_eps, (int, float)) and math.isfinite(norm_eps) and norm_eps > 0):
-            raise ValueError(f"updates.*.norm_eps must be a finite number > 0, got {norm_eps!r}")
+        kept = [_norm_eps(update.norm_eps, f"updates.{t}.norm_eps")
+                for t, update in enumerate(updates) if hasattr(update, "norm_eps")]
+        if (kept and len(kept) != len(updates)) or len(set(kept)) > 1:
+            values = ", ".join(f"updates.{t}: {getattr(u, 'norm_eps', 'none')}" for t, u in enumerate(updates))
+            raise ValueError(f"the updates' norm_eps differ ({values}); the fused model takes one")
         message_blocks, update_blocks, phi_activations, update_activations = [], [], [], []
         for t, (message, update) in enumerate(zip(messages, updates)):
             where = f"messages.{t}"
@@ -711,12 +723,13 @@ class PaiNN(_FusedModel):
         _, readout_activation, _ = _sequential_mlp(model, "readout", "", features, 1)
         basis_rounding = _buffer(model, "frequencies",
                 torch.arange(1, num_rbf + 1, dtype=torch.float64) * (math.pi / cutoff),
-                f"the frequencies n pi / {cutoff}, n = 1..{num_rbf}")
+                f"frequencies n pi / {cutoff}, n = 1..{num_rbf}")
 
         return cls._assemble(model, cutoff, max_pairs, num_rbf, basis_rounding, readout_activation,
                              hidden=features, messages=nn.ModuleList(message_blocks),
                              updates=nn.ModuleList(update_blocks), phi_activations=phi_activations,
-                             update_activations=update_activations, norm_eps=float(norm_eps))
+                             update_activations=update_activations, norm_eps=kept[0] if kept else cls.norm_eps,
+                             norm_eps_assumed=not kept)
 
     def swaps(self) -> List[Tuple[str, str]]:
         """``(kind, where)`` of what this model computes with mirage's ops, for the report."""
@@ -727,7 +740,9 @@ class PaiNN(_FusedModel):
                                      f"{self.fused_filters_min_pairs} pairs of neighbor capacity on, formed inside "
                                      "vector_message_passing instead, or a GEMM each where its kernels cannot)")]
                 + [("vector_message_passing", f"messages.{t}") for t in range(count)]
-                + [("painn_update", f"updates.{t}") for t in range(count)]
+                + [("painn_update", f"updates.{t} (norm_eps {self.norm_eps:g}"
+                                    f"{', assumed: the model keeps none' if self.norm_eps_assumed else ''})")
+                   for t in range(count)]
                 + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
                 + [("linear", "readout")])
 
@@ -809,5 +824,5 @@ class PaiNN(_FusedModel):
                 and ops.fused_filter_supported(self.hidden, basis_width, positions.device))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, num_rbf={self.num_rbf}, hidden={self.hidden}"
+        return f"{super().extra_repr()}, num_rbf={self.num_rbf}, hidden={self.hidden}, norm_eps={self.norm_eps:g}"
 

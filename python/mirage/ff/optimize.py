@@ -283,7 +283,10 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     result.style = recognizer.name
     try:
         fused = recognizer.build(model, max_pairs)
-        with torch.enable_grad():
+        # The probe compares in the model's dtype: under an autocast of the caller's both would
+        # run in bfloat16 or float16 (and user code that autocast breaks would be left alone).
+        device_type = next(model.parameters()).device.type
+        with torch.enable_grad(), torch.autocast(device_type, enabled=False):
             result.verification = _verify(model, fused)
     except ValueError as reason:
         result.left_alone.append(("(model)", str(reason)))
