@@ -66,7 +66,7 @@ from forcefield.models import PaiNN, SchNet, radius_graph  # noqa: E402
 from forcefield.pair_energy import atom_energies  # noqa: E402
 
 PEERS = ("eager", "compile", "eager+graph", "mirage")
-PRECISIONS = ("fp32", "tf32", "bf16-mixed")  # mirage.ff.PRECISIONS (mirage is imported only where a peer needs it)
+PRECISIONS = ("fp32", "tf32", "bf16-mixed")  # mirage.ff.precision.PRECISIONS (mirage is imported only where needed)
 # mirage runs before the hand-made graph: a failed capture there must not take mirage's row with it.
 RUN_ORDER = ("eager", "compile", "mirage", "eager+graph")
 MODELS = {"schnet": SchNet, "painn": PaiNN}

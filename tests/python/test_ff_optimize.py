@@ -16,6 +16,7 @@ from torch import nn
 import mirage
 import mirage.ff
 from mirage.ff import fused as ff_fused
+from mirage.ff.precision import matmul_precision
 
 from common import OpCounter, capture_graph
 from tolerances import tolerance
@@ -312,6 +313,18 @@ def test_painn_without_norm_eps_is_reported_as_assumed():
     fused = swapped(model)
     assert fused.norm_eps == 1e-8 and fused.norm_eps_assumed
     assert "(norm_eps 1e-08, assumed: the model keeps none)" in str(mirage.ff.report(fused))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", MODELS)
+def test_optimize_with_tf32_on(name):
+    # With TF32 matmuls allowed (a common global setting) the original's and the fused model's
+    # products round differently (1e-3 of the forces); the probe compares at full precision, so
+    # the swap happens and the setting comes back after.
+    model = make_reference(name, torch.float32, hidden=64, device="cuda")
+    with matmul_precision("tf32"):
+        fused = swapped(model)
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 @pytest.mark.parametrize("name", MODELS)

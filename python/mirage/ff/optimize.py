@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .fused import PaiNN, SchNet
+from .precision import matmul_precision
 
 __all__ = ["FFOptimizeReport", "Recognizer", "RECOGNIZERS", "optimize", "report"]
 
@@ -283,10 +284,11 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     result.style = recognizer.name
     try:
         fused = recognizer.build(model, max_pairs)
-        # The probe compares in the model's dtype: under an autocast of the caller's both would
-        # run in bfloat16 or float16 (and user code that autocast breaks would be left alone).
+        # The probe compares in the model's dtype at full precision: under the caller's autocast
+        # or TF32 setting the two would differ by bfloat16's or TF32's rounding (and user code that
+        # autocast breaks would be left alone).
         device_type = next(model.parameters()).device.type
-        with torch.enable_grad(), torch.autocast(device_type, enabled=False):
+        with torch.enable_grad(), torch.autocast(device_type, enabled=False), matmul_precision("fp32"):
             result.verification = _verify(model, fused)
     except ValueError as reason:
         result.left_alone.append(("(model)", str(reason)))
