@@ -28,10 +28,11 @@ their MD with the trained students' weights, so the molecule stays bound (see md
         [--peers eager,compile,eager+graph,mirage] [--precision fp32|tf32|bf16-mixed] [--no-md]
         [--json out.json] [--quick]
 
---precision (default fp32) holds for every peer alike, as mirage.ff.Calculator's option of that
-name: fp32 runs float32 matmuls with TF32 off; tf32 lets matmuls (and mirage's filter products)
-take TF32; bf16-mixed runs each peer's energy+forces under torch.autocast(bfloat16). The force
-errors then say what the precision costs; the MD drivers take the same option.
+--precision (default fp32) holds for every peer alike: fp32 runs float32 matmuls with TF32 off;
+tf32 lets matmuls (and mirage's filter products) take TF32; bf16-mixed runs each peer's
+energy+forces call under torch.autocast(bfloat16) (mirage.ff.Calculator autocasts the forward
+only; the backward runs in the forward's dtypes either way). The force errors then say what the
+precision costs; the MD drivers take the calculator's option of the same name.
 
 --quick: hidden 16 and tiny boxes (24 and 81 atoms), short timings, K=2 for MD; runs on the CPU
 (the graphed peers then report n/a, mirage runs eagerly), for the smoke test. Peers that fail

@@ -105,7 +105,7 @@ def time_fused_interactions(system_name: str = "box3k") -> None:
     """mirage's SchNet energy+forces (a CUDA graph of 10 calls, µs) with its interactions as
     mirage::cfconv and as batched filter GEMMs + message_passing (SchNet.fused_interactions), with
     TF32 off and on, alternating in one process; the forces' difference from the first."""
-    from mirage.ff.calculator import matmul_precision
+    from mirage.ff.precision import matmul_precision
 
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -237,7 +237,7 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     weights = student_file(args.model, args.weights)
     result = {"mode": args.mode, "model": args.model, "weights": str(weights),
-              "config": train_student.load_student(weights)[1]["config"],
+              "config": torch.load(weights, map_location="cpu", weights_only=True).get("config"),
               "timestep_fs": args.timestep_fs, "time_ps": args.time_ps,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               **(path if args.mode == "path" else reference)(args, device)}

@@ -43,6 +43,7 @@ import argparse
 import datetime
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -449,8 +450,9 @@ def main(argv=None):
         # A drift can be the model's own at this time step (a PaiNN student trained with
         # norm_eps 1e-8 drifted so, docs/perf/forcefield.md): say how to tell.
         message(f"the model's own drift, without mirage or float32: python scripts/nve_drift_sources.py reference "
-                f"--model {args.model} --weights {args.weights} --timestep-fs {args.timestep_fs:g}; this run's "
-                f"share: ... path --seed {args.seed} (docs/perf/forcefield.md, \"Where the drift comes from\")")
+                f"--model {args.model} --weights {shlex.quote(str(args.weights))} --timestep-fs {args.timestep_fs:g}; "
+                f"this run's share: ... path --seed {args.seed} (docs/perf/forcefield.md, \"Where the drift comes "
+                f"from\")")
     return 0 if passed else 1
 
 

@@ -29,6 +29,18 @@
 namespace mirage::ops {
 namespace {
 
+// Whether PyTorch lets float32 CUDA matmuls use TF32 now, read through its newer API (CUDA
+// matmul's setting, the generic one where that is NONE), as mirage.ops.tf32_matmuls reads it:
+// the legacy getter, allowTF32CuBLAS(), raises once a caller has used both APIs (say
+// torch.backends.cuda.matmul.fp32_precision = "tf32" alone).
+bool tf32_matmuls() {
+  const auto& context = at::globalContext();
+  at::Float32Precision precision = context.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL);
+  if (precision == at::Float32Precision::NONE)
+    precision = context.float32Precision(at::Float32Backend::GENERIC, at::Float32Op::ALL);
+  return precision == at::Float32Precision::TF32;
+}
+
 void check_lt(cublasStatus_t status, const char* call) {
   MIRAGE_CHECK(status == CUBLAS_STATUS_SUCCESS, kLinear, ": ", call, " failed: ",
               cublasLtGetStatusString(status));
@@ -271,7 +283,7 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
 
   const at::ScalarType dtype = x.scalar_type();
   const cudaDataType_t type = dtype == at::kHalf ? CUDA_R_16F : dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
-  const bool tf32 = dtype == at::kFloat && at::globalContext().allowTF32CuBLAS();
+  const bool tf32 = dtype == at::kFloat && tf32_matmuls();
 
   // Row-major [m, n] y is column-major [n, m]: y^T = weight x x^T ([k, m] column-major), the
   // weight a row-major [n, k] (column-major [k, n], transposed) or a column-major [n, k] one.

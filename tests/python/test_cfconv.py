@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import mirage
 import mirage.ff
-from mirage.ff.calculator import matmul_precision
+from mirage.ff.precision import matmul_precision
 from common import (DEVICES, FF_ACTIVATIONS, assert_error, assert_first_order_only, capture_graph,
                     energy_forces_and_ops, strided)
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance

@@ -315,16 +315,63 @@ def test_painn_without_norm_eps_is_reported_as_assumed():
     assert "(norm_eps 1e-08, assumed: the model keeps none)" in str(mirage.ff.report(fused))
 
 
+# The ways users turn TF32 on: the legacy call, the legacy flag, the newer flag alone (after which
+# PyTorch's legacy getter raises, since the two APIs disagree).
+TF32_SETTINGS = {
+    "set_float32_matmul_precision": lambda: torch.set_float32_matmul_precision("high"),
+    "allow_tf32": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "fp32_precision": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+}
+
+
+@pytest.fixture
+def default_matmul_flags():
+    yield
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.fp32_precision = "none"
+
+
+def _flags():
+    matmul = torch.backends.cuda.matmul
+    try:
+        legacy = matmul.allow_tf32
+    except RuntimeError:
+        legacy = "unreadable"
+    return matmul.fp32_precision, legacy
+
+
+@pytest.mark.parametrize("setting", [None, *TF32_SETTINGS, "ieee"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_matmul_precision_agrees_inside_and_restores(setting, precision, default_matmul_flags):
+    if setting == "ieee":
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    elif setting is not None:
+        TF32_SETTINGS[setting]()
+    before = _flags()
+    with matmul_precision(precision):
+        # both APIs agree: the legacy getter reads, and mirage's reading says the same
+        assert _flags() == ("tf32" if precision == "tf32" else "ieee", precision == "tf32")
+        assert mirage.ops.tf32_matmuls() == (precision == "tf32")
+    after = _flags()
+    assert after[0] == before[0]
+    assert after[1] == before[1] or (before[1] == "unreadable" and after[1] == (before[0] == "tf32"))
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("setting", TF32_SETTINGS)
 @pytest.mark.parametrize("name", MODELS)
-def test_optimize_with_tf32_on(name):
-    # With TF32 matmuls allowed (a common global setting) the original's and the fused model's
-    # products round differently (1e-3 of the forces); the probe compares at full precision, so
-    # the swap happens and the setting comes back after.
-    model = make_reference(name, torch.float32, hidden=64, device="cuda")
-    with matmul_precision("tf32"):
-        fused = swapped(model)
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+def test_optimize_with_tf32_on(name, setting, training, default_matmul_flags):
+    # With TF32 matmuls allowed the original's and the fused model's products round differently
+    # (1e-3 of the forces); the probe compares at full precision, so the swap happens (in training
+    # mode through mirage's linear op, which reads the setting), and the setting comes back after.
+    model = make_reference(name, torch.float32, hidden=64, device="cuda").train(training)
+    TF32_SETTINGS[setting]()
+    before = _flags()
+    fused = swapped(model)
+    assert _flags() == before
+    z, pos, _, _ = system("benzene", torch.float32, "cuda")
+    energy_and_forces(fused, z, pos)  # mirage's ops run under the caller's setting, whichever API set it
 
 
 @pytest.mark.parametrize("name", MODELS)

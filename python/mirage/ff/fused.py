@@ -602,8 +602,11 @@ class SchNet(_FusedModel):
 
 
 def _norm_eps(value, what: str) -> float:
-    """PaiNN's norm_eps as a float: a real number or one-element tensor, finite and > 0."""
+    """PaiNN's norm_eps as a float: a real number or one-element tensor, finite and > 0. The fused
+    model takes its value when it is built: a learnable one (requiring grad) is refused."""
     if isinstance(value, Tensor) and value.numel() == 1:
+        if value.requires_grad:
+            raise ValueError(f"{what} is a learnable tensor; the fused model takes a fixed number")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"{what} must be a finite number > 0, got {value!r}")

@@ -35,8 +35,8 @@ from ase.calculators.singlepoint import SinglePointCalculator
 
 from .. import graphs
 from . import capacity
-from .calculator import (CapacityWatch, check_model, check_precision, evaluate, matmul_precision, model_device_dtype,
-                         on_device, synchronize, uncapturable)
+from .calculator import CapacityWatch, check_model, evaluate, model_device_dtype, on_device, synchronize, uncapturable
+from .precision import check_precision, matmul_precision
 
 __all__ = ["Langevin", "VelocityVerlet"]
 

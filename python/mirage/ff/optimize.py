@@ -257,7 +257,8 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     :meth:`mirage.ff.fused.PaiNN.from_model`), rebuilt on mirage's ops with the same parameters
     (shared, not copied: training one trains the other), and checked against the original on
     probe systems (an open cluster, a triclinic periodic box and a slab periodic along two axes;
-    energies and forces) in the model's dtype and on its device. The model passed in is never changed.
+    energies and forces) in the model's dtype and on its device, at full precision (TF32 off, no
+    autocast, whatever the caller holds). The model passed in is never changed.
 
     Args:
         model: the force field, ``energy = model(atomic_numbers, positions, cell=None, pbc=None)``.

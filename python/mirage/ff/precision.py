@@ -26,23 +26,24 @@ def check_precision(precision: Any, who: str) -> str:
 def matmul_precision(precision: str) -> Iterator[None]:
     """TF32 on for "tf32", off otherwise, for the duration; the caller's settings come back after.
 
-    Captures must run inside: cuBLAS' math mode is recorded into the graph. torch >= 2.9 refuses
-    to mix the legacy ``allow_tf32`` flag with the newer ``fp32_precision`` one, so the newer one
-    is used where it exists.
+    Captures must run inside: cuBLAS' math mode is recorded into the graph. Set through the legacy
+    ``allow_tf32``, which on torch >= 2.9 sets the newer ``fp32_precision`` too, so both agree
+    inside whichever the caller used (``torch.set_float32_matmul_precision("high")``,
+    ``allow_tf32``, ``fp32_precision``): set through the newer one alone, the legacy getter
+    (which mirage's and PyTorch's code may read) raises. Both are restored after; a legacy flag
+    the caller had left unreadable may come back readable, with the same meaning.
     """
     matmul = torch.backends.cuda.matmul
-    allow = precision == "tf32"
-    if hasattr(matmul, "fp32_precision"):
-        saved = matmul.fp32_precision
-        matmul.fp32_precision = "tf32" if allow else "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision = saved
-    else:
-        saved = matmul.allow_tf32
-        matmul.allow_tf32 = allow
-        try:
-            yield
-        finally:
-            matmul.allow_tf32 = saved
+    saved_new = getattr(matmul, "fp32_precision", None)  # torch >= 2.9
+    try:
+        saved_legacy = matmul.allow_tf32
+    except RuntimeError:  # the caller set only the newer API
+        saved_legacy = None
+    matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        if saved_legacy is not None:
+            matmul.allow_tf32 = saved_legacy
+        if saved_new is not None:
+            matmul.fp32_precision = saved_new
