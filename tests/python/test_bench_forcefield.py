@@ -152,6 +152,9 @@ def test_quick_run_in_bf16_mixed(tmp_path, one_thread):
             assert 1e-3 < row["f_rel_rms_err"] < 0.05, row
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--precision", "fp16"])
+    from mirage.ff.precision import PRECISIONS  # the bench keeps a copy (it imports mirage only where needed)
+
+    assert bench.PRECISIONS == PRECISIONS
 
 
 def test_quick_run(tmp_path, capsys, one_thread):
