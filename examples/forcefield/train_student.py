@@ -43,7 +43,10 @@ from forcefield.teacher import BenzeneTeacher, energy_and_forces, normal_modes  
 MODELS = {"schnet": SchNet, "painn": PaiNN}
 # Where each model's committed student lives.
 STUDENT_PATHS = {name: Path(__file__).resolve().parent / f"benzene_{name}.pt" for name in MODELS}
-FORMAT = "mirage-benzene-student-v1"
+# v2 added PaiNN's norm_eps to the config. Code that only knows v1 then refuses the file by name
+# instead of failing on an unknown config key; v1 files (no norm_eps: the model's default) still load.
+FORMAT = "mirage-benzene-student-v2"
+READABLE_FORMATS = ("mirage-benzene-student-v1", FORMAT)
 BOLTZMANN_EV_PER_K = 8.617333262e-5
 MASSES = {1: 1.008, 6: 12.011}  # amu (ASE's values)
 T_MIN, T_MAX = 50.0, 600.0
@@ -218,8 +221,10 @@ def load_student(path):
     """A trained student: (its model, SchNet or PaiNN as the file says, in eval mode, float32, CPU;
     the file's metadata with the model's ``config``)."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise ValueError(f"load_student: {path} is not a student file of format {FORMAT!r}")
+    if not isinstance(saved, dict) or saved.get("format") not in READABLE_FORMATS:
+        found = saved.get("format") if isinstance(saved, dict) else None
+        raise ValueError(f"load_student: {path} is not a student file of a format this code reads "
+                         f"({', '.join(READABLE_FORMATS)}; the file's: {found!r})")
     classes = {cls.__name__: cls for cls in MODELS.values()}
     if saved.get("model") not in classes:
         raise ValueError(f"load_student: {path} holds a {saved.get('model')!r}, not one of {sorted(classes)}")

@@ -181,9 +181,11 @@ def test_train_writes_a_loadable_student(tmp_path, name):
     assert saved["config"] == {"hidden": 16, "num_interactions": 1, "num_rbf": 20, "cutoff": 5.0, **settings}
     if name == "painn":
         assert loaded.updates[0].norm_eps == 0.01
-        # a file from before norm_eps was stored loads with the model's default
+        # a file from before norm_eps was stored (format v1) loads with the model's default
         saved_file = torch.load(out, weights_only=True)
+        assert saved_file["format"] == "mirage-benzene-student-v2"
         del saved_file["config"]["norm_eps"]
+        saved_file["format"] = "mirage-benzene-student-v1"
         torch.save(saved_file, out)
         assert train_student.load_student(out)[0].updates[0].norm_eps == 1e-8
         with pytest.raises(SystemExit):
@@ -203,6 +205,11 @@ def test_train_writes_a_loadable_student(tmp_path, name):
     torch.save({"not": "a student"}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="load_student: .* is not a student file"):
         train_student.load_student(tmp_path / "other.pt")
+    newer = torch.load(out, weights_only=True)
+    newer["format"] = "mirage-benzene-student-v3"
+    torch.save(newer, tmp_path / "newer.pt")
+    with pytest.raises(ValueError, match="the file's: 'mirage-benzene-student-v3'"):
+        train_student.load_student(tmp_path / "newer.pt")
 
 
 @EACH_STUDENT
@@ -211,6 +218,9 @@ def test_stored_student_is_small_and_accurate(teacher, name):
     assert STUDENTS[name].stat().st_size < {"schnet": 2_000_000, "painn": 2_500_000}[name]
     model, metadata = train_student.load_student(STUDENTS[name])
     assert type(model) is train_student.MODELS[name]
+    # PaiNN's student stores norm_eps, which v1 readers cannot take: its file must say v2
+    if "norm_eps" in metadata["config"]:
+        assert torch.load(STUDENTS[name], weights_only=True)["format"] == train_student.FORMAT
     stored = metadata["held_out"]
     # fresh configurations at 300 K, where the validation runs (the stored error is over 50-800 K)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
