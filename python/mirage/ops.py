@@ -656,8 +656,8 @@ def cfconv(
         (``torch.ops.mirage.cfconv_backward``); asking for a gradient in the weights or for a
         second order raises ``RuntimeError``. CUDA takes ``H == M`` of 64 or 128 and
         ``R <= 64`` where the GPU has the shared memory (:func:`cfconv_supported`) and raises
-        ``RuntimeError`` otherwise. No autocast
-        policy. Indices outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA returns NaN
+        ``RuntimeError`` otherwise. Under autocast it runs in float32 (floating inputs cast to
+        float32, a float32 result), as PyTorch's float32-list ops do. Indices outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA returns NaN
         everywhere (gradients too).
     """
     if tf32 is None:

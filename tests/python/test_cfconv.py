@@ -236,6 +236,26 @@ def test_cfconv_opcheck(device, requires_grad, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_runs_in_float32_under_autocast(device):
+    # As a Linear under autocast hands it over: x and the second weight in bfloat16.
+    args = list(make_inputs("narrow", device, torch.float32))
+    args[0], args[6] = args[0].bfloat16(), args[6].bfloat16()
+    upcast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    x = args[0].requires_grad_(True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = mirage.ops.cfconv(x, *args[1:])
+    assert out.dtype == torch.float32
+    x32 = upcast[0].requires_grad_(True)
+    expected = mirage.ops.cfconv(x32, *upcast[1:])
+    torch.testing.assert_close(out, expected)  # float32's tolerance: the same float32 kernel
+    grad_out = torch.randn_like(out)
+    (grad_x,) = torch.autograd.grad(out, x, grad_out)
+    (expected_grad,) = torch.autograd.grad(expected, x32, grad_out)
+    assert grad_x.dtype == torch.bfloat16
+    torch.testing.assert_close(grad_x, expected_grad.bfloat16())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_cfconv_filters_output_is_the_filter_network(device):
     dtype = torch.float32 if device == "cuda" else torch.float64
     x, basis, envelope, pairs, w1, b1, w2, b2, activation = make_inputs("narrow", device, dtype)
@@ -462,6 +482,28 @@ def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces(cfconv_kernels)
     model.fused_interactions = False
     _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
     assert "mirage.cfconv" not in calls
+
+
+@pytest.mark.cuda
+def test_fused_schnet_keeps_cfconv_under_autocast():
+    # bf16-mixed: the atom-wise Linears in bfloat16, the interactions' cfconv in float32 (its
+    # autocast policy) instead of the layers' bfloat16 filters; forces within bfloat16's error.
+    from forcefield.models import SchNet
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(SchNet().cuda())
+    n = 60
+    numbers = torch.randint(1, 9, (n,), device="cuda")
+    positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)
+    reference_energy, reference_forces, _ = energy_forces_and_ops(model, numbers, positions, False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
+    assert model.max_pairs > model.whole_model_max_pairs
+    assert calls.count("mirage.cfconv") == len(model.interactions) and "mirage.cfconv_backward" in calls
+    assert "mirage.message_passing" not in calls
+    scale = reference_forces.abs().max().item()
+    torch.testing.assert_close(forces.float(), reference_forces, rtol=0, atol=5e-2 * scale)
+    torch.testing.assert_close(energy.float(), reference_energy, rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.cuda
