@@ -504,6 +504,13 @@ def test_fused_schnet_keeps_cfconv_under_autocast():
     scale = reference_forces.abs().max().item()
     torch.testing.assert_close(forces.float(), reference_forces, rtol=0, atol=5e-2 * scale)
     torch.testing.assert_close(energy.float(), reference_energy, rtol=2e-2, atol=1e-2)
+    # Within the whole-model limits autocast keeps the layers (faster there than cfconv).
+    small = positions[:12].detach().clone().requires_grad_(True)
+    model.max_pairs = None  # the next call sizes it for 12 atoms
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, _, calls = energy_forces_and_ops(model, numbers[:12], small, False)
+    assert model.max_pairs <= model.whole_model_max_pairs
+    assert "mirage.cfconv" not in calls and "mirage.schnet_energy" not in calls
 
 
 @pytest.mark.cuda

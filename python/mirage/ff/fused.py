@@ -293,9 +293,14 @@ class _FusedModel(nn.Module):
         model's whole_model_max_pairs and whole_model_max_atoms, a structure the op takes
         (:meth:`_whole_model_structure`). Static, never the data, so the choice is graph-safe. The
         ops take int64 atomic numbers only; nn.Embedding takes int32 too, so those keep the layers."""
-        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
-                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
-                and self._whole_model_structure())
+        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64
+                and self._whole_model_size(positions) and self._whole_model_structure())
+
+    def _whole_model_size(self, positions: Tensor) -> bool:
+        """Whether the capacity and the atom count are within whole_model_max_pairs and
+        whole_model_max_atoms (static, like the choices built on it)."""
+        return (self._max_pairs is not None and self._max_pairs <= self.whole_model_max_pairs
+                and positions.shape[0] <= self.whole_model_max_atoms)
 
     def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
         """Each Linear's weight and bias, the parameters themselves (shared, never copied), an
@@ -528,10 +533,10 @@ class SchNet(_FusedModel):
         :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
         :attr:`whole_model_max_atoms` atoms run as one op,
         ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
-        parameters and no double backward. Larger systems under the same conditions, and any
-        system under autocast, run each interaction as one ``mirage::cfconv`` (filter network,
-        cutoff and message passing fused, in float32 under autocast too; :attr:`fused_interactions`),
-        with the same two limits. Training mode takes the layer-by-layer path, which has both."""
+        parameters and no double backward. Larger systems under the same conditions, under
+        autocast too, run each interaction as one ``mirage::cfconv`` (filter network, cutoff and
+        message passing fused, in float32 under autocast as well; :attr:`fused_interactions`).
+        Training mode takes the layer-by-layer path, which has both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
@@ -581,10 +586,14 @@ class SchNet(_FusedModel):
 
     def _fused_interactions(self, positions: Tensor) -> bool:
         """Whether the interactions run as mirage::cfconv (the filter network fused with the
-        message passing): eval-mode kernels allowed (under autocast too: cfconv runs in float32
-        there, where the layers' filters would run in bfloat16 and 2.6x slower at 3,000 atoms), and
-        sizes its CUDA kernels take."""
+        message passing): eval-mode kernels allowed, and sizes its CUDA kernels take. Under
+        autocast too, where cfconv runs in float32, for the systems beyond the whole-model limits
+        that take it in float32 (SchNet at 3,000 atoms under bfloat16 autocast: 1.98 ms against
+        the layers' 5.05); smaller ones keep the layers, which were faster there (benzene: 378 µs
+        through cfconv, 319 through the layers; docs/perf/forcefield.md)."""
         if not (self.fused_interactions and self._eval_kernels(positions, under_autocast=True)):
+            return False
+        if torch.is_autocast_enabled("cuda") and self._whole_model_size(positions):
             return False
         first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
         return ops.cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
