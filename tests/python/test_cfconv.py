@@ -485,7 +485,7 @@ def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces(cfconv_kernels)
 
 
 @pytest.mark.cuda
-def test_fused_schnet_keeps_cfconv_under_autocast():
+def test_fused_schnet_keeps_its_float32_kernels_under_autocast():
     # bf16-mixed: the atom-wise Linears in bfloat16, the interactions' cfconv in float32 (its
     # autocast policy) instead of the layers' bfloat16 filters; forces within bfloat16's error.
     from forcefield.models import SchNet
@@ -504,13 +504,16 @@ def test_fused_schnet_keeps_cfconv_under_autocast():
     scale = reference_forces.abs().max().item()
     torch.testing.assert_close(forces.float(), reference_forces, rtol=0, atol=5e-2 * scale)
     torch.testing.assert_close(energy.float(), reference_energy, rtol=2e-2, atol=1e-2)
-    # Within the whole-model limits autocast keeps the layers (faster there than cfconv).
+    # Within the whole-model limits the float32 whole-model op runs under autocast too: fp32's results.
     small = positions[:12].detach().clone().requires_grad_(True)
     model.max_pairs = None  # the next call sizes it for 12 atoms
+    energy32, forces32, _ = energy_forces_and_ops(model, numbers[:12], small, False)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        _, _, calls = energy_forces_and_ops(model, numbers[:12], small, False)
+        energy, forces, calls = energy_forces_and_ops(model, numbers[:12], small, False)
     assert model.max_pairs <= model.whole_model_max_pairs
-    assert "mirage.cfconv" not in calls and "mirage.schnet_energy" not in calls
+    assert "mirage.schnet_energy" in calls and "mirage.cfconv" not in calls
+    torch.testing.assert_close(energy, energy32)
+    torch.testing.assert_close(forces, forces32)
 
 
 @pytest.mark.cuda

@@ -278,14 +278,15 @@ class _FusedModel(nn.Module):
         # float32 at least (in the same kernel), so the total keeps what precision they have.
         return atomic.sum(dtype=torch.promote_types(atomic.dtype, torch.float32))
 
-    def _eval_kernels(self, positions: Tensor, *, under_autocast: bool = False) -> bool:
+    def _eval_kernels(self, positions: Tensor) -> bool:
         """Whether the eval-mode kernels (schnet_energy, painn_energy, cfconv) may run: eval mode,
-        on CUDA in float32, outside autocast unless ``under_autocast`` (cfconv, whose autocast
-        policy runs it in float32). Static, like the choices built on it: never the data, so they
-        are graph-safe."""
+        on CUDA, float32 positions and parameters. Under autocast too: they are float32 kernels
+        and run in float32 there (cfconv by its autocast policy; the whole-model ops take the
+        model's float32 parameters and pair vectors as they are), which for these models is
+        faster than the layers in bfloat16 (docs/perf/forcefield.md). Static, like the choices
+        built on it: never the data, so they are graph-safe."""
         return (not self.training and positions.is_cuda and positions.dtype == torch.float32
-                and self.embedding.weight.dtype == torch.float32
-                and (under_autocast or not torch.is_autocast_enabled("cuda")))
+                and self.embedding.weight.dtype == torch.float32)
 
     def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
         """Whether this forward runs as the model's one whole-model op (mirage::schnet_energy,
@@ -293,14 +294,9 @@ class _FusedModel(nn.Module):
         model's whole_model_max_pairs and whole_model_max_atoms, a structure the op takes
         (:meth:`_whole_model_structure`). Static, never the data, so the choice is graph-safe. The
         ops take int64 atomic numbers only; nn.Embedding takes int32 too, so those keep the layers."""
-        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64
-                and self._whole_model_size(positions) and self._whole_model_structure())
-
-    def _whole_model_size(self, positions: Tensor) -> bool:
-        """Whether the capacity and the atom count are within whole_model_max_pairs and
-        whole_model_max_atoms (static, like the choices built on it)."""
-        return (self._max_pairs is not None and self._max_pairs <= self.whole_model_max_pairs
-                and positions.shape[0] <= self.whole_model_max_atoms)
+        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
+                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
+                and self._whole_model_structure())
 
     def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
         """Each Linear's weight and bias, the parameters themselves (shared, never copied), an
@@ -529,14 +525,13 @@ class SchNet(_FusedModel):
         optional ``cell`` [3, 3] (rows the lattice vectors) with ``pbc`` [3] bools (no pbc: open
         boundaries, as in the reference models).
 
-        In eval mode, on CUDA in float32 outside autocast, systems of at most
-        :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
+        In eval mode, on CUDA in float32 (under autocast too, where these ops run in float32),
+        systems of at most :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
         :attr:`whole_model_max_atoms` atoms run as one op,
         ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
-        parameters and no double backward. Larger systems under the same conditions, under
-        autocast too, run each interaction as one ``mirage::cfconv`` (filter network, cutoff and
-        message passing fused, in float32 under autocast as well; :attr:`fused_interactions`).
-        Training mode takes the layer-by-layer path, which has both."""
+        parameters and no double backward. Larger systems under the same conditions run each
+        interaction as one ``mirage::cfconv`` (filter network, cutoff and message passing fused;
+        :attr:`fused_interactions`). Training mode takes the layer-by-layer path, which has both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
@@ -586,14 +581,8 @@ class SchNet(_FusedModel):
 
     def _fused_interactions(self, positions: Tensor) -> bool:
         """Whether the interactions run as mirage::cfconv (the filter network fused with the
-        message passing): eval-mode kernels allowed, and sizes its CUDA kernels take. Under
-        autocast too, where cfconv runs in float32, for the systems beyond the whole-model limits
-        that take it in float32 (SchNet at 3,000 atoms under bfloat16 autocast: 1.98 ms against
-        the layers' 5.05); smaller ones keep the layers, which were faster there (benzene: 378 µs
-        through cfconv, 319 through the layers; docs/perf/forcefield.md)."""
-        if not (self.fused_interactions and self._eval_kernels(positions, under_autocast=True)):
-            return False
-        if torch.is_autocast_enabled("cuda") and self._whole_model_size(positions):
+        message passing): eval-mode kernels allowed, and sizes its CUDA kernels take."""
+        if not (self.fused_interactions and self._eval_kernels(positions)):
             return False
         first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
         return ops.cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
@@ -766,8 +755,8 @@ class PaiNN(_FusedModel):
                 pbc: Optional[Tensor] = None) -> Tensor:
         """Energy (0-dim); arguments as :meth:`SchNet.forward`.
 
-        In eval mode, on CUDA in float32 outside autocast, systems of at most
-        :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
+        In eval mode, on CUDA in float32 (under autocast too, where the op runs in float32),
+        systems of at most :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
         :attr:`whole_model_max_atoms` atoms whose ``U`` and ``V`` have no bias run as one op,
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
