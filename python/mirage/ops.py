@@ -4,8 +4,9 @@ Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), 
 float32 (float64 on the CPU reference), returns new tensors, and raises ``RuntimeError`` naming
 the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
-(float64 too on the CPU) and it and ``radial_basis`` run in float32 under autocast (the message
-passing ops run in the autocast dtype, like a matmul).
+(float64 too on the CPU), ``cfconv``, ``schnet_energy`` and ``painn_energy`` take float32
+(float64 too on the CPU); ``neighbor_list``, ``pair_vectors``, ``radial_basis`` and ``cfconv``
+run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
 """
 
 from __future__ import annotations
@@ -651,14 +652,14 @@ def cfconv(
             made at compile time (it recompiles when the setting changes).
 
     Returns:
-        ``(N, M)`` in x's dtype. Differentiable in ``x``, ``basis`` and ``envelope`` (first
+        ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x``, ``basis`` and ``envelope`` (first
         order: forces and stress) through a fused backward op
         (``torch.ops.mirage.cfconv_backward``); asking for a gradient in the weights or for a
         second order raises ``RuntimeError``. CUDA takes ``H == M`` of 64 or 128 and
         ``R <= 64`` where the GPU has the shared memory (:func:`cfconv_supported`) and raises
         ``RuntimeError`` otherwise. Under autocast it runs in float32 (floating inputs cast to
-        float32, a float32 result), as PyTorch's float32-list ops do. Indices outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA returns NaN
-        everywhere (gradients too).
+        float32), as PyTorch's float32-list ops do. Indices outside ``[0, N)``: the CPU raises
+        ``RuntimeError``; CUDA returns NaN everywhere (gradients too).
     """
     if tf32 is None:
         tf32 = tf32_matmuls()

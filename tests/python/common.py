@@ -161,6 +161,10 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# Operators that write zeros: a backward that should skip an unused gradient must call none.
+ZERO_FILLS = frozenset({"aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.fill_", "aten.zero_"})
+
+
 def energy_forces_and_ops(model, numbers, positions, training):
     """(energy, forces, ops): a force field's call in training or eval mode, with the operators
     its forward and backward ran (OpCounter's ``calls``); positions must require grad."""

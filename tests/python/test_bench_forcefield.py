@@ -137,8 +137,8 @@ def test_command_line_errors():
 def test_quick_run_in_bf16_mixed(tmp_path, one_thread):
     """--precision bf16-mixed reaches every peer: their forces carry bfloat16's error (about
     5e-3 of the RMS force here; float32's is about 2e-7, and the fp32 run below holds it under
-    1e-4), but for mirage on the GPU, whose whole-model ops stay float32. The reference SchNet as written mixes dtypes in index_add_ under autocast, which its
-    eager row reports."""
+    1e-4), but for mirage on the GPU, whose whole-model ops stay float32. The reference SchNet
+    as written mixes dtypes in index_add_ under autocast, which its eager row reports."""
     out = tmp_path / "ff.json"
     assert bench.main(["--quick", "--peers", "eager,mirage", "--systems", "benzene", "--no-md",
                        "--precision", "bf16-mixed", "--json", str(out)]) == 0

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 import mirage
 import mirage.ff
-from common import (DEVICES, FF_ACTIVATIONS, assert_energy_op_cpu_index_errors, assert_energy_op_cuda_index_nans,
-                    assert_error, assert_first_order_only, capture_graph, energy_forces_and_ops, replace_item)
+from common import (DEVICES, FF_ACTIVATIONS, OpCounter, ZERO_FILLS, assert_energy_op_cpu_index_errors,
+                    assert_energy_op_cuda_index_nans, assert_error, assert_first_order_only, capture_graph,
+                    energy_forces_and_ops, replace_item)
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -134,6 +135,19 @@ def test_schnet_energy_gradcheck():
     torch.autograd.gradcheck(
         lambda v: mirage.ops.schnet_energy(atomic_numbers, embedding, pairs, v, cutoff, num_rbf, weights,
                                            activations)[0], (vectors,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_backward_fills_no_zeros(device):
+    # grad_vectors (the second output) has no gradient: no [P, 3] of zeros is written for it,
+    # one kernel less in every MD step.
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("odd", device, dtype))
+    vectors = args[3].requires_grad_(True)
+    energy = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])[0]
+    with OpCounter() as ops:
+        torch.autograd.grad(energy, vectors)
+    assert not ZERO_FILLS & set(ops.calls), ops.calls
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -113,17 +113,19 @@ class FFOptimizeReport:
             lines.append(f"    {count:3d} x {kind}: {_where(where)} -> {_REPLACEMENTS.get(kind, 'fused')}")
         lines.append("  kept as PyTorch ops inside it: the embedding, the activations (shared modules)")
         if self.style == "SchNet-style":
-            lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions), systems of up to "
-                         f"{SchNet.whole_model_max_pairs} pairs of neighbor capacity and "
-                         f"{SchNet.whole_model_max_atoms} atoms (SchNet.whole_model_max_pairs, whole_model_max_atoms) "
+            lines.append("  in eval mode on CUDA (float32 positions and parameters, under autocast too; at most 8 "
+                         f"interactions), systems of up to {SchNet.whole_model_max_pairs} pairs of neighbor "
+                         f"capacity and {SchNet.whole_model_max_atoms} atoms "
+                         "(SchNet.whole_model_max_pairs, whole_model_max_atoms) "
                          "run as one mirage::schnet_energy op (two kernels) instead, and larger ones each "
                          "interaction's filter network and message passing as one mirage::cfconv "
                          "(SchNet.fused_interactions; filter "
                          "networks of H == M = 64 or 128 that fit the GPU: mirage.ops.cfconv_supported)")
         if self.style == "PaiNN-style":
-            lines.append(f"  in eval mode on CUDA (float32, no autocast, at most 8 interactions, U and V without "
-                         f"bias), systems of up to {PaiNN.whole_model_max_pairs} pairs of neighbor capacity and "
-                         f"{PaiNN.whole_model_max_atoms} atoms (PaiNN.whole_model_max_pairs, whole_model_max_atoms) "
+            lines.append("  in eval mode on CUDA (float32 positions and parameters, under autocast too; at most 8 "
+                         f"interactions, U and V without bias), systems of up to {PaiNN.whole_model_max_pairs} pairs "
+                         f"of neighbor capacity and {PaiNN.whole_model_max_atoms} atoms "
+                         "(PaiNN.whole_model_max_pairs, whole_model_max_atoms) "
                          "run as one mirage::painn_energy op (two kernels) instead")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
