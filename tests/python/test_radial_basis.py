@@ -252,6 +252,17 @@ def test_backward_matches_composite(device, dtype, shape, num, kind, cutoff_fn):
     opcheck(BACKWARD_OP.default, (grad, d, kind, num, CUTOFF, cutoff_fn))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("num", [32, 33, 64, 100, 150])  # the CUDA kernel's lane groups: 4, 8, 8, 16, 32 lanes
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cutoff_fn", CUTOFF_FNS)
+def test_backward_of_wide_bases_on_cuda(num, kind, cutoff_fn):
+    d = distances(769, dtype=torch.float32, device="cuda")
+    grad = random_grad(d, num)
+    assert_backward_matches(BACKWARD_OP(grad, d, kind, num, CUTOFF, cutoff_fn), grad, d, kind, num, cutoff_fn,
+                            torch.float32)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cutoff_fn", CUTOFF_FNS)
 def test_backward_float64_and_strided_on_cpu(kind, cutoff_fn):
