@@ -105,10 +105,10 @@ cudaError_t launch_backward_with_group(const RadialBasisBackwardParams& params,
 cudaError_t launch_radial_basis_backward(const RadialBasisBackwardParams& params,
                                          cudaStream_t stream) {
   if (params.count == 0) return cudaSuccess;
-  // Groups of 4 lanes up to 32 functions (SchNet's 20-50 Gaussians and PaiNN's 20 Bessel
-  // functions: 5 to 8 a lane), wider ones beyond: a warp then takes 8 distances at a time. A warp
-  // a distance (one function a lane) spent each iteration waiting on its one load, 12 of its
-  // lanes idle at 20 functions: 36 us for SchNet's 139k distances on an H200.
+  // Groups of 4 lanes up to 32 functions (SchNet's 20 Gaussians and PaiNN's 20 Bessel functions:
+  // 5 a lane; a warp then takes 8 distances at a time), wider groups for wider bases. A warp a
+  // distance (one function a lane) spent each iteration waiting on its one load, 12 of its lanes
+  // idle at 20 functions: 36 us for SchNet's 139k distances on an H200.
   if (params.num <= 32) return launch_backward_with_group<4>(params, stream);
   if (params.num <= 64) return launch_backward_with_group<8>(params, stream);
   if (params.num <= 128) return launch_backward_with_group<16>(params, stream);

@@ -652,8 +652,8 @@ def cfconv(
             made at compile time (it recompiles when the setting changes).
 
     Returns:
-        ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x``, ``basis`` and ``envelope`` (first
-        order: forces and stress) through a fused backward op
+        ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x``, ``basis`` and
+        ``envelope`` (first order: forces and stress) through a fused backward op
         (``torch.ops.mirage.cfconv_backward``); asking for a gradient in the weights or for a
         second order raises ``RuntimeError``. CUDA takes ``H == M`` of 64 or 128 and
         ``R <= 64`` where the GPU has the shared memory (:func:`cfconv_supported`) and raises

@@ -477,16 +477,22 @@ def test_cfconv_cuda_device_mismatch():
 
 # ---- the fused SchNet takes it in eval mode beyond the one-kernel limit -------------------------
 
-@pytest.mark.cuda
-def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces(cfconv_kernels):
+def fused_schnet_beyond_the_whole_model_limits():
+    """(model, numbers, positions): the fused reference SchNet and 60 atoms (~40 neighbours each),
+    whose neighbor capacity is past SchNet.whole_model_max_pairs."""
     from forcefield.models import SchNet
 
     torch.manual_seed(0)
     model = mirage.ff.optimize(SchNet().cuda())
     n = 60
     numbers = torch.randint(1, 9, (n,), device="cuda")
-    positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)  # ~40 neighbours each
+    positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)
+    return model, numbers, positions
 
+
+@pytest.mark.cuda
+def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces(cfconv_kernels):
+    model, numbers, positions = fused_schnet_beyond_the_whole_model_limits()
     layered_energy, layered_forces, layered_ops = energy_forces_and_ops(model, numbers, positions, True)
     energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
     assert model.max_pairs > model.whole_model_max_pairs
@@ -504,13 +510,7 @@ def test_fused_schnet_eval_mode_runs_cfconv_with_the_same_forces(cfconv_kernels)
 def test_fused_schnet_keeps_its_float32_kernels_under_autocast():
     # bf16-mixed: the atom-wise Linears in bfloat16, the interactions' cfconv in float32 (its
     # autocast policy) instead of the layers' bfloat16 filters; forces within bfloat16's error.
-    from forcefield.models import SchNet
-
-    torch.manual_seed(0)
-    model = mirage.ff.optimize(SchNet().cuda())
-    n = 60
-    numbers = torch.randint(1, 9, (n,), device="cuda")
-    positions = (torch.rand(n, 3, device="cuda") * 9.0).requires_grad_(True)
+    model, numbers, positions = fused_schnet_beyond_the_whole_model_limits()
     reference_energy, reference_forces, _ = energy_forces_and_ops(model, numbers, positions, False)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
