@@ -103,8 +103,9 @@ def time_parts(system, hidden: int = 128, layers: int = 3, num_rbf: int = 20) ->
 
 def time_fused_interactions(system_name: str = "box3k") -> None:
     """mirage's SchNet energy+forces (a CUDA graph of 10 calls, µs) with its interactions as
-    mirage::cfconv and as batched filter GEMMs + message_passing (SchNet.fused_interactions), with
-    TF32 off and on, alternating in one process; the forces' difference from the first."""
+    mirage::radial_cfconv (where the GPU takes it), mirage::cfconv and batched filter GEMMs +
+    message_passing (SchNet.radial_interactions, fused_interactions), with TF32 off and on,
+    alternating in one process; the forces' difference from the first."""
     from mirage.ff.precision import matmul_precision
 
     device = torch.device("cuda")
@@ -119,9 +120,10 @@ def time_fused_interactions(system_name: str = "box3k") -> None:
     print(f"\n== SchNet {system_name} ({int(fused.num_pairs.item())} pairs), energy+forces in a CUDA graph of 10 calls")
     reference = None
     for round_ in range(2):
-        for interactions, fused_on in (("batched filters", False), ("cfconv", True)):
+        for interactions, fused_on, radial in (("batched filters", False, False), ("cfconv", True, False),
+                                               ("radial_cfconv", True, True)):
             for precision in ("fp32", "tf32"):
-                fused.fused_interactions = fused_on
+                fused.fused_interactions, fused.radial_interactions = fused_on, radial
                 with matmul_precision(precision):
                     us = time_in_graph(call, [()], calls=10, repeats=5)
                     _, forces = call()
@@ -129,7 +131,7 @@ def time_fused_interactions(system_name: str = "box3k") -> None:
                 difference = ((forces.double() - reference).norm() / reference.norm()).item()
                 print(f"   round {round_}  {interactions:16s} {precision}  {us:8.1f} µs   forces vs the first "
                       f"{difference:.1e} (relative)")
-    fused.fused_interactions = True
+    del fused.fused_interactions, fused.radial_interactions
 
 
 def time_whole_model(name: str, sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
@@ -167,7 +169,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="calls before the profiled one")
     parser.add_argument("--parts", action="store_true", help="also time each stage alone in a CUDA graph")
     parser.add_argument("--fused-interactions", action="store_true",
-                        help="only time SchNet on the 3,000-atom box with and without mirage::cfconv, TF32 off and on")
+                        help="only time SchNet on the 3,000-atom box with its interactions as radial_cfconv, cfconv "
+                             "and layers, TF32 off and on")
     parser.add_argument("--whole-model", action="store_true",
                         help="only time each model's one-op path against its layers over molecule sizes")
     opts = parser.parse_args()

@@ -36,6 +36,16 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10:
 #endif
 }
 
+bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
+#if MIRAGE_WITH_CUDA
+  if (!device.is_cuda()) return device.is_cpu();
+  const c10::cuda::CUDAGuard guard(device);
+  return cuda::radial_cfconv_supported(num_rbf, hidden, width);
+#else
+  return device.is_cpu();
+#endif
+}
+
 bool fused_filter_supported(int64_t features, int64_t basis, const c10::Device& device) {
 #if MIRAGE_WITH_CUDA
   if (!device.is_cuda()) return false;

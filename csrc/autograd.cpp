@@ -1006,6 +1006,20 @@ std::optional<at::Tensor> optional(const at::Tensor& bias) {
   return bias.sym_numel() != 0 ? std::optional<at::Tensor>(bias) : std::nullopt;  // symbolic under opcheck
 }
 
+// The contract of the filter-network ops' backwards: first order, and no gradient in the four
+// parameters (weight1, bias1, weight2, bias2), the Function's inputs from `first_parameter` on.
+void check_first_order(AutogradContext* ctx, std::string_view op, int first_parameter) {
+  MIRAGE_CHECK(!at::GradMode::is_enabled(), op,
+               ": double backward (create_graph=True, as training on forces needs) is not available; "
+               "put the model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions "
+               "= False to take the layer-by-layer path");
+  for (int k = first_parameter; k < first_parameter + 4; ++k)
+    MIRAGE_CHECK(!ctx->needs_input_grad(k), op,
+                 ": no gradient in the filter network's parameters (weight1, bias1, weight2, bias2); put the "
+                 "model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions = False "
+                 "to take the layer-by-layer path");
+}
+
 struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& basis,
                                const at::Tensor& envelope, const at::Tensor& weight1, const at::Tensor& bias1,
@@ -1028,16 +1042,7 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    using ops::kCfconv;
-    MIRAGE_CHECK(!at::GradMode::is_enabled(), kCfconv,
-                 ": double backward (create_graph=True, as training on forces needs) is not available; "
-                 "put the model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions "
-                 "= False to take the layer-by-layer path");
-    for (int k = 3; k <= 6; ++k)
-      MIRAGE_CHECK(!ctx->needs_input_grad(k), kCfconv,
-                   ": no gradient in the filter network's parameters (weight1, bias1, weight2, bias2); put the "
-                   "model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions = False "
-                   "to take the layer-by-layer path");
+    check_first_order(ctx, ops::kCfconv, 3);
     variable_list grads(10);  // x, basis, envelope, four parameters, pairs, activation, tf32
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();
@@ -1062,10 +1067,59 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autograd(const at::Tensor& x, const at
 
 }  // namespace
 
-// cfconv_backward itself is not differentiable (see above): a clear error if asked to be.
+// mirage::radial_cfconv: gradients in x and the distances from the fused backward, which reads the
+// filters and their derivatives the forward returned; first order only and no gradient in the
+// filter network's parameters, as cfconv.
+namespace {
+
+struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& distances,
+                               const at::Tensor& weight1, const at::Tensor& bias1, const at::Tensor& weight2,
+                               const at::Tensor& bias2, const at::Tensor& pairs, c10::string_view activation,
+                               c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
+    at::Tensor out, filters, derivatives;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(out, filters, derivatives) =
+          handles::radial_cfconv().call(x, distances, pairs, weight1, optional(bias1), weight2, optional(bias2),
+                                        activation, basis, cutoff, envelope, tf32);
+    }
+    ctx->save_for_backward({x, pairs, filters, derivatives});
+    ctx->mark_non_differentiable({filters, derivatives});
+    ctx->set_materialize_grads(false);  // as cfconv's: no zero gradients for the two outputs above
+    return {out, filters, derivatives};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    check_first_order(ctx, ops::kRadialCfconv, 2);
+    variable_list grads(12);  // x, distances, four parameters, pairs, activation, basis, cutoff, envelope, tf32
+    if (!grad_outputs[0].defined()) return grads;
+    const variable_list s = ctx->get_saved_variables();
+    std::tie(grads[0], grads[1]) = handles::radial_cfconv_backward().call(grad_outputs[0], s[0], s[1], s[2], s[3]);
+    return grads;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_autograd(
+    const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
+  // Checked here first: past this point an empty bias would read as an absent one.
+  ops::check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+  const variable_list out =
+      RadialCfconvFunction::apply(x, distances, weight1, or_empty(bias1, weight1), weight2, or_empty(bias2, weight2),
+                                  pairs, activation, basis, cutoff, envelope, tf32);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+// The backward ops themselves are not differentiable (see above): a clear error if asked to be.
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("cfconv", &cfconv_autograd);
   m.impl("cfconv_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("radial_cfconv", &radial_cfconv_autograd);
+  m.impl("radial_cfconv_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace mirage::autograd

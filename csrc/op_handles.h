@@ -54,6 +54,13 @@ using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
     bool);
+using RadialCfconvSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, c10::string_view, double,
+    c10::string_view, bool);
+using RadialCfconvBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&);
 using PairVectorsSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                           const std::optional<at::Tensor>&);
 using PairVectorsBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -94,6 +101,8 @@ MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
 MIRAGE_OP_HANDLE(painn_energy, PainnEnergySig)
 MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)
+MIRAGE_OP_HANDLE(radial_cfconv, RadialCfconvSig)
+MIRAGE_OP_HANDLE(radial_cfconv_backward, RadialCfconvBackwardSig)
 MIRAGE_OP_HANDLE(pair_vectors, PairVectorsSig)
 MIRAGE_OP_HANDLE(pair_vectors_backward, PairVectorsBackwardSig)
 MIRAGE_OP_HANDLE(painn_update_input, PainnUpdateInputSig)

@@ -28,6 +28,12 @@ PYBIND11_MODULE(_C, m) {
       },
       "Whether mirage::cfconv takes a filter network of these sizes on this device (a torch device string).");
   m.def(
+      "radial_cfconv_supported",
+      [](int64_t num_rbf, int64_t hidden, int64_t width, const std::string& device) {
+        return mirage::radial_cfconv_supported(num_rbf, hidden, width, c10::Device(device));
+      },
+      "Whether mirage::radial_cfconv takes a filter network of these sizes on this device (a torch device string).");
+  m.def(
       "fused_filter_supported",
       [](int64_t features, int64_t basis, const std::string& device) {
         return mirage::fused_filter_supported(features, basis, c10::Device(device));

@@ -72,4 +72,13 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor weight1, Tensor? bias1, Tensor weight2, str activation, bool tf32=False) -> (Tensor grad_x, "
         "Tensor grad_basis, "
         "Tensor grad_envelope)");
+  // cfconv with the basis (radial_basis' `basis` functions, R from weight1) and the envelope (a
+  // cutoff function) formed from the distances in the kernel; returns the filters times the
+  // envelope and their derivative in the distance, which its backward reads: a pass over the pairs
+  // with no products.
+  m.def("radial_cfconv(Tensor x, Tensor distances, Tensor pairs, Tensor weight1, Tensor? bias1, Tensor weight2, "
+        "Tensor? bias2, str activation, str basis, float cutoff, str envelope, bool tf32=False) -> (Tensor out, "
+        "Tensor filters, Tensor filter_derivatives)");
+  m.def("radial_cfconv_backward(Tensor grad, Tensor x, Tensor pairs, Tensor filters, Tensor filter_derivatives) -> "
+        "(Tensor grad_x, Tensor grad_distances)");
 }

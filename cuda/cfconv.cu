@@ -18,6 +18,7 @@
 
 #include "cfconv.cuh"
 #include "kernel_utils.cuh"
+#include "radial_functions.cuh"
 #include "tf32.cuh"
 
 namespace mirage::cuda {
@@ -226,6 +227,11 @@ __device__ void load_weights(const CfconvWeights& w, const Layout<D>& l, float* 
   }
 }
 
+// Pair k's envelope: the input's, or 1 where the filters come enveloped already (radial_cfconv).
+__device__ __forceinline__ float envelope_of(const CfconvParams& p, int64_t k) { return p.envelope[k]; }
+__device__ __forceinline__ float envelope_of(const CfconvBackwardParams& p, int64_t k) { return p.envelope[k]; }
+__device__ __forceinline__ float envelope_of(const RadialCfconvParams&, int64_t) { return 1.0f; }
+
 // A tile's pairs: receivers (-1 for padding rows and pairs with an index out of range, which
 // also raise *invalid), senders and envelopes (0 for padding), one row a thread. fetch() puts the
 // loads in flight into registers; stash() checks them and stores them to shared memory.
@@ -241,7 +247,7 @@ struct PairFetch {
     if (real) {
       receiver = p.pairs[base + row];
       sender = p.pairs[p.num_pairs + base + row];
-      envelope = p.envelope[base + row];
+      envelope = envelope_of(p, base + row);
     }
   }
 
@@ -362,8 +368,8 @@ __device__ __forceinline__ void hidden_pre_activation(const Layout<D>& l, const 
 
 // The filters of a tile (rows of D + 4 in shared memory) to memory, and the messages x[j] *
 // filter * envelope scattered onto the receivers, one atomic per run of equal receivers.
-template <int D, int kWarps = kTeamWarps>
-__device__ void scatter_messages(const CfconvParams& p, const float* tile, const float* envelopes, const int* receivers,
+template <int D, int kWarps = kTeamWarps, typename Params>
+__device__ void scatter_messages(const Params& p, const float* tile, const float* envelopes, const int* receivers,
                                  const int* senders, int64_t base, int rows) {
   const RowWalk<D, kWarps> walk;
   float sum[4] = {};
@@ -650,13 +656,13 @@ __device__ __forceinline__ void product_chunk(float (&d)[64], const float (&a)[4
 }
 
 // Accumulator chunk c (n8 tile c: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)) as the A
-// fragment of K chunk c of the next product, f applied.
+// fragment of K chunk c of the next product, f(value, half) applied (half 0: row g, 1: row g + 8).
 template <typename F>
 __device__ __forceinline__ void as_fragment(const float (&d)[64], int c, F&& f, float (&a)[4]) {
-  a[0] = f(d[4 * c]);
-  a[1] = f(d[4 * c + 2]);
-  a[2] = f(d[4 * c + 1]);
-  a[3] = f(d[4 * c + 3]);
+  a[0] = f(d[4 * c], 0);
+  a[1] = f(d[4 * c + 2], 1);
+  a[2] = f(d[4 * c + 1], 0);
+  a[3] = f(d[4 * c + 3], 1);
 }
 
 // The thread's place in its warpgroup's tile: rows `row` and row + 8, accumulator columns 8 j +
@@ -711,20 +717,67 @@ struct ForwardLayout {
   }
 };
 
+// The block's network into shared memory: W2 and [W1, b1] split into their TF32 parts, b2.
+__device__ void load_network(const CfconvWeights& w, float* smem) {
+  using L = ForwardLayout;
+  for (int e = threadIdx.x; e < kWidth * kWidth; e += kThreads)
+    store_operand(smem + L::kW2, smem + L::kW2 + kWidth * kWidth, e / kWidth, e % kWidth, kWidth, w.w2[e]);
+  load_first_layer(w, smem + L::kW1, smem + L::kW1 + kWidth * kBasisK);
+  // The shifted softplus' - log 2 is in the activation, as in the kernels above.
+  for (int e = threadIdx.x; e < kWidth; e += kThreads) smem[L::kB2 + e] = w.b2 != nullptr ? w.b2[e] : 0.0f;
+  __syncthreads();
+}
+
+// An accumulator's columns 8 j + col, + 1 (j < kChunks) set to b2's times `top` in row `row`,
+// `bottom` in row + 8.
+__device__ __forceinline__ void fill_bias(float (&d)[64], const float* b2, const Place& at, float top, float bottom) {
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const float2 b = *reinterpret_cast<const float2*>(b2 + 8 * j + at.col);
+    d[4 * j] = top * b.x;
+    d[4 * j + 1] = top * b.y;
+    d[4 * j + 2] = bottom * b.x;
+    d[4 * j + 3] = bottom * b.y;
+  }
+}
+
+// d += f(a) W2^T (K = kWidth), a the accumulator of the previous product taken chunk by chunk.
+template <bool kSplit, typename F>
+__device__ __forceinline__ void second_product(float (&d)[64], const float (&a)[64], const float* smem, F&& f) {
+  using L = ForwardLayout;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    float fragment[4];
+    as_fragment(a, c, f, fragment);
+    product_chunk<kSplit>(d, fragment, smem + L::kW2, smem + L::kW2 + kWidth * kWidth, c, kWidth);
+    wgmma_wait<1>();  // chunk c - 1 is done: its A registers are free
+  }
+  wgmma_wait<0>();
+  hold(d);
+}
+
+// Rows row and row + 8 of an accumulator (columns 8 j + col, + 1) to a row-major [*, kWidth]
+// array of ld floats a row; rows from `limit` on are skipped.
+__device__ __forceinline__ void store_rows(const float (&d)[64], float* out, int64_t ld, const Place& at,
+                                           int64_t row, int64_t limit) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (row + 8 * half >= limit) continue;
+    float* out_row = out + (row + 8 * half) * ld + at.col;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j)
+      *reinterpret_cast<float2*>(out_row + 8 * j) = make_float2(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+  }
+}
+
 template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   using L = ForwardLayout;
   const L l(team<kTeamThreads>());
-  float *w2_hi = smem + L::kW2, *w2_lo = w2_hi + kWidth * kWidth;
-  float *w1_hi = smem + L::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
-  for (int e = threadIdx.x; e < kWidth * kWidth; e += kThreads)
-    store_operand(w2_hi, w2_lo, e / kWidth, e % kWidth, kWidth, p.weights.w2[e]);
-  load_first_layer(p.weights, w1_hi, w1_lo);
-  // The shifted softplus' - log 2 is in the activation, as in the kernels above.
-  for (int e = threadIdx.x; e < kWidth; e += kThreads) smem[L::kB2 + e] = p.weights.b2 != nullptr ? p.weights.b2[e] : 0.0f;
-  __syncthreads();
+  const float *w1_hi = smem + L::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
+  load_network(p.weights, smem);
 
   const Place at;
   const int64_t tiles = ceil_div(p.num_pairs, kTile), stride = static_cast<int64_t>(gridDim.x) * kTeams;
@@ -752,28 +805,138 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
       basis.fetch(p.basis, p.weights.num_rbf, p.num_pairs, next, at);
     }
     float f[64];
+    fill_bias(f, smem + L::kB2, at, 1.0f, 1.0f);
+    second_product<kSplit>(f, z, smem, [&](float v, int) { return filter_activation<kSsp>(v, p.weights.activation); });
+    float* filters = smem + l.tile;
+    store_rows(f, filters, kTileLd, at, at.row, kTile);
+    team_sync<kTeamThreads>();
+    scatter_messages<kWidth, kTeamThreads / 32>(p, filters, smem + l.envelope, receivers, senders, base, rows);
+  }
+}
+
+// radial_cfconv's forward: the kernel above with the basis formed from the distances, and the
+// filters' derivative in the distance carried through both products beside them. With z = W1 b +
+// b1 (b the basis), t = W1 b' (b' its derivative), the activation's slope s = act'(z) and the
+// envelope e (slope e'), both outputs are products of W2 with A operands formed in registers:
+//   filters     = W2 (e act(z)) + e b2
+//   derivatives = W2 (e s t + e' act(z)) + e' b2
+// In that order, so that at most two [64, 128] accumulators are live (z and the filters, then z
+// and t, then t and the derivatives: 128 registers a thread, as in the forward). The filters take
+// the forward's way out (shared memory, memory, the scatter); the derivatives go from the
+// accumulator straight to memory, read by the backward alone.
+struct RadialRows {
+  float d[2];  // the distances of the thread's rows at.row and at.row + 8 (0 past the pairs)
+  __device__ void fetch(const RadialCfconvParams& p, int64_t base, const Place& at) {
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      const float2 b = *reinterpret_cast<const float2*>(smem + L::kB2 + 8 * j + at.col);
-      f[4 * j] = f[4 * j + 2] = b.x;
-      f[4 * j + 1] = f[4 * j + 3] = b.y;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = base + at.row + 8 * half;
+      d[half] = row < p.num_pairs ? p.distances[row] : 0.0f;
     }
+  }
+  // The A fragments of z = [b, 1] [W1, b1]^T (kTangent false) or of t = [b', 0] [W1, b1]^T (slots
+  // as BasisFragments'; rows past the pairs zero). Formed twice rather than held (registers).
+  template <bool kTangent>
+  __device__ void fragments(const RadialCfconvParams& p, int64_t base, const Place& at,
+                            float (&v)[kBasisChunks][4]) const {
+    const int num_rbf = p.weights.num_rbf;
+    const float spacing = gaussian_spacing(num_rbf, p.cutoff);
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      float a[4];
-      as_fragment(z, c, [&](float v) { return filter_activation<kSsp>(v, p.weights.activation); }, a);
-      product_chunk<kSplit>(f, a, w2_hi, w2_lo, c, kWidth);
-      wgmma_wait<1>();  // chunk c - 1 is done: its A registers are free
+    for (int c = 0; c < kBasisChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int half = i % 2, r = 8 * c + at.col + i / 2;
+        float value = 0.0f, derivative = 0.0f;
+        if (base + at.row + 8 * half < p.num_pairs) {
+          if (r < num_rbf) basis_and_derivative(p.basis, r, d[half], spacing, p.cutoff, value, derivative);
+          if (r == num_rbf && !kTangent) value = 1.0f;
+        }
+        v[c][i] = kTangent ? derivative : value;
+      }
+  }
+};
+
+template <bool kSplit, bool kSsp>
+__global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconvParams p) {
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  using L = ForwardLayout;
+  const L l(team<kTeamThreads>());
+  const float *w1_hi = smem + L::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
+  load_network(p.weights, smem);
+
+  const Place at;
+  const int64_t tiles = ceil_div(p.num_pairs, kTile), stride = static_cast<int64_t>(gridDim.x) * kTeams;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>();
+  int* receivers = reinterpret_cast<int*>(smem + l.receivers);
+  int* senders = reinterpret_cast<int*>(smem + l.senders);
+  const Activation activation = p.weights.activation;
+  PairFetch pair;
+  RadialRows radial;
+  if (first < tiles) {
+    pair.fetch(p, first * kTile, team_thread<kTeamThreads>());
+    radial.fetch(p, first * kTile, at);
+  }
+  for (int64_t tile = first; tile < tiles; tile += stride) {
+    const int64_t base = tile * kTile, next = base + stride * kTile;
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    team_sync<kTeamThreads>();  // the previous tile's scatter is done with the shared arrays
+    pair.stash(p, team_thread<kTeamThreads>(), receivers, senders, smem + l.envelope);
+    const RadialRows rows_now = radial;  // radial takes the next tile's distances below
+    float z[64] = {};
+    {
+      float b[kBasisChunks][4];
+      rows_now.fragments<false>(p, base, at, b);
+#pragma unroll
+      for (int c = 0; c < kBasisChunks; ++c) product_chunk<kSplit>(z, b[c], w1_hi, w1_lo, c, kBasisK);
+    }
+    float e[2], slope[2];  // the envelope of the thread's two rows, while the product runs
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      e[half] = envelope(p.envelope, rows_now.d[half], p.cutoff);
+      slope[half] = envelope_derivative(p.envelope, rows_now.d[half], p.cutoff);
     }
     wgmma_wait<0>();
-    hold(f);
-    float* filters = smem + l.tile;
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      *reinterpret_cast<float2*>(filters + at.row * kTileLd + 8 * j + at.col) = make_float2(f[4 * j], f[4 * j + 1]);
-      *reinterpret_cast<float2*>(filters + (at.row + 8) * kTileLd + 8 * j + at.col) =
-          make_float2(f[4 * j + 2], f[4 * j + 3]);
+    hold(z);
+    if (tile + stride < tiles) {  // in flight during the other products and the scatter
+      pair.fetch(p, next, team_thread<kTeamThreads>());
+      radial.fetch(p, next, at);
     }
+    // The filters before the envelope, W2 act(z) + b2, to the tile.
+    float f[64];
+    fill_bias(f, smem + L::kB2, at, 1.0f, 1.0f);
+    second_product<kSplit>(f, z, smem, [&](float v, int) { return filter_activation<kSsp>(v, activation); });
+    float* filters = smem + l.tile;
+    store_rows(f, filters, kTileLd, at, at.row, kTile);
+    hold(z);  // act'(z) is formed below from z, not from values kept from the product above (registers)
+    float t[64] = {};
+    {
+      float tangent[kBasisChunks][4];
+      rows_now.fragments<true>(p, base, at, tangent);
+#pragma unroll
+      for (int c = 0; c < kBasisChunks; ++c) product_chunk<kSplit>(t, tangent[c], w1_hi, w1_lo, c, kBasisK);
+    }
+    wgmma_wait<0>();
+    hold(t);
+#pragma unroll
+    for (int q = 0; q < 64; ++q) {  // element q is in row at.row + 8 (q % 4 / 2)
+      t[q] *= e[q % 4 / 2] * filter_activation_grad<kSsp>(z[q], activation);
+    }
+    // derivatives = W2 (e s t) + e' (W2 act(z) + b2), the second term read back from the tile
+    // (the thread's own elements), which then takes the filters times the envelope.
+    float g[64] = {};
+    second_product<kSplit>(g, t, smem, [](float v, int) { return v; });
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float* row = filters + (at.row + 8 * half) * kTileLd + at.col;
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        float2 v = *reinterpret_cast<float2*>(row + 8 * j);
+        g[4 * j + 2 * half] = fmaf(slope[half], v.x, g[4 * j + 2 * half]);
+        g[4 * j + 2 * half + 1] = fmaf(slope[half], v.y, g[4 * j + 2 * half + 1]);
+        *reinterpret_cast<float2*>(row + 8 * j) = make_float2(e[half] * v.x, e[half] * v.y);
+      }
+    }
+    store_rows(g, p.derivatives + base * kWidth, kWidth, at, at.row, rows);
     team_sync<kTeamThreads>();
     scatter_messages<kWidth, kTeamThreads / 32>(p, filters, smem + l.envelope, receivers, senders, base, rows);
   }
@@ -801,19 +964,30 @@ cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, i
   return cudaGetLastError();
 }
 
-// Whether the Hopper forward kernel takes these weights: a device of compute capability 9.0, this
-// library built for sm_90a, H == M == 128 and R <= 23. MIRAGE_CFCONV_PORTABLE=1 in the environment
-// keeps the portable kernel (the tests run both on one GPU).
-bool use_sm90(const CfconvWeights& w) {
+// Whether this library was built for sm_90a and the current device has compute capability 9.0:
+// the Hopper kernels' condition.
+bool hopper() {
   static const bool built = std::string_view(MIRAGE_CUDA_ARCHS).find("90a") != std::string_view::npos;
-  if (!built || w.width != sm90::kWidth || w.num_rbf + 1 > sm90::kBasisK) return false;
-  const char* portable = std::getenv("MIRAGE_CFCONV_PORTABLE");
-  if (portable != nullptr && std::string_view(portable) == "1") return false;
+  if (!built) return false;
   int device = 0, major = 0, minor = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   return major == 9 && minor == 0;
+}
+
+// Whether the Hopper kernels take a network of these sizes: H == M == 128, R <= 23.
+bool hopper_sizes(int64_t num_rbf, int64_t hidden, int64_t width) {
+  return hidden == sm90::kWidth && width == sm90::kWidth && num_rbf >= 1 && num_rbf + 1 <= sm90::kBasisK;
+}
+
+// Whether cfconv's Hopper forward takes these weights. MIRAGE_CFCONV_PORTABLE=1 in the environment
+// keeps the portable kernel (the tests run both on one GPU).
+bool use_sm90(const CfconvWeights& w) {
+  if (!hopper_sizes(w.num_rbf, w.width, w.width)) return false;
+  const char* portable = std::getenv("MIRAGE_CFCONV_PORTABLE");
+  if (portable != nullptr && std::string_view(portable) == "1") return false;
+  return hopper();
 }
 
 // f(width, split, ssp) with the weights' runtime choices as compile-time constants.
@@ -844,6 +1018,62 @@ cudaError_t launch_passes(const Params& params, float* accumulator, const Segmen
   status = dispatch(params.weights, launch_kernel);
   if (status != cudaSuccess) return status;
   return launch_finish<float>(outputs, params.invalid, stream);
+}
+
+// radial_cfconv's backward: a warp takes kBackwardBatch consecutive pairs at a time, lane l the
+// columns 4 l, 4 l + 128, ...; each pair's loads are in flight before the batch's first atomic.
+constexpr int kBackwardThreads = 256;
+constexpr int kBackwardBatch = 4;
+
+__global__ void __launch_bounds__(kBackwardThreads) radial_cfconv_backward_kernel(RadialCfconvBackwardParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kBackwardThreads / 32);
+  const int64_t M = p.width;
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kBackwardThreads + threadIdx.x) / 32 * kBackwardBatch;
+       first < p.num_pairs; first += warps * kBackwardBatch) {
+    int64_t i[kBackwardBatch], j[kBackwardBatch];
+    bool real[kBackwardBatch];
+#pragma unroll
+    for (int k = 0; k < kBackwardBatch; ++k) {
+      const int64_t pair = first + k;
+      real[k] = false;
+      if (pair < p.num_pairs) {
+        i[k] = p.pairs[pair];
+        j[k] = p.pairs[p.num_pairs + pair];
+        real[k] = i[k] >= 0 && i[k] < p.num_nodes && j[k] >= 0 && j[k] < p.num_nodes;
+        if (!real[k]) *p.invalid = 1;  // every writer stores the same value
+      }
+    }
+    float dot[kBackwardBatch] = {};
+    for (int64_t c = 4 * lane; c < M; c += 128) {
+      float g[kBackwardBatch][4], x[kBackwardBatch][4], f[kBackwardBatch][4], t[kBackwardBatch][4];
+#pragma unroll
+      for (int k = 0; k < kBackwardBatch; ++k) {
+        if (!real[k]) continue;
+        load_packed<float, 4>(p.grad + i[k] * M + c, g[k]);
+        load_packed<float, 4>(p.x + j[k] * M + c, x[k]);
+        load_packed<float, 4>(p.filters + (first + k) * M + c, f[k]);
+        load_packed<float, 4>(p.derivatives + (first + k) * M + c, t[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kBackwardBatch; ++k) {
+        if (!real[k]) continue;
+        float message[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          message[e] = g[k][e] * f[k][e];
+          dot[k] = fmaf(g[k][e] * x[k][e], t[k][e], dot[k]);
+        }
+        atomic_add<4>(p.grad_x + j[k] * M + c, message);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBackwardBatch; ++k) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) dot[k] += __shfl_xor_sync(0xffffffffu, dot[k], offset);
+      if (lane == 0 && first + k < p.num_pairs) p.grad_distances[first + k] = dot[k];
+    }
+  }
 }
 
 }  // namespace
@@ -881,6 +1111,36 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStrea
     return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
                   shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream);
   });
+}
+
+bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
+  return hopper_sizes(num_rbf, hidden, width) && hopper();
+}
+
+cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t stream) {
+  const Segments outputs{{{nullptr, params.out, params.num_nodes * params.weights.width},
+                          {nullptr, params.filters, params.num_pairs * params.weights.width},
+                          {nullptr, params.derivatives, params.num_pairs * params.weights.width}}};
+  return launch_passes(params, params.out, outputs, stream, [&](auto /*width: 128*/, auto split, auto ssp) {
+    return launch(sm90::radial_cfconv_kernel<split(), ssp()>, params, sm90::ForwardLayout::kTotal * sizeof(float),
+                  sm90::kThreads, sm90::kTeams, stream);
+  });
+}
+
+cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, cudaStream_t stream) {
+  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
+  if (status == cudaSuccess) {
+    status = cudaMemsetAsync(params.grad_x, 0, params.num_nodes * params.width * sizeof(float), stream);
+  }
+  if (status != cudaSuccess || params.num_pairs == 0) return status;
+  const int64_t warps = ceil_div(params.num_pairs, kBackwardBatch);
+  const int64_t blocks = std::min<int64_t>(ceil_div(warps, kBackwardThreads / 32), 16LL * sm_count());
+  radial_cfconv_backward_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, 0, stream>>>(params);
+  status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.width},
+                          {nullptr, params.grad_distances, params.num_pairs}}};
+  return launch_finish<float>(outputs, params.invalid, stream);
 }
 
 }  // namespace mirage::cuda

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "radial_basis.cuh"
 
 namespace mirage::cuda {
 
@@ -62,5 +63,47 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 // Pairs with an index outside [0, num_nodes) are skipped and turn every output NaN (no host sync).
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream);
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream);
+
+// mirage::radial_cfconv: cfconv with the basis and the envelope formed from the distances in the
+// kernel, and the filters' derivative in the distance carried forward beside them:
+//   filters[p]     = (W2 act(W1 basis(d_p) + b1) + b2) * envelope(d_p)     [P, M]
+//   derivatives[p] = d filters[p] / d d_p                                   [P, M]
+//   out[i]         = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p]
+// Its backward is then a pass over the pairs with no products:
+//   grad_x[j] += grad[i] * filters[p],  grad_distances[p] = sum_c grad[i, c] x[j, c] derivatives[p, c].
+struct RadialCfconvParams {
+  CfconvWeights weights;
+  const float* x;          // [N, M] contiguous, 16-byte aligned
+  const float* distances;  // [P]
+  const int64_t* pairs;    // [2, P]
+  RadialBasisKind basis;   // radial_basis' functions (no cutoff function of their own)
+  CutoffFn envelope;       // the filters' envelope
+  float cutoff;
+  float* out;              // [N, M], 16-byte aligned
+  float* filters;          // [P, M], 16-byte aligned
+  float* derivatives;      // [P, M]
+  int* invalid;            // as above
+  int64_t num_nodes, num_pairs;
+};
+
+struct RadialCfconvBackwardParams {
+  const float* grad;         // [N, M], 16-byte aligned
+  const float* x;            // [N, M], 16-byte aligned
+  const int64_t* pairs;      // [2, P]
+  const float* filters;      // [P, M], 16-byte aligned
+  const float* derivatives;  // [P, M], 16-byte aligned
+  float* grad_x;             // [N, M], 16-byte aligned
+  float* grad_distances;     // [P]
+  int* invalid;
+  int64_t num_nodes, num_pairs, width;  // width M: a multiple of 4
+};
+
+// Whether the forward kernel takes these sizes on the current device: it is Hopper's (compute
+// capability 9.0, this library built for sm_90a) for H == M == 128 and R <= 23. The backward
+// runs on any GPU.
+bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
+
+cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t stream);
+cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, cudaStream_t stream);
 
 }  // namespace mirage::cuda

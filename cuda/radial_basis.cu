@@ -51,7 +51,6 @@ __global__ void __launch_bounds__(kThreads) radial_basis_backward_kernel(RadialB
   const unsigned mask =
       G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
   const float spacing = gaussian_spacing(p.num, p.cutoff);
-  const float bessel_scale = sqrtf(2.0f / p.cutoff);
   const int64_t groups = static_cast<int64_t>(gridDim.x) * (blockDim.x / G);
   for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / G;
        row < p.count; row += groups) {
@@ -61,16 +60,7 @@ __global__ void __launch_bounds__(kThreads) radial_basis_backward_kernel(RadialB
     for (int k = lane; k < p.num; k += G) {
       const float g = to_float(grad[row * p.num + k]);
       float basis, derivative;
-      if (p.kind == RadialBasisKind::kGaussian) {
-        basis = gaussian(d, k, spacing);
-        derivative = gaussian_derivative(basis, d, k, spacing);
-      } else {
-        const float frequency = (k + 1) * kPi / p.cutoff;
-        float value, slope;
-        sinc_and_derivative(frequency * d, value, slope);
-        basis = bessel_scale * frequency * value;
-        derivative = bessel_scale * frequency * frequency * slope;
-      }
+      basis_and_derivative(p.kind, k, d, spacing, p.cutoff, basis, derivative);
       sum_basis += g * basis;
       sum_derivative += g * derivative;
     }

@@ -53,6 +53,22 @@ __device__ __forceinline__ void sinc_and_derivative(float x, float& value, float
   derivative = (cosine - value) / x;
 }
 
+// basis_k(d), radial_basis' function k (no envelope), and its derivative in d: the Gaussian of
+// center k * spacing, or the Bessel function sqrt(2 / c) sin((k + 1) pi d / c) / d.
+__device__ __forceinline__ void basis_and_derivative(RadialBasisKind kind, int k, float d, float spacing,
+                                                     float cutoff, float& value, float& derivative) {
+  if (kind == RadialBasisKind::kGaussian) {
+    value = gaussian(d, k, spacing);
+    derivative = gaussian_derivative(value, d, k, spacing);
+    return;
+  }
+  const float frequency = (k + 1) * kPi / cutoff, scale = sqrtf(2.0f / cutoff) * frequency;
+  float sinc_value, sinc_slope;
+  sinc_and_derivative(frequency * d, sinc_value, sinc_slope);
+  value = scale * sinc_value;
+  derivative = scale * frequency * sinc_slope;
+}
+
 // Zero from the cutoff on (so the padding of mirage::neighbor_list, at the cutoff, is zero).
 // NaN gives 0 here and NaN in the basis, so the product stays NaN.
 __device__ __forceinline__ float envelope(CutoffFn fn, float d, float cutoff) {

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "../../cuda/common.cuh"
+#include "../../cuda/radial_basis.cuh"
 #include "message.h"
 
 namespace mirage::ops {
@@ -37,6 +38,16 @@ inline cuda::Activation kernel_activation(std::string_view name) {
   if (name == "tanh") return cuda::Activation::kTanh;
   if (name == "gelu") return cuda::Activation::kGelu;
   return cuda::Activation::kRelu;  // the checks admit nothing else
+}
+
+// The radial functions' names (checked by check_radial_basis) as the kernels take them.
+inline cuda::RadialBasisKind kernel_basis(std::string_view kind) {
+  return kind == "gaussian" ? cuda::RadialBasisKind::kGaussian : cuda::RadialBasisKind::kBessel;
+}
+inline cuda::CutoffFn kernel_cutoff_fn(std::string_view cutoff_fn) {
+  return cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
+         : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
+                                     : cuda::CutoffFn::kNone;
 }
 
 inline void check_launch(std::string_view op, cudaError_t status) {

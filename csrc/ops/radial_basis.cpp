@@ -153,6 +153,36 @@ at::Tensor radial_basis_backward_meta(const at::Tensor& grad, const at::Tensor& 
 
 }  // namespace
 
+std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
+                                                  double cutoff) {
+  const at::Tensor d64 = distances.to(at::kDouble).contiguous();
+  const int64_t count = d64.numel();
+  at::Tensor values = at::empty({count, num}, d64.options()), derivatives = at::empty({count, num}, d64.options());
+  const double* ds = d64.const_data_ptr<double>();
+  double* vs = values.mutable_data_ptr<double>();
+  double* dvs = derivatives.mutable_data_ptr<double>();
+  const double spacing = num > 1 ? cutoff / (num - 1) : cutoff;
+  for (int64_t p = 0; p < count; ++p)
+    for (int64_t k = 0; k < num; ++k) {
+      const BasisValue b = basis(kind == "gaussian", k, ds[p], spacing, cutoff);
+      vs[p * num + k] = b.value;
+      dvs[p * num + k] = b.derivative;
+    }
+  return {values, derivatives};
+}
+
+std::pair<at::Tensor, at::Tensor> reference_envelope(const at::Tensor& distances, std::string_view cutoff_fn,
+                                                     double cutoff) {
+  const at::Tensor d64 = distances.to(at::kDouble).contiguous();
+  at::Tensor values = at::empty_like(d64), derivatives = at::empty_like(d64);
+  const double* ds = d64.const_data_ptr<double>();
+  for (int64_t p = 0; p < d64.numel(); ++p) {
+    values.mutable_data_ptr<double>()[p] = envelope(cutoff_fn, ds[p], cutoff);
+    derivatives.mutable_data_ptr<double>()[p] = envelope_derivative(cutoff_fn, ds[p], cutoff);
+  }
+  return {values, derivatives};
+}
+
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {
   m.impl("radial_basis", &radial_basis_cpu);
   m.impl("radial_basis_backward", &radial_basis_backward_cpu);

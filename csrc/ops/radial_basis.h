@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -22,5 +23,13 @@ std::vector<int64_t> check_radial_basis(const at::Tensor& distances, std::string
 void check_radial_basis_backward(const at::Tensor& grad, const at::Tensor& distances,
                                  std::string_view kind, int64_t num, double cutoff,
                                  std::string_view cutoff_fn);
+
+// float64 references for the ops that form radial functions themselves (radial_cfconv): the basis
+// without envelope and its derivative in d, each [P, num], of distances [P]; the envelope
+// `cutoff_fn` and its derivative, each [P]. The arguments as check_radial_basis takes them.
+std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
+                                                  double cutoff);
+std::pair<at::Tensor, at::Tensor> reference_envelope(const at::Tensor& distances, std::string_view cutoff_fn,
+                                                     double cutoff);
 
 }  // namespace mirage::ops

@@ -11,16 +11,6 @@
 namespace mirage::ops {
 namespace {
 
-cuda::RadialBasisKind to_kind(c10::string_view kind) {
-  return kind == "gaussian" ? cuda::RadialBasisKind::kGaussian : cuda::RadialBasisKind::kBessel;
-}
-
-cuda::CutoffFn to_cutoff_fn(c10::string_view cutoff_fn) {
-  return cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
-         : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
-                                     : cuda::CutoffFn::kNone;
-}
-
 at::Tensor radial_basis_cuda(const at::Tensor& distances, c10::string_view kind, int64_t num,
                              double cutoff, c10::string_view cutoff_fn) {
   const std::vector<int64_t> shape = check_radial_basis(distances, kind, num, cutoff, cutoff_fn);
@@ -33,8 +23,8 @@ at::Tensor radial_basis_cuda(const at::Tensor& distances, c10::string_view kind,
   params.count = input.numel();
   params.num = num;
   params.cutoff = static_cast<float>(cutoff);
-  params.kind = to_kind(kind);
-  params.cutoff_fn = to_cutoff_fn(cutoff_fn);
+  params.kind = kernel_basis(kind);
+  params.cutoff_fn = kernel_cutoff_fn(cutoff_fn);
   params.dtype = to_kernel_dtype(distances.scalar_type());
   check_launch(kRadialBasis, cuda::launch_radial_basis(params, c10::cuda::getCurrentCUDAStream()));
   return out;
@@ -55,8 +45,8 @@ at::Tensor radial_basis_backward_cuda(const at::Tensor& grad, const at::Tensor& 
   params.count = distances_in.numel();
   params.num = num;
   params.cutoff = static_cast<float>(cutoff);
-  params.kind = to_kind(kind);
-  params.cutoff_fn = to_cutoff_fn(cutoff_fn);
+  params.kind = kernel_basis(kind);
+  params.cutoff_fn = kernel_cutoff_fn(cutoff_fn);
   params.dtype = to_kernel_dtype(distances.scalar_type());
   check_launch(kRadialBasisBackward,
                cuda::launch_radial_basis_backward(params, c10::cuda::getCurrentCUDAStream()));

@@ -9,6 +9,7 @@
 
 #include "checks.h"
 #include "message.h"
+#include "radial_basis.h"
 
 namespace mirage::ops {
 
@@ -251,26 +252,12 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_meta(const at::Tensor& atomic_n
   return {at::empty({}, embedding.options()), at::empty({s.pairs, 3}, embedding.options())};
 }
 
-}  // namespace
-
-CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
-                         const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
-                         const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
-                         const std::optional<at::Tensor>& bias2, std::string_view activation) {
+// x: float32 (or float64 off the GPU), [N, M]; pairs: int64 [2, P] on x's device. Returns N, P, M.
+CfconvShape check_messages(std::string_view op, const at::Tensor& x, const at::Tensor& pairs) {
   const auto dtype = x.scalar_type();
   MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !x.is_cuda()), op,
                ": x must be float32 (or float64 off the GPU), got ", dtype, " on ", x.device());
   MIRAGE_CHECK(x.dim() == 2, op, ": x must be 2-D [N, M], got shape ", x.sizes());
-  const auto like_x = [&](const at::Tensor& t, std::string_view name) {
-    MIRAGE_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(), "), got ",
-                 t.device());
-    MIRAGE_CHECK(t.scalar_type() == dtype, op, ": ", name, " must have x's dtype (", dtype, "), got ",
-                 t.scalar_type());
-  };
-  like_x(basis, "basis");
-  like_x(envelope, "envelope");
-  like_x(weight1, "weight1");
-  like_x(weight2, "weight2");
   MIRAGE_CHECK(pairs.device() == x.device(), op, ": pairs must be on x's device (", x.device(), "), got ",
                pairs.device());
   MIRAGE_CHECK(pairs.scalar_type() == at::kLong && pairs.dim() == 2 && pairs.size(0) == 2, op,
@@ -281,21 +268,33 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
   s.width = x.size(1);
   s.pairs = pairs.size(1);
   MIRAGE_CHECK(s.nodes > 0 || s.pairs == 0, op, ": x has no rows (N=0) for pairs to index (P=", s.pairs, ")");
+  return s;
+}
+
+// t on x's device with x's dtype.
+void check_like_x(std::string_view op, const at::Tensor& t, std::string_view name, const at::Tensor& x) {
+  MIRAGE_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(), "), got ",
+               t.device());
+  MIRAGE_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype (", x.scalar_type(),
+               "), got ", t.scalar_type());
+}
+
+// The filter network's weights and activation (R and H into s).
+void check_filter_network(std::string_view op, const at::Tensor& x, const at::Tensor& weight1,
+                          const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
+                          const std::optional<at::Tensor>& bias2, std::string_view activation, CfconvShape& s) {
+  check_like_x(op, weight1, "weight1", x);
+  check_like_x(op, weight2, "weight2", x);
   MIRAGE_CHECK(weight1.dim() == 2 && weight1.size(0) >= 1 && weight1.size(1) >= 1, op,
                ": weight1 must be 2-D [H, R] with H, R >= 1, got shape ", weight1.sizes());
   s.hidden = weight1.size(0);
   s.rbf = weight1.size(1);
-  MIRAGE_CHECK(basis.dim() == 2 && basis.size(0) == s.pairs && basis.size(1) == s.rbf, op,
-               ": basis must have shape [P, R] = [", s.pairs, ", ", s.rbf, "] (P from pairs, R from weight1), got ",
-               basis.sizes());
-  MIRAGE_CHECK(envelope.dim() == 1 && envelope.size(0) == s.pairs, op, ": envelope must have shape [P] = [",
-               s.pairs, "], got ", envelope.sizes());
   MIRAGE_CHECK(weight2.dim() == 2 && weight2.size(0) == s.width && weight2.size(1) == s.hidden, op,
                ": weight2 must have shape [M, H] = [", s.width, ", ", s.hidden, "] (M from x, H from weight1), got ",
                weight2.sizes());
   const auto check_bias = [&](const std::optional<at::Tensor>& b, std::string_view name, int64_t size) {
     if (!b.has_value()) return;
-    like_x(*b, name);
+    check_like_x(op, *b, name, x);
     MIRAGE_CHECK(b->dim() == 1 && b->size(0) == size, op, ": ", name, " must have shape [", size, "], got ",
                  b->sizes());
   };
@@ -305,21 +304,62 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
   for (std::string_view k : kEnergyActivations) known = known || activation == k;
   MIRAGE_CHECK(known, op, ": activation \"", activation, "\" is not one of shifted_softplus, softplus, silu, "
                "tanh, gelu, relu");
-  return s;
 }
 
+}  // namespace
+
+CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
+                         const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
+                         const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
+                         const std::optional<at::Tensor>& bias2, std::string_view activation) {
+  CfconvShape s = check_messages(op, x, pairs);
+  check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
+  check_like_x(op, basis, "basis", x);
+  check_like_x(op, envelope, "envelope", x);
+  MIRAGE_CHECK(basis.dim() == 2 && basis.size(0) == s.pairs && basis.size(1) == s.rbf, op,
+               ": basis must have shape [P, R] = [", s.pairs, ", ", s.rbf, "] (P from pairs, R from weight1), got ",
+               basis.sizes());
+  MIRAGE_CHECK(envelope.dim() == 1 && envelope.size(0) == s.pairs, op, ": envelope must have shape [P] = [",
+               s.pairs, "], got ", envelope.sizes());
+  return s;
+}
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
                            const CfconvShape& s) {
-  for (const auto& [t, name] : {std::pair{&grad, "grad"}, std::pair{&filters, "filters"}}) {
-    MIRAGE_CHECK(t->device() == x.device(), kCfconvBackward, ": ", name, " must be on x's device (", x.device(),
-                 "), got ", t->device());
-    MIRAGE_CHECK(t->scalar_type() == x.scalar_type(), kCfconvBackward, ": ", name, " must have x's dtype (",
-                 x.scalar_type(), "), got ", t->scalar_type());
-  }
+  check_like_x(kCfconvBackward, grad, "grad", x);
+  check_like_x(kCfconvBackward, filters, "filters", x);
   MIRAGE_CHECK(grad.sizes() == x.sizes(), kCfconvBackward, ": grad must have x's shape ", x.sizes(), ", got ",
                grad.sizes());
   MIRAGE_CHECK(filters.dim() == 2 && filters.size(0) == s.pairs && filters.size(1) == s.width, kCfconvBackward,
                ": filters must have shape [P, M] = [", s.pairs, ", ", s.width, "], got ", filters.sizes());
+}
+
+CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs,
+                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+                                std::string_view activation, std::string_view basis, double cutoff,
+                                std::string_view envelope) {
+  constexpr std::string_view op = kRadialCfconv;
+  CfconvShape s = check_messages(op, x, pairs);
+  check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
+  check_like_x(op, distances, "distances", x);
+  MIRAGE_CHECK(distances.dim() == 1 && distances.size(0) == s.pairs, op, ": distances must have shape [P] = [",
+               s.pairs, "] (P from pairs), got ", distances.sizes());
+  check_radial_basis(distances, basis, s.rbf, cutoff, envelope, op);  // the basis' and envelope's names, the cutoff
+  return s;
+}
+
+CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pairs,
+                                         const at::Tensor& filters, const at::Tensor& derivatives) {
+  constexpr std::string_view op = kRadialCfconvBackward;
+  const CfconvShape s = check_messages(op, x, pairs);
+  check_like_x(op, grad, "grad", x);
+  MIRAGE_CHECK(grad.sizes() == x.sizes(), op, ": grad must have x's shape ", x.sizes(), ", got ", grad.sizes());
+  for (const auto& [t, name] : {std::pair{&filters, "filters"}, std::pair{&derivatives, "filter_derivatives"}}) {
+    check_like_x(op, *t, name, x);
+    MIRAGE_CHECK(t->dim() == 2 && t->size(0) == s.pairs && t->size(1) == s.width, op, ": ", name,
+                 " must have shape [P, M] = [", s.pairs, ", ", s.width, "], got ", t->sizes());
+  }
+  return s;
 }
 
 namespace {
@@ -393,10 +433,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
           at::empty({s.pairs}, x.options())};
 }
 
+// radial_cfconv's reference: float64 from the definition, the derivatives in forward mode (the
+// tangent of the basis through the network, the envelope's by the product rule).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cpu(
+    const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
+    bool /*tf32: the reference is float64*/) {
+  const CfconvShape s =
+      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+  const at::Tensor idx = pairs.contiguous();
+  check_pair_indices(kRadialCfconv, idx, s.nodes);
+  const auto [b, b_slope] = reference_basis(distances, basis, s.rbf, cutoff);
+  const auto [e, e_slope] = reference_envelope(distances, envelope, cutoff);
+  const std::string act(activation);
+  const at::Tensor w1 = weight1.to(at::kDouble), w2 = weight2.to(at::kDouble);
+  const at::Tensor pre = at::linear(b, w1, optional_f64(bias1));
+  const at::Tensor f = at::linear(reference_activation(pre, act), w2, optional_f64(bias2));
+  const at::Tensor f_slope = at::linear(reference_activation_grad(pre, act) * at::linear(b_slope, w1), w2);
+  const at::Tensor filters = f * e.unsqueeze(1);
+  const at::Tensor derivatives = f_slope * e.unsqueeze(1) + f * e_slope.unsqueeze(1);
+  const at::Tensor messages = x.to(at::kDouble).index_select(0, idx[1]) * filters;
+  const at::Tensor out = at::zeros({s.nodes, s.width}, messages.options()).index_add_(0, idx[0], messages);
+  const auto dtype = x.scalar_type();
+  return {out.to(dtype), filters.to(dtype), derivatives.to(dtype)};
+}
+
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
+                                                              const at::Tensor& pairs, const at::Tensor& filters,
+                                                              const at::Tensor& derivatives) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives);
+  const at::Tensor idx = pairs.contiguous();
+  check_pair_indices(kRadialCfconvBackward, idx, s.nodes);
+  const at::Tensor grad_i = grad.to(at::kDouble).index_select(0, idx[0]);
+  const at::Tensor grad_x =
+      at::zeros({s.nodes, s.width}, grad_i.options()).index_add_(0, idx[1], grad_i * filters.to(at::kDouble));
+  const at::Tensor grad_distances =
+      (grad_i * x.to(at::kDouble).index_select(0, idx[1]) * derivatives.to(at::kDouble)).sum(1);
+  return {grad_x.to(x.scalar_type()), grad_distances.to(x.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_meta(
+    const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool /*tf32*/) {
+  const CfconvShape s =
+      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+  return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options()),
+          at::empty({s.pairs, s.width}, x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_meta(const at::Tensor& grad, const at::Tensor& x,
+                                                               const at::Tensor& pairs, const at::Tensor& filters,
+                                                               const at::Tensor& derivatives) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives);
+  return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs}, x.options())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {
   m.impl("schnet_energy", &schnet_energy_cpu);
+  m.impl("radial_cfconv", &radial_cfconv_cpu);
+  m.impl("radial_cfconv_backward", &radial_cfconv_backward_cpu);
   m.impl("cfconv", &cfconv_cpu);
   m.impl("cfconv_backward", &cfconv_backward_cpu);
 }
@@ -404,6 +503,8 @@ TORCH_LIBRARY_IMPL(mirage, Meta, m) {
   m.impl("schnet_energy", &schnet_energy_meta);
   m.impl("cfconv", &cfconv_meta);
   m.impl("cfconv_backward", &cfconv_backward_meta);
+  m.impl("radial_cfconv", &radial_cfconv_meta);
+  m.impl("radial_cfconv_backward", &radial_cfconv_backward_meta);
 }
 
 }  // namespace mirage::ops

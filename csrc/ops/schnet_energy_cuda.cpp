@@ -1,4 +1,5 @@
-// mirage::schnet_energy, mirage::painn_energy and mirage::cfconv (with its backward) on CUDA.
+// mirage::schnet_energy, mirage::painn_energy, mirage::cfconv and mirage::radial_cfconv (with their
+// backwards) on CUDA.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -233,9 +234,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   return {grad_x, grad_basis, grad_envelope};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cuda(
+    const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
+  const CfconvShape s =
+      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+  const c10::cuda::CUDAGuard guard(x.device());
+  MIRAGE_CHECK(cuda::radial_cfconv_supported(s.rbf, s.hidden, s.width), kRadialCfconv,
+               ": the CUDA kernel is Hopper's (compute capability 9.0, mirage built for sm_90a) and takes H == M "
+               "== 128 and R <= 23; got R=", s.rbf, ", H=", s.hidden, ", M=", s.width, " on ", x.device(),
+               " (mirage::cfconv with the basis and envelope from mirage::radial_basis takes the others)");
+  std::vector<at::Tensor> held;
+  cuda::RadialCfconvParams p{};
+  p.weights = cfconv_weights(kRadialCfconv, s, weight1, bias1, weight2, bias2, activation, tf32, held);
+  const at::Tensor xc = aligned(x), distances_c = distances.contiguous(), idx = pairs.contiguous();
+  at::Tensor out = at::empty({s.nodes, s.width}, x.options());
+  at::Tensor filters = at::empty({s.pairs, s.width}, x.options());
+  at::Tensor derivatives = at::empty({s.pairs, s.width}, x.options());
+  const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));  // zeroed on the stream
+  p.x = xc.const_data_ptr<float>();
+  p.distances = distances_c.const_data_ptr<float>();
+  p.pairs = idx.const_data_ptr<int64_t>();
+  p.basis = kernel_basis(basis);
+  p.envelope = kernel_cutoff_fn(envelope);
+  p.cutoff = static_cast<float>(cutoff);
+  p.out = out.mutable_data_ptr<float>();
+  p.filters = filters.mutable_data_ptr<float>();
+  p.derivatives = derivatives.mutable_data_ptr<float>();
+  p.invalid = invalid.mutable_data_ptr<int>();
+  p.num_nodes = s.nodes;
+  p.num_pairs = s.pairs;
+  check_launch(kRadialCfconv, cuda::launch_radial_cfconv(p, c10::cuda::getCurrentCUDAStream()));
+  return {out, filters, derivatives};
+}
+
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
+                                                               const at::Tensor& pairs, const at::Tensor& filters,
+                                                               const at::Tensor& derivatives) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives);
+  MIRAGE_CHECK(s.width % 4 == 0, kRadialCfconvBackward, ": the CUDA kernel takes M (x's columns) a multiple of 4, got ",
+               s.width);
+  MIRAGE_CHECK(s.nodes < INT32_MAX, kRadialCfconvBackward, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
+  const at::Tensor derivatives_c = aligned(derivatives), idx = pairs.contiguous();
+  at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());
+  at::Tensor grad_distances = at::empty({s.pairs}, x.options());
+  const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));
+  cuda::RadialCfconvBackwardParams p{};
+  p.grad = grad_c.const_data_ptr<float>();
+  p.x = xc.const_data_ptr<float>();
+  p.pairs = idx.const_data_ptr<int64_t>();
+  p.filters = filters_c.const_data_ptr<float>();
+  p.derivatives = derivatives_c.const_data_ptr<float>();
+  p.grad_x = grad_x.mutable_data_ptr<float>();
+  p.grad_distances = grad_distances.mutable_data_ptr<float>();
+  p.invalid = invalid.mutable_data_ptr<int>();
+  p.num_nodes = s.nodes;
+  p.num_pairs = s.pairs;
+  p.width = s.width;
+  check_launch(kRadialCfconvBackward,
+               cuda::launch_radial_cfconv_backward(p, c10::cuda::getCurrentCUDAStream()));
+  return {grad_x, grad_distances};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
+  m.impl("radial_cfconv", &radial_cfconv_cuda);
+  m.impl("radial_cfconv_backward", &radial_cfconv_backward_cuda);
   m.impl("schnet_energy", &schnet_energy_cuda);
   m.impl("painn_energy", &painn_energy_cuda);
   m.impl("cfconv", &cfconv_cuda);

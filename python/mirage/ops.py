@@ -4,9 +4,9 @@ Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), 
 float32 (float64 on the CPU reference), returns new tensors, and raises ``RuntimeError`` naming
 the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
-(float64 too on the CPU), ``cfconv``, ``schnet_energy`` and ``painn_energy`` take float32
-(float64 too on the CPU); ``neighbor_list``, ``pair_vectors``, ``radial_basis`` and ``cfconv``
-run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
+(float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` and ``painn_energy``
+take float32 (float64 too on the CPU); ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
+``cfconv`` and ``radial_cfconv`` run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
 """
 
 from __future__ import annotations
@@ -666,6 +666,55 @@ def cfconv(
     return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32)[0]
 
 
+def radial_cfconv(
+    x: Tensor,
+    distances: Tensor,
+    pairs: Tensor,
+    weight1: Tensor,
+    bias1: Optional[Tensor],
+    weight2: Tensor,
+    bias2: Optional[Tensor],
+    activation: str = "shifted_softplus",
+    basis: str = "gaussian",
+    cutoff: float = 5.0,
+    envelope: str = "cosine",
+    tf32: Optional[bool] = None,
+) -> Tensor:
+    """:func:`cfconv` with the basis and the envelope formed from the distances in the kernel: with ``b = radial_basis(distances, basis, R, cutoff, "none")`` (``R`` from
+    ``weight1``) and ``e`` the cutoff function ``envelope`` of the distances (as
+    :func:`radial_basis` applies it)::
+
+        filters[p] = (weight2 @ act(weight1 @ b[p] + bias1) + bias2) * e[p]
+        out[i]     = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p]
+
+    The filters' derivative in the distance goes through the filter network beside them (forward
+    mode), so the backward is one pass over the pairs with no products: on a 3,000-atom SchNet box
+    it replaces :func:`cfconv`'s backward, which runs the filter network backwards
+    (docs/perf/forcefield.md).
+
+    Args:
+        x, pairs, weight1, bias1, weight2, bias2, activation, tf32: as :func:`cfconv`.
+        distances: ``(P,)`` pair distances, x's dtype and device.
+        basis: ``"gaussian"`` or ``"bessel"``, :func:`radial_basis`' functions.
+        cutoff: finite and > 0, the basis' and the envelope's.
+        envelope: ``"cosine"``, ``"polynomial"`` or ``"none"``, :func:`radial_basis`' cutoff functions.
+
+    Returns:
+        ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x`` and
+        ``distances`` (first order) through ``torch.ops.mirage.radial_cfconv_backward``; asking
+        for a gradient in the weights or for a second order raises ``RuntimeError``.
+        ``torch.ops.mirage.radial_cfconv`` also returns the filters and their derivatives
+        ``(P, M)``, which the backward reads. CUDA runs Hopper's kernel alone (compute capability
+        9.0, mirage built for sm_90a, ``H == M == 128``, ``R <= 23``: :func:`radial_cfconv_supported`)
+        and raises ``RuntimeError`` otherwise. Indices outside ``[0, N)``: the CPU raises
+        ``RuntimeError``; CUDA returns NaN everywhere (gradients too).
+    """
+    if tf32 is None:
+        tf32 = tf32_matmuls()
+    return torch.ops.mirage.radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
+                                          float(cutoff), envelope, tf32)[0]
+
+
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at
 # compile time instead and bakes the answer into the graph. That is sound because dynamo guards
 # every graph on the global TF32 setting and recompiles when it changes
@@ -693,14 +742,26 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
     128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores (sm_80 on) and the shared memory per
     block the kernels keep their operands in: 147-205 KiB at width 128 (R from 1 to 64: Hopper's
     227 KiB takes them all, an A100's 163 KiB R <= 16), 63-105 KiB at width 64."""
+    return _supported("cfconv_supported", num_rbf, hidden, width, device)
+
+
+@torch.compiler.assume_constant_result
+def radial_cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
+    """Whether :func:`radial_cfconv` runs a filter network of these sizes on ``device``: always on
+    the CPU; on CUDA with compute capability 9.0 (H100, H200) and mirage built for sm_90a, for
+    ``hidden == width == 128`` and ``num_rbf <= 23``."""
+    return _supported("radial_cfconv_supported", num_rbf, hidden, width, device)
+
+
+def _supported(check: str, num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _cfconv_supported_on(int(num_rbf), int(hidden), int(width), str(device))
+    return _supported_on(check, int(num_rbf), int(hidden), int(width), str(device))
 
 
 @functools.lru_cache(maxsize=None)  # models ask on every forward
-def _cfconv_supported_on(num_rbf: int, hidden: int, width: int, device: str) -> bool:
+def _supported_on(check: str, num_rbf: int, hidden: int, width: int, device: str) -> bool:
     from . import _C
 
-    return bool(_C.cfconv_supported(num_rbf, hidden, width, device))
+    return bool(getattr(_C, check)(num_rbf, hidden, width, device))

@@ -29,6 +29,10 @@ BuildInfo build_info();
 // at width 128, 63-105 KiB at width 64, growing with R).
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
+// Whether mirage::radial_cfconv runs a filter network of these sizes on `device`: always on the CPU;
+// on CUDA with compute capability 9.0 and mirage built for sm_90a, for H == M == 128 and R <= 23.
+bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
+
 // Whether vector_message_passing's CUDA kernels form a float32 filter of 3F columns (F =
 // features) from a basis of K columns on `device` themselves (F % 4 == 0, K <= 32, the weight in
 // shared memory), given 16-byte aligned rows; otherwise a GEMM forms it first. False off CUDA.

@@ -435,6 +435,12 @@ class SchNet(_FusedModel):
     #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
     #: the batched filter GEMMs (for comparisons).
     fused_interactions = True
+    #: True: where mirage::radial_cfconv takes the sizes (Hopper: H == M == 128, R <= 23), the
+    #: interactions run as that op instead of cfconv (the basis and cutoff formed in its kernel, the
+    #: filters' distance derivative carried forward, the backward a pass over the pairs without the
+    #: filter network). Off by default: slower than cfconv so far on the 3,000-atom box (H200,
+    #: 2070 against 1846 µs per energy+forces; docs/perf/forcefield.md says where the time goes).
+    radial_interactions = False
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:
@@ -530,14 +536,21 @@ class SchNet(_FusedModel):
         :attr:`whole_model_max_atoms` atoms run as one op,
         ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Larger systems under the same conditions run each
-        interaction as one ``mirage::cfconv`` (filter network, cutoff and message passing fused;
-        :attr:`fused_interactions`). Training mode takes the layer-by-layer path, which has both."""
+        interaction as one ``mirage::radial_cfconv`` (on Hopper) or ``mirage::cfconv`` (filter
+        network, cutoff and message passing fused; :attr:`fused_interactions`,
+        :attr:`radial_interactions`). Training mode takes the layer-by-layer path, which has both."""
         pairs, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                      self._kernel_weights(), self._kernel_activations())[0]
-        rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
-        if self._fused_interactions(positions):
+        interactions = self._interaction_op(positions)
+        if interactions == "radial_cfconv":
+            def messages(t: int, block: nn.Module, h: Tensor) -> Tensor:
+                first, second = block.filter[0], block.filter[2]
+                return ops.radial_cfconv(h, distances, pairs, first.weight, first.bias, second.weight, second.bias,
+                                         self.filter_activation, "gaussian", self.cutoff, "cosine")
+        elif interactions == "cfconv":
+            rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
             envelope = _cosine_cutoff(distances, self.cutoff)
 
             def messages(t: int, block: nn.Module, h: Tensor) -> Tensor:
@@ -545,6 +558,7 @@ class SchNet(_FusedModel):
                 return ops.cfconv(h, rbf, envelope, pairs, first.weight, first.bias, second.weight, second.bias,
                                   self.filter_activation)
         else:
+            rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
             # unbind, not filters[t]: its backward stacks the T gradients in one pass, where each
             # select's backward would fill a zero [T, P, M] tensor and the T of them be summed.
             filters = self._filters(rbf, distances).unbind(0)
@@ -579,13 +593,18 @@ class SchNet(_FusedModel):
             filters = _batched_linear(ACTIVATIONS[self.filter_activation](hidden), second)
         return filters * _cosine_cutoff(distances, self.cutoff).unsqueeze(-1)
 
-    def _fused_interactions(self, positions: Tensor) -> bool:
-        """Whether the interactions run as mirage::cfconv (the filter network fused with the
-        message passing): eval-mode kernels allowed, and sizes its CUDA kernels take."""
+    def _interaction_op(self, positions: Tensor) -> str:
+        """How the interactions run outside the whole-model op: ``"radial_cfconv"`` or
+        ``"cfconv"`` (the filter network fused with the message passing; eval-mode kernels
+        allowed, :attr:`fused_interactions` and :attr:`radial_interactions`, sizes the op's CUDA
+        kernels take), else ``"layers"`` (batched filter GEMMs and message_passing). Static, never
+        the data: graph-safe."""
         if not (self.fused_interactions and self._eval_kernels(positions)):
-            return False
-        first, second = self.interactions[0].filter[0], self.interactions[0].filter[2]
-        return ops.cfconv_supported(self.num_rbf, first.out_features, second.out_features, positions.device)
+            return "layers"
+        sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
+        if self.radial_interactions and ops.radial_cfconv_supported(*sizes, positions.device):
+            return "radial_cfconv"
+        return "cfconv" if ops.cfconv_supported(*sizes, positions.device) else "layers"
 
     def _whole_model_structure(self) -> bool:
         return len(self.interactions) <= 8
