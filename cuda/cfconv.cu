@@ -656,13 +656,13 @@ __device__ __forceinline__ void product_chunk(float (&d)[64], const float (&a)[4
 }
 
 // Accumulator chunk c (n8 tile c: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)) as the A
-// fragment of K chunk c of the next product, f(value, half) applied (half 0: row g, 1: row g + 8).
+// fragment of K chunk c of the next product, f applied.
 template <typename F>
 __device__ __forceinline__ void as_fragment(const float (&d)[64], int c, F&& f, float (&a)[4]) {
-  a[0] = f(d[4 * c], 0);
-  a[1] = f(d[4 * c + 2], 1);
-  a[2] = f(d[4 * c + 1], 0);
-  a[3] = f(d[4 * c + 3], 1);
+  a[0] = f(d[4 * c]);
+  a[1] = f(d[4 * c + 2]);
+  a[2] = f(d[4 * c + 1]);
+  a[3] = f(d[4 * c + 3]);
 }
 
 // The thread's place in its warpgroup's tile: rows `row` and row + 8, accumulator columns 8 j +
@@ -728,19 +728,6 @@ __device__ void load_network(const CfconvWeights& w, float* smem) {
   __syncthreads();
 }
 
-// An accumulator's columns 8 j + col, + 1 (j < kChunks) set to b2's times `top` in row `row`,
-// `bottom` in row + 8.
-__device__ __forceinline__ void fill_bias(float (&d)[64], const float* b2, const Place& at, float top, float bottom) {
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const float2 b = *reinterpret_cast<const float2*>(b2 + 8 * j + at.col);
-    d[4 * j] = top * b.x;
-    d[4 * j + 1] = top * b.y;
-    d[4 * j + 2] = bottom * b.x;
-    d[4 * j + 3] = bottom * b.y;
-  }
-}
-
 // d += f(a) W2^T (K = kWidth), a the accumulator of the previous product taken chunk by chunk.
 template <bool kSplit, typename F>
 __device__ __forceinline__ void second_product(float (&d)[64], const float (&a)[64], const float* smem, F&& f) {
@@ -770,20 +757,47 @@ __device__ __forceinline__ void store_rows(const float (&d)[64], float* out, int
   }
 }
 
+// The filters before any envelope, W2 act(z) + b2 (z taken chunk by chunk), to the team's tile.
+template <bool kSplit, bool kSsp>
+__device__ __forceinline__ void filters_to_tile(const float (&z)[64], const float* smem, float* tile,
+                                                const Place& at, Activation activation) {
+  float f[64];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const float2 b = *reinterpret_cast<const float2*>(smem + ForwardLayout::kB2 + 8 * j + at.col);
+    f[4 * j] = f[4 * j + 2] = b.x;
+    f[4 * j + 1] = f[4 * j + 3] = b.y;
+  }
+  second_product<kSplit>(f, z, smem, [&](float v) { return filter_activation<kSsp>(v, activation); });
+  store_rows(f, tile, kTileLd, at, at.row, kTile);
+}
+
+// What both Hopper forwards set up: the network in shared memory (load_network), and the team's
+// walk over the tiles (first, first + stride, ...) with its shared arrays.
+struct TeamTiles {
+  ForwardLayout l;
+  int64_t tiles, stride, first;
+  int* receivers;
+  int* senders;
+  __device__ TeamTiles(const CfconvWeights& w, int64_t num_pairs, float* smem)
+      : l(team<kTeamThreads>()),
+        tiles(ceil_div(num_pairs, kTile)),
+        stride(static_cast<int64_t>(gridDim.x) * kTeams),
+        first(static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>()),
+        receivers(reinterpret_cast<int*>(smem + l.receivers)),
+        senders(reinterpret_cast<int*>(smem + l.senders)) {
+    load_network(w, smem);
+  }
+};
+
 template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  using L = ForwardLayout;
-  const L l(team<kTeamThreads>());
-  const float *w1_hi = smem + L::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
-  load_network(p.weights, smem);
-
+  const TeamTiles walk(p.weights, p.num_pairs, smem);
+  const auto& [l, tiles, stride, first, receivers, senders] = walk;
+  const float *w1_hi = smem + ForwardLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const Place at;
-  const int64_t tiles = ceil_div(p.num_pairs, kTile), stride = static_cast<int64_t>(gridDim.x) * kTeams;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>();
-  int* receivers = reinterpret_cast<int*>(smem + l.receivers);
-  int* senders = reinterpret_cast<int*>(smem + l.senders);
   PairFetch pair;
   BasisFragments basis;
   if (first < tiles) {
@@ -804,26 +818,23 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
       pair.fetch(p, next, team_thread<kTeamThreads>());
       basis.fetch(p.basis, p.weights.num_rbf, p.num_pairs, next, at);
     }
-    float f[64];
-    fill_bias(f, smem + L::kB2, at, 1.0f, 1.0f);
-    second_product<kSplit>(f, z, smem, [&](float v, int) { return filter_activation<kSsp>(v, p.weights.activation); });
     float* filters = smem + l.tile;
-    store_rows(f, filters, kTileLd, at, at.row, kTile);
+    filters_to_tile<kSplit, kSsp>(z, smem, filters, at, p.weights.activation);
     team_sync<kTeamThreads>();
     scatter_messages<kWidth, kTeamThreads / 32>(p, filters, smem + l.envelope, receivers, senders, base, rows);
   }
 }
 
 // radial_cfconv's forward: the kernel above with the basis formed from the distances, and the
-// filters' derivative in the distance carried through both products beside them. With z = W1 b +
-// b1 (b the basis), t = W1 b' (b' its derivative), the activation's slope s = act'(z) and the
-// envelope e (slope e'), both outputs are products of W2 with A operands formed in registers:
-//   filters     = W2 (e act(z)) + e b2
-//   derivatives = W2 (e s t + e' act(z)) + e' b2
-// In that order, so that at most two [64, 128] accumulators are live (z and the filters, then z
-// and t, then t and the derivatives: 128 registers a thread, as in the forward). The filters take
-// the forward's way out (shared memory, memory, the scatter); the derivatives go from the
-// accumulator straight to memory, read by the backward alone.
+// filters' derivative in the distance carried through the network beside them. With z = W1 b + b1
+// (b the basis), f = W2 act(z) + b2, t = W1 b' (b' the basis' derivative), the activation's slope
+// s = act'(z) and the envelope e (slope e'):
+//   filters     = e f
+//   derivatives = W2 (e s t) + e' f
+// In that order: f to the tile first, then t's product, then the derivatives' (f read back from
+// the tile), so that at most two [64, 128] accumulators are live at a time (z and f, z and t, t and
+// the derivatives). The filters take the forward's way out (the tile, memory, the scatter); the
+// derivatives go from the accumulator straight to memory, read by the backward alone.
 struct RadialRows {
   float d[2];  // the distances of the thread's rows at.row and at.row + 8 (0 past the pairs)
   __device__ void fetch(const RadialCfconvParams& p, int64_t base, const Place& at) {
@@ -859,16 +870,10 @@ template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconvParams p) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  using L = ForwardLayout;
-  const L l(team<kTeamThreads>());
-  const float *w1_hi = smem + L::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
-  load_network(p.weights, smem);
-
+  const TeamTiles walk(p.weights, p.num_pairs, smem);
+  const auto& [l, tiles, stride, first, receivers, senders] = walk;
+  const float *w1_hi = smem + ForwardLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const Place at;
-  const int64_t tiles = ceil_div(p.num_pairs, kTile), stride = static_cast<int64_t>(gridDim.x) * kTeams;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>();
-  int* receivers = reinterpret_cast<int*>(smem + l.receivers);
-  int* senders = reinterpret_cast<int*>(smem + l.senders);
   const Activation activation = p.weights.activation;
   PairFetch pair;
   RadialRows radial;
@@ -901,12 +906,8 @@ __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconv
       pair.fetch(p, next, team_thread<kTeamThreads>());
       radial.fetch(p, next, at);
     }
-    // The filters before the envelope, W2 act(z) + b2, to the tile.
-    float f[64];
-    fill_bias(f, smem + L::kB2, at, 1.0f, 1.0f);
-    second_product<kSplit>(f, z, smem, [&](float v, int) { return filter_activation<kSsp>(v, activation); });
     float* filters = smem + l.tile;
-    store_rows(f, filters, kTileLd, at, at.row, kTile);
+    filters_to_tile<kSplit, kSsp>(z, smem, filters, at, activation);
     hold(z);  // act'(z) is formed below from z, not from values kept from the product above (registers)
     float t[64] = {};
     {
@@ -924,7 +925,7 @@ __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconv
     // derivatives = W2 (e s t) + e' (W2 act(z) + b2), the second term read back from the tile
     // (the thread's own elements), which then takes the filters times the envelope.
     float g[64] = {};
-    second_product<kSplit>(g, t, smem, [](float v, int) { return v; });
+    second_product<kSplit>(g, t, smem, [](float v) { return v; });
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float* row = filters + (at.row + 8 * half) * kTileLd + at.col;

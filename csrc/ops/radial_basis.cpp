@@ -92,65 +92,6 @@ BasisValue basis(bool gaussian, int64_t k, double d, double spacing, double cuto
   return {scale * sinc(frequency * d), scale * frequency * sinc_derivative(frequency * d)};
 }
 
-// The reference: float64, element by element, straight from the formulas in docs/ops.md.
-at::Tensor radial_basis_cpu(const at::Tensor& distances, c10::string_view kind, int64_t num,
-                            double cutoff, c10::string_view cutoff_fn) {
-  const std::vector<int64_t> shape = check_radial_basis(distances, kind, num, cutoff, cutoff_fn);
-  const at::Tensor d64 = distances.to(at::kDouble).contiguous();
-  at::Tensor out64 = at::empty(shape, d64.options());
-  const double* ds = d64.const_data_ptr<double>();
-  double* os = out64.mutable_data_ptr<double>();
-  const bool gaussian = kind == "gaussian";
-  const double spacing = num > 1 ? cutoff / (num - 1) : cutoff;
-  for (int64_t p = 0; p < d64.numel(); ++p) {
-    const double d = ds[p];
-    const double env = envelope(cutoff_fn, d, cutoff);
-    for (int64_t k = 0; k < num; ++k)
-      os[p * num + k] = basis(gaussian, k, d, spacing, cutoff).value * env;
-  }
-  return out64.to(distances.scalar_type());
-}
-
-at::Tensor radial_basis_meta(const at::Tensor& distances, c10::string_view kind, int64_t num,
-                             double cutoff, c10::string_view cutoff_fn) {
-  return at::empty(check_radial_basis(distances, kind, num, cutoff, cutoff_fn), distances.options());
-}
-
-// The reference backward: float64, per distance the sum over k of grad * (basis_k f)', with the
-// analytic derivatives (basis_k f)' = basis_k' f + basis_k f'.
-at::Tensor radial_basis_backward_cpu(const at::Tensor& grad, const at::Tensor& distances,
-                                     c10::string_view kind, int64_t num, double cutoff,
-                                     c10::string_view cutoff_fn) {
-  check_radial_basis_backward(grad, distances, kind, num, cutoff, cutoff_fn);
-  const at::Tensor d64 = distances.to(at::kDouble).contiguous();
-  const at::Tensor g64 = grad.to(at::kDouble).contiguous();
-  at::Tensor out64 = at::empty(d64.sizes(), d64.options());
-  const double* ds = d64.const_data_ptr<double>();
-  const double* gs = g64.const_data_ptr<double>();
-  double* os = out64.mutable_data_ptr<double>();
-  const bool gaussian = kind == "gaussian";
-  const double spacing = num > 1 ? cutoff / (num - 1) : cutoff;
-  for (int64_t p = 0; p < d64.numel(); ++p) {
-    const double d = ds[p];
-    const double env = envelope(cutoff_fn, d, cutoff);
-    const double env_derivative = envelope_derivative(cutoff_fn, d, cutoff);
-    double sum = 0.0;
-    for (int64_t k = 0; k < num; ++k) {
-      const BasisValue b = basis(gaussian, k, d, spacing, cutoff);
-      sum += gs[p * num + k] * (b.derivative * env + b.value * env_derivative);
-    }
-    os[p] = sum;
-  }
-  return out64.to(distances.scalar_type());
-}
-
-at::Tensor radial_basis_backward_meta(const at::Tensor& grad, const at::Tensor& distances,
-                                      c10::string_view kind, int64_t num, double cutoff,
-                                      c10::string_view cutoff_fn) {
-  check_radial_basis_backward(grad, distances, kind, num, cutoff, cutoff_fn);
-  return at::empty(distances.sizes(), distances.options());
-}
-
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
@@ -173,15 +114,55 @@ std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, s
 
 std::pair<at::Tensor, at::Tensor> reference_envelope(const at::Tensor& distances, std::string_view cutoff_fn,
                                                      double cutoff) {
-  const at::Tensor d64 = distances.to(at::kDouble).contiguous();
+  const at::Tensor d64 = distances.to(at::kDouble).contiguous().reshape(-1);
   at::Tensor values = at::empty_like(d64), derivatives = at::empty_like(d64);
   const double* ds = d64.const_data_ptr<double>();
+  double* vs = values.mutable_data_ptr<double>();
+  double* dvs = derivatives.mutable_data_ptr<double>();
   for (int64_t p = 0; p < d64.numel(); ++p) {
-    values.mutable_data_ptr<double>()[p] = envelope(cutoff_fn, ds[p], cutoff);
-    derivatives.mutable_data_ptr<double>()[p] = envelope_derivative(cutoff_fn, ds[p], cutoff);
+    vs[p] = envelope(cutoff_fn, ds[p], cutoff);
+    dvs[p] = envelope_derivative(cutoff_fn, ds[p], cutoff);
   }
   return {values, derivatives};
 }
+
+namespace {
+
+// The reference: float64 from the formulas in docs/ops.md, basis times envelope.
+at::Tensor radial_basis_cpu(const at::Tensor& distances, c10::string_view kind, int64_t num,
+                            double cutoff, c10::string_view cutoff_fn) {
+  const std::vector<int64_t> shape = check_radial_basis(distances, kind, num, cutoff, cutoff_fn);
+  const at::Tensor basis = reference_basis(distances, kind, num, cutoff).first;
+  const at::Tensor envelope = reference_envelope(distances, cutoff_fn, cutoff).first;
+  return (basis * envelope.unsqueeze(1)).reshape(shape).to(distances.scalar_type());
+}
+
+at::Tensor radial_basis_meta(const at::Tensor& distances, c10::string_view kind, int64_t num,
+                             double cutoff, c10::string_view cutoff_fn) {
+  return at::empty(check_radial_basis(distances, kind, num, cutoff, cutoff_fn), distances.options());
+}
+
+// The reference backward: float64, per distance the sum over k of grad * (basis_k f)', with the
+// analytic derivatives (basis_k f)' = basis_k' f + basis_k f'.
+at::Tensor radial_basis_backward_cpu(const at::Tensor& grad, const at::Tensor& distances,
+                                     c10::string_view kind, int64_t num, double cutoff,
+                                     c10::string_view cutoff_fn) {
+  check_radial_basis_backward(grad, distances, kind, num, cutoff, cutoff_fn);
+  const auto [b, b_slope] = reference_basis(distances, kind, num, cutoff);
+  const auto [e, e_slope] = reference_envelope(distances, cutoff_fn, cutoff);
+  const at::Tensor g = grad.to(at::kDouble).reshape({-1, num});
+  const at::Tensor out = (g * (b_slope * e.unsqueeze(1) + b * e_slope.unsqueeze(1))).sum(1);
+  return out.reshape(distances.sizes()).to(distances.scalar_type());
+}
+
+at::Tensor radial_basis_backward_meta(const at::Tensor& grad, const at::Tensor& distances,
+                                      c10::string_view kind, int64_t num, double cutoff,
+                                      c10::string_view cutoff_fn) {
+  check_radial_basis_backward(grad, distances, kind, num, cutoff, cutoff_fn);
+  return at::empty(distances.sizes(), distances.options());
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {
   m.impl("radial_basis", &radial_basis_cpu);
