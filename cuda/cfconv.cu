@@ -18,6 +18,7 @@
 
 #include "cfconv.cuh"
 #include "kernel_utils.cuh"
+#include "pair_order.cuh"
 #include "radial_functions.cuh"
 #include "tf32.cuh"
 
@@ -227,6 +228,10 @@ __device__ void load_weights(const CfconvWeights& w, const Layout<D>& l, float* 
   }
 }
 
+// The pair at position k of a walk over the pairs: k in list order, order[k] in sender order
+// (pair_order.cuh: the backward's messages onto senders then come in runs, one atomic a run).
+__device__ __forceinline__ int64_t pair_at(const int* order, int64_t k) { return order == nullptr ? k : order[k]; }
+
 // Pair k's envelope: the input's, or 1 where the filters come enveloped already (radial_cfconv).
 __device__ __forceinline__ float envelope_of(const CfconvParams& p, int64_t k) { return p.envelope[k]; }
 __device__ __forceinline__ float envelope_of(const CfconvBackwardParams& p, int64_t k) { return p.envelope[k]; }
@@ -240,14 +245,16 @@ struct PairFetch {
   float envelope;
   bool real;  // a pair, not padding
 
+  // Row `row` of the tile of walk positions base, base + 1, ... (pair_at).
   template <typename Params>
-  __device__ void fetch(const Params& p, int64_t base, int row) {
+  __device__ void fetch(const Params& p, int64_t base, int row, const int* order = nullptr) {
     envelope = 0.0f;
     real = row < kTile && base + row < p.num_pairs;
     if (real) {
-      receiver = p.pairs[base + row];
-      sender = p.pairs[p.num_pairs + base + row];
-      envelope = envelope_of(p, base + row);
+      const int64_t k = pair_at(order, base + row);
+      receiver = p.pairs[k];
+      sender = p.pairs[p.num_pairs + k];
+      envelope = envelope_of(p, k);
     }
   }
 
@@ -279,17 +286,18 @@ struct TileFetch {
   PairFetch pair;
 
   template <typename Params>
-  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base) {
-    pair.fetch(p, base, team_thread());
+  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base, const int* order = nullptr) {
+    pair.fetch(p, base, team_thread(), order);
     const int num_rbf = p.weights.num_rbf;
     for (int e = team_thread(); e < kTile * l.rbf8; e += kTeamThreads) {
       const int r = e % l.rbf8;
-      const int64_t row = base + e / l.rbf8;
-      const bool value = r < num_rbf && row < p.num_pairs;
+      const int64_t k = base + e / l.rbf8;
+      const bool value = r < num_rbf && k < p.num_pairs;
+      const float* source = value ? p.basis + pair_at(order, k) * num_rbf + r : p.basis;
       // Four bytes from global memory, or (source size 0) four zero bytes.
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(static_cast<uint32_t>(
                        __cvta_generic_to_shared(smem + l.basis + e / l.rbf8 * l.ld_basis + r))),
-                   "l"(value ? p.basis + row * num_rbf + r : p.basis), "r"(value ? 4 : 0));
+                   "l"(source), "r"(value ? 4 : 0));
     }
     asm volatile("cp.async.commit_group;");
   }
@@ -317,6 +325,32 @@ struct RowWalk {
     const int lane = threadIdx.x % 32;
     first = (team_thread<kWarps * 32>() / 32) * kWarpRows + (lane / kLanesPerRow) * kRows;
     col = (lane % kLanesPerRow) * 4;
+  }
+};
+
+// Float4 rows bound for nodes (this thread's columns of them), summed in registers while the
+// node stays the same: one vector atomic per run of equal nodes.
+struct RunSum {
+  float* column;   // the output's first row at this thread's columns
+  int64_t stride;  // the output's row length
+  int64_t node = -1;
+  float sum[4] = {};
+
+  __device__ RunSum(float* column, int64_t stride) : column(column), stride(stride) {}
+  // Adds a * b to node `to`'s row, first flushing the run of another node.
+  __device__ void fma(int64_t to, const float (&a)[4], const float (&b)[4]) {
+    if (to != node) {
+      flush();
+      node = to;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sum[c] = fmaf(a[c], b[c], sum[c]);
+  }
+  __device__ void flush() {
+    if (node >= 0) atomic_add<4>(column + node * stride, sum);
+    node = -1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sum[c] = 0.0f;
   }
 };
 
@@ -372,8 +406,7 @@ template <int D, int kWarps = kTeamWarps, typename Params>
 __device__ void scatter_messages(const Params& p, const float* tile, const float* envelopes, const int* receivers,
                                  const int* senders, int64_t base, int rows) {
   const RowWalk<D, kWarps> walk;
-  float sum[4] = {};
-  int run = -1;
+  RunSum to_receivers(p.out + walk.col, D);
   constexpr int kBatch = 4;
   for (int k0 = 0; k0 < RowWalk<D, kWarps>::kRows; k0 += kBatch) {
     float f[kBatch][4], x[kBatch][4];
@@ -392,19 +425,10 @@ __device__ void scatter_messages(const Params& p, const float* tile, const float
       if (receiver[k] >= 0) load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
     }
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      if (receiver[k] < 0) continue;
-      if (receiver[k] != run) {
-        if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
-        run = receiver[k];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sum[c] = 0.0f;
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sum[c] = fmaf(x[k][c], f[k][c], sum[c]);
-    }
+    for (int k = 0; k < kBatch; ++k)
+      if (receiver[k] >= 0) to_receivers.fma(receiver[k], x[k], f[k]);
   }
-  if (run >= 0) atomic_add<4>(p.out + static_cast<int64_t>(run) * D + walk.col, sum);
+  to_receivers.flush();
 }
 
 template <int D, bool kSplit, bool kSsp>
@@ -446,8 +470,10 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   }
 }
 
+// The backward walks the pairs in `order` (sender order for long lists, pair_order.cuh; null: list
+// order): tile rows are walk positions, and the messages onto the senders come in runs.
 template <int D, bool kSplit, bool kSsp>
-__global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p) {
+__global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p, const int* order) {
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -463,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kTeams;
   TileFetch<D> next;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team();
-  if (first < tiles) next.fetch(p, l, smem, first * kTile);
+  if (first < tiles) next.fetch(p, l, smem, first * kTile, order);
   for (int64_t t = first; t < tiles; t += stride) {
     const int64_t base = t * kTile;
     const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
@@ -474,14 +500,17 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     // gives the envelope's (dotted with the filter) and, times the envelope, the tile.
     {
       const RowWalk<D> walk;
+      RunSum to_senders(p.grad_x + walk.col, D);
       constexpr int kBatch = 2;  // three operand rows a row: more spills registers
       for (int k0 = 0; k0 < RowWalk<D>::kRows; k0 += kBatch) {
         float f[kBatch][4], g[kBatch][4], x[kBatch][4];
+        int64_t pair[kBatch];
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
           const int row = walk.first + k0 + k, i = receivers[row];
+          pair[k] = row < rows ? pair_at(order, base + row) : -1;
           if (i >= 0) {
-            load_packed<float, 4>(p.filters + (base + row) * D + walk.col, f[k]);
+            load_packed<float, 4>(p.filters + pair[k] * D + walk.col, f[k]);
             load_packed<float, 4>(p.grad + static_cast<int64_t>(i) * D + walk.col, g[k]);
             load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
           }
@@ -489,26 +518,28 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
           const int row = walk.first + k0 + k;
-          float grad_pre[4] = {}, gx[4];
+          float grad_pre[4] = {};
           float dot = 0.0f;
           if (receivers[row] >= 0) {
             const float e = smem[l.envelope + row];
+            float enveloped[4];
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-              gx[c] = g[k][c] * f[k][c] * e;
+              enveloped[c] = f[k][c] * e;
               const float grad_filter = g[k][c] * x[k][c];
               dot = fmaf(grad_filter, f[k][c], dot);
               grad_pre[c] = grad_filter * e;
             }
-            atomic_add<4>(p.grad_x + static_cast<int64_t>(senders[row]) * D + walk.col, gx);
+            to_senders.fma(senders[row], g[k], enveloped);
           }
           store_packed<float, 4>(tile + row * kLd + walk.col, grad_pre);
 #pragma unroll
           for (int offset = RowWalk<D>::kLanesPerRow / 2; offset > 0; offset >>= 1)
             dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-          if (walk.col == 0 && row < rows) p.grad_envelope[base + row] = dot;
+          if (walk.col == 0 && pair[k] >= 0) p.grad_envelope[pair[k]] = dot;
         }
       }
+      to_senders.flush();
     }
     team_sync();
     // The hidden layer's gradient: (tile W2) * act'(z), z recomputed on tensor cores 16 rows at a
@@ -528,7 +559,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     team_sync();  // every warp has read the tile: it takes the hidden layer's gradient
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     team_sync();
-    if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile);
+    if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile, order);
     // grad_basis = that gradient times W1: [kTile, R] in tasks of 32 x 8 (two accumulator
     // chains a warp), spread over the warps.
     const int col_tiles = l.rbf8 / 8;
@@ -542,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = row0 + m * 16 + lane / 4 + (e >= 2 ? 8 : 0), r = col0 + 2 * (lane % 4) + (e & 1);
-          if (row < rows && r < R) p.grad_basis[(base + row) * R + r] = out[m][0][e];
+          if (row < rows && r < R) p.grad_basis[pair_at(order, base + row) * R + r] = out[m][0][e];
         }
     }
   }
@@ -953,16 +984,25 @@ size_t shared_bytes(int num_rbf) {
 
 // Launches a kernel of `teams` teams (threads in all) with its shared memory on one block per SM,
 // or fewer where there are fewer tiles than teams.
-template <typename Params>
-cudaError_t launch(void (*kernel)(Params), const Params& params, size_t bytes, int threads, int teams,
-                   cudaStream_t stream) {
+template <typename Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params, Args...), const Params& params, size_t bytes, int threads, int teams,
+                   cudaStream_t stream, Args... args) {
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(bytes));
   if (status != cudaSuccess) return status;
   const int64_t tiles = ceil_div(params.num_pairs, kTile);
   const int64_t blocks = std::min<int64_t>(ceil_div(tiles, teams), sm_count());
-  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(params);
+  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(params, args...);
   return cudaGetLastError();
+}
+
+// The order the backward kernels walk the pairs in: by sender in `workspace`
+// (cfconv_backward_workspace_bytes) for lists long enough to pay, else the list's own (null).
+cudaError_t backward_order(const int64_t* pairs, int64_t num_nodes, int64_t num_pairs, void* workspace,
+                           const int** order, cudaStream_t stream) {
+  *order = nullptr;
+  if (!use_sender_order(num_nodes, num_pairs)) return cudaSuccess;
+  return launch_sender_order(pairs, num_nodes, num_pairs, workspace, order, stream);
 }
 
 // Whether this library was built for sm_90a and the current device has compute capability 9.0:
@@ -1021,59 +1061,70 @@ cudaError_t launch_passes(const Params& params, float* accumulator, const Segmen
   return launch_finish<float>(outputs, params.invalid, stream);
 }
 
-// radial_cfconv's backward: a warp takes kBackwardBatch consecutive pairs at a time, lane l the
-// columns 4 l, 4 l + 128, ...; each pair's loads are in flight before the batch's first atomic.
+// radial_cfconv's backward: a warp takes kBackwardSpan consecutive positions of the walk (list
+// order, or sender order for long lists, as cfconv's backward), lane k < kBackwardSpan holding the
+// k-th pair's indices; the pairs go kBackwardBatch at a time with their loads in flight together,
+// lane l the columns 4 l, 4 l + 128, ... The messages onto the senders are summed over runs of
+// equal senders (RunSum), each pair's distance gradient in registers until the columns are done.
 constexpr int kBackwardThreads = 256;
+constexpr int kBackwardSpan = 16;
 constexpr int kBackwardBatch = 4;
 
-__global__ void __launch_bounds__(kBackwardThreads) radial_cfconv_backward_kernel(RadialCfconvBackwardParams p) {
+__global__ void __launch_bounds__(kBackwardThreads)
+    radial_cfconv_backward_kernel(RadialCfconvBackwardParams p, const int* order) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kBackwardThreads / 32);
   const int64_t M = p.width;
-  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kBackwardThreads + threadIdx.x) / 32 * kBackwardBatch;
-       first < p.num_pairs; first += warps * kBackwardBatch) {
-    int64_t i[kBackwardBatch], j[kBackwardBatch];
-    bool real[kBackwardBatch];
-#pragma unroll
-    for (int k = 0; k < kBackwardBatch; ++k) {
-      const int64_t pair = first + k;
-      real[k] = false;
-      if (pair < p.num_pairs) {
-        i[k] = p.pairs[pair];
-        j[k] = p.pairs[p.num_pairs + pair];
-        real[k] = i[k] >= 0 && i[k] < p.num_nodes && j[k] >= 0 && j[k] < p.num_nodes;
-        if (!real[k]) *p.invalid = 1;  // every writer stores the same value
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kBackwardThreads + threadIdx.x) / 32 * kBackwardSpan;
+       first < p.num_pairs; first += warps * kBackwardSpan) {
+    int64_t pair = -1, i = -1, j = -1;  // i = -1: no pair, or one with an index out of range
+    if (lane < kBackwardSpan && first + lane < p.num_pairs) {
+      pair = pair_at(order, first + lane);
+      i = p.pairs[pair];
+      j = p.pairs[p.num_pairs + pair];
+      if (i < 0 || i >= p.num_nodes || j < 0 || j >= p.num_nodes) {
+        *p.invalid = 1;  // every writer stores the same value
+        i = -1;
       }
     }
-    float dot[kBackwardBatch] = {};
-    for (int64_t c = 4 * lane; c < M; c += 128) {
-      float g[kBackwardBatch][4], x[kBackwardBatch][4], f[kBackwardBatch][4], t[kBackwardBatch][4];
+    float dot[kBackwardSpan] = {};
+    for (int64_t c0 = 0; c0 < M; c0 += 128) {  // uniform over the warp: the shuffles need every lane
+      const int64_t c = c0 + 4 * lane;
+      RunSum to_senders(p.grad_x + c, M);
 #pragma unroll
-      for (int k = 0; k < kBackwardBatch; ++k) {
-        if (!real[k]) continue;
-        load_packed<float, 4>(p.grad + i[k] * M + c, g[k]);
-        load_packed<float, 4>(p.x + j[k] * M + c, x[k]);
-        load_packed<float, 4>(p.filters + (first + k) * M + c, f[k]);
-        load_packed<float, 4>(p.derivatives + (first + k) * M + c, t[k]);
-      }
+      for (int k0 = 0; k0 < kBackwardSpan; k0 += kBackwardBatch) {
+        float g[kBackwardBatch][4], x[kBackwardBatch][4], f[kBackwardBatch][4], t[kBackwardBatch][4];
+        int64_t to[kBackwardBatch];
+        bool mine[kBackwardBatch];
 #pragma unroll
-      for (int k = 0; k < kBackwardBatch; ++k) {
-        if (!real[k]) continue;
-        float message[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          message[e] = g[k][e] * f[k][e];
-          dot[k] = fmaf(g[k][e] * x[k][e], t[k][e], dot[k]);
+        for (int k = 0; k < kBackwardBatch; ++k) {
+          const int64_t pk = __shfl_sync(0xffffffffu, pair, k0 + k), ik = __shfl_sync(0xffffffffu, i, k0 + k);
+          to[k] = __shfl_sync(0xffffffffu, j, k0 + k);
+          mine[k] = ik >= 0 && c < M;
+          if (!mine[k]) continue;
+          load_packed<float, 4>(p.grad + ik * M + c, g[k]);
+          load_packed<float, 4>(p.x + to[k] * M + c, x[k]);
+          load_packed<float, 4>(p.filters + pk * M + c, f[k]);
+          load_packed<float, 4>(p.derivatives + pk * M + c, t[k]);
         }
-        atomic_add<4>(p.grad_x + j[k] * M + c, message);
-      }
-    }
 #pragma unroll
-    for (int k = 0; k < kBackwardBatch; ++k) {
+        for (int k = 0; k < kBackwardBatch; ++k) {
+          if (!mine[k]) continue;
+          to_senders.fma(to[k], g[k], f[k]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dot[k0 + k] = fmaf(g[k][e] * x[k][e], t[k][e], dot[k0 + k]);
+        }
+      }
+      to_senders.flush();
+    }
+    float mine = 0.0f;  // lane k: pair k's distance gradient
+#pragma unroll
+    for (int k = 0; k < kBackwardSpan; ++k) {
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) dot[k] += __shfl_xor_sync(0xffffffffu, dot[k], offset);
-      if (lane == 0 && first + k < p.num_pairs) p.grad_distances[first + k] = dot[k];
+      if (lane == k) mine = dot[k];
     }
+    if (pair >= 0) p.grad_distances[pair] = mine;
   }
 }
 
@@ -1104,13 +1155,20 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   });
 }
 
-cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream) {
+size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs) {
+  return use_sender_order(num_nodes, num_pairs) ? sender_order_workspace_bytes(num_nodes, num_pairs) : 0;
+}
+
+cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream) {
+  const int* order = nullptr;
+  const cudaError_t status = backward_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
+  if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.weights.width},
                           {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
                           {nullptr, params.grad_envelope, params.num_pairs}}};
   return launch_passes(params, params.grad_x, outputs, stream, [&](auto width, auto split, auto ssp) {
     return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
-                  shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream);
+                  shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream, order);
   });
 }
 
@@ -1128,15 +1186,19 @@ cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t 
   });
 }
 
-cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, cudaStream_t stream) {
+cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, void* workspace,
+                                          cudaStream_t stream) {
   cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
   if (status == cudaSuccess) {
     status = cudaMemsetAsync(params.grad_x, 0, params.num_nodes * params.width * sizeof(float), stream);
   }
   if (status != cudaSuccess || params.num_pairs == 0) return status;
-  const int64_t warps = ceil_div(params.num_pairs, kBackwardBatch);
+  const int* order = nullptr;
+  status = backward_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
+  if (status != cudaSuccess) return status;
+  const int64_t warps = ceil_div(params.num_pairs, kBackwardSpan);
   const int64_t blocks = std::min<int64_t>(ceil_div(warps, kBackwardThreads / 32), 16LL * sm_count());
-  radial_cfconv_backward_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, 0, stream>>>(params);
+  radial_cfconv_backward_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, 0, stream>>>(params, order);
   status = cudaGetLastError();
   if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.width},

@@ -60,9 +60,14 @@ struct CfconvBackwardParams {
 // enough shared memory per block, tensor cores with TF32).
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
+// Bytes of device scratch (256-byte aligned) the backward launchers below take for these sizes: long
+// lists are walked in sender order (pair_order.cuh), the messages onto senders summed over runs of
+// equal senders. 0 for short lists (the workspace may be null).
+size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs);
+
 // Pairs with an index outside [0, num_nodes) are skipped and turn every output NaN (no host sync).
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream);
-cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, cudaStream_t stream);
+cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream);
 
 // mirage::radial_cfconv: cfconv with the basis and the envelope formed from the distances in the
 // kernel, and the filters' derivative in the distance carried forward beside them:
@@ -104,6 +109,8 @@ struct RadialCfconvBackwardParams {
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
 cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t stream);
-cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, cudaStream_t stream);
+// Its workspace: cfconv_backward_workspace_bytes(num_nodes, num_pairs).
+cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, void* workspace,
+                                          cudaStream_t stream);
 
 }  // namespace mirage::cuda

@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include "../../cuda/common.cuh"
@@ -48,6 +49,11 @@ inline cuda::CutoffFn kernel_cutoff_fn(std::string_view cutoff_fn) {
   return cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
          : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
                                      : cuda::CutoffFn::kNone;
+}
+
+// Device scratch for a launcher, on x's device from the caching allocator (safe under graph capture).
+inline at::Tensor workspace_for(size_t bytes, const at::Tensor& x) {
+  return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
 }
 
 inline void check_launch(std::string_view op, cudaError_t status) {

@@ -39,9 +39,7 @@ at::Tensor group_norm_cuda(const at::Tensor& x, int64_t num_groups,
   params.dtype = to_kernel_dtype(x.scalar_type());
   params.param_dtype = to_kernel_dtype(param_dtype(kGroupNorm, weight, bias, x));
 
-  const size_t workspace_bytes = cuda::group_norm_workspace_bytes(params);
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
+  const at::Tensor workspace = workspace_for(cuda::group_norm_workspace_bytes(params), x);
   check_launch(kGroupNorm, cuda::launch_group_norm(params, workspace.mutable_data_ptr(),
                                                    c10::cuda::getCurrentCUDAStream()));
   return y;

@@ -19,9 +19,7 @@ at::Tensor message_passing_cuda(const at::Tensor& x, const at::Tensor& filter,
   at::Tensor out = at::empty(shape, x.options());
   const cuda::DType dtype = to_kernel_dtype(x.scalar_type());
   // From the caching allocator (graph-safe); the launcher zeroes it on the stream.
-  const at::Tensor workspace = at::empty(
-      {static_cast<int64_t>(cuda::message_passing_workspace_bytes(shape[0], shape[1], dtype))},
-      x.options().dtype(at::kByte));
+  const at::Tensor workspace = workspace_for(cuda::message_passing_workspace_bytes(shape[0], shape[1], dtype), x);
   cuda::MessagePassingParams params{};
   params.x = xc.const_data_ptr();
   params.filter = wc.const_data_ptr();

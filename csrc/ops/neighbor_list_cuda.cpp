@@ -46,9 +46,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cuda(
   params.distances = distances.mutable_data_ptr<float>();
   params.num_pairs = num_pairs.mutable_data_ptr<int64_t>();
 
-  const size_t workspace_bytes = cuda::neighbor_list_workspace_bytes(params);
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(workspace_bytes)}, positions.options().dtype(at::kByte));
+  const at::Tensor workspace = workspace_for(cuda::neighbor_list_workspace_bytes(params), positions);
   check_launch(kNeighborList, cuda::launch_neighbor_list(params, workspace.mutable_data_ptr(),
                                                          c10::cuda::getCurrentCUDAStream()));
   return {pairs, shifts, distances, num_pairs};

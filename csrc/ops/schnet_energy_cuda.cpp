@@ -57,9 +57,7 @@ std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms
   p.readout2_w = ptr(weights[r0 + 2]);
   p.readout2_b = ptr(weights[r0 + 3]);
   fill(p, ptr, names);
-  // From the caching allocator (graph-safe); the kernel initializes what it reads.
-  const at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes(p))},
-                                         embedding.options().dtype(at::kByte));
+  const at::Tensor workspace = workspace_for(workspace_bytes(p), embedding);  // the kernel initializes what it reads
   p.workspace = workspace.mutable_data_ptr();
   check_launch(op, launch(p, c10::cuda::getCurrentCUDAStream()));
   return {energy, grad_vectors};
@@ -230,7 +228,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   p.invalid = invalid.mutable_data_ptr<int>();
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
-  check_launch(kCfconvBackward, cuda::launch_cfconv_backward(p, c10::cuda::getCurrentCUDAStream()));
+  const at::Tensor workspace = workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs), x);
+  check_launch(kCfconvBackward,
+               cuda::launch_cfconv_backward(p, workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
   return {grad_x, grad_basis, grad_envelope};
 }
 
@@ -294,8 +294,9 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cuda(const at::Tensor&
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
   p.width = s.width;
-  check_launch(kRadialCfconvBackward,
-               cuda::launch_radial_cfconv_backward(p, c10::cuda::getCurrentCUDAStream()));
+  const at::Tensor workspace = workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs), x);
+  check_launch(kRadialCfconvBackward, cuda::launch_radial_cfconv_backward(p, workspace.mutable_data_ptr(),
+                                                                          c10::cuda::getCurrentCUDAStream()));
   return {grad_x, grad_distances};
 }
 

@@ -12,10 +12,6 @@
 namespace mirage::ops {
 namespace {
 
-at::Tensor workspace_for(size_t bytes, const at::Tensor& x) {
-  return at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-}
-
 // Where the filter comes from: formed in the kernel from the basis (filter_weight given, sizes
 // and dtype the kernels take: fused_filter_supported, and 16-byte aligned rows, which tensors
 // from the caching allocator have), or read, formed first by a GEMM when filter_weight is given

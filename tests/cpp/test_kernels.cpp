@@ -1234,8 +1234,14 @@ TEST_CASE("launch_cfconv(_backward) match the host reference", "[cfconv]") {
     const mc::CfconvBackwardParams backward{weights, dgrad.ptr, dx.ptr, dbasis.ptr, denvelope.ptr, dpairs,
                                             dfilters.ptr, dgrad_x.ptr, dgrad_basis.ptr, dgrad_envelope.ptr,
                                             dinvalid, N, P};
-    REQUIRE(mc::launch_cfconv_backward(backward, nullptr) == cudaSuccess);
+    // 20,000 pairs walk in sender order, the others in list order.
+    void* workspace = nullptr;
+    const size_t workspace_bytes = mc::cfconv_backward_workspace_bytes(N, P);
+    REQUIRE((workspace_bytes > 0) == (P >= mc::kSenderOrderMinPairs));
+    REQUIRE(cudaMalloc(&workspace, std::max<size_t>(workspace_bytes, 1)) == cudaSuccess);
+    REQUIRE(mc::launch_cfconv_backward(backward, workspace, nullptr) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    cudaFree(workspace);
     cudaFree(dpairs);
     cudaFree(dinvalid);
     // float32 accumulation over up to ~70 pairs a node and 128-long products (3xTF32 products).

@@ -431,10 +431,11 @@ def test_cfconv_cpu_checks_indices():
 
 
 @pytest.mark.cuda
-def test_cfconv_cuda_bad_indices_give_nan(cfconv_kernels):
-    args = list(make_inputs("narrow", "cuda", torch.float32))
+@pytest.mark.parametrize("name", ["narrow", "many_tiles_64"])  # list order; sender order (bad sender last)
+def test_cfconv_cuda_bad_indices_give_nan(name, cfconv_kernels):
+    args = list(make_inputs(name, "cuda", torch.float32))
     args[3] = args[3].clone()
-    args[3][1, 5] = 17
+    args[3][1, 5] = args[0].shape[0]  # one past the last node
     for k in range(3):
         args[k].requires_grad_(True)
     out = mirage.ops.cfconv(*args)
@@ -595,6 +596,26 @@ def test_radial_cfconv_opcheck(device):
                           (torch.randn_like(out), args[0].detach(), args[2], filters, derivatives))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("width", [4, 64, 200])
+@pytest.mark.parametrize("num_pairs", [50, 9000])
+def test_radial_cfconv_backward_cuda_matches_the_reference(width, num_pairs):
+    """The backward kernel (any GPU, any M a multiple of 4) against the float64 CPU reference: a
+    short list walked in its own order, a long one (past pair_order.cuh's 8,192) in sender order;
+    unsorted pairs, so runs of equal senders come from the order alone; widths over and under a
+    warp's 128 columns."""
+    n = 300
+    pairs = torch.randint(0, n, (2, num_pairs))
+    x, grad = torch.randn(n, width, dtype=torch.float64), torch.randn(n, width, dtype=torch.float64)
+    filters, derivatives = (torch.randn(num_pairs, width, dtype=torch.float64) for _ in range(2))
+    backward = torch.ops.mirage.radial_cfconv_backward
+    ref = backward(grad, x, pairs, filters, derivatives)
+    got = backward(*(t.to("cuda", torch.float32) if t.is_floating_point() else t.cuda()
+                     for t in (grad, x, pairs, filters, derivatives)))
+    for g, r in zip(got, ref):  # float32 sums of up to ~60 products
+        torch.testing.assert_close(g.double().cpu(), r, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, hopper])])
 def test_radial_cfconv_runs_in_float32_under_autocast(device):
     args = list(radial_inputs("schnet", device, torch.float32))
@@ -691,10 +712,11 @@ def test_radial_cfconv_cpu_checks_indices():
 
 @pytest.mark.cuda
 @hopper
-def test_radial_cfconv_cuda_bad_indices_give_nan():
-    args = list(radial_inputs("schnet", "cuda", torch.float32))
+@pytest.mark.parametrize("name", ["schnet", "many_tiles"])  # list order; sender order
+def test_radial_cfconv_cuda_bad_indices_give_nan(name):
+    args = list(radial_inputs(name, "cuda", torch.float32))
     args[2] = args[2].clone()
-    args[2][1, 5] = 40
+    args[2][1, 5] = args[0].shape[0]  # one past the last node
     x, d = args[0].requires_grad_(True), args[1].requires_grad_(True)
     out = mirage.ops.radial_cfconv(*args)
     assert torch.isnan(out).all()
