@@ -241,7 +241,7 @@ __device__ __forceinline__ float envelope_of(const RadialCfconvParams&, int64_t)
 // also raise *invalid), senders and envelopes (0 for padding), one row a thread. fetch() puts the
 // loads in flight into registers; stash() checks them and stores them to shared memory.
 struct PairFetch {
-  int64_t receiver, sender;  // checked in stash(): a check here would wait for the loads
+  int64_t pair, receiver, sender;  // checked in stash(): a check here would wait for the loads
   float envelope;
   bool real;  // a pair, not padding
 
@@ -251,16 +251,20 @@ struct PairFetch {
     envelope = 0.0f;
     real = row < kTile && base + row < p.num_pairs;
     if (real) {
-      const int64_t k = pair_at(order, base + row);
-      receiver = p.pairs[k];
-      sender = p.pairs[p.num_pairs + k];
-      envelope = envelope_of(p, k);
+      pair = pair_at(order, base + row);
+      receiver = p.pairs[pair];
+      sender = p.pairs[p.num_pairs + pair];
+      envelope = envelope_of(p, pair);
     }
   }
 
+  // ids (optional): the rows' pair indices (-1 for padding), so that later passes need not read
+  // the walk's order again.
   template <typename Params>
-  __device__ void stash(const Params& p, int row, int* receivers, int* senders, float* envelopes) const {
+  __device__ void stash(const Params& p, int row, int* receivers, int* senders, float* envelopes,
+                        int64_t* ids = nullptr) const {
     if (row >= kTile) return;
+    if (ids != nullptr) ids[row] = real ? pair : -1;
     int i = -1, j = 0;
     if (real) {
       if (receiver >= 0 && receiver < p.num_nodes && sender >= 0 && sender < p.num_nodes) {
@@ -431,6 +435,56 @@ __device__ void scatter_messages(const Params& p, const float* tile, const float
   to_receivers.flush();
 }
 
+// The backward's pass over a tile's pairs (row r: pair pair_of(r), r < rows): grad_x[j] += grad[i] * filter * envelope, one atomic per run of equal
+// senders; the envelope's gradient, the filter's gradient grad[i] * x[j] dotted with the filter;
+// and that gradient times the envelope to the tile's rows (kLd floats apart; zero for padding
+// and bad pairs), where the products take it on.
+template <int D, int kWarps, int kLd, int kBatch, typename PairOf>
+__device__ void backward_pair_pass(const CfconvBackwardParams& p, PairOf&& pair_of, float* tile,
+                                   const float* envelopes, const int* receivers, const int* senders, int rows) {
+  using Walk = RowWalk<D, kWarps>;
+  const Walk walk;
+  RunSum to_senders(p.grad_x + walk.col, D);
+  for (int k0 = 0; k0 < Walk::kRows; k0 += kBatch) {
+    float f[kBatch][4], g[kBatch][4], x[kBatch][4];
+    int64_t pair[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int row = walk.first + k0 + k, i = receivers[row];
+      pair[k] = row < rows ? pair_of(row) : -1;
+      if (i >= 0) {
+        load_packed<float, 4>(p.filters + pair[k] * D + walk.col, f[k]);
+        load_packed<float, 4>(p.grad + static_cast<int64_t>(i) * D + walk.col, g[k]);
+        load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int row = walk.first + k0 + k;
+      float grad_pre[4] = {};
+      float dot = 0.0f;
+      if (receivers[row] >= 0) {
+        const float e = envelopes[row];
+        float enveloped[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          enveloped[c] = f[k][c] * e;
+          const float grad_filter = g[k][c] * x[k][c];
+          dot = fmaf(grad_filter, f[k][c], dot);
+          grad_pre[c] = grad_filter * e;
+        }
+        to_senders.fma(senders[row], g[k], enveloped);
+      }
+      store_packed<float, 4>(tile + row * kLd + walk.col, grad_pre);
+#pragma unroll
+      for (int offset = Walk::kLanesPerRow / 2; offset > 0; offset >>= 1)
+        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      if (walk.col == 0 && pair[k] >= 0) p.grad_envelope[pair[k]] = dot;
+    }
+  }
+  to_senders.flush();
+}
+
 template <int D, bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   using W = WarpTile<D>;
@@ -496,51 +550,9 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     team_sync();
     next.stash(p, l, smem);
     team_sync();
-    // Per pair: grad_x[j] += grad[i] * filter * envelope; the filter's gradient grad[i] * x[j]
-    // gives the envelope's (dotted with the filter) and, times the envelope, the tile.
-    {
-      const RowWalk<D> walk;
-      RunSum to_senders(p.grad_x + walk.col, D);
-      constexpr int kBatch = 2;  // three operand rows a row: more spills registers
-      for (int k0 = 0; k0 < RowWalk<D>::kRows; k0 += kBatch) {
-        float f[kBatch][4], g[kBatch][4], x[kBatch][4];
-        int64_t pair[kBatch];
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          const int row = walk.first + k0 + k, i = receivers[row];
-          pair[k] = row < rows ? pair_at(order, base + row) : -1;
-          if (i >= 0) {
-            load_packed<float, 4>(p.filters + pair[k] * D + walk.col, f[k]);
-            load_packed<float, 4>(p.grad + static_cast<int64_t>(i) * D + walk.col, g[k]);
-            load_packed<float, 4>(p.x + static_cast<int64_t>(senders[row]) * D + walk.col, x[k]);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          const int row = walk.first + k0 + k;
-          float grad_pre[4] = {};
-          float dot = 0.0f;
-          if (receivers[row] >= 0) {
-            const float e = smem[l.envelope + row];
-            float enveloped[4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              enveloped[c] = f[k][c] * e;
-              const float grad_filter = g[k][c] * x[k][c];
-              dot = fmaf(grad_filter, f[k][c], dot);
-              grad_pre[c] = grad_filter * e;
-            }
-            to_senders.fma(senders[row], g[k], enveloped);
-          }
-          store_packed<float, 4>(tile + row * kLd + walk.col, grad_pre);
-#pragma unroll
-          for (int offset = RowWalk<D>::kLanesPerRow / 2; offset > 0; offset >>= 1)
-            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-          if (walk.col == 0 && pair[k] >= 0) p.grad_envelope[pair[k]] = dot;
-        }
-      }
-      to_senders.flush();
-    }
+    // Two rows at a time (three operand rows each): more spills registers.
+    backward_pair_pass<D, kTeamWarps, kLd, 2>(p, [&](int row) { return pair_at(order, base + row); }, tile,
+                                              smem + l.envelope, receivers, senders, rows);
     team_sync();
     // The hidden layer's gradient: (tile W2) * act'(z), z recomputed on tensor cores 16 rows at a
     // time (fewer live registers).
@@ -587,10 +599,11 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 // threads) takes a 64-pair tile through both products on its own: the weights sit in shared
 // memory already split into their TF32 parts (the tensor cores read them through descriptors, no
 // per-warp loads), and the hidden layer stays in registers from one product to the next, split
-// once: 28M instructions, 126 µs against 180 (docs/perf/forcefield.md). The backward keeps the
-// kernel above: a wgmma version of it (the per-pair pass loading each thread's fragments straight
-// from memory, no shared tile, the three products on wgmma) took 448 µs against 337, its loads
-// exposed with 8 warps a multiprocessor and registers spilling.
+// once: 28M instructions, 126 µs against 180 (docs/perf/forcefield.md). The backward
+// (cfconv_backward_kernel below) keeps the portable kernel's pass over the pairs and its shared
+// tile, and runs its products the same way: 229 against 273 µs. (A first wgmma backward, the
+// per-pair pass loading each thread's fragments straight from memory, no shared tile, took 448
+// µs against 337, its loads exposed with 8 warps a multiprocessor and registers spilling.)
 namespace sm90 {
 
 constexpr int kWidth = 128;                    // H == M
@@ -655,6 +668,15 @@ __device__ __forceinline__ void wgmma(float (&d)[64], const uint32_t (&a)[4], ui
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
+// The same for m64n24k8 (the backward's product onto the basis: R + 1 <= 24 columns).
+__device__ __forceinline__ void wgmma(float (&d)[12], const uint32_t (&a)[4], uint64_t b) {
+  MIRAGE_WGMMA(
+      "wgmma.mma_async.sync.aligned.m64n24k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, 1, 1, 1;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
 // Waits until at most kPending committed chunks are still running; then their accumulators may be
 // read (after hold()) and the A registers of the others reused. A compiler barrier for memory
 // too: loads stay where the code puts them.
@@ -663,16 +685,17 @@ __device__ __forceinline__ void wgmma_wait() {
   MIRAGE_WGMMA("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 // Orders the reads of an accumulator after the wait (the asm statements are volatile, these are too).
-__device__ __forceinline__ void hold(float (&d)[64]) {
+template <int kAcc>
+__device__ __forceinline__ void hold(float (&d)[kAcc]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i]));
+  for (int i = 0; i < kAcc; ++i) asm volatile("" : "+f"(d[i]));
 }
 
 // d += a B[:, chunk] in float32 accuracy (three TF32 products, the small terms first) or in TF32,
 // committed as one group. a holds rows g and g + 8 (g = lane / 4) of the warp's 16, slots t and
 // t + 4 of the chunk: {(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)}.
-template <bool kSplit>
-__device__ __forceinline__ void product_chunk(float (&d)[64], const float (&a)[4], const float* b_hi,
+template <bool kSplit, int kAcc>
+__device__ __forceinline__ void product_chunk(float (&d)[kAcc], const float (&a)[4], const float* b_hi,
                                               const float* b_lo, int chunk, int K) {
   uint32_t hi[4], lo[4];
 #pragma unroll
@@ -711,49 +734,72 @@ struct Place {
 // ahead into registers: column R is the bias' one, those past it and rows past the pairs zero.
 struct BasisFragments {
   float v[kBasisChunks][4];
-  __device__ void fetch(const float* basis, int num_rbf, int64_t num_pairs, int64_t base, const Place& at) {
+  // Rows at walk positions base + at.row and + 8 (pair_at).
+  __device__ void fetch(const float* basis, int num_rbf, int64_t num_pairs, int64_t base, const Place& at,
+                        const int* order = nullptr) {
 #pragma unroll
-    for (int c = 0; c < kBasisChunks; ++c)
+    for (int half = 0; half < 2; ++half) {
+      const int64_t k = base + at.row + 8 * half;
+      const int64_t row = k < num_pairs ? pair_at(order, k) : -1;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t row = base + at.row + (i % 2) * 8;
-        const int r = 8 * c + at.col + i / 2;  // slots t and t + 4 hold columns 2t and 2t + 1
-        v[c][i] = row >= num_pairs || r > num_rbf ? 0.0f : r == num_rbf ? 1.0f : basis[row * num_rbf + r];
-      }
+      for (int c = 0; c < kBasisChunks; ++c)
+#pragma unroll
+        for (int i = half; i < 4; i += 2) {
+          const int r = 8 * c + at.col + i / 2;  // slots t and t + 4 hold columns 2t and 2t + 1
+          v[c][i] = row < 0 || r > num_rbf ? 0.0f : r == num_rbf ? 1.0f : basis[row * num_rbf + r];
+        }
+    }
   }
 };
 
-// [W1, b1] as the B operand of z (N = hidden, K = kBasisK).
-__device__ void load_first_layer(const CfconvWeights& w, float* hi, float* lo) {
+// The B operands in shared memory, split into their TF32 parts: the forward's W2 as B[out][hidden]
+// and [W1, b1] as B[hidden][basis] (K = kBasisK, the basis padded with zeros), or with
+// `transposed` the backward's W2 as B[hidden][out] and [W1, b1] as B[basis][hidden] (K = kWidth).
+__device__ void load_operands(const CfconvWeights& w, float* w2_hi, float* w2_lo, float* w1_hi, float* w1_lo,
+                              bool transposed) {
+  for (int e = threadIdx.x; e < kWidth * kWidth; e += kThreads) {
+    const int m = e / kWidth, h = e % kWidth;
+    if (transposed) {
+      store_operand(w2_hi, w2_lo, h, m, kWidth, w.w2[e]);
+    } else {
+      store_operand(w2_hi, w2_lo, m, h, kWidth, w.w2[e]);
+    }
+  }
   for (int e = threadIdx.x; e < kWidth * kBasisK; e += kThreads) {
     const int h = e / kBasisK, r = e % kBasisK;
     const float v = r < w.num_rbf ? w.w1[h * w.num_rbf + r] : r == w.num_rbf && w.b1 != nullptr ? w.b1[h] : 0.0f;
-    store_operand(hi, lo, h, r, kBasisK, v);
+    if (transposed) {
+      store_operand(w1_hi, w1_lo, r, h, kWidth, v);
+    } else {
+      store_operand(w1_hi, w1_lo, h, r, kBasisK, v);
+    }
   }
 }
 
-// Shared memory (floats): W2 as B[out][hidden] (high, low parts), [W1, b1], b2, then each team's
-// filter tile and pairs.
-struct ForwardLayout {
+// Shared memory (floats): W2's and [W1, b1]'s operands (high, low parts; load_operands), b2, then
+// each team's tile (the forward's filters, the backward's filter gradients) and pairs.
+struct SharedLayout {
   static constexpr int kW2 = 0, kW1 = 2 * kWidth * kWidth, kB2 = kW1 + 2 * kWidth * kBasisK;
-  static constexpr int kTeamBase = kB2 + kWidth, kPerTeam = kTile * kTileLd + 3 * kTile;
+  // Per team: the tile, the pair indices (int64, the backward's), envelopes, receivers, senders.
+  static constexpr int kTeamBase = kB2 + kWidth, kPerTeam = kTile * kTileLd + 5 * kTile;
   static constexpr int kTotal = kTeamBase + kTeams * kPerTeam;
   static_assert(kTotal * 4 <= 227 * 1024, "within the shared memory of a block on every compute capability 9.0 GPU");
-  int tile, envelope, receivers, senders;
-  __device__ explicit ForwardLayout(int team) {
+  static_assert(kTeamBase % 2 == 0 && kPerTeam % 2 == 0 && kTile * kTileLd % 2 == 0, "ids 8-byte aligned");
+  int tile, ids, envelope, receivers, senders;
+  __device__ explicit SharedLayout(int team) {
     tile = kTeamBase + team * kPerTeam;
-    envelope = tile + kTile * kTileLd;
+    ids = tile + kTile * kTileLd;
+    envelope = ids + 2 * kTile;
     receivers = envelope + kTile;
     senders = receivers + kTile;
   }
 };
 
-// The block's network into shared memory: W2 and [W1, b1] split into their TF32 parts, b2.
-__device__ void load_network(const CfconvWeights& w, float* smem) {
-  using L = ForwardLayout;
-  for (int e = threadIdx.x; e < kWidth * kWidth; e += kThreads)
-    store_operand(smem + L::kW2, smem + L::kW2 + kWidth * kWidth, e / kWidth, e % kWidth, kWidth, w.w2[e]);
-  load_first_layer(w, smem + L::kW1, smem + L::kW1 + kWidth * kBasisK);
+// The block's network into shared memory: the operands (load_operands), b2.
+__device__ void load_network(const CfconvWeights& w, float* smem, bool transposed) {
+  using L = SharedLayout;
+  load_operands(w, smem + L::kW2, smem + L::kW2 + kWidth * kWidth, smem + L::kW1, smem + L::kW1 + kWidth * kBasisK,
+                transposed);
   // The shifted softplus' - log 2 is in the activation, as in the kernels above.
   for (int e = threadIdx.x; e < kWidth; e += kThreads) smem[L::kB2 + e] = w.b2 != nullptr ? w.b2[e] : 0.0f;
   __syncthreads();
@@ -762,7 +808,7 @@ __device__ void load_network(const CfconvWeights& w, float* smem) {
 // d += f(a) W2^T (K = kWidth), a the accumulator of the previous product taken chunk by chunk.
 template <bool kSplit, typename F>
 __device__ __forceinline__ void second_product(float (&d)[64], const float (&a)[64], const float* smem, F&& f) {
-  using L = ForwardLayout;
+  using L = SharedLayout;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     float fragment[4];
@@ -795,7 +841,7 @@ __device__ __forceinline__ void filters_to_tile(const float (&z)[64], const floa
   float f[64];
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
-    const float2 b = *reinterpret_cast<const float2*>(smem + ForwardLayout::kB2 + 8 * j + at.col);
+    const float2 b = *reinterpret_cast<const float2*>(smem + SharedLayout::kB2 + 8 * j + at.col);
     f[4 * j] = f[4 * j + 2] = b.x;
     f[4 * j + 1] = f[4 * j + 3] = b.y;
   }
@@ -803,21 +849,22 @@ __device__ __forceinline__ void filters_to_tile(const float (&z)[64], const floa
   store_rows(f, tile, kTileLd, at, at.row, kTile);
 }
 
-// What both Hopper forwards set up: the network in shared memory (load_network), and the team's
-// walk over the tiles (first, first + stride, ...) with its shared arrays.
+// What the Hopper kernels set up: the network in shared memory (load_network; the backward's
+// transposed), and the team's walk over the tiles (first, first + stride, ...) with its shared
+// arrays.
 struct TeamTiles {
-  ForwardLayout l;
+  SharedLayout l;
   int64_t tiles, stride, first;
   int* receivers;
   int* senders;
-  __device__ TeamTiles(const CfconvWeights& w, int64_t num_pairs, float* smem)
+  __device__ TeamTiles(const CfconvWeights& w, int64_t num_pairs, float* smem, bool transposed = false)
       : l(team<kTeamThreads>()),
         tiles(ceil_div(num_pairs, kTile)),
         stride(static_cast<int64_t>(gridDim.x) * kTeams),
         first(static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>()),
         receivers(reinterpret_cast<int*>(smem + l.receivers)),
         senders(reinterpret_cast<int*>(smem + l.senders)) {
-    load_network(w, smem);
+    load_network(w, smem, transposed);
   }
 };
 
@@ -827,7 +874,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   float* smem = reinterpret_cast<float*>(smem4);
   const TeamTiles walk(p.weights, p.num_pairs, smem);
   const auto& [l, tiles, stride, first, receivers, senders] = walk;
-  const float *w1_hi = smem + ForwardLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
+  const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const Place at;
   PairFetch pair;
   BasisFragments basis;
@@ -903,7 +950,7 @@ __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconv
   float* smem = reinterpret_cast<float*>(smem4);
   const TeamTiles walk(p.weights, p.num_pairs, smem);
   const auto& [l, tiles, stride, first, receivers, senders] = walk;
-  const float *w1_hi = smem + ForwardLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
+  const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const Place at;
   const Activation activation = p.weights.activation;
   PairFetch pair;
@@ -971,6 +1018,153 @@ __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconv
     store_rows(g, p.derivatives + base * kWidth, kWidth, at, at.row, rows);
     team_sync<kTeamThreads>();
     scatter_messages<kWidth, kTeamThreads / 32>(p, filters, smem + l.envelope, receivers, senders, base, rows);
+  }
+}
+
+// cfconv's backward on Hopper (the forward's sizes). Each warpgroup takes 64 positions of the walk
+// at a time (`order`, as the portable backward) through the pass over their pairs
+// (backward_pair_pass: grad_x, the envelope's gradient, the filters' gradient G to the tile), then
+// through three products:
+//   A = G W2 (wgmma; G's fragments from the tile)
+//   z = [basis, 1] [W1, b1]^T (mma.sync, HiddenTiles), A *= act'(z)
+//   grad_basis = A [W1, b1] (wgmma; A from its registers as they are, as the forward's second
+//   product takes z)
+// Shared memory holds the transposes of the forward's operands (load_operands) and, as the
+// forward, each team's tile: with [W1, b1] in the forward's layout as well it would not fit.
+
+// K chunk c of the tile's rows at.row and at.row + 8 as an A fragment (slots t and t + 4: columns
+// 2t and 2t + 1, the operands' K order).
+__device__ __forceinline__ void tile_fragment(const float* tile, const Place& at, int c, float (&a)[4]) {
+  const float2 u = *reinterpret_cast<const float2*>(tile + at.row * kTileLd + 8 * c + at.col);
+  const float2 v = *reinterpret_cast<const float2*>(tile + (at.row + 8) * kTileLd + 8 * c + at.col);
+  a[0] = u.x;
+  a[1] = v.x;
+  a[2] = u.y;
+  a[3] = v.y;
+}
+
+// z = [basis, 1] [W1, b1]^T, n8 tile by n8 tile of the warp's 16 rows, in the accumulator layout
+// of the warpgroup's products (that of mma.sync's m16n8 tiles), on mma.sync: its B fragments are
+// read from the backward's transposed [W1, b1] (already split: hi, lo), which wgmma could not
+// take as z's B. The basis fragments are split once.
+template <bool kSplit>
+struct HiddenTiles {
+  uint32_t a_hi[kBasisChunks][4], a_lo[kBasisChunks][4];
+  __device__ explicit HiddenTiles(const BasisFragments& basis) {
+#pragma unroll
+    for (int c = 0; c < kBasisChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split<kSplit>(basis.v[c][i], a_hi[c][i], a_lo[c][i]);
+  }
+  // z's columns 8 j .. 8 j + 7 for j = j0 and j0 + 1, each tile's elements (g, 2t), (g, 2t + 1),
+  // (g + 8, 2t), (g + 8, 2t + 1). Two tiles and the small terms apart: four independent chains of
+  // MMAs (one chain waits out each MMA's latency).
+  __device__ void tiles(const float* hi, const float* lo, const Place& at, int j0, float (&z)[2][4]) const {
+    const int g = threadIdx.x % 32 / 4;
+    float small[2][4] = {};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[j][e] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kBasisChunks; ++c)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        // B(slot t, n g), B(slot t + 4, n g): [W1, b1][8 (j0 + j) + g][8 c + 2t] and [..][8 c + 2t + 1].
+        const int i0 = operand_index(8 * c + at.col, 8 * (j0 + j) + g, kWidth);
+        const int i1 = operand_index(8 * c + at.col + 1, 8 * (j0 + j) + g, kWidth);
+        const uint32_t b_hi[2] = {__float_as_uint(hi[i0]), __float_as_uint(hi[i1])};
+        if constexpr (kSplit) {
+          const uint32_t b_lo[2] = {__float_as_uint(lo[i0]), __float_as_uint(lo[i1])};
+          mma_tf32(small[j], a_lo[c], b_hi);
+          mma_tf32(small[j], a_hi[c], b_lo);
+        }
+        mma_tf32(z[j], a_hi[c], b_hi);
+      }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z[j][e] += small[j][e];
+  }
+};
+
+template <bool kSplit, bool kSsp>
+__global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p, const int* order) {
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const TeamTiles walk(p.weights, p.num_pairs, smem, /*transposed=*/true);
+  const auto& [l, tiles, stride, first, receivers, senders] = walk;
+  const float *w2_hi = smem + SharedLayout::kW2, *w2_lo = w2_hi + kWidth * kWidth;
+  const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
+  const int R = p.weights.num_rbf;
+  const Place at;
+  PairFetch pair;
+  BasisFragments basis;
+  if (first < tiles) {
+    pair.fetch(p, first * kTile, team_thread<kTeamThreads>(), order);
+    basis.fetch(p.basis, R, p.num_pairs, first * kTile, at, order);
+  }
+  for (int64_t tile = first; tile < tiles; tile += stride) {
+    const int64_t base = tile * kTile, next = base + stride * kTile;
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    float* grads = smem + l.tile;
+    int64_t* ids = reinterpret_cast<int64_t*>(smem + l.ids);
+    team_sync<kTeamThreads>();  // the previous tile's products are done with the shared arrays
+    pair.stash(p, team_thread<kTeamThreads>(), receivers, senders, smem + l.envelope, ids);
+    team_sync<kTeamThreads>();
+    // Four rows at a time: with 8 warps a multiprocessor the pass waits on its loads (2: 261
+    // against 253 µs before HiddenTiles; 8: no faster, H200).
+    backward_pair_pass<kWidth, kTeamThreads / 32, kTileLd, 4>(
+        p, [&](int row) { return ids[row]; }, grads, smem + l.envelope, receivers, senders, rows);
+    const BasisFragments basis_now = basis;  // basis takes the next tile's rows below
+    if (tile + stride < tiles) {  // in flight during the products
+      pair.fetch(p, next, team_thread<kTeamThreads>(), order);
+      basis.fetch(p.basis, R, p.num_pairs, next, at, order);
+    }
+    team_sync<kTeamThreads>();  // the tile is complete
+    float a[64] = {};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      float fragment[4];
+      tile_fragment(grads, at, c, fragment);
+      product_chunk<kSplit>(a, fragment, w2_hi, w2_lo, c, kWidth);
+      wgmma_wait<1>();  // chunk c - 1 is done: its A registers are free
+    }
+    wgmma_wait<0>();
+    hold(a);
+    // Chunk c of A * act'(z) (z's tiles formed here two at a time, while the previous chunks'
+    // products run) is the A fragment of grad_basis' chunk c.
+    const HiddenTiles<kSplit> hidden(basis_now);
+    float grad_basis[12] = {};
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += 2) {
+      float z[2][4];
+      hidden.tiles(w1_hi, w1_lo, at, c0, z);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = c0 + j;
+        float s[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[e] = a[4 * c + e] * filter_activation_grad<kSsp>(z[j][e], p.weights.activation);
+        const float fragment[4] = {s[0], s[2], s[1], s[3]};  // as as_fragment takes an accumulator's chunk
+        product_chunk<kSplit>(grad_basis, fragment, w1_hi, w1_lo, c, kWidth);
+        wgmma_wait<1>();
+      }
+    }
+    wgmma_wait<0>();
+    hold(grad_basis);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // element 4 j + 2 half + e: column 8 j + at.col + e
+      const int row = at.row + 8 * half;
+      if (row >= rows) continue;
+      float* out = p.grad_basis + ids[row] * R;
+#pragma unroll
+      for (int j = 0; j < kBasisChunks; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * j + at.col + e < R) out[8 * j + at.col + e] = grad_basis[4 * j + 2 * half + e];
+    }
   }
 }
 
@@ -1147,7 +1341,7 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   const bool hopper = use_sm90(params.weights);
   return launch_passes(params, params.out, outputs, stream, [&](auto width, auto split, auto ssp) {
     if (hopper) {
-      return launch(sm90::cfconv_kernel<split(), ssp()>, params, sm90::ForwardLayout::kTotal * sizeof(float),
+      return launch(sm90::cfconv_kernel<split(), ssp()>, params, sm90::SharedLayout::kTotal * sizeof(float),
                     sm90::kThreads, sm90::kTeams, stream);
     }
     return launch(cfconv_kernel<width(), split(), ssp()>, params, shared_bytes<width()>(params.weights.num_rbf),
@@ -1166,7 +1360,12 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* wor
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.weights.width},
                           {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
                           {nullptr, params.grad_envelope, params.num_pairs}}};
+  const bool hopper = use_sm90(params.weights);
   return launch_passes(params, params.grad_x, outputs, stream, [&](auto width, auto split, auto ssp) {
+    if (hopper) {
+      return launch(sm90::cfconv_backward_kernel<split(), ssp()>, params, sm90::SharedLayout::kTotal * sizeof(float),
+                    sm90::kThreads, sm90::kTeams, stream, order);
+    }
     return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
                   shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream, order);
   });
@@ -1181,7 +1380,7 @@ cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t 
                           {nullptr, params.filters, params.num_pairs * params.weights.width},
                           {nullptr, params.derivatives, params.num_pairs * params.weights.width}}};
   return launch_passes(params, params.out, outputs, stream, [&](auto /*width: 128*/, auto split, auto ssp) {
-    return launch(sm90::radial_cfconv_kernel<split(), ssp()>, params, sm90::ForwardLayout::kTotal * sizeof(float),
+    return launch(sm90::radial_cfconv_kernel<split(), ssp()>, params, sm90::SharedLayout::kTotal * sizeof(float),
                   sm90::kThreads, sm90::kTeams, stream);
   });
 }
