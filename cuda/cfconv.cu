@@ -258,6 +258,16 @@ struct PairFetch {
     }
   }
 
+  // Asks L2 for the pair's row of a [P, D] float32 array (the backward's filters: its pass reads
+  // them from memory; a prefetch issued during the previous tile's products finds them in L2).
+  template <int D>
+  __device__ void prefetch_row(const float* rows) const {
+    if (!real) return;
+    const float* row = rows + pair * D;
+#pragma unroll
+    for (int b = 0; b < D * 4; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + b / 4));
+  }
+
   // ids (optional): the rows' pair indices (-1 for padding), so that later passes need not read
   // the walk's order again.
   template <typename Params>
@@ -1132,6 +1142,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     }
     wgmma_wait<0>();
     hold(a);
+    pair.prefetch_row<kWidth>(p.filters);  // the next tile's, now that its index has arrived
     // Chunk c of A * act'(z) (z's tiles formed here two at a time, while the previous chunks'
     // products run) is the A fragment of grad_basis' chunk c.
     const HiddenTiles<kSplit> hidden(basis_now);
