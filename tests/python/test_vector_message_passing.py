@@ -469,7 +469,11 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(dtype, nodes, count):
         assert_close_to(captured[1], want_vector, dtype)
         eager = step()
         for a, b in zip(captured[2:], eager[2:]):
-            torch.testing.assert_close(a, b, **tolerance(dtype))
+            # Two runs of float32 atomics, each summing in its own order: they agree to the
+            # tolerance of the gradient's scale, not of each (possibly cancelled) element.
+            tol = tolerance(dtype)
+            scale = max(b.abs().max().item(), 1.0)
+            torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * scale)
 
 
 # ---- the filter formed from a basis (filter_weight) -----------------------------------------
