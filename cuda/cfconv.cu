@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 // per-warp loads), and the hidden layer stays in registers from one product to the next, split
 // once: 28M instructions, 126 µs against 180 (docs/perf/forcefield.md). The backward
 // (cfconv_backward_kernel below) keeps the portable kernel's pass over the pairs and its shared
-// tile, and runs its products the same way: 229 against 273 µs. (A first wgmma backward, the
+// tile, and runs its products the same way: 223 against 273 µs. (A first wgmma backward, the
 // per-pair pass loading each thread's fragments straight from memory, no shared tile, took 448
 // µs against 337, its loads exposed with 8 warps a multiprocessor and registers spilling.)
 namespace sm90 {
