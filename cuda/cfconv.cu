@@ -445,8 +445,9 @@ __device__ void scatter_messages(const Params& p, const float* tile, const float
   to_receivers.flush();
 }
 
-// The backward's pass over a tile's pairs (row r: pair pair_of(r), r < rows): grad_x[j] += grad[i] * filter * envelope, one atomic per run of equal
-// senders; the envelope's gradient, the filter's gradient grad[i] * x[j] dotted with the filter;
+// The backward's pass over a tile's pairs (row r: pair pair_of(r), r < rows): grad_x[j] +=
+// grad[i] * filter * envelope, one atomic per run of equal senders; the envelope's gradient, the
+// filter's gradient grad[i] * x[j] dotted with the filter;
 // and that gradient times the envelope to the tile's rows (kLd floats apart; zero for padding
 // and bad pairs), where the products take it on.
 template <int D, int kWarps, int kLd, int kBatch, typename PairOf>
@@ -602,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 }
 
 // ------------------------------------------------------------------------------------------------
-// Hopper (sm_90a): the forward's products as warpgroup MMAs (wgmma), for the SchNet-sized network
+// Hopper (sm_90a): the products as warpgroup MMAs (wgmma), for the SchNet-sized network
 // (H == M == 128, R <= 23). Nsight Compute on the forward kernel above (H200, 3,000-atom box): 69M
 // instructions issued, ~7 per tensor-core instruction, most of them fragment loads and the TF32
 // split of operands that every warp reading them repeats. Here each warpgroup (a team of 128
@@ -623,7 +624,7 @@ constexpr int kBasisChunks = kBasisK / 8;
 constexpr int kTeamThreads = 128;              // a warpgroup
 constexpr int kTeams = 2;
 constexpr int kThreads = kTeams * kTeamThreads;
-constexpr int kTileLd = kWidth + 4;            // the forward's filter tile: conflict-free 8-byte stores
+constexpr int kTileLd = kWidth + 4;            // the team's tile (filters; the backward's filter gradients)
 
 // A B operand in shared memory, N x K floats as the tensor cores read it: K-major without swizzle,
 // 8 x 4 "core matrices" of 128 contiguous bytes, the K-adjacent ones next to each other, then the
@@ -1068,7 +1069,7 @@ struct HiddenTiles {
   }
   // z's columns 8 j .. 8 j + 7 for j = j0 and j0 + 1, each tile's elements (g, 2t), (g, 2t + 1),
   // (g + 8, 2t), (g + 8, 2t + 1). Two tiles and the small terms apart: four independent chains of
-  // MMAs (one chain waits out each MMA's latency).
+  // MMAs (two without kSplit; one chain waits out each MMA's latency).
   __device__ void tiles(const float* hi, const float* lo, const Place& at, int j0, float (&z)[2][4]) const {
     const int g = threadIdx.x % 32 / 4;
     float small[2][4] = {};
@@ -1142,7 +1143,9 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     }
     wgmma_wait<0>();
     hold(a);
-    pair.prefetch_row<kWidth>(p.filters);  // the next tile's, now that its index has arrived
+    // The next tile's, now that its index has arrived (on the team's last tile the current one's
+    // again: harmless).
+    pair.prefetch_row<kWidth>(p.filters);
     // Chunk c of A * act'(z) (z's tiles formed here two at a time, while the previous chunks'
     // products run) is the A fragment of grad_basis' chunk c.
     const HiddenTiles<kSplit> hidden(basis_now);
@@ -1227,8 +1230,9 @@ bool hopper_sizes(int64_t num_rbf, int64_t hidden, int64_t width) {
   return hidden == sm90::kWidth && width == sm90::kWidth && num_rbf >= 1 && num_rbf + 1 <= sm90::kBasisK;
 }
 
-// Whether cfconv's Hopper forward takes these weights. MIRAGE_CFCONV_PORTABLE=1 in the environment
-// keeps the portable kernel (the tests run both on one GPU).
+// Whether cfconv's Hopper kernels (forward and backward) take these weights.
+// MIRAGE_CFCONV_PORTABLE=1 in the environment keeps the portable ones (the tests run both on one
+// GPU).
 bool use_sm90(const CfconvWeights& w) {
   if (!hopper_sizes(w.num_rbf, w.width, w.width)) return false;
   const char* portable = std::getenv("MIRAGE_CFCONV_PORTABLE");
