@@ -1157,11 +1157,10 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int c = c0 + j;
-        float s[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[e] = a[4 * c + e] * filter_activation_grad<kSsp>(z[j][e], p.weights.activation);
-        const float fragment[4] = {s[0], s[2], s[1], s[3]};  // as as_fragment takes an accumulator's chunk
+        for (int e = 0; e < 4; ++e) a[4 * c + e] *= filter_activation_grad<kSsp>(z[j][e], p.weights.activation);
+        float fragment[4];
+        as_fragment(a, c, [](float v) { return v; }, fragment);
         product_chunk<kSplit>(grad_basis, fragment, w1_hi, w1_lo, c, kWidth);
         wgmma_wait<1>();
       }
