@@ -813,6 +813,9 @@ __device__ void load_network(const CfconvWeights& w, float* smem, bool transpose
                 transposed);
   // The shifted softplus' - log 2 is in the activation, as in the kernels above.
   for (int e = threadIdx.x; e < kWidth; e += kThreads) smem[L::kB2 + e] = w.b2 != nullptr ? w.b2[e] : 0.0f;
+  // The warpgroup MMAs read the operands through the async proxy: the generic stores above must
+  // be made visible to it before the barrier that releases them.
+  MIRAGE_WGMMA("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
 }
 
