@@ -1,11 +1,12 @@
 // The pair geometry and its gradient: one thread per pair. The backward scatters with float32
-// atomics (a pair's receiver i repeats in neighbor_list's order, its sender j anywhere), where
+// atomics, one per run of equal atoms (receivers in list order, senders in sender order), where
 // PyTorch's index_select backward (index_add of [2P, 3] rows) took 131 us for the 139k pairs of
 // a 3,000-atom box on an H200.
 #include <algorithm>
 #include <cstdint>
 
 #include "kernel_utils.cuh"
+#include "pair_order.cuh"
 #include "pair_vectors.cuh"
 
 namespace mirage::cuda {
@@ -41,12 +42,6 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_kernel(PairVectorsParam
   p.distances[k] = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
 }
 
-// The senders j are scattered with one atomic per pair and component. The receivers i come in
-// runs (neighbor_list sorts by i, ~46 pairs an atom at 3,000 atoms): lanes of a warp that hold
-// one run first sum it with shuffles and its first lane adds the sum, since atomics on one address
-// serialize (with an atomic per pair and component on both sides, the 3,000-atom box's
-// energy+forces took 0.21 ms more GPU time than with PyTorch's index_add; H200). Any order stays
-// correct: a lane whose neighbors differ adds its own value.
 // Adds g to atom k's row of the [N, 4] float32 accumulator: one 16-byte atomic on sm_90 (a third
 // of the atomic operations, which bound this kernel), three elsewhere.
 __device__ __forceinline__ void add_row(float4* acc, int64_t k, const float (&g)[3], float sign) {
@@ -58,31 +53,37 @@ __device__ __forceinline__ void add_row(float4* acc, int64_t k, const float (&g)
 #endif
 }
 
-// Pair k's terms of the gradient (none for k >= P): add(atom, g, sign) adds sign * g to the
-// atom's row; an out-of-range index sets *invalid. Every lane of the warp calls it.
-template <class Add>
-__device__ __forceinline__ void backward_pair(const PairVectorsBackwardParams& p, int64_t k, int* invalid, Add add) {
-  const int lane = threadIdx.x % 32;
-  int64_t i = -1, j = -1;
-  float g[3] = {0.0f, 0.0f, 0.0f};
-  if (k < p.num_pairs) {
-    float v[3];
-    if (pair_vector(p.positions, p.pairs, p.shifts, p.num_atoms, p.num_pairs, k, i, j, v)) {
-      const float d = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
-      // The distance's gradient is taken as 0 at d = 0, as PyTorch's vector_norm does (only
-      // there: a NaN distance passes NaN on).
-      const float radial = d != 0.0f ? p.grad_distances[k] / d : 0.0f;
-#pragma unroll
-      for (int c = 0; c < 3; ++c) g[c] = p.grad_vectors[3 * k + c] + radial * v[c];
-      add(j, g, 1.0f);
-    } else {
-      *invalid = 1;
-      i = -1;  // adds nothing below
-    }
+// Pair k's term of the gradient, g (0 for k >= P), and its atoms i, j (-1 for k >= P or for an
+// out-of-range index, which also sets *invalid).
+__device__ __forceinline__ void pair_gradient(const PairVectorsBackwardParams& p, int64_t k, int* invalid,
+                                              int64_t& i, int64_t& j, float (&g)[3]) {
+  i = j = -1;
+  g[0] = g[1] = g[2] = 0.0f;
+  if (k >= p.num_pairs) return;
+  float v[3];
+  if (!pair_vector(p.positions, p.pairs, p.shifts, p.num_atoms, p.num_pairs, k, i, j, v)) {
+    *invalid = 1;
+    i = j = -1;
+    return;
   }
-  // Runs of equal i among the warp's lanes: a run starts where i differs from the lane before.
-  const int64_t before = __shfl_up_sync(0xffffffffu, i, 1);
-  const unsigned starts = __ballot_sync(0xffffffffu, lane == 0 || before != i);
+  const float d = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
+  // The distance's gradient is taken as 0 at d = 0, as PyTorch's vector_norm does (only there: a
+  // NaN distance passes NaN on).
+  const float radial = d != 0.0f ? p.grad_distances[k] / d : 0.0f;
+#pragma unroll
+  for (int c = 0; c < 3; ++c) g[c] = p.grad_vectors[3 * k + c] + radial * v[c];
+}
+
+// add(atom, sum, sign) once for each run of equal atoms among the warp's lanes (atom -1: nothing),
+// the run's g summed by shuffles: atomics on one address serialize, and a pair list's neighbours
+// share atoms (every lane of the warp calls it). Any order stays correct: a lane whose neighbours
+// differ adds its own value.
+template <class Add>
+__device__ __forceinline__ void add_runs(int64_t atom, float (&g)[3], float sign, Add add) {
+  const int lane = threadIdx.x % 32;
+  // A run starts where the atom differs from the lane before.
+  const int64_t before = __shfl_up_sync(0xffffffffu, atom, 1);
+  const unsigned starts = __ballot_sync(0xffffffffu, lane == 0 || before != atom);
   const unsigned later = starts & ~((2u << lane) - 1u);  // starts after this lane (lane 31: none)
   const int run_end = (lane == 31 || later == 0) ? 31 : __ffs(later) - 2;
   // Suffix sums within the run (Hillis-Steele): after the loop a run's first lane holds its sum.
@@ -94,14 +95,34 @@ __device__ __forceinline__ void backward_pair(const PairVectorsBackwardParams& p
       if (lane + offset <= run_end) g[c] += other;
     }
   }
-  if (i >= 0 && (starts >> lane & 1u)) add(i, g, -1.0f);
+  if (atom >= 0 && (starts >> lane & 1u)) add(atom, g, sign);
+}
+
+// Position k of the walks over the pairs: the receivers i from list order (neighbor_list sorts by
+// i, ~46 pairs an atom at 3,000 atoms), the senders j from `order` (pair_order.cuh), so that both
+// sides meet memory once a run. Without an order (short lists) each sender gets one atomic a
+// pair: in list order neighbouring pairs' senders are neighbouring atoms, and in a 3,000-atom
+// water box (atoms numbered along the lattice) their atomics contended: the backward took 66 us
+// that way, 9 us in sender order (plus the order's ~18; H200, 2026-11-27).
+template <class Add>
+__device__ __forceinline__ void backward_position(const PairVectorsBackwardParams& p, int64_t k, const int* order,
+                                                  int* invalid, Add add) {
+  int64_t i, j;
+  float g[3];
+  pair_gradient(p, k, invalid, i, j, g);
+  if (order == nullptr && j >= 0) add(j, g, 1.0f);
+  add_runs(i, g, -1.0f, add);
+  if (order == nullptr) return;
+  pair_gradient(p, k < p.num_pairs ? order[k] : p.num_pairs, invalid, i, j, g);
+  add_runs(j, g, 1.0f, add);
 }
 
 __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVectorsBackwardParams p,
+                                                                         const int* order,  // [P] or null
                                                                          float4* acc,   // [N] rows, zeroed
                                                                          int* invalid) {  // [1], zeroed
-  backward_pair(p, static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, invalid,
-                [acc](int64_t atom, const float (&g)[3], float sign) { add_row(acc, atom, g, sign); });
+  backward_position(p, static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, order, invalid,
+                    [acc](int64_t atom, const float (&g)[3], float sign) { add_row(acc, atom, g, sign); });
 }
 
 // The [N, 4] accumulator into the [N, 3] gradient; NaN everywhere after an out-of-range index.
@@ -130,7 +151,7 @@ __global__ void __launch_bounds__(kOneBlockThreads)
   if (threadIdx.x == 0) invalid = 0;
   __syncthreads();
   for (int64_t k0 = 0; k0 < p.num_pairs; k0 += blockDim.x)  // the same trip count in every warp
-    backward_pair(p, k0 + threadIdx.x, &invalid, [](int64_t atom, const float (&g)[3], float sign) {
+    backward_position(p, k0 + threadIdx.x, nullptr, &invalid, [](int64_t atom, const float (&g)[3], float sign) {
       for (int c = 0; c < 3; ++c) atomicAdd(&acc[3 * atom + c], sign * g[c]);
     });
   __syncthreads();
@@ -140,11 +161,30 @@ __global__ void __launch_bounds__(kOneBlockThreads)
 
 unsigned blocks_for(int64_t pairs) { return static_cast<unsigned>(ceil_div(pairs, kThreads)); }
 
+// The backward's scratch: the flag and the accumulator (16 bytes aligned, zeroed by one memset),
+// then the sender order's for long lists.
+struct BackwardWorkspace {
+  int* invalid;
+  float4* acc;
+  size_t zeroed_bytes;
+  void* order;  // null for short lists
+  size_t bytes;
+  BackwardWorkspace(int64_t num_atoms, int64_t num_pairs, char* base) {
+    WorkspaceLayout layout(base);
+    zeroed_bytes = 16 + static_cast<size_t>(num_atoms) * sizeof(float4);
+    char* front = static_cast<char*>(layout.take(zeroed_bytes));
+    invalid = reinterpret_cast<int*>(front);
+    acc = reinterpret_cast<float4*>(front + 16);
+    order = use_sender_order(num_atoms, num_pairs) ? layout.take(sender_order_workspace_bytes(num_atoms, num_pairs))
+                                                   : nullptr;
+    bytes = layout.bytes();
+  }
+};
+
 }  // namespace
 
-// The flag, then the accumulator 16 bytes aligned: zeroed by one memset.
-size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms) {
-  return 16 + static_cast<size_t>(num_atoms) * sizeof(float4);
+size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pairs) {
+  return BackwardWorkspace(num_atoms, num_pairs, nullptr).bytes;
 }
 
 cudaError_t launch_pair_vectors(const PairVectorsParams& params, cudaStream_t stream) {
@@ -162,17 +202,21 @@ cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params
     return cudaGetLastError();
   }
   if (ceil_div(std::max(params.num_pairs, values), kThreads) > INT32_MAX) return cudaErrorInvalidValue;
-  int* invalid = static_cast<int*>(workspace);
-  float4* acc = reinterpret_cast<float4*>(static_cast<char*>(workspace) + 16);
-  cudaError_t status =
-      cudaMemsetAsync(workspace, 0, pair_vectors_backward_workspace_bytes(params.num_atoms), stream);
+  const BackwardWorkspace w(params.num_atoms, params.num_pairs, static_cast<char*>(workspace));
+  cudaError_t status = cudaMemsetAsync(workspace, 0, w.zeroed_bytes, stream);
   if (status != cudaSuccess || values == 0) return status;
   if (params.num_pairs > 0) {
-    pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, acc, invalid);
+    const int* order = nullptr;
+    if (w.order != nullptr) {
+      status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, w.order, &order, stream);
+      if (status != cudaSuccess) return status;
+    }
+    pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, order, w.acc,
+                                                                                         w.invalid);
     status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
-  pair_vectors_finish_kernel<<<blocks_for(values), kThreads, 0, stream>>>(acc, invalid, params.grad_positions,
+  pair_vectors_finish_kernel<<<blocks_for(values), kThreads, 0, stream>>>(w.acc, w.invalid, params.grad_positions,
                                                                            values);
   return cudaGetLastError();
 }

@@ -37,9 +37,10 @@ struct PairVectorsBackwardParams {
   int64_t num_pairs;
 };
 
-// Bytes of device scratch the backward launcher needs (the invalid-index flag and an [N, 4]
-// float32 accumulator), 16-byte aligned as the caching allocator's blocks are.
-size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms);
+// Bytes of device scratch the backward launcher needs (the invalid-index flag, an [N, 4] float32
+// accumulator and, for long lists, the sender order of pair_order.cuh), 256-byte aligned as the
+// caching allocator's blocks are.
+size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pairs);
 
 // Launch on `stream` into the current device; outputs need no initialization, `workspace` holds
 // the bytes above (any content). Return the status of the last launch.

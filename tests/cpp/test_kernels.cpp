@@ -757,8 +757,8 @@ void check_pair_vectors(int64_t N, int64_t P, int64_t bad = -1) {
   REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dpairs), std::max<size_t>(pairs.size(), 1) * sizeof(int64_t)) ==
           cudaSuccess);
   REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess);
-  REQUIRE(cudaMalloc(&workspace, mc::pair_vectors_backward_workspace_bytes(N)) == cudaSuccess);
-  REQUIRE(cudaMemset(workspace, 0x7F, mc::pair_vectors_backward_workspace_bytes(N)) == cudaSuccess);
+  REQUIRE(cudaMalloc(&workspace, mc::pair_vectors_backward_workspace_bytes(N, P)) == cudaSuccess);
+  REQUIRE(cudaMemset(workspace, 0x7F, mc::pair_vectors_backward_workspace_bytes(N, P)) == cudaSuccess);
   REQUIRE(mc::launch_pair_vectors({dpos.ptr, dpairs, dshifts.ptr, vectors.ptr, distances.ptr, N, P}, nullptr) ==
           cudaSuccess);
   REQUIRE(mc::launch_pair_vectors_backward({dgv.ptr, dgd.ptr, dpos.ptr, dpairs, dshifts.ptr, grad.ptr, N, P},

@@ -269,6 +269,25 @@ def test_cuda_receiver_runs_within_and_across_warps():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("bad", [None, 0, 1])
+def test_cuda_sender_runs_in_sender_order(bad):
+    # From 8,192 pairs on, the backward walks the senders in sender order and sums each run of
+    # equal senders within a warp before its atomic: 40 senders, so runs span several warps;
+    # receivers sorted as neighbor_list's. `bad`: an out-of-range receiver (0) or sender (1).
+    atoms, count = 1100, 9000
+    receivers = torch.sort(torch.randint(0, atoms, (count,))).values
+    pairs = torch.stack([receivers, torch.randint(0, 40, (count,))]).cuda()
+    positions, _, shifts = make_inputs(atoms, count, torch.float32, "cuda")
+    if bad is None:
+        assert_matches(positions, pairs, shifts, torch.float32)
+        return
+    pairs[bad, 4321] = atoms + 3
+    positions.requires_grad_()
+    (grad,) = torch.autograd.grad(mirage.ops.pair_vectors(positions, pairs, shifts)[1].nan_to_num().sum(), positions)
+    assert torch.isnan(grad).all()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("atoms", [4, 1100])  # the backward in one block, and in a grid
 def test_cuda_bad_index_inside_a_run(atoms):
     positions, _, shifts = make_inputs(atoms, 40, torch.float32, "cuda")
