@@ -89,7 +89,10 @@ __global__ void __launch_bounds__(kCountThreads) scatter_pairs_kernel(const int6
   });
 }
 
-bool counting(int64_t nodes) { return nodes <= kCountingMaxNodes; }
+// The counting sort's [sender][block] counts are (nodes + 1) ints a chunk (at most 6 a pair).
+bool counting(int64_t nodes, int64_t num_pairs) {
+  return nodes <= kCountingMaxNodes && (nodes + 1) * ceil_div(num_pairs, kChunk) <= INT_MAX;
+}
 
 // The workspace of either sort; sizes only on base == nullptr (cub's temporary bytes included).
 struct Plan {
@@ -108,7 +111,7 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
   WorkspaceLayout layout(base);
   const int count = static_cast<int>(num_pairs);
   w.order = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
-  if (counting(nodes)) {
+  if (counting(nodes, num_pairs)) {
     w.blocks = static_cast<int>(ceil_div(num_pairs, kChunk));
     const int64_t entries = (nodes + 1) * w.blocks;
     w.counts = static_cast<int*>(layout.take(entries * sizeof(int)));
@@ -129,8 +132,7 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
 }  // namespace
 
 bool use_sender_order(int64_t nodes, int64_t num_pairs) {
-  return num_pairs >= kSenderOrderMinPairs && num_pairs <= INT_MAX - kChunk && nodes < INT_MAX &&
-         (!counting(nodes) || (nodes + 1) * ceil_div(num_pairs, kChunk) <= INT_MAX);
+  return num_pairs >= kSenderOrderMinPairs && num_pairs <= INT_MAX - kChunk && nodes < INT_MAX;
 }
 
 size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs) {
@@ -144,7 +146,7 @@ cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num
   const int count = static_cast<int>(num_pairs);
   const int64_t* senders = pairs + num_pairs;
   cudaError_t status;
-  if (counting(nodes)) {
+  if (counting(nodes, num_pairs)) {
     const int n = static_cast<int>(nodes);
     const size_t histogram_bytes = (nodes + 1) * sizeof(int);
     count_senders_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(senders, n, count, w.counts);
