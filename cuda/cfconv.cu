@@ -1206,15 +1206,6 @@ cudaError_t launch(void (*kernel)(Params, Args...), const Params& params, size_t
   return cudaGetLastError();
 }
 
-// The order the backward kernels walk the pairs in: by sender in `workspace`
-// (cfconv_backward_workspace_bytes) for lists long enough to pay, else the list's own (null).
-cudaError_t backward_order(const int64_t* pairs, int64_t num_nodes, int64_t num_pairs, void* workspace,
-                           const int** order, cudaStream_t stream) {
-  *order = nullptr;
-  if (!use_sender_order(num_nodes, num_pairs)) return cudaSuccess;
-  return launch_sender_order(pairs, num_nodes, num_pairs, workspace, order, stream);
-}
-
 // Whether this library was built for sm_90a and the current device has compute capability 9.0:
 // the Hopper kernels' condition.
 bool hopper() {
@@ -1367,12 +1358,14 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
 }
 
 size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs) {
-  return use_sender_order(num_nodes, num_pairs) ? sender_order_workspace_bytes(num_nodes, num_pairs) : 0;
+  return sender_order_workspace_bytes(num_nodes, num_pairs);
 }
 
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream) {
   const int* order = nullptr;
-  const cudaError_t status = backward_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
+  // By sender for lists long enough to pay, else the list's own order (null).
+  const cudaError_t status =
+      launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
   if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.weights.width},
                           {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
@@ -1410,7 +1403,7 @@ cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& para
   }
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   const int* order = nullptr;
-  status = backward_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
+  status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
   if (status != cudaSuccess) return status;
   const int64_t warps = ceil_div(params.num_pairs, kBackwardSpan);
   const int64_t blocks = std::min<int64_t>(ceil_div(warps, kBackwardThreads / 32), 16LL * sm_count());

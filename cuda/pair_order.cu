@@ -102,7 +102,7 @@ struct Plan {
   int* order;
   int *keys, *sorted_keys, *indices;  // the radix sort's
   int *counts, *starts;               // the counting sort's
-  int blocks;                         // the counting sort's chunks
+  int blocks, entries;                // the counting sort's chunks and counts ((nodes + 1) blocks)
   void* temp;                         // cub's
   size_t temp_bytes;
   int key_bits;  // the radix sort's: enough for the keys 0..nodes
@@ -116,10 +116,10 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
   w.order = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
   if (counting(nodes, num_pairs)) {
     w.blocks = static_cast<int>(ceil_div(num_pairs, kChunk));
-    const int64_t entries = (nodes + 1) * w.blocks;
-    w.counts = static_cast<int*>(layout.take(entries * sizeof(int)));
-    w.starts = static_cast<int*>(layout.take(entries * sizeof(int)));
-    cub::DeviceScan::ExclusiveSum(nullptr, w.temp_bytes, w.counts, w.starts, static_cast<int>(entries));
+    w.entries = static_cast<int>((nodes + 1) * w.blocks);
+    w.counts = static_cast<int*>(layout.take(w.entries * sizeof(int)));
+    w.starts = static_cast<int*>(layout.take(w.entries * sizeof(int)));
+    cub::DeviceScan::ExclusiveSum(nullptr, w.temp_bytes, w.counts, w.starts, w.entries);
   } else {
     for (int** array : {&w.keys, &w.sorted_keys, &w.indices}) *array = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
     w.key_bits = 1;
@@ -139,12 +139,13 @@ bool use_sender_order(int64_t nodes, int64_t num_pairs) {
 }
 
 size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs) {
-  return plan(nodes, num_pairs, nullptr).total_bytes;
+  return use_sender_order(nodes, num_pairs) ? plan(nodes, num_pairs, nullptr).total_bytes : 0;
 }
 
 cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, void* workspace,
                                 const int** order, cudaStream_t stream) {
-  if (!use_sender_order(nodes, num_pairs)) return cudaErrorInvalidValue;
+  *order = nullptr;
+  if (!use_sender_order(nodes, num_pairs)) return cudaSuccess;
   Plan w = plan(nodes, num_pairs, static_cast<char*>(workspace));  // cub takes temp_bytes by reference
   const int count = static_cast<int>(num_pairs);
   const int64_t* senders = pairs + num_pairs;
@@ -153,8 +154,7 @@ cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num
     const int n = static_cast<int>(nodes);
     const size_t histogram_bytes = (nodes + 1) * sizeof(int);
     count_senders_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(senders, n, count, w.counts);
-    status = cub::DeviceScan::ExclusiveSum(w.temp, w.temp_bytes, w.counts, w.starts,
-                                           static_cast<int>((nodes + 1) * w.blocks), stream);
+    status = cub::DeviceScan::ExclusiveSum(w.temp, w.temp_bytes, w.counts, w.starts, w.entries, stream);
     if (status != cudaSuccess) return status;
     scatter_pairs_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(senders, n, count, w.starts,
                                                                                w.order);

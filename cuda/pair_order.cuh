@@ -23,14 +23,15 @@ constexpr int64_t kSenderOrderMinPairs = 8192;
 // pairs for it to pay, and counts that fit the int32 the ordering uses.
 bool use_sender_order(int64_t nodes, int64_t num_pairs);
 
-// Bytes of device scratch launch_sender_order needs, order included.
+// Bytes of device scratch launch_sender_order needs, order included (0 where use_sender_order is
+// false).
 size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs);
 
 // Writes into `workspace` (sender_order_workspace_bytes of it, 256-byte aligned) a permutation
 // `*order` of [0, num_pairs): the pair indices grouped by sender (pairs[1], that is pairs[num_pairs
 // + p]) in increasing order, in no particular order within a sender's run (pair_order.cu); pairs
-// whose sender lies outside [0, nodes) come last (their kernels skip them). Needs
-// use_sender_order(nodes, num_pairs).
+// whose sender lies outside [0, nodes) come last (their kernels skip them). Where
+// use_sender_order(nodes, num_pairs) is false, *order = nullptr: walk the list in its own order.
 cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, void* workspace,
                                 const int** order, cudaStream_t stream);
 

@@ -162,12 +162,12 @@ __global__ void __launch_bounds__(kOneBlockThreads)
 unsigned blocks_for(int64_t pairs) { return static_cast<unsigned>(ceil_div(pairs, kThreads)); }
 
 // The backward's scratch: the flag and the accumulator (16 bytes aligned, zeroed by one memset),
-// then the sender order's for long lists.
+// then the sender order's (none for short lists).
 struct BackwardWorkspace {
   int* invalid;
   float4* acc;
   size_t zeroed_bytes;
-  void* order;  // null for short lists
+  void* order;
   size_t bytes;
   BackwardWorkspace(int64_t num_atoms, int64_t num_pairs, char* base) {
     WorkspaceLayout layout(base);
@@ -175,8 +175,7 @@ struct BackwardWorkspace {
     char* front = static_cast<char*>(layout.take(zeroed_bytes));
     invalid = reinterpret_cast<int*>(front);
     acc = reinterpret_cast<float4*>(front + 16);
-    order = use_sender_order(num_atoms, num_pairs) ? layout.take(sender_order_workspace_bytes(num_atoms, num_pairs))
-                                                   : nullptr;
+    order = layout.take(sender_order_workspace_bytes(num_atoms, num_pairs));
     bytes = layout.bytes();
   }
 };
@@ -206,11 +205,9 @@ cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params
   cudaError_t status = cudaMemsetAsync(workspace, 0, w.zeroed_bytes, stream);
   if (status != cudaSuccess || values == 0) return status;
   if (params.num_pairs > 0) {
-    const int* order = nullptr;
-    if (w.order != nullptr) {
-      status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, w.order, &order, stream);
-      if (status != cudaSuccess) return status;
-    }
+    const int* order = nullptr;  // by sender for long lists, else null
+    status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, w.order, &order, stream);
+    if (status != cudaSuccess) return status;
     pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, order, w.acc,
                                                                                          w.invalid);
     status = cudaGetLastError();

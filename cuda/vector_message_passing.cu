@@ -482,10 +482,8 @@ size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& 
 }
 
 size_t vector_message_passing_backward_workspace_bytes(const VectorMessagePassingBackwardParams& p) {
-  const size_t bytes =
-      workspace_bytes(p.dtype, {p.nodes * 3 * p.features, p.nodes * 3 * p.features, p.num_pairs * 3});
-  return use_sender_order(p.nodes, p.num_pairs) ? bytes + sender_order_workspace_bytes(p.nodes, p.num_pairs)
-                                                : bytes;
+  return workspace_bytes(p.dtype, {p.nodes * 3 * p.features, p.nodes * 3 * p.features, p.num_pairs * 3}) +
+         sender_order_workspace_bytes(p.nodes, p.num_pairs);
 }
 
 cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, void* workspace,
@@ -531,14 +529,12 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   if (status == cudaSuccess) status = zero(grad_vectors, n_node, sizeof(float), stream);
   if (status == cudaSuccess) status = zero(grad_directions, n_dir, sizeof(float), stream);
   if (status != cudaSuccess) return status;
+  // Sender order for long lists (null: list order); its scratch follows the accumulators
+  // (workspace_bytes of them, a multiple of 256).
   const int* order = nullptr;
-  if (use_sender_order(p.nodes, p.num_pairs)) {
-    // The order's scratch follows the accumulators (workspace_bytes of them, a multiple of 256).
-    void* order_workspace = static_cast<char*>(workspace) +
-                            workspace_bytes(p.dtype, {n_node, n_node, n_dir});
-    status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, order_workspace, &order, stream);
-    if (status != cudaSuccess) return status;
-  }
+  void* order_workspace = static_cast<char*>(workspace) + workspace_bytes(p.dtype, {n_node, n_node, n_dir});
+  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, order_workspace, &order, stream);
+  if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
                              p.dtype, {grad_x, grad_vectors});

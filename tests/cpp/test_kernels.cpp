@@ -1044,6 +1044,14 @@ TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[
     const int64_t P = 3 * mc::kSenderOrderMinPairs + 5;
     REQUIRE_FALSE(mc::use_sender_order(nodes, mc::kSenderOrderMinPairs - 1));
     REQUIRE(mc::use_sender_order(nodes, P));
+    {  // a list too short to pay: no scratch, no order (list order)
+      const int sentinel = 0;
+      const int* none = &sentinel;
+      REQUIRE(mc::sender_order_workspace_bytes(nodes, mc::kSenderOrderMinPairs - 1) == 0);
+      REQUIRE(mc::launch_sender_order(nullptr, nodes, mc::kSenderOrderMinPairs - 1, nullptr, &none, nullptr) ==
+              cudaSuccess);
+      REQUIRE(none == nullptr);
+    }
     std::uniform_int_distribution<int64_t> node(0, nodes - 1);
     std::vector<int64_t> pairs(2 * P);
     for (auto& e : pairs) e = node(rng());
