@@ -115,18 +115,24 @@ at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
   return handles::pair_product().call(a, b, pairs);
 }
 
+at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes) {
+  return handles::sender_order().call(pairs, num_nodes);
+}
+
 std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
                                                           const at::Tensor& filter,
                                                           const at::Tensor& vectors,
                                                           const at::Tensor& directions,
                                                           const at::Tensor& pairs,
-                                                          const std::optional<at::Tensor>& filter_weight) {
-  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight);
+                                                          const std::optional<at::Tensor>& filter_weight,
+                                                          const std::optional<at::Tensor>& sender_order) {
+  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight, sender_order);
 }
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors(const at::Tensor& positions, const at::Tensor& pairs,
-                                                const std::optional<at::Tensor>& shifts) {
-  return handles::pair_vectors().call(positions, pairs, shifts);
+                                                const std::optional<at::Tensor>& shifts,
+                                                const std::optional<at::Tensor>& sender_order) {
+  return handles::pair_vectors().call(positions, pairs, shifts, sender_order);
 }
 
 at::Tensor painn_update_input(const at::Tensor& s, const at::Tensor& vv, double eps) {

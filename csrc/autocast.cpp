@@ -106,10 +106,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_autocas
 // pair_vectors: coordinates, float32 like neighbor_list's.
 template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<at::Tensor, at::Tensor> pair_vectors_autocast(const at::Tensor& positions, const at::Tensor& pairs,
-                                                         const std::optional<at::Tensor>& shifts) {
+                                                         const std::optional<at::Tensor>& shifts,
+                                                         const std::optional<at::Tensor>& sender_order) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   return handles::pair_vectors().call(cached_cast(at::kFloat, positions, Device), pairs,
-                                      cached_cast(at::kFloat, shifts, Device));
+                                      cached_cast(at::kFloat, shifts, Device), sender_order);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -136,22 +137,24 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autocast(const at::Tensor& x, const at
                                                    const at::Tensor& envelope, const at::Tensor& pairs,
                                                    const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                                   c10::string_view activation, bool tf32) {
+                                                   c10::string_view activation, bool tf32,
+                                                   const std::optional<at::Tensor>& sender_order) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto f32 = [](const auto& t) { return cached_cast(at::kFloat, t, Device); };  // tensors and optionals
   return handles::cfconv().call(f32(x), f32(basis), f32(envelope), pairs, f32(weight1), f32(bias1), f32(weight2),
-                                f32(bias2), activation, tf32);
+                                f32(bias2), activation, tf32, sender_order);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_autocast(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+    const std::optional<at::Tensor>& sender_order) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto f32 = [](const auto& t) { return cached_cast(at::kFloat, t, Device); };  // tensors and optionals
   return handles::radial_cfconv().call(f32(x), f32(distances), pairs, f32(weight1), f32(bias1), f32(weight2),
-                                       f32(bias2), activation, basis, cutoff, envelope, tf32);
+                                       f32(bias2), activation, basis, cutoff, envelope, tf32, sender_order);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -181,14 +184,15 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
                                                                    const at::Tensor& vectors,
                                                                    const at::Tensor& directions,
                                                                    const at::Tensor& pairs,
-                                                                   const std::optional<at::Tensor>& filter_weight) {
+                                                                   const std::optional<at::Tensor>& filter_weight,
+                                                                   const std::optional<at::Tensor>& sender_order) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
   std::optional<at::Tensor> weight;
   if (filter_weight.has_value()) weight = cached_cast(dtype, *filter_weight, Device);
   return handles::vector_message_passing().call(
       cached_cast(dtype, x, Device), cached_cast(dtype, filter, Device),
-      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs, weight);
+      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs, weight, sender_order);
 }
 
 // mirage::painn_update(_input) are elementwise: like PyTorch's own elementwise ops under autocast

@@ -35,6 +35,11 @@ at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
   return t.has_value() ? *t : at::Tensor();
 }
 
+// The inverse: a saved optional input as the ops take it again.
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 // Float32 for float16/bfloat16 (the composites compute as the kernels do); float32 and float64
 // as they are.
 at::Tensor to_compute_dtype(const at::Tensor& t) {
@@ -590,7 +595,7 @@ variable_list vector_message_passing_backward_composite(const variable_list& in)
   const int64_t nodes = x.size(0), features = x.size(1) / 3;
   const at::Tensor x_j = to_compute_dtype(x).index_select(0, j);
   const at::Tensor filter = to_compute_dtype(ops::formed_filter(
-      in[3], in[7].defined() ? std::optional<at::Tensor>(in[7]) : std::nullopt));
+      in[3], defined_or_none(in[7])));
   const at::Tensor grad_scalar_i = to_compute_dtype(in[0]).index_select(0, i);
   const at::Tensor grad_vector_i = to_compute_dtype(in[1]).index_select(0, i);  // [P, 3, F]
   const at::Tensor vectors_j = to_compute_dtype(in[4]).index_select(0, j);
@@ -616,13 +621,14 @@ struct VectorMessagePassingBackwardFunction
                                const at::Tensor& grad_vector, const at::Tensor& x,
                                const at::Tensor& filter, const at::Tensor& vectors,
                                const at::Tensor& directions, const at::Tensor& pairs,
-                               const std::optional<at::Tensor>& filter_weight) {
+                               const std::optional<at::Tensor>& filter_weight,
+                               const std::optional<at::Tensor>& sender_order) {
     save_inputs(ctx, {grad_scalar, grad_vector, x, filter, vectors, directions, pairs,
-                      value_or_undefined(filter_weight)});
+                      value_or_undefined(filter_weight), value_or_undefined(sender_order)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [grad_x, grad_filter, grad_vectors, grad_directions] =
         handles::vector_message_passing_backward().call(grad_scalar, grad_vector, x, filter,
-                                                        vectors, directions, pairs, filter_weight);
+                                                        vectors, directions, pairs, filter_weight, sender_order);
     return {grad_x, grad_filter, grad_vectors, grad_directions};
   }
 
@@ -637,11 +643,13 @@ struct VectorMessagePassingBackwardFunction
 struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePassingFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& filter,
                                const at::Tensor& vectors, const at::Tensor& directions,
-                               const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
-    ctx->save_for_backward({x, filter, vectors, directions, pairs, value_or_undefined(filter_weight)});
+                               const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+                               const std::optional<at::Tensor>& sender_order) {
+    ctx->save_for_backward({x, filter, vectors, directions, pairs, value_or_undefined(filter_weight),
+                            value_or_undefined(sender_order)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [scalar, vector] =
-        handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight);
+        handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight, sender_order);
     return {scalar, vector};
   }
 
@@ -665,8 +673,11 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
     // backward.
     auto [grad_x, grad_filter, grad_vectors, grad_directions] =
         handles::vector_message_passing_backward().call(grad_outputs[0], grad_outputs[1], saved[0], filter,
-                                                        saved[2], saved[3], saved[4], fused_weight);
-    if (!weight.defined()) return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor(), at::Tensor()};
+                                                        saved[2], saved[3], saved[4], fused_weight,
+                                                        defined_or_none(saved[6]));
+    if (!weight.defined()) {
+      return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     // grad_filter @ weight by mirage::linear: its narrow kernel takes these [P, 3F] x [3F, K]
     // products of many pairs (cuBLAS's float32 kernels ran them at a quarter of the FMA rate).
     const at::Tensor grad_basis =
@@ -674,24 +685,26 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
             ? handles::linear().call(grad_filter, weight.t(), std::nullopt, std::nullopt, "none")
             : at::Tensor();
     const at::Tensor grad_weight = ctx->needs_input_grad(5) ? grad_filter.t().matmul(basis) : at::Tensor();
-    return {grad_x, grad_basis, grad_vectors, grad_directions, at::Tensor(), grad_weight};
+    return {grad_x, grad_basis, grad_vectors, grad_directions, at::Tensor(), grad_weight, at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> vector_message_passing_autograd(
     const at::Tensor& x, const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+    const std::optional<at::Tensor>& sender_order) {
   const variable_list out =
-      VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs, filter_weight);
+      VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs, filter_weight, sender_order);
   return {out[0], out[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_autograd(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+    const std::optional<at::Tensor>& sender_order) {
   const variable_list out = VectorMessagePassingBackwardFunction::apply(
-      grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight);
+      grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight, sender_order);
   return {out[0], out[1], out[2], out[3]};
 }
 
@@ -732,10 +745,12 @@ variable_list pair_vectors_backward_composite(const variable_list& in) {
 struct PairVectorsBackwardFunction : torch::autograd::Function<PairVectorsBackwardFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                             const at::Tensor& positions, const at::Tensor& pairs,
-                            const std::optional<at::Tensor>& shifts) {
-    save_inputs(ctx, {grad_vectors, grad_distances, positions, pairs, value_or_undefined(shifts)});
+                            const std::optional<at::Tensor>& shifts, const std::optional<at::Tensor>& sender_order) {
+    save_inputs(ctx, {grad_vectors, grad_distances, positions, pairs, value_or_undefined(shifts),
+                      value_or_undefined(sender_order)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return handles::pair_vectors_backward().call(grad_vectors, grad_distances, positions, pairs, shifts);
+    return handles::pair_vectors_backward().call(grad_vectors, grad_distances, positions, pairs, shifts,
+                                                 sender_order);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -747,10 +762,11 @@ struct PairVectorsBackwardFunction : torch::autograd::Function<PairVectorsBackwa
 
 struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& positions, const at::Tensor& pairs,
-                               const std::optional<at::Tensor>& shifts) {
-    ctx->save_for_backward({positions, pairs, value_or_undefined(shifts)});
+                               const std::optional<at::Tensor>& shifts,
+                               const std::optional<at::Tensor>& sender_order) {
+    ctx->save_for_backward({positions, pairs, value_or_undefined(shifts), value_or_undefined(sender_order)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [vectors, distances] = handles::pair_vectors().call(positions, pairs, shifts);
+    auto [vectors, distances] = handles::pair_vectors().call(positions, pairs, shifts, sender_order);
     return {vectors, distances};
   }
 
@@ -758,33 +774,33 @@ struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &positions = saved[0], &pairs = saved[1], &shifts = saved[2];
-    const std::optional<at::Tensor> maybe_shifts =
-        shifts.defined() ? std::optional<at::Tensor>(shifts) : std::nullopt;
     at::Tensor grad_positions, grad_shifts;
     if (ctx->needs_input_grad(0)) {
       // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
       // backward.
       grad_positions = handles::pair_vectors_backward().call(grad_outputs[0], grad_outputs[1], positions, pairs,
-                                                             maybe_shifts);
+                                                             defined_or_none(shifts), defined_or_none(saved[3]));
     }
     if (shifts.defined() && ctx->needs_input_grad(2)) {
       grad_shifts = pair_vector_gradient(grad_outputs[0], grad_outputs[1],
                                          pair_vectors_composite(positions, pairs, shifts));
     }
-    return {grad_positions, at::Tensor(), grad_shifts};
+    return {grad_positions, at::Tensor(), grad_shifts, at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors_autograd(const at::Tensor& positions, const at::Tensor& pairs,
-                                                         const std::optional<at::Tensor>& shifts) {
-  const variable_list out = PairVectorsFunction::apply(positions, pairs, shifts);
+                                                         const std::optional<at::Tensor>& shifts,
+                                                         const std::optional<at::Tensor>& sender_order) {
+  const variable_list out = PairVectorsFunction::apply(positions, pairs, shifts, sender_order);
   return {out[0], out[1]};
 }
 
 at::Tensor pair_vectors_backward_autograd(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                           const at::Tensor& positions, const at::Tensor& pairs,
-                                          const std::optional<at::Tensor>& shifts) {
-  return PairVectorsBackwardFunction::apply(grad_vectors, grad_distances, positions, pairs, shifts);
+                                          const std::optional<at::Tensor>& shifts,
+                                          const std::optional<at::Tensor>& sender_order) {
+  return PairVectorsBackwardFunction::apply(grad_vectors, grad_distances, positions, pairs, shifts, sender_order);
 }
 
 }  // namespace
@@ -1024,14 +1040,16 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& basis,
                                const at::Tensor& envelope, const at::Tensor& weight1, const at::Tensor& bias1,
                                const at::Tensor& weight2, const at::Tensor& bias2, const at::Tensor& pairs,
-                               c10::string_view activation, bool tf32) {
+                               c10::string_view activation, bool tf32,
+                               const std::optional<at::Tensor>& sender_order) {
     at::Tensor out, filters;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, filters) = handles::cfconv().call(x, basis, envelope, pairs, weight1, optional(bias1), weight2,
-                                                      optional(bias2), activation, tf32);
+                                                      optional(bias2), activation, tf32, sender_order);
     }
-    ctx->save_for_backward({x, basis, envelope, pairs, filters, weight1, bias1, weight2});
+    ctx->save_for_backward(
+        {x, basis, envelope, pairs, filters, weight1, bias1, weight2, value_or_undefined(sender_order)});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["tf32"] = tf32;
     ctx->mark_non_differentiable({filters});
@@ -1043,12 +1061,12 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     check_first_order(ctx, ops::kCfconv, 3);
-    variable_list grads(10);  // x, basis, envelope, four parameters, pairs, activation, tf32
+    variable_list grads(11);  // x, basis, envelope, four parameters, pairs, activation, tf32, sender_order
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();
     std::tie(grads[0], grads[1], grads[2]) = handles::cfconv_backward().call(
         grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5], optional(s[6]), s[7],
-        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["tf32"].toBool());
+        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["tf32"].toBool(), defined_or_none(s[8]));
     return grads;
   }
 };
@@ -1057,11 +1075,13 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autograd(const at::Tensor& x, const at
                                                    const at::Tensor& envelope, const at::Tensor& pairs,
                                                    const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                                   c10::string_view activation, bool tf32) {
+                                                   c10::string_view activation, bool tf32,
+                                                   const std::optional<at::Tensor>& sender_order) {
   // Checked here first: past this point an empty bias would read as an absent one.
-  ops::check_cfconv(ops::kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+  ops::check_cfconv(ops::kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation,
+                    sender_order);
   const variable_list out = CfconvFunction::apply(x, basis, envelope, weight1, or_empty(bias1, weight1), weight2,
-                                                  or_empty(bias2, weight2), pairs, activation, tf32);
+                                                  or_empty(bias2, weight2), pairs, activation, tf32, sender_order);
   return {out[0], out[1]};
 }
 
@@ -1076,15 +1096,16 @@ struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& distances,
                                const at::Tensor& weight1, const at::Tensor& bias1, const at::Tensor& weight2,
                                const at::Tensor& bias2, const at::Tensor& pairs, c10::string_view activation,
-                               c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
+                               c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+                               const std::optional<at::Tensor>& sender_order) {
     at::Tensor out, filters, derivatives;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, filters, derivatives) =
           handles::radial_cfconv().call(x, distances, pairs, weight1, optional(bias1), weight2, optional(bias2),
-                                        activation, basis, cutoff, envelope, tf32);
+                                        activation, basis, cutoff, envelope, tf32, sender_order);
     }
-    ctx->save_for_backward({x, pairs, filters, derivatives});
+    ctx->save_for_backward({x, pairs, filters, derivatives, value_or_undefined(sender_order)});
     ctx->mark_non_differentiable({filters, derivatives});
     ctx->set_materialize_grads(false);  // as cfconv's: no zero gradients for the two outputs above
     return {out, filters, derivatives};
@@ -1092,10 +1113,12 @@ struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     check_first_order(ctx, ops::kRadialCfconv, 2);
-    variable_list grads(12);  // x, distances, four parameters, pairs, activation, basis, cutoff, envelope, tf32
+    // x, distances, four parameters, pairs, activation, basis, cutoff, envelope, tf32, sender_order
+    variable_list grads(13);
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();
-    std::tie(grads[0], grads[1]) = handles::radial_cfconv_backward().call(grad_outputs[0], s[0], s[1], s[2], s[3]);
+    std::tie(grads[0], grads[1]) =
+        handles::radial_cfconv_backward().call(grad_outputs[0], s[0], s[1], s[2], s[3], defined_or_none(s[4]));
     return grads;
   }
 };
@@ -1103,12 +1126,14 @@ struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_autograd(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+    const std::optional<at::Tensor>& sender_order) {
   // Checked here first: past this point an empty bias would read as an absent one.
-  ops::check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+  ops::check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope,
+                           sender_order);
   const variable_list out =
       RadialCfconvFunction::apply(x, distances, weight1, or_empty(bias1, weight1), weight2, or_empty(bias2, weight2),
-                                  pairs, activation, basis, cutoff, envelope, tf32);
+                                  pairs, activation, basis, cutoff, envelope, tf32, sender_order);
   return {out[0], out[1], out[2]};
 }
 

@@ -32,12 +32,15 @@ using RadialBasisSig = at::Tensor(const at::Tensor&, c10::string_view, int64_t, 
 using RadialBasisBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view,
                                           int64_t, double, c10::string_view);
 using PairOpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+// The ops' trailing `Tensor? sender_order` (mirage::sender_order's result).
+using SenderOrderArg = const std::optional<at::Tensor>&;
+using SenderOrderSig = at::Tensor(const at::Tensor&, int64_t);
 using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&);
+    const std::optional<at::Tensor>&, SenderOrderArg);
 using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, SenderOrderArg);
 using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view);
@@ -49,22 +52,23 @@ using PainnEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, con
 using CfconvSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                      const at::Tensor&, const at::Tensor&,
                                                      const std::optional<at::Tensor>&, const at::Tensor&,
-                                                     const std::optional<at::Tensor>&, c10::string_view, bool);
+                                                     const std::optional<at::Tensor>&, c10::string_view, bool,
+                                                     SenderOrderArg);
 using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
-    bool);
+    bool, SenderOrderArg);
 using RadialCfconvSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, c10::string_view, double,
-    c10::string_view, bool);
+    c10::string_view, bool, SenderOrderArg);
 using RadialCfconvBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&,
-                                                                   const at::Tensor&);
+                                                                   const at::Tensor&, SenderOrderArg);
 using PairVectorsSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                          const std::optional<at::Tensor>&);
+                                                          const std::optional<at::Tensor>&, SenderOrderArg);
 using PairVectorsBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, const std::optional<at::Tensor>&);
+                                          const at::Tensor&, const std::optional<at::Tensor>&, SenderOrderArg);
 using PainnUpdateInputSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using PainnUpdateSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&, const at::Tensor&,
@@ -103,6 +107,7 @@ MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)
 MIRAGE_OP_HANDLE(radial_cfconv, RadialCfconvSig)
 MIRAGE_OP_HANDLE(radial_cfconv_backward, RadialCfconvBackwardSig)
+MIRAGE_OP_HANDLE(sender_order, SenderOrderSig)
 MIRAGE_OP_HANDLE(pair_vectors, PairVectorsSig)
 MIRAGE_OP_HANDLE(pair_vectors_backward, PairVectorsBackwardSig)
 MIRAGE_OP_HANDLE(painn_update_input, PainnUpdateInputSig)

@@ -24,12 +24,16 @@ TORCH_LIBRARY(mirage, m) {
   m.def("neighbor_list(Tensor positions, float cutoff, Tensor? cell=None, Tensor? pbc=None, "
         "Tensor? batch=None, int max_pairs=-1, bool half=False, str method=\"auto\") -> "
         "(Tensor pairs, Tensor shifts, Tensor distances, Tensor num_pairs)");
+  // The pairs' indices grouped by sender (int32 [P]; [0] for lists too short for it to pay), for
+  // the ops below whose backward scatters onto the senders: formed once per pair list and passed
+  // to each of them as `sender_order` instead of each backward sorting the list again.
+  m.def("sender_order(Tensor pairs, int num_nodes) -> Tensor");
   // The pair vectors positions[j] - positions[i] + shifts and their lengths; the backward is an op
   // of its own (a scatter onto the atoms: the forces' last step).
-  m.def("pair_vectors(Tensor positions, Tensor pairs, Tensor? shifts=None) -> (Tensor vectors, "
-        "Tensor distances)");
+  m.def("pair_vectors(Tensor positions, Tensor pairs, Tensor? shifts=None, Tensor? sender_order=None) -> "
+        "(Tensor vectors, Tensor distances)");
   m.def("pair_vectors_backward(Tensor grad_vectors, Tensor grad_distances, Tensor positions, Tensor pairs, "
-        "Tensor? shifts=None) -> Tensor");
+        "Tensor? shifts=None, Tensor? sender_order=None) -> Tensor");
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
   // radial_basis' gradient in distances, fused (forces); differentiable in turn.
   m.def("radial_basis_backward(Tensor grad, Tensor distances, str kind, int num, float cutoff, "
@@ -40,10 +44,11 @@ TORCH_LIBRARY(mirage, m) {
   // filter_weight, `filter` is the basis its Linear maps to the filter (formed in the kernel);
   // grad_filter is then the formed filter's gradient.
   m.def("vector_message_passing(Tensor x, Tensor filter, Tensor vectors, Tensor directions, "
-        "Tensor pairs, Tensor? filter_weight=None) -> (Tensor scalar, Tensor vector)");
+        "Tensor pairs, Tensor? filter_weight=None, Tensor? sender_order=None) -> (Tensor scalar, Tensor vector)");
   m.def("vector_message_passing_backward(Tensor grad_scalar, Tensor grad_vector, Tensor x, "
-        "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs, Tensor? filter_weight=None) -> "
-        "(Tensor grad_x, Tensor grad_filter, Tensor grad_vectors, Tensor grad_directions)");
+        "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs, Tensor? filter_weight=None, "
+        "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_filter, Tensor grad_vectors, "
+        "Tensor grad_directions)");
   // PaiNN's update block around its MLP (cuda/painn_update.cuh): the MLP's input [s, |V v|] and
   // the gated update of s and v; each backward is an op of its own (the forces' hot path).
   m.def("painn_update_input(Tensor s, Tensor vv, float eps) -> Tensor");
@@ -67,18 +72,18 @@ TORCH_LIBRARY(mirage, m) {
   // filters (before the envelope), which its backward reads. tf32: the CUDA products round their
   // operands to TF32 once instead of splitting them into two TF32 parts (float32 accuracy).
   m.def("cfconv(Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor weight1, Tensor? bias1, "
-        "Tensor weight2, Tensor? bias2, str activation, bool tf32=False) -> (Tensor out, Tensor filters)");
+        "Tensor weight2, Tensor? bias2, str activation, bool tf32=False, Tensor? sender_order=None) -> (Tensor out, "
+        "Tensor filters)");
   m.def("cfconv_backward(Tensor grad, Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor filters, "
-        "Tensor weight1, Tensor? bias1, Tensor weight2, str activation, bool tf32=False) -> (Tensor grad_x, "
-        "Tensor grad_basis, "
-        "Tensor grad_envelope)");
+        "Tensor weight1, Tensor? bias1, Tensor weight2, str activation, bool tf32=False, "
+        "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_basis, Tensor grad_envelope)");
   // cfconv with the basis (radial_basis' `basis` functions, R from weight1) and the envelope (a
   // cutoff function) formed from the distances in the kernel; returns the filters times the
   // envelope and their derivative in the distance, which its backward reads: a pass over the pairs
   // with no products.
   m.def("radial_cfconv(Tensor x, Tensor distances, Tensor pairs, Tensor weight1, Tensor? bias1, Tensor weight2, "
-        "Tensor? bias2, str activation, str basis, float cutoff, str envelope, bool tf32=False) -> (Tensor out, "
-        "Tensor filters, Tensor filter_derivatives)");
-  m.def("radial_cfconv_backward(Tensor grad, Tensor x, Tensor pairs, Tensor filters, Tensor filter_derivatives) -> "
-        "(Tensor grad_x, Tensor grad_distances)");
+        "Tensor? bias2, str activation, str basis, float cutoff, str envelope, bool tf32=False, "
+        "Tensor? sender_order=None) -> (Tensor out, Tensor filters, Tensor filter_derivatives)");
+  m.def("radial_cfconv_backward(Tensor grad, Tensor x, Tensor pairs, Tensor filters, Tensor filter_derivatives, "
+        "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_distances)");
 }

@@ -1249,10 +1249,11 @@ cudaError_t dispatch(const CfconvWeights& w, F&& f) {
 }
 
 // Zeroes the invalid flag and the [N, D] float32 accumulator, runs the kernel (launch_kernel(width,
-// split, ssp); none without pairs), then converts the outputs or, after a bad index, poisons them.
+// split, ssp); none without pairs), then converts the outputs or, after a bad index or a handed-in
+// sender order that failed `check`, poisons them.
 template <typename Params, typename LaunchKernel>
 cudaError_t launch_passes(const Params& params, float* accumulator, const Segments& outputs, cudaStream_t stream,
-                          LaunchKernel&& launch_kernel) {
+                          LaunchKernel&& launch_kernel, const OrderCheck& check = {}) {
   cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
   if (status == cudaSuccess) {
     status = cudaMemsetAsync(accumulator, 0, params.num_nodes * params.weights.width * sizeof(float), stream);
@@ -1260,7 +1261,7 @@ cudaError_t launch_passes(const Params& params, float* accumulator, const Segmen
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   status = dispatch(params.weights, launch_kernel);
   if (status != cudaSuccess) return status;
-  return launch_finish<float>(outputs, params.invalid, stream);
+  return launch_finish<float>(outputs, params.invalid, stream, check);
 }
 
 // radial_cfconv's backward: a warp takes kBackwardSpan consecutive positions of the walk (list
@@ -1362,23 +1363,25 @@ size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs) {
 }
 
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream) {
-  const int* order = nullptr;
-  // By sender for lists long enough to pay, else the list's own order (null).
-  const cudaError_t status =
-      launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
+  SenderOrder walk;  // by sender for lists long enough to pay, else none (the list's own order)
+  const cudaError_t status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs,
+                                                 params.sender_order, workspace, &walk, stream);
   if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.weights.width},
                           {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
                           {nullptr, params.grad_envelope, params.num_pairs}}};
   const bool hopper = use_sm90(params.weights);
-  return launch_passes(params, params.grad_x, outputs, stream, [&](auto width, auto split, auto ssp) {
-    if (hopper) {
-      return launch(sm90::cfconv_backward_kernel<split(), ssp()>, params, sm90::SharedLayout::kTotal * sizeof(float),
-                    sm90::kThreads, sm90::kTeams, stream, order);
-    }
-    return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
-                  shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream, order);
-  });
+  return launch_passes(
+      params, params.grad_x, outputs, stream,
+      [&](auto width, auto split, auto ssp) {
+        if (hopper) {
+          return launch(sm90::cfconv_backward_kernel<split(), ssp()>, params,
+                        sm90::SharedLayout::kTotal * sizeof(float), sm90::kThreads, sm90::kTeams, stream, walk.order);
+        }
+        return launch(cfconv_backward_kernel<width(), split(), ssp()>, params,
+                      shared_bytes<width()>(params.weights.num_rbf), kThreads, kTeams, stream, walk.order);
+      },
+      walk.check);
 }
 
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
@@ -1402,17 +1405,18 @@ cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& para
     status = cudaMemsetAsync(params.grad_x, 0, params.num_nodes * params.width * sizeof(float), stream);
   }
   if (status != cudaSuccess || params.num_pairs == 0) return status;
-  const int* order = nullptr;
-  status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, workspace, &order, stream);
+  SenderOrder walk;
+  status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, params.sender_order, workspace, &walk,
+                               stream);
   if (status != cudaSuccess) return status;
   const int64_t warps = ceil_div(params.num_pairs, kBackwardSpan);
   const int64_t blocks = std::min<int64_t>(ceil_div(warps, kBackwardThreads / 32), 16LL * sm_count());
-  radial_cfconv_backward_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, 0, stream>>>(params, order);
+  radial_cfconv_backward_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, 0, stream>>>(params, walk.order);
   status = cudaGetLastError();
   if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.width},
                           {nullptr, params.grad_distances, params.num_pairs}}};
-  return launch_finish<float>(outputs, params.invalid, stream);
+  return launch_finish<float>(outputs, params.invalid, stream, walk.check);
 }
 
 }  // namespace mirage::cuda

@@ -53,6 +53,7 @@ struct CfconvBackwardParams {
   float* grad_basis;      // [P, R]
   float* grad_envelope;   // [P]
   int* invalid;           // as above
+  const int* sender_order;  // [P] mirage::sender_order's, checked (pair_order.cuh), or null: sorted here
   int64_t num_nodes, num_pairs;
 };
 
@@ -100,6 +101,7 @@ struct RadialCfconvBackwardParams {
   float* grad_x;             // [N, M], 16-byte aligned
   float* grad_distances;     // [P]
   int* invalid;
+  const int* sender_order;   // as CfconvBackwardParams'
   int64_t num_nodes, num_pairs, width;  // width M: a multiple of 4
 };
 

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "pair_order.cuh"
 
 // Runs BODY with scalar_t bound to the C++ type of DTYPE. The one dispatch macro of cuda/.
 #define MIRAGE_DISPATCH_FLOAT(DTYPE, ...)                  \
@@ -360,10 +361,25 @@ __device__ __forceinline__ Moments block_merge(Moments m, Moments* scratch) {
   return m;
 }
 
+// Whether a handed-in sender order failed its check (pair_order.cuh): its balances do not sum
+// to 0. The block's first warp adds them up; every thread of the block calls it (a barrier).
+__device__ inline bool order_rejected(const OrderCheck& check) {
+  __shared__ bool rejected;
+  if (threadIdx.x < 32) {
+    unsigned long long total = 0;
+    for (int b = threadIdx.x; b < check.count; b += 32) total += check.balances[b];
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_down_sync(0xffffffffu, total, offset);
+    if (threadIdx.x == 0) rejected = total != 0;
+  }
+  __syncthreads();
+  return rejected;
+}
+
 // The last pass of kernels that accumulate in float32 and flag invalid input on the device (no
 // host sync): up to four outputs, each with where its values are: `acc` holds them in float32
 // (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair
-// gradients). A raised flag turns every output NaN.
+// gradients). A raised flag, or a handed-in sender order that failed its check, turns every
+// output NaN.
 struct Segment {
   const float* acc;
   void* out;
@@ -375,8 +391,9 @@ struct Segments {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(256) finish_kernel(Segments segments, const int* invalid) {
-  const bool bad = *invalid != 0;
+__global__ void __launch_bounds__(256) finish_kernel(Segments segments, const int* invalid, OrderCheck check) {
+  const bool rejected = order_rejected(check);  // a barrier: every thread, before any other test
+  const bool bad = *invalid != 0 || rejected;
   const T nan = from_float<T>(__int_as_float(0x7fc00000));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
 #pragma unroll
@@ -390,11 +407,12 @@ __global__ void __launch_bounds__(256) finish_kernel(Segments segments, const in
 }
 
 template <typename T>
-cudaError_t launch_finish(const Segments& segments, const int* invalid, cudaStream_t stream) {
+cudaError_t launch_finish(const Segments& segments, const int* invalid, cudaStream_t stream,
+                          const OrderCheck& check = {}) {
   int64_t largest = 0;
   for (const Segment& s : segments.s) largest = std::max(largest, s.count);
   const int64_t blocks = std::clamp<int64_t>(ceil_div(largest, 256), 1, 4LL * sm_count());
-  finish_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(segments, invalid);
+  finish_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(segments, invalid, check);
   return cudaGetLastError();
 }
 

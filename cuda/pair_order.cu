@@ -9,6 +9,7 @@
 // passes over 12 bits) took ~28, as did a counting sort with global atomics (neighbouring pairs
 // share senders, so they contended); 4,096-pair chunks of 1,024 threads were slower (scatter 11
 // us), and ranks within a warp by __match_any_sync slightly (count 9, scatter 7).
+#include <algorithm>
 #include <climits>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -27,6 +28,7 @@ constexpr int kThreads = 256;
 constexpr int kChunk = 2048;
 constexpr int kCountThreads = 512;
 constexpr int64_t kCountingMaxNodes = 48 * 1024 / sizeof(int) - 1;
+static_assert(kSenderOrderMaxPairs <= INT_MAX - kChunk, "the last chunk's indices must fit an int");
 
 // Pair p's key: its sender, or `nodes` for one out of range (they come last).
 __device__ __forceinline__ int sender_key(const int64_t* senders, int64_t nodes, int64_t p) {
@@ -97,9 +99,8 @@ bool counting(int64_t nodes, int64_t num_pairs) {
   return nodes <= kCountingMaxNodes && (nodes + 1) * ceil_div(num_pairs, kChunk) <= INT_MAX;
 }
 
-// The workspace of either sort; sizes only on base == nullptr (cub's temporary bytes included).
+// The scratch of either sort; sizes only on base == nullptr (cub's temporary bytes included).
 struct Plan {
-  int* order;
   int *keys, *sorted_keys, *indices;  // the radix sort's
   int *counts, *starts;               // the counting sort's
   int blocks, entries;                // the counting sort's chunks and counts ((nodes + 1) blocks)
@@ -113,7 +114,6 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
   Plan w{};
   WorkspaceLayout layout(base);
   const int count = static_cast<int>(num_pairs);
-  w.order = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
   if (counting(nodes, num_pairs)) {
     w.blocks = static_cast<int>(ceil_div(num_pairs, kChunk));
     w.entries = static_cast<int>((nodes + 1) * w.blocks);
@@ -124,7 +124,8 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
     for (int** array : {&w.keys, &w.sorted_keys, &w.indices}) *array = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
     w.key_bits = 1;
     while ((int64_t{1} << w.key_bits) <= nodes) ++w.key_bits;
-    cub::DeviceRadixSort::SortPairs(nullptr, w.temp_bytes, w.keys, w.sorted_keys, w.indices, w.order, count, 0,
+    int* order = nullptr;  // sizing only
+    cub::DeviceRadixSort::SortPairs(nullptr, w.temp_bytes, w.keys, w.sorted_keys, w.indices, order, count, 0,
                                     w.key_bits);
   }
   w.temp = layout.take(w.temp_bytes);
@@ -132,21 +133,64 @@ Plan plan(int64_t nodes, int64_t num_pairs, char* base) {
   return w;
 }
 
+// splitmix64's finalizer: a bijection of 64-bit words whose outputs look independent, so that
+// two different multisets of indices have the same sum of h with probability about 2^-64.
+__device__ __forceinline__ unsigned long long mix(unsigned long long z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// A grid of at most this many blocks checks a given order, so that the backward's last kernel
+// sums few balances.
+constexpr int kMaxCheckBlocks = 512;
+
+// order[k] = given[k] (0 where out of range), balances[block] = its positions' sum of
+// h(k) - h(given[k]) (an out-of-range entry unbalances it like any other stray index). No atomics
+// and nothing to zero first: the balances are summed where they are read (OrderCheck).
+__global__ void __launch_bounds__(kThreads) check_order_kernel(const int* given, int num_pairs, int* order,
+                                                               unsigned long long* balances) {
+  unsigned long long balance = 0;
+  for (int k = blockIdx.x * kThreads + threadIdx.x; k < num_pairs; k += gridDim.x * kThreads) {
+    const int p = given[k];
+    order[k] = p >= 0 && p < num_pairs ? p : 0;
+    balance += mix(k) - mix(p);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) balance += __shfl_down_sync(0xffffffffu, balance, offset);
+  __shared__ unsigned long long warp_balance[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_balance[threadIdx.x / 32] = balance;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kThreads / 32; ++w) balance += warp_balance[w];
+  balances[blockIdx.x] = balance;
+}
+
+// A backward's workspace: the order its walk reads, the check's balances, the sort's scratch.
+struct BackwardLayout {
+  int* order;
+  unsigned long long* balances;
+  void* scratch;
+  size_t bytes;
+  BackwardLayout(int64_t nodes, int64_t num_pairs, char* base) {
+    WorkspaceLayout layout(base);
+    order = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
+    balances = static_cast<unsigned long long*>(layout.take(kMaxCheckBlocks * sizeof(unsigned long long)));
+    scratch = layout.take(sort_by_sender_scratch_bytes(nodes, num_pairs));
+    bytes = layout.bytes();
+  }
+};
+
 }  // namespace
 
-bool use_sender_order(int64_t nodes, int64_t num_pairs) {
-  return num_pairs >= kSenderOrderMinPairs && num_pairs <= INT_MAX - kChunk && nodes < INT_MAX;
+size_t sort_by_sender_scratch_bytes(int64_t nodes, int64_t num_pairs) {
+  return plan(nodes, num_pairs, nullptr).total_bytes;
 }
 
-size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs) {
-  return use_sender_order(nodes, num_pairs) ? plan(nodes, num_pairs, nullptr).total_bytes : 0;
-}
-
-cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, void* workspace,
-                                const int** order, cudaStream_t stream) {
-  *order = nullptr;
-  if (!use_sender_order(nodes, num_pairs)) return cudaSuccess;
-  Plan w = plan(nodes, num_pairs, static_cast<char*>(workspace));  // cub takes temp_bytes by reference
+cudaError_t sort_by_sender(const int64_t* pairs, int64_t nodes, int64_t num_pairs, int* order, void* scratch,
+                           cudaStream_t stream) {
+  if (!use_sender_order(nodes, num_pairs)) return cudaErrorInvalidValue;
+  Plan w = plan(nodes, num_pairs, static_cast<char*>(scratch));  // cub takes temp_bytes by reference
   const int count = static_cast<int>(num_pairs);
   const int64_t* senders = pairs + num_pairs;
   cudaError_t status;
@@ -156,16 +200,35 @@ cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num
     count_senders_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(senders, n, count, w.counts);
     status = cub::DeviceScan::ExclusiveSum(w.temp, w.temp_bytes, w.counts, w.starts, w.entries, stream);
     if (status != cudaSuccess) return status;
-    scatter_pairs_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(senders, n, count, w.starts,
-                                                                               w.order);
+    scatter_pairs_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(senders, n, count, w.starts, order);
   } else {
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(count, kThreads), 8LL * sm_count()));
     sender_keys_kernel<<<blocks, kThreads, 0, stream>>>(senders, nodes, count, w.keys, w.indices);
-    status = cub::DeviceRadixSort::SortPairs(w.temp, w.temp_bytes, w.keys, w.sorted_keys, w.indices, w.order,
-                                             count, 0, w.key_bits, stream);
+    status = cub::DeviceRadixSort::SortPairs(w.temp, w.temp_bytes, w.keys, w.sorted_keys, w.indices, order, count,
+                                             0, w.key_bits, stream);
     if (status != cudaSuccess) return status;
   }
-  *order = w.order;
+  return cudaGetLastError();
+}
+
+size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs) {
+  return use_sender_order(nodes, num_pairs) ? BackwardLayout(nodes, num_pairs, nullptr).bytes : 0;
+}
+
+cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, const int* given,
+                                void* workspace, SenderOrder* walk, cudaStream_t stream) {
+  *walk = SenderOrder{};
+  if (!use_sender_order(nodes, num_pairs)) return cudaSuccess;
+  const BackwardLayout w(nodes, num_pairs, static_cast<char*>(workspace));
+  if (given == nullptr) {
+    const cudaError_t status = sort_by_sender(pairs, nodes, num_pairs, w.order, w.scratch, stream);
+    if (status == cudaSuccess) walk->order = w.order;
+    return status;
+  }
+  const int blocks = static_cast<int>(std::min<int64_t>({ceil_div(num_pairs, kThreads), 2LL * sm_count(),
+                                                         int64_t{kMaxCheckBlocks}}));
+  check_order_kernel<<<blocks, kThreads, 0, stream>>>(given, static_cast<int>(num_pairs), w.order, w.balances);
+  *walk = SenderOrder{w.order, OrderCheck{w.balances, blocks}};
   return cudaGetLastError();
 }
 

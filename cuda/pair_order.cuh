@@ -12,27 +12,48 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "sender_order.h"
 
 namespace mirage::cuda {
 
-// Fewer pairs than this scatter directly: the kernels the ordering takes cost more than the
-// atomics they save (a small molecule's pass is a few µs).
-constexpr int64_t kSenderOrderMinPairs = 8192;
+// mirage::sender_order's kernels: writes into order[num_pairs] a permutation of [0, num_pairs),
+// the pair indices grouped by sender (pairs[1], that is pairs[num_pairs + p]) in increasing order,
+// in no particular order within a sender's run (pair_order.cu); pairs whose sender lies outside
+// [0, nodes) come last (their kernels skip them). Needs use_sender_order(nodes, num_pairs) and
+// sort_by_sender_scratch_bytes of `scratch` (256-byte aligned).
+size_t sort_by_sender_scratch_bytes(int64_t nodes, int64_t num_pairs);
+cudaError_t sort_by_sender(const int64_t* pairs, int64_t nodes, int64_t num_pairs, int* order, void* scratch,
+                           cudaStream_t stream);
 
-// Whether a pass over num_pairs pairs of nodes nodes should walk them in sender order: enough
-// pairs for it to pay, and counts that fit the int32 the ordering uses.
-bool use_sender_order(int64_t nodes, int64_t num_pairs);
+// A handed-in order's check (launch_sender_order): per-block partial sums of
+// h(k) - h(order[k]) over the positions k, for a 64-bit mixing hash h. Their total is 0 for a
+// permutation of [0, num_pairs); anything else (an index repeated, missing or out of range)
+// matches with probability about 2^-64. The backward's last kernel adds them up
+// (kernel_utils.cuh's order_rejected) and, where the total is not 0, poisons the outputs as for
+// a bad index. count == 0: nothing to check.
+struct OrderCheck {
+  const unsigned long long* balances = nullptr;
+  int count = 0;
+};
+
+// What a backward walks: `order`, a permutation of [0, num_pairs) (null: the list's own order),
+// and the check its results wait on.
+struct SenderOrder {
+  const int* order = nullptr;
+  OrderCheck check;
+};
 
 // Bytes of device scratch launch_sender_order needs, order included (0 where use_sender_order is
 // false).
 size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs);
 
-// Writes into `workspace` (sender_order_workspace_bytes of it, 256-byte aligned) a permutation
-// `*order` of [0, num_pairs): the pair indices grouped by sender (pairs[1], that is pairs[num_pairs
-// + p]) in increasing order, in no particular order within a sender's run (pair_order.cu); pairs
-// whose sender lies outside [0, nodes) come last (their kernels skip them). Where
-// use_sender_order(nodes, num_pairs) is false, *order = nullptr: walk the list in its own order.
-cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, void* workspace,
-                                const int** order, cudaStream_t stream);
+// A backward's walk, in `workspace` (sender_order_workspace_bytes of it, 256-byte aligned):
+// where use_sender_order is false, none (list order); else the pairs sorted by sender here, or,
+// where `given` is not null, the caller's order (mirage::sender_order's, handed to the op) read
+// instead of sorting again. The walk then reads a copy of it (an out-of-range entry copied as 0,
+// so the walk never reads outside the list) and the copy's kernel writes the balances of
+// `walk->check`. The sums need only a permutation: the grouping by sender is for speed.
+cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, const int* given,
+                                void* workspace, SenderOrder* walk, cudaStream_t stream);
 
 }  // namespace mirage::cuda

@@ -125,14 +125,18 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVec
                     [acc](int64_t atom, const float (&g)[3], float sign) { add_row(acc, atom, g, sign); });
 }
 
-// The [N, 4] accumulator into the [N, 3] gradient; NaN everywhere after an out-of-range index.
+// The [N, 4] accumulator into the [N, 3] gradient; NaN everywhere after an out-of-range index or
+// a handed-in sender order that failed its check.
 __global__ void __launch_bounds__(kThreads) pair_vectors_finish_kernel(const float4* acc,  // [N]
                                                                        const int* invalid,  // [1]
+                                                                       OrderCheck check,
                                                                        float* grad,         // [N, 3] out
                                                                        int64_t values) {    // 3N
+  const bool rejected = order_rejected(check);  // a barrier: every thread, before the early return
+  const bool bad = *invalid != 0 || rejected;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (e >= values) return;
-  grad[e] = *invalid ? __int_as_float(0x7fc00000) : reinterpret_cast<const float*>(acc + e / 3)[e % 3];
+  grad[e] = bad ? __int_as_float(0x7fc00000) : reinterpret_cast<const float*>(acc + e / 3)[e % 3];
 }
 
 // Small systems: the whole backward in one block, the accumulator in shared memory: one launch
@@ -204,17 +208,18 @@ cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params
   const BackwardWorkspace w(params.num_atoms, params.num_pairs, static_cast<char*>(workspace));
   cudaError_t status = cudaMemsetAsync(workspace, 0, w.zeroed_bytes, stream);
   if (status != cudaSuccess || values == 0) return status;
+  SenderOrder walk;  // by sender for long lists, else none
   if (params.num_pairs > 0) {
-    const int* order = nullptr;  // by sender for long lists, else null
-    status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, w.order, &order, stream);
+    status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, params.sender_order, w.order,
+                                 &walk, stream);
     if (status != cudaSuccess) return status;
-    pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, order, w.acc,
+    pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, walk.order, w.acc,
                                                                                          w.invalid);
     status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
-  pair_vectors_finish_kernel<<<blocks_for(values), kThreads, 0, stream>>>(w.acc, w.invalid, params.grad_positions,
-                                                                           values);
+  pair_vectors_finish_kernel<<<blocks_for(values), kThreads, 0, stream>>>(w.acc, w.invalid, walk.check,
+                                                                           params.grad_positions, values);
   return cudaGetLastError();
 }
 

@@ -33,6 +33,7 @@ struct PairVectorsBackwardParams {
   const int64_t* pairs;         // [2, P]
   const float* shifts;          // [P, 3] or null
   float* grad_positions;        // [N, 3] out
+  const int* sender_order;      // [P] mirage::sender_order's, checked (pair_order.cuh), or null: sorted here
   int64_t num_atoms;
   int64_t num_pairs;
 };

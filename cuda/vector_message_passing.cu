@@ -531,9 +531,9 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   if (status != cudaSuccess) return status;
   // Sender order for long lists (null: list order); its scratch follows the accumulators
   // (workspace_bytes of them, a multiple of 256).
-  const int* order = nullptr;
+  SenderOrder walk;
   void* order_workspace = static_cast<char*>(workspace) + workspace_bytes(p.dtype, {n_node, n_node, n_dir});
-  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, order_workspace, &order, stream);
+  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, p.sender_order, order_workspace, &walk, stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
@@ -542,7 +542,7 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   MIRAGE_DISPATCH_FLOAT(p.dtype, [&] {
     if (p.num_pairs > 0) {
       status = with_kernel_kind<scalar_t>(pack, p.fused.basis != nullptr, [&](auto v, auto fused) {
-        return launch_over_pairs(backward_kernel<scalar_t, v(), fused()>, p, tiles, stream, order, grad_x,
+        return launch_over_pairs(backward_kernel<scalar_t, v(), fused()>, p, tiles, stream, walk.order, grad_x,
                                  grad_vectors, grad_directions, w.invalid);
       });
       if (status != cudaSuccess) return;
@@ -551,7 +551,7 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
                        {float32 ? nullptr : grad_vectors, p.grad_vectors, n_node},
                        {float32 ? nullptr : grad_directions, p.grad_directions, n_dir},
                        {nullptr, p.grad_filter, p.num_pairs * 3 * p.features}}};
-    status = launch_finish<scalar_t>(segments, w.invalid, stream);
+    status = launch_finish<scalar_t>(segments, w.invalid, stream, walk.check);
   });
   return status;
 }

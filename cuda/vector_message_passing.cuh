@@ -57,6 +57,7 @@ struct VectorMessagePassingBackwardParams {
   void* grad_filter;        // [P, 3F] out
   void* grad_vectors;       // [N, 3, F] out
   void* grad_directions;    // [P, 3] out
+  const int* sender_order;  // [P] mirage::sender_order's, checked (pair_order.cuh), or null: sorted here
   int64_t nodes;
   int64_t num_pairs;
   int64_t features;

@@ -9,10 +9,12 @@
 
 #include "checks.h"
 #include "message.h"
+#include "pair_order.h"
 
 namespace mirage::ops {
 PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& positions, const at::Tensor& pairs,
-                                    const std::optional<at::Tensor>& shifts) {
+                                    const std::optional<at::Tensor>& shifts,
+                                    const std::optional<at::Tensor>& sender_order) {
   const auto dtype = positions.scalar_type();
   MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !positions.is_cuda()), op,
                ": positions must be float32 (float64 off the GPU), got ", dtype, " on ", positions.device());
@@ -24,14 +26,16 @@ PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& posit
   MIRAGE_CHECK(pairs.dim() == 2 && pairs.size(0) == 2, op, ": pairs must be [2, P], got ", pairs.sizes());
   const PairVectorsShape shape{positions.size(0), pairs.size(1)};
   if (shifts.has_value()) check_like(op, "shifts", *shifts, "positions'", positions, "[P, 3]", {shape.pairs, 3});
+  check_sender_order(op, sender_order, pairs);
   return shape;
 }
 
 PairVectorsShape check_pair_vectors_backward(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                              const at::Tensor& positions, const at::Tensor& pairs,
-                                             const std::optional<at::Tensor>& shifts) {
+                                             const std::optional<at::Tensor>& shifts,
+                                             const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kPairVectorsBackward;
-  const PairVectorsShape shape = check_pair_vectors(op, positions, pairs, shifts);
+  const PairVectorsShape shape = check_pair_vectors(op, positions, pairs, shifts, sender_order);
   check_like(op, "grad_vectors", grad_vectors, "positions'", positions, "[P, 3]", {shape.pairs, 3});
   check_like(op, "grad_distances", grad_distances, "positions'", positions, "[P]", {shape.pairs});
   return shape;
@@ -56,8 +60,9 @@ struct Geometry {
 
 // The references: float64, pair by pair, straight from the formulas in cuda/pair_vectors.cuh.
 std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& positions, const at::Tensor& pairs,
-                                                    const std::optional<at::Tensor>& shifts) {
-  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts);
+                                                    const std::optional<at::Tensor>& shifts,
+                                                    const std::optional<at::Tensor>& sender_order) {
+  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts, sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kPairVectors, idx, N);
   const at::Tensor pos64 = as_double(positions);
@@ -77,8 +82,10 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& positions,
 
 at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                      const at::Tensor& positions, const at::Tensor& pairs,
-                                     const std::optional<at::Tensor>& shifts) {
-  const auto [N, P] = check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts);
+                                     const std::optional<at::Tensor>& shifts,
+                                     const std::optional<at::Tensor>& sender_order) {
+  const auto [N, P] = check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts,
+                                                  sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kPairVectorsBackward, idx, N);
   const at::Tensor pos64 = as_double(positions), gv64 = as_double(grad_vectors), gd64 = as_double(grad_distances);
@@ -104,15 +111,17 @@ at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad_vectors, const at::T
 }
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors_meta(const at::Tensor& positions, const at::Tensor& pairs,
-                                                     const std::optional<at::Tensor>& shifts) {
-  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts);
+                                                     const std::optional<at::Tensor>& shifts,
+                                                    const std::optional<at::Tensor>& sender_order) {
+  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts, sender_order);
   return {at::empty({P, 3}, positions.options()), at::empty({P}, positions.options())};
 }
 
 at::Tensor pair_vectors_backward_meta(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                       const at::Tensor& positions, const at::Tensor& pairs,
-                                      const std::optional<at::Tensor>& shifts) {
-  check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts);
+                                      const std::optional<at::Tensor>& shifts,
+                                      const std::optional<at::Tensor>& sender_order) {
+  check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts, sender_order);
   return at::empty_like(positions, at::MemoryFormat::Contiguous);
 }
 

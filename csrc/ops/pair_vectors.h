@@ -18,13 +18,16 @@ struct PairVectorsShape {
 };
 
 // positions [N, 3] float32 (float64 off the GPU), pairs [2, P] int64, shifts None or [P, 3] in
-// positions' dtype, all on positions' device. `op` names the op in messages.
+// positions' dtype, all on positions' device, sender_order as pair_order.h says. `op` names the op
+// in messages.
 PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& positions, const at::Tensor& pairs,
-                                    const std::optional<at::Tensor>& shifts);
+                                    const std::optional<at::Tensor>& shifts,
+                                    const std::optional<at::Tensor>& sender_order);
 
 // The above plus grad_vectors [P, 3] and grad_distances [P] in positions' dtype and device.
 PairVectorsShape check_pair_vectors_backward(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                              const at::Tensor& positions, const at::Tensor& pairs,
-                                             const std::optional<at::Tensor>& shifts);
+                                             const std::optional<at::Tensor>& shifts,
+                                             const std::optional<at::Tensor>& sender_order);
 
 }  // namespace mirage::ops

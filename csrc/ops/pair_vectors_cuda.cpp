@@ -7,6 +7,7 @@
 
 #include "../../cuda/pair_vectors.cuh"
 #include "cuda_utils.h"
+#include "pair_order.h"
 #include "pair_vectors.h"
 
 namespace mirage::ops {
@@ -17,8 +18,9 @@ at::Tensor contiguous_shifts(const std::optional<at::Tensor>& shifts) {
 }
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors_cuda(const at::Tensor& positions, const at::Tensor& pairs,
-                                                     const std::optional<at::Tensor>& shifts) {
-  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts);
+                                                     const std::optional<at::Tensor>& shifts,
+                                                     const std::optional<at::Tensor>& sender_order) {
+  const auto [N, P] = check_pair_vectors(kPairVectors, positions, pairs, shifts, sender_order);
   const c10::cuda::CUDAGuard guard(positions.device());
   const at::Tensor pos = positions.contiguous(), idx = pairs.contiguous(), sh = contiguous_shifts(shifts);
   at::Tensor vectors = at::empty({P, 3}, positions.options()), distances = at::empty({P}, positions.options());
@@ -31,17 +33,20 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cuda(const at::Tensor& positions
 
 at::Tensor pair_vectors_backward_cuda(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                       const at::Tensor& positions, const at::Tensor& pairs,
-                                      const std::optional<at::Tensor>& shifts) {
-  const auto [N, P] = check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts);
+                                      const std::optional<at::Tensor>& shifts,
+                                      const std::optional<at::Tensor>& sender_order) {
+  const auto [N, P] =
+      check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts, sender_order);
   const c10::cuda::CUDAGuard guard(positions.device());
   const at::Tensor gv = grad_vectors.contiguous(), gd = grad_distances.contiguous(), pos = positions.contiguous(),
-                   idx = pairs.contiguous(), sh = contiguous_shifts(shifts);
+                   idx = pairs.contiguous(), sh = contiguous_shifts(shifts), order = given_sender_order(sender_order);
   at::Tensor grad = at::empty({N, 3}, positions.options());
   const at::Tensor workspace = workspace_for(cuda::pair_vectors_backward_workspace_bytes(N, P), positions);
   const cuda::PairVectorsBackwardParams params{gv.const_data_ptr<float>(), gd.const_data_ptr<float>(),
                                                pos.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
                                                sh.defined() ? sh.const_data_ptr<float>() : nullptr,
-                                               grad.mutable_data_ptr<float>(), N, P};
+                                               grad.mutable_data_ptr<float>(),
+                                               static_cast<const int*>(data_or_null(order)), N, P};
   check_launch(kPairVectorsBackward, cuda::launch_pair_vectors_backward(params, workspace.mutable_data_ptr(),
                                                                         c10::cuda::getCurrentCUDAStream()));
   return grad;

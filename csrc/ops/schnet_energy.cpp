@@ -9,6 +9,7 @@
 
 #include "checks.h"
 #include "message.h"
+#include "pair_order.h"
 #include "radial_basis.h"
 
 namespace mirage::ops {
@@ -311,7 +312,8 @@ void check_filter_network(std::string_view op, const at::Tensor& x, const at::Te
 CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
                          const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
                          const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
-                         const std::optional<at::Tensor>& bias2, std::string_view activation) {
+                         const std::optional<at::Tensor>& bias2, std::string_view activation,
+                         const std::optional<at::Tensor>& sender_order) {
   CfconvShape s = check_messages(op, x, pairs);
   check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
   check_like_x(op, basis, "basis", x);
@@ -321,6 +323,7 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
                basis.sizes());
   MIRAGE_CHECK(envelope.dim() == 1 && envelope.size(0) == s.pairs, op, ": envelope must have shape [P] = [",
                s.pairs, "], got ", envelope.sizes());
+  check_sender_order(op, sender_order, pairs);
   return s;
 }
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
@@ -337,7 +340,7 @@ CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances
                                 const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                 const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                 std::string_view activation, std::string_view basis, double cutoff,
-                                std::string_view envelope) {
+                                std::string_view envelope, const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kRadialCfconv;
   CfconvShape s = check_messages(op, x, pairs);
   check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
@@ -345,11 +348,13 @@ CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances
   MIRAGE_CHECK(distances.dim() == 1 && distances.size(0) == s.pairs, op, ": distances must have shape [P] = [",
                s.pairs, "] (P from pairs), got ", distances.sizes());
   check_radial_basis(distances, basis, s.rbf, cutoff, envelope, op);  // the basis' and envelope's names, the cutoff
+  check_sender_order(op, sender_order, pairs);
   return s;
 }
 
 CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pairs,
-                                         const at::Tensor& filters, const at::Tensor& derivatives) {
+                                         const at::Tensor& filters, const at::Tensor& derivatives,
+                                         const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kRadialCfconvBackward;
   const CfconvShape s = check_messages(op, x, pairs);
   check_like_x(op, grad, "grad", x);
@@ -359,6 +364,7 @@ CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tenso
     MIRAGE_CHECK(t->dim() == 2 && t->size(0) == s.pairs && t->size(1) == s.width, op, ": ", name,
                  " must have shape [P, M] = [", s.pairs, ", ", s.width, "], got ", t->sizes());
   }
+  check_sender_order(op, sender_order, pairs);
   return s;
 }
 
@@ -373,9 +379,10 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Ten
                                               const at::Tensor& pairs, const at::Tensor& weight1,
                                               const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
                                               const std::optional<at::Tensor>& bias2, c10::string_view activation,
-                                              bool /*tf32: the reference is float64*/) {
+                                              bool /*tf32: the reference is float64*/,
+    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/) {
   const CfconvShape s =
-      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kCfconv, idx, s.nodes);
   const std::string act(activation);
@@ -391,9 +398,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation,
-    bool /*tf32: the reference is float64*/) {
+    bool /*tf32: the reference is float64*/,
+    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/) {
   const CfconvShape s =
-      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
+      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation,
+                   sender_order);
   check_cfconv_backward(grad, filters, x, s);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kCfconvBackward, idx, s.nodes);
@@ -415,9 +424,10 @@ std::tuple<at::Tensor, at::Tensor> cfconv_meta(const at::Tensor& x, const at::Te
                                                const at::Tensor& envelope, const at::Tensor& pairs,
                                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                               c10::string_view activation, bool /*tf32*/) {
+                                               c10::string_view activation, bool /*tf32*/,
+                                               const std::optional<at::Tensor>& sender_order) {
   const CfconvShape s =
-      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, sender_order);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options())};
 }
 
@@ -425,9 +435,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation,
-    bool /*tf32*/) {
+    bool /*tf32*/, const std::optional<at::Tensor>& sender_order) {
   const CfconvShape s =
-      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
+      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation,
+                   sender_order);
   check_cfconv_backward(grad, filters, x, s);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.rbf}, x.options()),
           at::empty({s.pairs}, x.options())};
@@ -439,9 +450,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cpu(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
     c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
-    bool /*tf32: the reference is float64*/) {
+    bool /*tf32: the reference is float64*/,
+    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/) {
   const CfconvShape s =
-      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope,
+                          sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kRadialCfconv, idx, s.nodes);
   const auto [b, b_slope] = reference_basis(distances, basis, s.rbf, cutoff);
@@ -461,8 +474,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cpu(
 
 std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
                                                               const at::Tensor& pairs, const at::Tensor& filters,
-                                                              const at::Tensor& derivatives) {
-  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives);
+                                                              const at::Tensor& derivatives,
+                                                              const std::optional<at::Tensor>& sender_order) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives, sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kRadialCfconvBackward, idx, s.nodes);
   const at::Tensor grad_i = grad.to(at::kDouble).index_select(0, idx[0]);
@@ -476,17 +490,20 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cpu(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_meta(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool /*tf32*/) {
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool /*tf32*/,
+    const std::optional<at::Tensor>& sender_order) {
   const CfconvShape s =
-      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope,
+                          sender_order);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options()),
           at::empty({s.pairs, s.width}, x.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_meta(const at::Tensor& grad, const at::Tensor& x,
                                                                const at::Tensor& pairs, const at::Tensor& filters,
-                                                               const at::Tensor& derivatives) {
-  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives);
+                                                               const at::Tensor& derivatives,
+                                                              const std::optional<at::Tensor>& sender_order) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives, sender_order);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs}, x.options())};
 }
 

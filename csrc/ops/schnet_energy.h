@@ -74,11 +74,13 @@ struct CfconvShape {
   int64_t nodes, pairs, rbf, hidden, width;  // N, P, R, H, M
 };
 
-// Checks every argument shared by the two ops (not the index values) and returns the sizes.
+// Checks every argument shared by the two ops (not the index values) and returns the sizes;
+// sender_order as pair_order.h says.
 CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
                          const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
                          const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
-                         const std::optional<at::Tensor>& bias2, std::string_view activation);
+                         const std::optional<at::Tensor>& bias2, std::string_view activation,
+                         const std::optional<at::Tensor>& sender_order);
 
 // The backward's own arguments: grad [N, M] and filters [P, M], as x.
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
@@ -95,9 +97,10 @@ CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances
                                 const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                 const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                 std::string_view activation, std::string_view basis, double cutoff,
-                                std::string_view envelope);
+                                std::string_view envelope, const std::optional<at::Tensor>& sender_order);
 // The backward's arguments (R and H unset in the result).
 CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pairs,
-                                         const at::Tensor& filters, const at::Tensor& derivatives);
+                                         const at::Tensor& filters, const at::Tensor& derivatives,
+                                         const std::optional<at::Tensor>& sender_order);
 
 }  // namespace mirage::ops

@@ -9,6 +9,7 @@
 #include "../../cuda/painn_energy.cuh"
 #include "../../cuda/schnet_energy.cuh"
 #include "cuda_utils.h"
+#include "pair_order.h"
 #include "schnet_energy.h"
 
 namespace mirage::ops {
@@ -174,9 +175,10 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Te
                                                const at::Tensor& envelope, const at::Tensor& pairs,
                                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                                               c10::string_view activation, bool tf32) {
+                                               c10::string_view activation, bool tf32,
+                                               const std::optional<at::Tensor>& sender_order /*its backward's*/) {
   const CfconvShape s =
-      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation);
+      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, sender_order);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> held;
   cuda::CfconvParams p{};
@@ -202,9 +204,10 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
-    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation, bool tf32) {
-  const CfconvShape s =
-      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation);
+    const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation, bool tf32,
+    const std::optional<at::Tensor>& sender_order) {
+  const CfconvShape s = check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2,
+                                     std::nullopt, activation, sender_order);
   check_cfconv_backward(grad, filters, x, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> held;
@@ -212,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   p.weights = cfconv_weights(kCfconvBackward, s, weight1, bias1, weight2, std::nullopt, activation, tf32, held);
   const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
   const at::Tensor basis_c = basis.contiguous(), envelope_c = envelope.contiguous(), idx = pairs.contiguous();
+  const at::Tensor order = given_sender_order(sender_order);
   at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());
   at::Tensor grad_basis = at::empty({s.pairs, s.rbf}, x.options());
   at::Tensor grad_envelope = at::empty({s.pairs}, x.options());
@@ -226,6 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   p.grad_basis = grad_basis.mutable_data_ptr<float>();
   p.grad_envelope = grad_envelope.mutable_data_ptr<float>();
   p.invalid = invalid.mutable_data_ptr<int>();
+  p.sender_order = static_cast<const int*>(data_or_null(order));
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
   const at::Tensor workspace = workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs), x);
@@ -237,9 +242,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cuda(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32) {
-  const CfconvShape s =
-      check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+    const std::optional<at::Tensor>& sender_order /*its backward's*/) {
+  const CfconvShape s = check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
+                                            cutoff, envelope, sender_order);
   const c10::cuda::CUDAGuard guard(x.device());
   MIRAGE_CHECK(cuda::radial_cfconv_supported(s.rbf, s.hidden, s.width), kRadialCfconv,
                ": the CUDA kernel is Hopper's (compute capability 9.0, mirage built for sm_90a) and takes H == M "
@@ -271,14 +277,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cuda(
 
 std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
                                                                const at::Tensor& pairs, const at::Tensor& filters,
-                                                               const at::Tensor& derivatives) {
-  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives);
+                                                               const at::Tensor& derivatives,
+                                                               const std::optional<at::Tensor>& sender_order) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives, sender_order);
   MIRAGE_CHECK(s.width % 4 == 0, kRadialCfconvBackward, ": the CUDA kernel takes M (x's columns) a multiple of 4, got ",
                s.width);
   MIRAGE_CHECK(s.nodes < INT32_MAX, kRadialCfconvBackward, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
   const at::Tensor derivatives_c = aligned(derivatives), idx = pairs.contiguous();
+  const at::Tensor order = given_sender_order(sender_order);
   at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());
   at::Tensor grad_distances = at::empty({s.pairs}, x.options());
   const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));
@@ -291,6 +299,7 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cuda(const at::Tensor&
   p.grad_x = grad_x.mutable_data_ptr<float>();
   p.grad_distances = grad_distances.mutable_data_ptr<float>();
   p.invalid = invalid.mutable_data_ptr<int>();
+  p.sender_order = static_cast<const int*>(data_or_null(order));
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
   p.width = s.width;

@@ -9,6 +9,7 @@
 
 #include "checks.h"
 #include "message.h"
+#include "pair_order.h"
 
 namespace mirage::ops {
 
@@ -47,7 +48,8 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
                                                        const at::Tensor& vectors,
                                                        const at::Tensor& directions,
                                                        const at::Tensor& pairs,
-                                                       const std::optional<at::Tensor>& filter_weight) {
+                                                       const std::optional<at::Tensor>& filter_weight,
+                                                       const std::optional<at::Tensor>& sender_order) {
   check_activation_dtype(op, "x", x);
   MIRAGE_CHECK(x.dim() == 2 && x.size(1) % 3 == 0, op,
                ": x must be [N, 3F] (a last dimension divisible by 3), got ", x.sizes());
@@ -71,16 +73,18 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
   }
   check_floating(op, "directions", directions, x);
   check_shape(op, "directions", directions, "[P, 3]", {s.pairs, 3});
+  check_sender_order(op, sender_order, pairs);
   return s;
 }
 
 VectorMessagePassingShape check_vector_message_passing_backward(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+    const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kVectorMessagePassingBackward;
   const VectorMessagePassingShape s =
-      check_vector_message_passing(op, x, filter, vectors, directions, pairs, filter_weight);
+      check_vector_message_passing(op, x, filter, vectors, directions, pairs, filter_weight, sender_order);
   check_floating(op, "grad_scalar", grad_scalar, x);
   check_shape(op, "grad_scalar", grad_scalar, "[N, F]", {s.nodes, s.features});
   check_floating(op, "grad_vector", grad_vector, x);
@@ -127,9 +131,10 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
                                                               const at::Tensor& vectors,
                                                               const at::Tensor& directions,
                                                               const at::Tensor& pairs,
-                                                              const std::optional<at::Tensor>& filter_weight) {
-  const auto s =
-      check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs, filter_weight);
+                                                              const std::optional<at::Tensor>& filter_weight,
+                                                              const std::optional<at::Tensor>& sender_order) {
+  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs,
+                                              filter_weight, sender_order);
   const auto ij = read_pairs(kVectorMessagePassing, pairs, s.nodes);
   const at::Tensor x64 = as_double(x), f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
                    d64 = as_double(directions);
@@ -158,9 +163,10 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_cpu(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+    const std::optional<at::Tensor>& sender_order) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs, filter_weight);
+                                                       directions, pairs, filter_weight, sender_order);
   const auto ij = read_pairs(kVectorMessagePassingBackward, pairs, s.nodes);
   const at::Tensor gs64 = as_double(grad_scalar), gv64 = as_double(grad_vector), x64 = as_double(x),
                    f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
@@ -209,18 +215,20 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_meta(const at::Tensor&
                                                                const at::Tensor& vectors,
                                                                const at::Tensor& directions,
                                                                const at::Tensor& pairs,
-                                                               const std::optional<at::Tensor>& filter_weight) {
-  const auto s =
-      check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs, filter_weight);
+                                                               const std::optional<at::Tensor>& filter_weight,
+                                                              const std::optional<at::Tensor>& sender_order) {
+  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs,
+                                              filter_weight, sender_order);
   return empty_vector_message_passing_outputs(s, x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_meta(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+    const std::optional<at::Tensor>& sender_order) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs, filter_weight);
+                                                       directions, pairs, filter_weight, sender_order);
   return empty_vector_message_passing_gradients(s, x.options());
 }
 

@@ -7,6 +7,7 @@
 
 #include "../../cuda/vector_message_passing.cuh"
 #include "cuda_utils.h"
+#include "pair_order.h"
 #include "vector_message_passing.h"
 
 namespace mirage::ops {
@@ -45,9 +46,10 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor&
                                                                const at::Tensor& vectors,
                                                                const at::Tensor& directions,
                                                                const at::Tensor& pairs,
-                                                               const std::optional<at::Tensor>& filter_weight) {
-  const auto s =
-      check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs, filter_weight);
+                                                               const std::optional<at::Tensor>& filter_weight,
+                                                              const std::optional<at::Tensor>& sender_order) {
+  const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs,
+                                              filter_weight, sender_order);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous(), vc = vectors.contiguous(), dc = directions.contiguous(),
                    pc = pairs.contiguous();
@@ -76,13 +78,14 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passing_backward_cuda(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight) {
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
+    const std::optional<at::Tensor>& sender_order) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs, filter_weight);
+                                                       directions, pairs, filter_weight, sender_order);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor gsc = grad_scalar.contiguous(), gvc = grad_vector.contiguous(),
                    xc = x.contiguous(), vc = vectors.contiguous(),
-                   dc = directions.contiguous(), pc = pairs.contiguous();
+                   dc = directions.contiguous(), pc = pairs.contiguous(), order = given_sender_order(sender_order);
   const FilterSource source(filter, filter_weight, {&gsc, &gvc, &xc, &vc});
   auto [grad_x, grad_filter, grad_vectors, grad_directions] =
       empty_vector_message_passing_gradients(s, x.options());
@@ -99,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   params.grad_filter = grad_filter.mutable_data_ptr();
   params.grad_vectors = grad_vectors.mutable_data_ptr();
   params.grad_directions = grad_directions.mutable_data_ptr();
+  params.sender_order = static_cast<const int*>(data_or_null(order));
   params.nodes = s.nodes;
   params.num_pairs = s.pairs;
   params.features = s.features;

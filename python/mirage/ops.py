@@ -341,6 +341,39 @@ def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
         CPU raises ``RuntimeError``; CUDA writes NaN to the rows of those pairs.
     """
     return torch.ops.mirage.pair_product(a, b, pairs)
+
+
+def sender_order(pairs: Tensor, num_nodes: int) -> Tensor:
+    """The pairs' indices grouped by sender, for the backwards that scatter onto the senders.
+
+    :func:`neighbor_list` sorts its pairs by receiver, so a forward sums each receiver's run of
+    pairs in registers; the backwards of :func:`pair_vectors`, :func:`vector_message_passing`,
+    :func:`cfconv` and :func:`radial_cfconv` scatter onto the senders, and on CUDA walk a long
+    list in sender order to do the same (an order the backward otherwise sorts itself: ~18 µs a
+    list of 174k pairs on an H200, a few times per force call). Form it once per pair list and
+    pass it as each op's ``sender_order``::
+
+        order = mirage.ops.sender_order(pairs, positions.shape[0])
+        vectors, distances = mirage.ops.pair_vectors(positions, pairs, shifts, sender_order=order)
+
+    The ops need only a permutation of the pairs to sum correctly (the grouping is for speed), and
+    check on the GPU, without a host sync, that the order handed to them is one (a 64-bit hash sum
+    that a non-permutation matches with probability ~2^-64): one that is not turns the op's
+    gradients NaN, as an out-of-range index does; the CPU raises. An order of another pair list of
+    the same length is a permutation too: correct, only slower.
+
+    Args:
+        pairs: ``(2, P)`` int64, row 1 the senders.
+        num_nodes: ``N``; senders outside ``[0, N)`` come last.
+
+    Returns:
+        int32 ``(P,)``: the pair indices with non-decreasing senders, in no particular order
+        within a sender's run on CUDA (stable on the CPU); ``(0,)`` for lists shorter than 8,192
+        pairs, which the backwards walk in their own order (passing it is the same as None).
+    """
+    return torch.ops.mirage.sender_order(pairs, int(num_nodes))
+
+
 def vector_message_passing(
     x: Tensor,
     filter: Tensor,
@@ -348,6 +381,7 @@ def vector_message_passing(
     directions: Tensor,
     pairs: Tensor,
     filter_weight: Optional[Tensor] = None,
+    sender_order: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """PaiNN's message step, fused: scalar and vector messages summed into their receivers.
 
@@ -378,6 +412,9 @@ def vector_message_passing(
         pairs: ``(2, P)`` int64; any order, repeats allowed. The floating inputs share ``x``'s
             dtype and device; strided inputs are copied to contiguous first.
         filter_weight: None, or the ``(3F, K)`` weight that forms the filter from the basis.
+        sender_order: None, or :func:`sender_order` of these pairs, formed once and passed to
+            every op over the same list: the CUDA backward then reads it instead of sorting the
+            list itself.
 
     Returns:
         ``(scalar, vector)``: ``(N, F)`` and ``(N, 3, F)`` in ``x``'s dtype, summed in float32
@@ -391,7 +428,7 @@ def vector_message_passing(
     An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads
     indices on the host, skips the pair and writes NaN to every output (gradients too).
     """
-    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs, filter_weight)
+    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs, filter_weight, sender_order)
 
 
 def fused_filter_supported(features: int, basis: int, device: Union[str, torch.device]) -> bool:
@@ -412,7 +449,8 @@ def _fused_filter_supported_on(features: int, basis: int, device: str) -> bool:
     return bool(_C.fused_filter_supported(features, basis, device))
 
 
-def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = None,
+                 sender_order: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The pair geometry of a force field, fused: for ``p = (i, j) = (pairs[0, p], pairs[1, p])``::
 
         vectors[p]   = positions[j] - positions[i] + shifts[p]
@@ -426,6 +464,9 @@ def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = No
         pairs: ``(2, P)`` int64 on ``positions``' device; any order, repeats allowed.
         shifts: None or ``(P, 3)`` in ``positions``' dtype. Strided inputs are copied to
             contiguous first.
+        sender_order: None, or :func:`sender_order` of these pairs, formed once and passed to
+            every op over the same list: the CUDA backward then reads it instead of sorting the
+            list itself.
 
     Returns:
         ``(vectors, distances)``: ``(P, 3)`` and ``(P,)``. Differentiable in ``positions`` and
@@ -438,7 +479,7 @@ def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = No
     on the host, writes NaN to that pair's vector and distance, and the backward writes NaN to
     every atom's gradient.
     """
-    return torch.ops.mirage.pair_vectors(positions, pairs, shifts)
+    return torch.ops.mirage.pair_vectors(positions, pairs, shifts, sender_order)
 
 
 def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
@@ -619,6 +660,7 @@ def cfconv(
     bias2: Optional[Tensor],
     activation: str = "shifted_softplus",
     tf32: Optional[bool] = None,
+    sender_order: Optional[Tensor] = None,
 ) -> Tensor:
     """SchNet's continuous-filter convolution with its filter network fused in.
 
@@ -650,6 +692,9 @@ def cfconv(
             (:func:`tf32_matmuls`; ``mirage.ff.Calculator(precision="tf32")`` sets it), so a
             captured CUDA graph keeps the choice made at capture, and torch.compile the choice
             made at compile time (it recompiles when the setting changes).
+        sender_order: None, or :func:`sender_order` of these pairs, formed once and passed to
+            every op over the same list: the CUDA backward then reads it instead of sorting the
+            list itself.
 
     Returns:
         ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x``, ``basis`` and
@@ -663,7 +708,8 @@ def cfconv(
     """
     if tf32 is None:
         tf32 = tf32_matmuls()
-    return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32)[0]
+    return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32,
+                                   sender_order)[0]
 
 
 def radial_cfconv(
@@ -679,6 +725,7 @@ def radial_cfconv(
     cutoff: float = 5.0,
     envelope: str = "cosine",
     tf32: Optional[bool] = None,
+    sender_order: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`cfconv` with the basis and the envelope formed from the distances in the kernel: with ``b = radial_basis(distances, basis, R, cutoff, "none")`` (``R`` from
     ``weight1``) and ``e`` the cutoff function ``envelope`` of the distances (as
@@ -693,7 +740,7 @@ def radial_cfconv(
     (docs/perf/forcefield.md).
 
     Args:
-        x, pairs, weight1, bias1, weight2, bias2, activation, tf32: as :func:`cfconv`.
+        x, pairs, weight1, bias1, weight2, bias2, activation, tf32, sender_order: as :func:`cfconv`.
         distances: ``(P,)`` pair distances, x's dtype and device.
         basis: ``"gaussian"`` or ``"bessel"``, :func:`radial_basis`' functions.
         cutoff: finite and > 0, the basis' and the envelope's.
@@ -712,7 +759,7 @@ def radial_cfconv(
     if tf32 is None:
         tf32 = tf32_matmuls()
     return torch.ops.mirage.radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
-                                          float(cutoff), envelope, tf32)[0]
+                                          float(cutoff), envelope, tf32, sender_order)[0]
 
 
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at

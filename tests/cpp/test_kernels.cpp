@@ -761,7 +761,7 @@ void check_pair_vectors(int64_t N, int64_t P, int64_t bad = -1) {
   REQUIRE(cudaMemset(workspace, 0x7F, mc::pair_vectors_backward_workspace_bytes(N, P)) == cudaSuccess);
   REQUIRE(mc::launch_pair_vectors({dpos.ptr, dpairs, dshifts.ptr, vectors.ptr, distances.ptr, N, P}, nullptr) ==
           cudaSuccess);
-  REQUIRE(mc::launch_pair_vectors_backward({dgv.ptr, dgd.ptr, dpos.ptr, dpairs, dshifts.ptr, grad.ptr, N, P},
+  REQUIRE(mc::launch_pair_vectors_backward({dgv.ptr, dgd.ptr, dpos.ptr, dpairs, dshifts.ptr, grad.ptr, nullptr, N, P},
                                            workspace, nullptr) == cudaSuccess);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   const std::vector<float> got_vectors = vectors.read(), got_distances = distances.read(), got_grad = grad.read();
@@ -972,7 +972,7 @@ MessageRun run_message_passing(const MessageCase& k, MessageInputs& in) {
                                     vector.ptr, N, P, F, dtype_of<T>()};
   mc::VectorMessagePassingBackwardParams bp{grad_scalar.ptr, grad_vector.ptr, x.ptr, filter.ptr,
                                             vectors.ptr, directions.ptr, pairs, gx.ptr, gf.ptr,
-                                            gvec.ptr, gd.ptr, N, P, F, dtype_of<T>()};
+                                            gvec.ptr, gd.ptr, /*sender_order=*/nullptr, N, P, F, dtype_of<T>()};
   const size_t bytes = std::max(mc::vector_message_passing_workspace_bytes(fp),
                                 mc::vector_message_passing_backward_workspace_bytes(bp));
   void* workspace = nullptr;
@@ -1033,7 +1033,25 @@ TEST_CASE("launch_vector_message_passing writes NaN for out-of-range pairs", "[v
   }
 }
 
-TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[pair_order]") {
+namespace {
+
+// int32 device arrays for the pair-order cases (Device<T> holds floating values).
+int* device_ints(const std::vector<int>& host) {
+  int* d = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&d), std::max<size_t>(host.size(), 1) * sizeof(int)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(d, host.data(), host.size() * sizeof(int), cudaMemcpyHostToDevice) == cudaSuccess);
+  return d;
+}
+
+std::vector<int> read_ints(const int* d, int64_t n) {
+  std::vector<int> host(n);
+  REQUIRE(cudaMemcpy(host.data(), d, n * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+  return host;
+}
+
+}  // namespace
+
+TEST_CASE("sort_by_sender groups the pairs by sender, bad senders last", "[pair_order]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
   // tests/python/test_vector_message_passing.py (SENDER_ORDER_MIN_PAIRS) and the 20,000-pair
   // cases above rely on this threshold: change them with it.
@@ -1044,31 +1062,32 @@ TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[
     const int64_t P = 3 * mc::kSenderOrderMinPairs + 5;
     REQUIRE_FALSE(mc::use_sender_order(nodes, mc::kSenderOrderMinPairs - 1));
     REQUIRE(mc::use_sender_order(nodes, P));
-    {  // a list too short to pay: no scratch, no order (list order)
+    {  // a list too short to pay: no scratch, no order (list order), nothing to check
       const int sentinel = 0;
-      const int* none = &sentinel;
+      mc::SenderOrder none{&sentinel, {nullptr, 3}};
       REQUIRE(mc::sender_order_workspace_bytes(nodes, mc::kSenderOrderMinPairs - 1) == 0);
-      REQUIRE(mc::launch_sender_order(nullptr, nodes, mc::kSenderOrderMinPairs - 1, nullptr, &none, nullptr) ==
-              cudaSuccess);
-      REQUIRE(none == nullptr);
+      REQUIRE(mc::launch_sender_order(nullptr, nodes, mc::kSenderOrderMinPairs - 1, &sentinel, nullptr, &none,
+                                      nullptr) == cudaSuccess);
+      REQUIRE(none.order == nullptr);
+      REQUIRE(none.check.count == 0);
     }
     std::uniform_int_distribution<int64_t> node(0, nodes - 1);
     std::vector<int64_t> pairs(2 * P);
     for (auto& e : pairs) e = node(rng());
     for (const int64_t p : {int64_t{0}, int64_t{5}, P - 1}) pairs[P + p] = p == 5 ? -3 : nodes;  // out of range
     int64_t* dpairs = nullptr;
-    void* workspace = nullptr;
-    const size_t bytes = mc::sender_order_workspace_bytes(nodes, P);
+    int* dorder = device_ints(std::vector<int>(P, -1));
+    void* scratch = nullptr;
+    const size_t bytes = mc::sort_by_sender_scratch_bytes(nodes, P);
     REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dpairs), pairs.size() * sizeof(int64_t)) == cudaSuccess);
     REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) ==
             cudaSuccess);
-    REQUIRE(cudaMalloc(&workspace, bytes) == cudaSuccess);
-    REQUIRE(cudaMemset(workspace, 0x7F, bytes) == cudaSuccess);  // the launcher initializes it
-    const int* dorder = nullptr;
-    REQUIRE(mc::launch_sender_order(dpairs, nodes, P, workspace, &dorder, nullptr) == cudaSuccess);
-    std::vector<int> order(P);
-    REQUIRE(cudaMemcpy(order.data(), dorder, P * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
-    cudaFree(workspace);
+    REQUIRE(cudaMalloc(&scratch, bytes) == cudaSuccess);
+    REQUIRE(cudaMemset(scratch, 0x7F, bytes) == cudaSuccess);  // the sort initializes it
+    REQUIRE(mc::sort_by_sender(dpairs, nodes, P, dorder, scratch, nullptr) == cudaSuccess);
+    const std::vector<int> order = read_ints(dorder, P);
+    cudaFree(dorder);
+    cudaFree(scratch);
     cudaFree(dpairs);
     // A permutation of the pairs whose senders never decrease, the bad ones (key `nodes`) last.
     std::vector<int> seen(P, 0);
@@ -1083,6 +1102,49 @@ TEST_CASE("launch_sender_order groups the pairs by sender, bad senders last", "[
     }
     REQUIRE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
     for (int64_t q = P - 3; q < P; ++q) REQUIRE((pairs[P + order[q]] < 0 || pairs[P + order[q]] >= nodes));
+  }
+}
+
+TEST_CASE("launch_sender_order checks a given order: permutations balance, others do not", "[pair_order]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  const int64_t nodes = 300, P = 2 * mc::kSenderOrderMinPairs + 77;
+  std::vector<int> reversed(P);
+  for (int64_t k = 0; k < P; ++k) reversed[k] = static_cast<int>(P - 1 - k);
+  std::vector<int> duplicated = reversed, out_of_range = reversed, swapped = reversed;
+  duplicated[10] = duplicated[11];  // one index twice, one missing
+  out_of_range[20] = static_cast<int>(P);
+  std::swap(swapped[0], swapped[P - 1]);  // still a permutation
+  struct Case {
+    const char* name;
+    const std::vector<int>& given;
+    bool valid;
+  };
+  for (const Case& c : {Case{"reversed", reversed, true}, Case{"swapped", swapped, true},
+                        Case{"duplicated", duplicated, false}, Case{"out of range", out_of_range, false}}) {
+    INFO(c.name);
+    int* dgiven = device_ints(c.given);
+    void* workspace = nullptr;
+    const size_t bytes = mc::sender_order_workspace_bytes(nodes, P);
+    REQUIRE(cudaMalloc(&workspace, bytes) == cudaSuccess);
+    REQUIRE(cudaMemset(workspace, 0x7F, bytes) == cudaSuccess);  // the launcher initializes what it reads
+    mc::SenderOrder walk;
+    // The pairs are not read when an order is given.
+    REQUIRE(mc::launch_sender_order(nullptr, nodes, P, dgiven, workspace, &walk, nullptr) == cudaSuccess);
+    REQUIRE(walk.order != nullptr);
+    REQUIRE(walk.check.count > 0);
+    const std::vector<int> copied = read_ints(walk.order, P);
+    std::vector<unsigned long long> balances(walk.check.count);
+    REQUIRE(cudaMemcpy(balances.data(), walk.check.balances, balances.size() * sizeof(unsigned long long),
+                       cudaMemcpyDeviceToHost) == cudaSuccess);
+    cudaFree(dgiven);
+    cudaFree(workspace);
+    unsigned long long total = 0;  // what order_rejected adds up
+    for (const unsigned long long b : balances) total += b;
+    REQUIRE((total == 0) == c.valid);
+    for (int64_t k = 0; k < P; ++k) {  // the walk's copy: in range whatever was given
+      const int want = c.given[k] >= 0 && c.given[k] < P ? c.given[k] : 0;
+      if (copied[k] != want) FAIL("copied[" << k << "] = " << copied[k] << ", want " << want);
+    }
   }
 }
 
@@ -1243,7 +1305,7 @@ TEST_CASE("launch_cfconv(_backward) match the host reference", "[cfconv]") {
     REQUIRE(mc::launch_cfconv(forward, nullptr) == cudaSuccess);
     const mc::CfconvBackwardParams backward{weights, dgrad.ptr, dx.ptr, dbasis.ptr, denvelope.ptr, dpairs,
                                             dfilters.ptr, dgrad_x.ptr, dgrad_basis.ptr, dgrad_envelope.ptr,
-                                            dinvalid, N, P};
+                                            dinvalid, /*sender_order=*/nullptr, N, P};
     // 20,000 pairs walk in sender order, the others in list order.
     void* workspace = nullptr;
     const size_t workspace_bytes = mc::cfconv_backward_workspace_bytes(N, P);

@@ -103,20 +103,28 @@ at::Tensor message_passing(const at::Tensor& x, const at::Tensor& filter, const 
 // with respect to the filter).
 at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& pairs);
 
+// The pairs' indices grouped by sender: int32 [P] for pair lists long enough for a backward to
+// walk them that way (P >= 8192), int32 [0] for shorter ones. Formed once per pair list and
+// passed as `sender_order` to vector_message_passing and pair_vectors (and torch.ops.mirage.cfconv
+// and radial_cfconv), whose backwards would otherwise each sort the same list again.
+at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes);
+
 // PaiNN's messages: with m = x[j] * filter split into (s, vv, vs) parts of F features,
 // scalar[i] = sum m_s and vector[i, c] = sum vectors[j, c] * m_vv + m_vs * directions[p, c].
 // x [N, 3F], filter [P, 3F], vectors [N, 3, F], directions [P, 3] -> ([N, F], [N, 3, F]).
 // With filter_weight [3F, K], `filter` is a basis [P, K] and the filter is filter @ filter_weight^T
-// (formed inside the kernel: PaiNN's filter Linear).
+// (formed inside the kernel: PaiNN's filter Linear). sender_order: sender_order(pairs, N), or none.
 std::tuple<at::Tensor, at::Tensor> vector_message_passing(
     const at::Tensor& x, const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
-    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight = std::nullopt);
+    const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight = std::nullopt,
+    const std::optional<at::Tensor>& sender_order = std::nullopt);
 
 // vectors[p] = positions[j] - positions[i] + shifts[p] and distances[p] = |vectors[p]| for
 // (i, j) = (pairs[0, p], pairs[1, p]): positions [N, 3] float32, pairs [2, P] int64, shifts
-// [P, 3] or none -> ([P, 3], [P]).
+// [P, 3] or none -> ([P, 3], [P]). sender_order: sender_order(pairs, N), or none.
 std::tuple<at::Tensor, at::Tensor> pair_vectors(const at::Tensor& positions, const at::Tensor& pairs,
-                                                const std::optional<at::Tensor>& shifts = std::nullopt);
+                                                const std::optional<at::Tensor>& shifts = std::nullopt,
+                                                const std::optional<at::Tensor>& sender_order = std::nullopt);
 
 // PaiNN's update block around its MLP. The MLP's input: [s, sqrt(sum_c vv[:, c]^2 + eps)],
 // s [N, F], vv [N, 3, F] -> [N, 2F].

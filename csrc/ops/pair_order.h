@@ -1,0 +1,28 @@
+// mirage::sender_order, and the `sender_order` argument of the ops whose backward scatters onto
+// the senders (pair_vectors, vector_message_passing, cfconv, radial_cfconv): formed once per
+// pair list and handed to each of them instead of each backward sorting the same list again.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace mirage::ops {
+
+inline constexpr std::string_view kSenderOrder = "mirage::sender_order";
+
+// The length of sender_order(pairs, num_nodes): P where walking in sender order pays
+// (cuda/sender_order.h: P >= 8192), else 0. pairs: [2, P] int64; num_nodes >= 0.
+int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes);
+
+// An op's `sender_order` argument: absent, or int32 of shape [P] or [0] on pairs' device; on
+// the CPU a non-empty one must be a permutation of [0, P) (the CPU references sum in their own
+// order and do not read it; the CUDA kernels check it on the device, see pair_order.cuh).
+void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs);
+
+// The given order as the CUDA launchers take it: contiguous, or undefined where absent or empty
+// (the backward then sorts the list itself where that pays).
+at::Tensor given_sender_order(const std::optional<at::Tensor>& order);
+
+}  // namespace mirage::ops
