@@ -115,8 +115,8 @@ at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
   return handles::pair_product().call(a, b, pairs);
 }
 
-at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes) {
-  return handles::sender_order().call(pairs, num_nodes);
+at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes, const std::optional<at::Tensor>& num_pairs) {
+  return handles::sender_order().call(pairs, num_nodes, num_pairs);
 }
 
 std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,

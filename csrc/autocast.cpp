@@ -138,11 +138,12 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autocast(const at::Tensor& x, const at
                                                    const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                                    c10::string_view activation, bool tf32,
-                                                   const std::optional<at::Tensor>& sender_order) {
+                                                   const std::optional<at::Tensor>& sender_order,
+                                                   const std::optional<at::Tensor>& num_pairs) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto f32 = [](const auto& t) { return cached_cast(at::kFloat, t, Device); };  // tensors and optionals
   return handles::cfconv().call(f32(x), f32(basis), f32(envelope), pairs, f32(weight1), f32(bias1), f32(weight2),
-                                f32(bias2), activation, tf32, sender_order);
+                                f32(bias2), activation, tf32, sender_order, num_pairs);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>

@@ -1041,15 +1041,16 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
                                const at::Tensor& envelope, const at::Tensor& weight1, const at::Tensor& bias1,
                                const at::Tensor& weight2, const at::Tensor& bias2, const at::Tensor& pairs,
                                c10::string_view activation, bool tf32,
-                               const std::optional<at::Tensor>& sender_order) {
+                               const std::optional<at::Tensor>& sender_order,
+                               const std::optional<at::Tensor>& num_pairs) {
     at::Tensor out, filters;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, filters) = handles::cfconv().call(x, basis, envelope, pairs, weight1, optional(bias1), weight2,
-                                                      optional(bias2), activation, tf32, sender_order);
+                                                      optional(bias2), activation, tf32, sender_order, num_pairs);
     }
-    ctx->save_for_backward(
-        {x, basis, envelope, pairs, filters, weight1, bias1, weight2, value_or_undefined(sender_order)});
+    ctx->save_for_backward({x, basis, envelope, pairs, filters, weight1, bias1, weight2,
+                            value_or_undefined(sender_order), value_or_undefined(num_pairs)});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["tf32"] = tf32;
     ctx->mark_non_differentiable({filters});
@@ -1061,12 +1062,14 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     check_first_order(ctx, ops::kCfconv, 3);
-    variable_list grads(11);  // x, basis, envelope, four parameters, pairs, activation, tf32, sender_order
+    // x, basis, envelope, four parameters, pairs, activation, tf32, sender_order, num_pairs
+    variable_list grads(12);
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();
     std::tie(grads[0], grads[1], grads[2]) = handles::cfconv_backward().call(
         grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5], optional(s[6]), s[7],
-        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["tf32"].toBool(), defined_or_none(s[8]));
+        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["tf32"].toBool(), defined_or_none(s[8]),
+        defined_or_none(s[9]));
     return grads;
   }
 };
@@ -1076,12 +1079,14 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autograd(const at::Tensor& x, const at
                                                    const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                                    c10::string_view activation, bool tf32,
-                                                   const std::optional<at::Tensor>& sender_order) {
+                                                   const std::optional<at::Tensor>& sender_order,
+                                                   const std::optional<at::Tensor>& num_pairs) {
   // Checked here first: past this point an empty bias would read as an absent one.
   ops::check_cfconv(ops::kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation,
-                    sender_order);
+                    sender_order, num_pairs);
   const variable_list out = CfconvFunction::apply(x, basis, envelope, weight1, or_empty(bias1, weight1), weight2,
-                                                  or_empty(bias2, weight2), pairs, activation, tf32, sender_order);
+                                                  or_empty(bias2, weight2), pairs, activation, tf32, sender_order,
+                                                  num_pairs);
   return {out[0], out[1]};
 }
 

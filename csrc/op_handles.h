@@ -34,7 +34,7 @@ using RadialBasisBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, 
 using PairOpSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 // The ops' trailing `Tensor? sender_order` (mirage::sender_order's result).
 using SenderOrderArg = const std::optional<at::Tensor>&;
-using SenderOrderSig = at::Tensor(const at::Tensor&, int64_t);
+using SenderOrderSig = at::Tensor(const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
 using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const std::optional<at::Tensor>&, SenderOrderArg);
@@ -53,11 +53,11 @@ using CfconvSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at
                                                      const at::Tensor&, const at::Tensor&,
                                                      const std::optional<at::Tensor>&, const at::Tensor&,
                                                      const std::optional<at::Tensor>&, c10::string_view, bool,
-                                                     SenderOrderArg);
+                                                     SenderOrderArg, const std::optional<at::Tensor>&);
 using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
-    bool, SenderOrderArg);
+    bool, SenderOrderArg, const std::optional<at::Tensor>&);
 using RadialCfconvSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, c10::string_view, double,

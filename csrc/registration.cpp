@@ -26,8 +26,9 @@ TORCH_LIBRARY(mirage, m) {
         "(Tensor pairs, Tensor shifts, Tensor distances, Tensor num_pairs)");
   // The pairs' indices grouped by sender (int32 [P]; [0] for lists too short for it to pay), for
   // the ops below whose backward scatters onto the senders: formed once per pair list and passed
-  // to each of them as `sender_order` instead of each backward sorting the list again.
-  m.def("sender_order(Tensor pairs, int num_nodes) -> Tensor");
+  // to each of them as `sender_order` instead of each backward sorting the list again. With
+  // num_pairs (neighbor_list's), the padding past it comes last.
+  m.def("sender_order(Tensor pairs, int num_nodes, Tensor? num_pairs=None) -> Tensor");
   // The pair vectors positions[j] - positions[i] + shifts and their lengths; the backward is an op
   // of its own (a scatter onto the atoms: the forces' last step).
   m.def("pair_vectors(Tensor positions, Tensor pairs, Tensor? shifts=None, Tensor? sender_order=None) -> "
@@ -72,11 +73,12 @@ TORCH_LIBRARY(mirage, m) {
   // filters (before the envelope), which its backward reads. tf32: the CUDA products round their
   // operands to TF32 once instead of splitting them into two TF32 parts (float32 accuracy).
   m.def("cfconv(Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor weight1, Tensor? bias1, "
-        "Tensor weight2, Tensor? bias2, str activation, bool tf32=False, Tensor? sender_order=None) -> (Tensor out, "
-        "Tensor filters)");
+        "Tensor weight2, Tensor? bias2, str activation, bool tf32=False, Tensor? sender_order=None, "
+        "Tensor? num_pairs=None) -> (Tensor out, Tensor filters)");
   m.def("cfconv_backward(Tensor grad, Tensor x, Tensor basis, Tensor envelope, Tensor pairs, Tensor filters, "
         "Tensor weight1, Tensor? bias1, Tensor weight2, str activation, bool tf32=False, "
-        "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_basis, Tensor grad_envelope)");
+        "Tensor? sender_order=None, Tensor? num_pairs=None) -> (Tensor grad_x, Tensor grad_basis, "
+        "Tensor grad_envelope)");
   // cfconv with the basis (radial_basis' `basis` functions, R from weight1) and the envelope (a
   // cutoff function) formed from the distances in the kernel; returns the filters times the
   // envelope and their derivative in the distance, which its backward reads: a pass over the pairs

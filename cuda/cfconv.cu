@@ -245,11 +245,12 @@ struct PairFetch {
   float envelope;
   bool real;  // a pair, not padding
 
-  // Row `row` of the tile of walk positions base, base + 1, ... (pair_at).
+  // Row `row` of the tile of walk positions base, base + 1, ... (pair_at); positions from
+  // `walked` on (pairs_to_walk) are padding.
   template <typename Params>
-  __device__ void fetch(const Params& p, int64_t base, int row, const int* order = nullptr) {
+  __device__ void fetch(const Params& p, int64_t walked, int64_t base, int row, const int* order = nullptr) {
     envelope = 0.0f;
-    real = row < kTile && base + row < p.num_pairs;
+    real = row < kTile && base + row < walked;
     if (real) {
       pair = pair_at(order, base + row);
       receiver = p.pairs[pair];
@@ -300,13 +301,14 @@ struct TileFetch {
   PairFetch pair;
 
   template <typename Params>
-  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t base, const int* order = nullptr) {
-    pair.fetch(p, base, team_thread(), order);
+  __device__ void fetch(const Params& p, const Layout<D>& l, float* smem, int64_t walked, int64_t base,
+                        const int* order = nullptr) {
+    pair.fetch(p, walked, base, team_thread(), order);
     const int num_rbf = p.weights.num_rbf;
     for (int e = team_thread(); e < kTile * l.rbf8; e += kTeamThreads) {
       const int r = e % l.rbf8;
       const int64_t k = base + e / l.rbf8;
-      const bool value = r < num_rbf && k < p.num_pairs;
+      const bool value = r < num_rbf && k < walked;
       const float* source = value ? p.basis + pair_at(order, k) * num_rbf + r : p.basis;
       // Four bytes from global memory, or (source size 0) four zero bytes.
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(static_cast<uint32_t>(
@@ -507,15 +509,16 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   const int* senders = reinterpret_cast<const int*>(smem + l.senders);
   float* tile = smem + l.tile;
   load_weights<D, false>(p.weights, l, smem);
-  const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  const int64_t walked = pairs_to_walk(p.live_pairs, p.num_pairs);
+  const int64_t tiles = ceil_div(walked, kTile);
   __syncthreads();  // the weights are in
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kTeams;
   TileFetch<D> next;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team();
-  if (first < tiles) next.fetch(p, l, smem, first * kTile);
+  if (first < tiles) next.fetch(p, l, smem, walked, first * kTile);
   for (int64_t t = first; t < tiles; t += stride) {
     const int64_t base = t * kTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, walked - base));
     team_sync();  // the previous tile's readers are done with the shared arrays
     next.stash(p, l, smem);
     team_sync();
@@ -530,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
     team_sync();  // every warp has read the hidden layer: the tile takes the filters
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     team_sync();
-    if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile);
+    if (t + stride < tiles) next.fetch(p, l, smem, walked, base + stride * kTile);
     scatter_messages<D>(p, tile, smem + l.envelope, receivers, senders, base, rows);
   }
 }
@@ -549,15 +552,16 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   float* tile = smem + l.tile;
   load_weights<D, true>(p.weights, l, smem);
   const int R = p.weights.num_rbf;
-  const int64_t tiles = ceil_div(p.num_pairs, kTile);
+  const int64_t walked = pairs_to_walk(p.live_pairs, p.num_pairs);
+  const int64_t tiles = ceil_div(walked, kTile);
   __syncthreads();  // the weights are in
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kTeams;
   TileFetch<D> next;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTeams + team();
-  if (first < tiles) next.fetch(p, l, smem, first * kTile, order);
+  if (first < tiles) next.fetch(p, l, smem, walked, first * kTile, order);
   for (int64_t t = first; t < tiles; t += stride) {
     const int64_t base = t * kTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, walked - base));
     team_sync();
     next.stash(p, l, smem);
     team_sync();
@@ -582,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
     team_sync();  // every warp has read the tile: it takes the hidden layer's gradient
     W::for_each([&](int m, int n, int e, int row, int col) { tile[row * kLd + col] = acc[m][n][e]; });
     team_sync();
-    if (t + stride < tiles) next.fetch(p, l, smem, base + stride * kTile, order);
+    if (t + stride < tiles) next.fetch(p, l, smem, walked, base + stride * kTile, order);
     // grad_basis = that gradient times W1: [kTile, R] in tasks of 32 x 8 (two accumulator
     // chains a warp), spread over the warps.
     const int col_tiles = l.rbf8 / 8;
@@ -745,13 +749,13 @@ struct Place {
 // ahead into registers: column R is the bias' one, those past it and rows past the pairs zero.
 struct BasisFragments {
   float v[kBasisChunks][4];
-  // Rows at walk positions base + at.row and + 8 (pair_at).
-  __device__ void fetch(const float* basis, int num_rbf, int64_t num_pairs, int64_t base, const Place& at,
+  // Rows at walk positions base + at.row and + 8 (pair_at), zero from `walked` on.
+  __device__ void fetch(const float* basis, int num_rbf, int64_t walked, int64_t base, const Place& at,
                         const int* order = nullptr) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t k = base + at.row + 8 * half;
-      const int64_t row = k < num_pairs ? pair_at(order, k) : -1;
+      const int64_t row = k < walked ? pair_at(order, k) : -1;
 #pragma unroll
       for (int c = 0; c < kBasisChunks; ++c)
 #pragma unroll
@@ -868,12 +872,13 @@ __device__ __forceinline__ void filters_to_tile(const float (&z)[64], const floa
 // arrays.
 struct TeamTiles {
   SharedLayout l;
-  int64_t tiles, stride, first;
+  int64_t walked, tiles, stride, first;  // walked: the positions walked (pairs_to_walk)
   int* receivers;
   int* senders;
-  __device__ TeamTiles(const CfconvWeights& w, int64_t num_pairs, float* smem, bool transposed = false)
+  __device__ TeamTiles(const CfconvWeights& w, int64_t walked, float* smem, bool transposed = false)
       : l(team<kTeamThreads>()),
-        tiles(ceil_div(num_pairs, kTile)),
+        walked(walked),
+        tiles(ceil_div(walked, kTile)),
         stride(static_cast<int64_t>(gridDim.x) * kTeams),
         first(static_cast<int64_t>(blockIdx.x) * kTeams + team<kTeamThreads>()),
         receivers(reinterpret_cast<int*>(smem + l.receivers)),
@@ -886,19 +891,19 @@ template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const TeamTiles walk(p.weights, p.num_pairs, smem);
-  const auto& [l, tiles, stride, first, receivers, senders] = walk;
+  const TeamTiles walk(p.weights, pairs_to_walk(p.live_pairs, p.num_pairs), smem);
+  const auto& [l, walked, tiles, stride, first, receivers, senders] = walk;
   const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const Place at;
   PairFetch pair;
   BasisFragments basis;
   if (first < tiles) {
-    pair.fetch(p, first * kTile, team_thread<kTeamThreads>());
-    basis.fetch(p.basis, p.weights.num_rbf, p.num_pairs, first * kTile, at);
+    pair.fetch(p, walked, first * kTile, team_thread<kTeamThreads>());
+    basis.fetch(p.basis, p.weights.num_rbf, walked, first * kTile, at);
   }
   for (int64_t tile = first; tile < tiles; tile += stride) {
     const int64_t base = tile * kTile, next = base + stride * kTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, walked - base));
     team_sync<kTeamThreads>();  // the previous tile's scatter is done with the shared arrays
     pair.stash(p, team_thread<kTeamThreads>(), receivers, senders, smem + l.envelope);
     float z[64] = {};
@@ -907,8 +912,8 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
     wgmma_wait<0>();
     hold(z);
     if (tile + stride < tiles) {  // in flight during the second product and the scatter
-      pair.fetch(p, next, team_thread<kTeamThreads>());
-      basis.fetch(p.basis, p.weights.num_rbf, p.num_pairs, next, at);
+      pair.fetch(p, walked, next, team_thread<kTeamThreads>());
+      basis.fetch(p.basis, p.weights.num_rbf, walked, next, at);
     }
     float* filters = smem + l.tile;
     filters_to_tile<kSplit, kSsp>(z, smem, filters, at, p.weights.activation);
@@ -963,19 +968,19 @@ __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconv
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   const TeamTiles walk(p.weights, p.num_pairs, smem);
-  const auto& [l, tiles, stride, first, receivers, senders] = walk;
+  const auto& [l, walked, tiles, stride, first, receivers, senders] = walk;
   const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const Place at;
   const Activation activation = p.weights.activation;
   PairFetch pair;
   RadialRows radial;
   if (first < tiles) {
-    pair.fetch(p, first * kTile, team_thread<kTeamThreads>());
+    pair.fetch(p, walked, first * kTile, team_thread<kTeamThreads>());
     radial.fetch(p, first * kTile, at);
   }
   for (int64_t tile = first; tile < tiles; tile += stride) {
     const int64_t base = tile * kTile, next = base + stride * kTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, walked - base));
     team_sync<kTeamThreads>();  // the previous tile's scatter is done with the shared arrays
     pair.stash(p, team_thread<kTeamThreads>(), receivers, senders, smem + l.envelope);
     const RadialRows rows_now = radial;  // radial takes the next tile's distances below
@@ -995,7 +1000,7 @@ __global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconv
     wgmma_wait<0>();
     hold(z);
     if (tile + stride < tiles) {  // in flight during the other products and the scatter
-      pair.fetch(p, next, team_thread<kTeamThreads>());
+      pair.fetch(p, walked, next, team_thread<kTeamThreads>());
       radial.fetch(p, next, at);
     }
     float* filters = smem + l.tile;
@@ -1106,8 +1111,8 @@ template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p, const int* order) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const TeamTiles walk(p.weights, p.num_pairs, smem, /*transposed=*/true);
-  const auto& [l, tiles, stride, first, receivers, senders] = walk;
+  const TeamTiles walk(p.weights, pairs_to_walk(p.live_pairs, p.num_pairs), smem, /*transposed=*/true);
+  const auto& [l, walked, tiles, stride, first, receivers, senders] = walk;
   const float *w2_hi = smem + SharedLayout::kW2, *w2_lo = w2_hi + kWidth * kWidth;
   const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
   const int R = p.weights.num_rbf;
@@ -1115,12 +1120,12 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
   PairFetch pair;
   BasisFragments basis;
   if (first < tiles) {
-    pair.fetch(p, first * kTile, team_thread<kTeamThreads>(), order);
-    basis.fetch(p.basis, R, p.num_pairs, first * kTile, at, order);
+    pair.fetch(p, walked, first * kTile, team_thread<kTeamThreads>(), order);
+    basis.fetch(p.basis, R, walked, first * kTile, at, order);
   }
   for (int64_t tile = first; tile < tiles; tile += stride) {
     const int64_t base = tile * kTile, next = base + stride * kTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, p.num_pairs - base));
+    const int rows = static_cast<int>(std::min<int64_t>(kTile, walked - base));
     float* grads = smem + l.tile;
     int64_t* ids = reinterpret_cast<int64_t*>(smem + l.ids);
     team_sync<kTeamThreads>();  // the previous tile's products are done with the shared arrays
@@ -1132,8 +1137,8 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBack
         p, [&](int row) { return ids[row]; }, grads, smem + l.envelope, receivers, senders, rows);
     const BasisFragments basis_now = basis;  // basis takes the next tile's rows below
     if (tile + stride < tiles) {  // in flight during the products
-      pair.fetch(p, next, team_thread<kTeamThreads>(), order);
-      basis.fetch(p.basis, R, p.num_pairs, next, at, order);
+      pair.fetch(p, walked, next, team_thread<kTeamThreads>(), order);
+      basis.fetch(p.basis, R, walked, next, at, order);
     }
     team_sync<kTeamThreads>();  // the tile is complete
     float a[64] = {};
@@ -1346,7 +1351,9 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   // An index out of range anywhere turns every output NaN (the outputs are float32 already).
   const Segments outputs{{{nullptr, params.out, params.num_nodes * params.weights.width},
-                          {nullptr, params.filters, params.num_pairs * params.weights.width}}};
+                          {nullptr, params.filters, params.num_pairs * params.weights.width, params.weights.width}},
+                         params.live_pairs,
+                         params.num_pairs};
   const bool hopper = use_sm90(params.weights);
   return launch_passes(params, params.out, outputs, stream, [&](auto width, auto split, auto ssp) {
     if (hopper) {
@@ -1364,12 +1371,14 @@ size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs) {
 
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream) {
   SenderOrder walk;  // by sender for lists long enough to pay, else none (the list's own order)
-  const cudaError_t status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs,
+  const cudaError_t status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, params.live_pairs,
                                                  params.sender_order, workspace, &walk, stream);
   if (status != cudaSuccess) return status;
   const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.weights.width},
-                          {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf},
-                          {nullptr, params.grad_envelope, params.num_pairs}}};
+                          {nullptr, params.grad_basis, params.num_pairs * params.weights.num_rbf, params.weights.num_rbf},
+                          {nullptr, params.grad_envelope, params.num_pairs, 1}},
+                         params.live_pairs,
+                         params.num_pairs};
   const bool hopper = use_sm90(params.weights);
   return launch_passes(
       params, params.grad_x, outputs, stream,
@@ -1406,8 +1415,8 @@ cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& para
   }
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   SenderOrder walk;
-  status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, params.sender_order, workspace, &walk,
-                               stream);
+  status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, /*live=*/nullptr,
+                               params.sender_order, workspace, &walk, stream);
   if (status != cudaSuccess) return status;
   const int64_t warps = ceil_div(params.num_pairs, kBackwardSpan);
   const int64_t blocks = std::min<int64_t>(ceil_div(warps, kBackwardThreads / 32), 16LL * sm_count());

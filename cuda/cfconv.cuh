@@ -38,6 +38,9 @@ struct CfconvParams {
   float* out;             // [N, M], 16-byte aligned
   float* filters;         // [P, M], 16-byte aligned
   int* invalid;           // device flag (4 bytes of scratch), zeroed by the launcher
+  // [1] neighbor_list's count, or null: the pairs from sender_order.h's walked_pairs on are
+  // padding, skipped (no messages; their filters 0).
+  const int64_t* live_pairs;
   int64_t num_nodes, num_pairs;
 };
 
@@ -54,6 +57,7 @@ struct CfconvBackwardParams {
   float* grad_envelope;   // [P]
   int* invalid;           // as above
   const int* sender_order;  // [P] mirage::sender_order's, checked (pair_order.cuh), or null: sorted here
+  const int64_t* live_pairs;  // as above (the skipped pairs' gradients 0); an order must then keep them last
   int64_t num_nodes, num_pairs;
 };
 

@@ -361,6 +361,12 @@ __device__ __forceinline__ Moments block_merge(Moments m, Moments* scratch) {
   return m;
 }
 
+// The pairs a pass walks (sender_order.h's walked_pairs of the caller's device count `live`):
+// all num_pairs without one.
+__device__ __forceinline__ int64_t pairs_to_walk(const int64_t* live, int64_t num_pairs) {
+  return live != nullptr ? walked_pairs(*live, num_pairs) : num_pairs;
+}
+
 // Whether a handed-in sender order failed its check (pair_order.cuh): its balances do not sum
 // to 0. The block's first warp adds them up; every thread of the block calls it (a barrier).
 __device__ inline bool order_rejected(const OrderCheck& check) {
@@ -379,15 +385,19 @@ __device__ inline bool order_rejected(const OrderCheck& check) {
 // host sync): up to four outputs, each with where its values are: `acc` holds them in float32
 // (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair
 // gradients). A raised flag, or a handed-in sender order that failed its check, turns every
-// output NaN.
+// output NaN. Per-pair outputs (per_pair values a pair) of a pass that skipped the padding (the
+// pairs from pairs_to_walk(live_pairs, num_pairs) on) are 0 there: the kernels wrote nothing.
 struct Segment {
   const float* acc;
   void* out;
   int64_t count;
+  int64_t per_pair = 0;  // values a pair, for a per-pair output; 0 for others
 };
 
 struct Segments {
   Segment s[4];  // unused ones have count 0
+  const int64_t* live_pairs = nullptr;
+  int64_t num_pairs = 0;
 };
 
 template <typename T>
@@ -396,13 +406,17 @@ __global__ void __launch_bounds__(256) finish_kernel(Segments segments, const in
   const bool bad = *invalid != 0 || rejected;
   const T nan = from_float<T>(__int_as_float(0x7fc00000));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t walked = segments.live_pairs != nullptr ? pairs_to_walk(segments.live_pairs, segments.num_pairs) : 0;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {  // unrolled: a constant index keeps the segments in parameter space
     const Segment s = segments.s[k];
-    if (s.acc == nullptr && !bad) continue;
+    // Where the skipped pairs' values begin (none without a count).
+    const int64_t skipped = segments.live_pairs != nullptr && s.per_pair != 0 ? walked * s.per_pair : s.count;
+    // Nothing to convert and nothing to poison: only the skipped pairs' zeros to write.
+    const int64_t begin = s.acc == nullptr && !bad ? skipped : 0;
     T* out = static_cast<T*>(s.out);
-    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < s.count; e += stride)
-      out[e] = bad ? nan : from_float<T>(s.acc[e]);
+    for (int64_t e = begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < s.count; e += stride)
+      out[e] = bad ? nan : e >= skipped ? from_float<T>(0.0f) : from_float<T>(s.acc[e]);
   }
 }
 

@@ -19,16 +19,19 @@ namespace mirage::cuda {
 // mirage::sender_order's kernels: writes into order[num_pairs] a permutation of [0, num_pairs),
 // the pair indices grouped by sender (pairs[1], that is pairs[num_pairs + p]) in increasing order,
 // in no particular order within a sender's run (pair_order.cu); pairs whose sender lies outside
-// [0, nodes) come last (their kernels skip them). Needs use_sender_order(nodes, num_pairs) and
-// sort_by_sender_scratch_bytes of `scratch` (256-byte aligned).
+// [0, nodes) come after them (their kernels skip them), and last, where `live` (device, [1], or
+// null) gives neighbor_list's count, the padding past it (sender_order.h's walked_pairs). Needs
+// use_sender_order(nodes, num_pairs) and sort_by_sender_scratch_bytes of `scratch` (256-byte
+// aligned).
 size_t sort_by_sender_scratch_bytes(int64_t nodes, int64_t num_pairs);
-cudaError_t sort_by_sender(const int64_t* pairs, int64_t nodes, int64_t num_pairs, int* order, void* scratch,
-                           cudaStream_t stream);
+cudaError_t sort_by_sender(const int64_t* pairs, int64_t nodes, int64_t num_pairs, const int64_t* live, int* order,
+                           void* scratch, cudaStream_t stream);
 
 // A handed-in order's check (launch_sender_order): per-block partial sums of
 // h(k) - h(order[k]) over the positions k, for a 64-bit mixing hash h. Their total is 0 for a
-// permutation of [0, num_pairs); anything else (an index repeated, missing or out of range)
-// matches with probability about 2^-64. The backward's last kernel adds them up
+// permutation of [0, num_pairs) (with a count, one that keeps the walked pairs before the
+// padding); anything else (an index repeated, missing, out of range or on the wrong side of the
+// count) matches with probability about 2^-64. The backward's last kernel adds them up
 // (kernel_utils.cuh's order_rejected) and, where the total is not 0, poisons the outputs as for
 // a bad index. count == 0: nothing to check.
 struct OrderCheck {
@@ -48,12 +51,14 @@ struct SenderOrder {
 size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs);
 
 // A backward's walk, in `workspace` (sender_order_workspace_bytes of it, 256-byte aligned):
-// where use_sender_order is false, none (list order); else the pairs sorted by sender here, or,
-// where `given` is not null, the caller's order (mirage::sender_order's, handed to the op) read
-// instead of sorting again. The walk then reads a copy of it (an out-of-range entry copied as 0,
-// so the walk never reads outside the list) and the copy's kernel writes the balances of
-// `walk->check`. The sums need only a permutation: the grouping by sender is for speed.
-cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, const int* given,
-                                void* workspace, SenderOrder* walk, cudaStream_t stream);
+// where use_sender_order is false, none (list order); else the pairs sorted by sender here (with
+// `live` as sort_by_sender takes it), or, where `given` is not null, the caller's order
+// (mirage::sender_order's, handed to the op) read instead of sorting again. The walk then reads a
+// copy of it (an out-of-range entry copied as 0, so the walk never reads outside the list) and
+// the copy's kernel writes the balances of `walk->check`. The sums need only a permutation (the
+// grouping by sender is for speed) and, with `live`, one whose positions before walked_pairs hold
+// the pairs before it, which the balances check too.
+cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, const int64_t* live,
+                                const int* given, void* workspace, SenderOrder* walk, cudaStream_t stream);
 
 }  // namespace mirage::cuda

@@ -210,8 +210,8 @@ cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params
   if (status != cudaSuccess || values == 0) return status;
   SenderOrder walk;  // by sender for long lists, else none
   if (params.num_pairs > 0) {
-    status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, params.sender_order, w.order,
-                                 &walk, stream);
+    status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, /*live=*/nullptr,
+                                 params.sender_order, w.order, &walk, stream);
     if (status != cudaSuccess) return status;
     pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, walk.order, w.acc,
                                                                                          w.invalid);

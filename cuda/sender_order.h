@@ -5,6 +5,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define MIRAGE_HOST_DEVICE __host__ __device__
+#else
+#define MIRAGE_HOST_DEVICE
+#endif
+
 namespace mirage::cuda {
 
 // Fewer pairs than this scatter directly: the kernels the ordering takes cost more than the
@@ -18,6 +24,14 @@ constexpr int64_t kSenderOrderMaxPairs = INT32_MAX - 4096;
 // pairs for it to pay, and counts that fit the int32 the ordering uses.
 inline bool use_sender_order(int64_t nodes, int64_t num_pairs) {
   return num_pairs >= kSenderOrderMinPairs && num_pairs <= kSenderOrderMaxPairs && nodes < INT32_MAX;
+}
+
+// How many pairs of a list of num_pairs a pass walks when the caller gives neighbor_list's true
+// count (its padding, positions count to num_pairs, skipped): the count, or every pair where the
+// count is negative (neighbor_list's NaN case, whose NaN must still reach the outputs) or past
+// num_pairs (an overflow, whose list is full).
+MIRAGE_HOST_DEVICE inline int64_t walked_pairs(int64_t count, int64_t num_pairs) {
+  return count >= 0 && count < num_pairs ? count : num_pairs;
 }
 
 }  // namespace mirage::cuda

@@ -533,7 +533,8 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   // (workspace_bytes of them, a multiple of 256).
   SenderOrder walk;
   void* order_workspace = static_cast<char*>(workspace) + workspace_bytes(p.dtype, {n_node, n_node, n_dir});
-  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, p.sender_order, order_workspace, &walk, stream);
+  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, /*live=*/nullptr, p.sender_order, order_workspace,
+                               &walk, stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},

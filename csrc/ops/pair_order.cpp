@@ -14,11 +14,25 @@
 
 namespace mirage::ops {
 
-int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes) {
+int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes, const std::optional<at::Tensor>& num_pairs) {
   MIRAGE_CHECK(pairs.scalar_type() == at::kLong, kSenderOrder, ": pairs must be int64, got ", pairs.scalar_type());
   MIRAGE_CHECK(pairs.dim() == 2 && pairs.size(0) == 2, kSenderOrder, ": pairs must be [2, P], got ", pairs.sizes());
   MIRAGE_CHECK(num_nodes >= 0, kSenderOrder, ": num_nodes must be >= 0, got ", num_nodes);
+  check_pair_count(kSenderOrder, num_pairs, pairs);
   return cuda::use_sender_order(num_nodes, pairs.size(1)) ? pairs.size(1) : 0;
+}
+
+void check_pair_count(std::string_view op, const std::optional<at::Tensor>& num_pairs, const at::Tensor& pairs) {
+  if (!num_pairs.has_value()) return;
+  MIRAGE_CHECK(num_pairs->device() == pairs.device(), op, ": num_pairs must be on pairs' device (", pairs.device(),
+               "), got ", num_pairs->device());
+  MIRAGE_CHECK(num_pairs->scalar_type() == at::kLong && num_pairs->numel() == 1, op,
+               ": num_pairs must be one int64 (neighbor_list's count), got ", num_pairs->scalar_type(), " of shape ",
+               num_pairs->sizes());
+}
+
+int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t P) {
+  return num_pairs.has_value() ? cuda::walked_pairs(num_pairs->item<int64_t>(), P) : P;
 }
 
 void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs) {
@@ -50,22 +64,27 @@ at::Tensor given_sender_order(const std::optional<at::Tensor>& order) {
 
 namespace {
 
-// The pairs' indices ordered by sender (out-of-range senders last), stably.
-at::Tensor sender_order_cpu(const at::Tensor& pairs, int64_t num_nodes) {
-  const int64_t length = check_sender_order_op(pairs, num_nodes);
+// The pairs' indices ordered by sender, stably: out-of-range senders after the others, the
+// padding past num_pairs last.
+at::Tensor sender_order_cpu(const at::Tensor& pairs, int64_t num_nodes, const std::optional<at::Tensor>& num_pairs) {
+  const int64_t length = check_sender_order_op(pairs, num_nodes, num_pairs);
   at::Tensor order = at::empty({length}, pairs.options().dtype(at::kInt));
   if (length == 0) return order;
   const at::Tensor idx = pairs.contiguous();
   const int64_t* senders = idx.const_data_ptr<int64_t>() + length;
-  const auto key = [&](int p) { return senders[p] >= 0 && senders[p] < num_nodes ? senders[p] : num_nodes; };
+  const int64_t walked = walked_pairs_on_cpu(num_pairs, length);
+  const auto key = [&](int p) {
+    if (p >= walked) return num_nodes + 1;
+    return senders[p] >= 0 && senders[p] < num_nodes ? senders[p] : num_nodes;
+  };
   int* o = order.mutable_data_ptr<int>();
   std::iota(o, o + length, 0);
   std::stable_sort(o, o + length, [&](int a, int b) { return key(a) < key(b); });
   return order;
 }
 
-at::Tensor sender_order_meta(const at::Tensor& pairs, int64_t num_nodes) {
-  return at::empty({check_sender_order_op(pairs, num_nodes)}, pairs.options().dtype(at::kInt));
+at::Tensor sender_order_meta(const at::Tensor& pairs, int64_t num_nodes, const std::optional<at::Tensor>& num_pairs) {
+  return at::empty({check_sender_order_op(pairs, num_nodes, num_pairs)}, pairs.options().dtype(at::kInt));
 }
 
 }  // namespace

@@ -12,9 +12,18 @@ namespace mirage::ops {
 
 inline constexpr std::string_view kSenderOrder = "mirage::sender_order";
 
-// The length of sender_order(pairs, num_nodes): P where walking in sender order pays
-// (cuda/sender_order.h: P >= 8192), else 0. pairs: [2, P] int64; num_nodes >= 0.
-int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes);
+// The length of sender_order(pairs, num_nodes, num_pairs): P where walking in sender order pays
+// (cuda/sender_order.h: P >= 8192), else 0. pairs: [2, P] int64; num_nodes >= 0; num_pairs as
+// check_pair_count takes it.
+int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes, const std::optional<at::Tensor>& num_pairs);
+
+// An op's `num_pairs` argument (neighbor_list's count: the pairs past it are padding, skipped):
+// absent, or one int64 on pairs' device.
+void check_pair_count(std::string_view op, const std::optional<at::Tensor>& num_pairs, const at::Tensor& pairs);
+
+// How many of pairs' P pairs a CPU reference walks (cuda/sender_order.h's walked_pairs): P
+// without a count. Reads the count (on the CPU).
+int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t P);
 
 // An op's `sender_order` argument: absent, or int32 of shape [P] or [0] on pairs' device; on
 // the CPU a non-empty one must be a permutation of [0, P) (the CPU references sum in their own

@@ -313,7 +313,7 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
                          const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
                          const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
                          const std::optional<at::Tensor>& bias2, std::string_view activation,
-                         const std::optional<at::Tensor>& sender_order) {
+                         const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   CfconvShape s = check_messages(op, x, pairs);
   check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
   check_like_x(op, basis, "basis", x);
@@ -324,6 +324,7 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
   MIRAGE_CHECK(envelope.dim() == 1 && envelope.size(0) == s.pairs, op, ": envelope must have shape [P] = [",
                s.pairs, "], got ", envelope.sizes());
   check_sender_order(op, sender_order, pairs);
+  check_pair_count(op, num_pairs, pairs);
   return s;
 }
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
@@ -374,24 +375,34 @@ at::Tensor optional_f64(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->to(at::kDouble) : at::Tensor();
 }
 
+// Per-pair values of the walked pairs, zeros appended for the skipped padding: [P, ...].
+at::Tensor padded(const at::Tensor& walked, int64_t P) {
+  std::vector<int64_t> tail(walked.sizes().begin(), walked.sizes().end());
+  tail[0] = P - walked.size(0);
+  return at::cat({walked, at::zeros(tail, walked.options())});
+}
+
 // The references, in float64 from the definitions (docs/ops.md).
 std::tuple<at::Tensor, at::Tensor> cfconv_cpu(const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
                                               const at::Tensor& pairs, const at::Tensor& weight1,
                                               const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
                                               const std::optional<at::Tensor>& bias2, c10::string_view activation,
                                               bool /*tf32: the reference is float64*/,
-    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/) {
-  const CfconvShape s =
-      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, sender_order);
-  const at::Tensor idx = pairs.contiguous();
+    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/,
+    const std::optional<at::Tensor>& num_pairs) {
+  const CfconvShape s = check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation,
+                                     sender_order, num_pairs);
+  const int64_t walked = walked_pairs_on_cpu(num_pairs, s.pairs);  // the rest is padding: skipped
+  const at::Tensor idx = pairs.narrow(1, 0, walked).contiguous();
   check_pair_indices(kCfconv, idx, s.nodes);
   const std::string act(activation);
-  const at::Tensor pre = at::linear(basis.to(at::kDouble), weight1.to(at::kDouble), optional_f64(bias1));
+  const at::Tensor pre =
+      at::linear(basis.narrow(0, 0, walked).to(at::kDouble), weight1.to(at::kDouble), optional_f64(bias1));
   const at::Tensor filters = at::linear(reference_activation(pre, act), weight2.to(at::kDouble), optional_f64(bias2));
-  const at::Tensor messages =
-      x.to(at::kDouble).index_select(0, idx[1]) * filters * envelope.to(at::kDouble).unsqueeze(1);
+  const at::Tensor messages = x.to(at::kDouble).index_select(0, idx[1]) * filters *
+                              envelope.narrow(0, 0, walked).to(at::kDouble).unsqueeze(1);
   const at::Tensor out = at::zeros({s.nodes, s.width}, messages.options()).index_add_(0, idx[0], messages);
-  return {out.to(x.scalar_type()), filters.to(x.scalar_type())};
+  return {out.to(x.scalar_type()), padded(filters, s.pairs).to(x.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
@@ -399,25 +410,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cpu(
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation,
     bool /*tf32: the reference is float64*/,
-    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/) {
-  const CfconvShape s =
-      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation,
-                   sender_order);
+    const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/,
+    const std::optional<at::Tensor>& num_pairs) {
+  const CfconvShape s = check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2,
+                                     std::nullopt, activation, sender_order, num_pairs);
   check_cfconv_backward(grad, filters, x, s);
-  const at::Tensor idx = pairs.contiguous();
+  const int64_t walked = walked_pairs_on_cpu(num_pairs, s.pairs);  // the rest is padding: zero gradients
+  const at::Tensor idx = pairs.narrow(1, 0, walked).contiguous();
   check_pair_indices(kCfconvBackward, idx, s.nodes);
-  const at::Tensor f = filters.to(at::kDouble), e = envelope.to(at::kDouble).unsqueeze(1);
+  const at::Tensor f = filters.narrow(0, 0, walked).to(at::kDouble);
+  const at::Tensor e = envelope.narrow(0, 0, walked).to(at::kDouble).unsqueeze(1);
   const at::Tensor grad_i = grad.to(at::kDouble).index_select(0, idx[0]);
   const at::Tensor grad_filter = grad_i * x.to(at::kDouble).index_select(0, idx[1]);
   const at::Tensor grad_x = at::zeros({s.nodes, s.width}, f.options()).index_add_(0, idx[1], grad_i * f * e);
   const at::Tensor grad_envelope = (grad_filter * f).sum(1);
   const at::Tensor w1 = weight1.to(at::kDouble);
-  const at::Tensor pre = at::linear(basis.to(at::kDouble), w1, optional_f64(bias1));
+  const at::Tensor pre = at::linear(basis.narrow(0, 0, walked).to(at::kDouble), w1, optional_f64(bias1));
   const at::Tensor grad_pre =
       at::matmul(grad_filter * e, weight2.to(at::kDouble)) * reference_activation_grad(pre, std::string(activation));
   const at::Tensor grad_basis = at::matmul(grad_pre, w1);
   const auto dtype = x.scalar_type();
-  return {grad_x.to(dtype), grad_basis.to(dtype), grad_envelope.to(dtype)};
+  return {grad_x.to(dtype), padded(grad_basis, s.pairs).to(dtype), padded(grad_envelope, s.pairs).to(dtype)};
 }
 
 std::tuple<at::Tensor, at::Tensor> cfconv_meta(const at::Tensor& x, const at::Tensor& basis,
@@ -425,9 +438,10 @@ std::tuple<at::Tensor, at::Tensor> cfconv_meta(const at::Tensor& x, const at::Te
                                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                                c10::string_view activation, bool /*tf32*/,
-                                               const std::optional<at::Tensor>& sender_order) {
-  const CfconvShape s =
-      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, sender_order);
+                                               const std::optional<at::Tensor>& sender_order,
+                                               const std::optional<at::Tensor>& num_pairs) {
+  const CfconvShape s = check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation,
+                                     sender_order, num_pairs);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options())};
 }
 
@@ -435,10 +449,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation,
-    bool /*tf32*/, const std::optional<at::Tensor>& sender_order) {
-  const CfconvShape s =
-      check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2, std::nullopt, activation,
-                   sender_order);
+    bool /*tf32*/, const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
+  const CfconvShape s = check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2,
+                                     std::nullopt, activation, sender_order, num_pairs);
   check_cfconv_backward(grad, filters, x, s);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.rbf}, x.options()),
           at::empty({s.pairs}, x.options())};

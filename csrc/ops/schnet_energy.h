@@ -75,12 +75,12 @@ struct CfconvShape {
 };
 
 // Checks every argument shared by the two ops (not the index values) and returns the sizes;
-// sender_order as pair_order.h says.
+// sender_order and num_pairs as pair_order.h says.
 CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Tensor& basis,
                          const at::Tensor& envelope, const at::Tensor& pairs, const at::Tensor& weight1,
                          const std::optional<at::Tensor>& bias1, const at::Tensor& weight2,
                          const std::optional<at::Tensor>& bias2, std::string_view activation,
-                         const std::optional<at::Tensor>& sender_order);
+                         const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs);
 
 // The backward's own arguments: grad [N, M] and filters [P, M], as x.
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,

@@ -8,6 +8,7 @@
 #include "../../cuda/cfconv.cuh"
 #include "../../cuda/painn_energy.cuh"
 #include "../../cuda/schnet_energy.cuh"
+#include "checks.h"
 #include "cuda_utils.h"
 #include "pair_order.h"
 #include "schnet_energy.h"
@@ -176,15 +177,16 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Te
                                                const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                                const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                                c10::string_view activation, bool tf32,
-                                               const std::optional<at::Tensor>& sender_order /*its backward's*/) {
-  const CfconvShape s =
-      check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, sender_order);
+                                               const std::optional<at::Tensor>& sender_order /*its backward's*/,
+                                               const std::optional<at::Tensor>& num_pairs) {
+  const CfconvShape s = check_cfconv(kCfconv, x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation,
+                                     sender_order, num_pairs);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> held;
   cuda::CfconvParams p{};
   p.weights = cfconv_weights(kCfconv, s, weight1, bias1, weight2, bias2, activation, tf32, held);
   const at::Tensor xc = aligned(x), basis_c = basis.contiguous(), envelope_c = envelope.contiguous();
-  const at::Tensor idx = pairs.contiguous();
+  const at::Tensor idx = pairs.contiguous(), count = contiguous_or_undefined(num_pairs);
   at::Tensor out = at::empty({s.nodes, s.width}, x.options());
   at::Tensor filters = at::empty({s.pairs, s.width}, x.options());
   const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));  // zeroed on the stream
@@ -195,6 +197,7 @@ std::tuple<at::Tensor, at::Tensor> cfconv_cuda(const at::Tensor& x, const at::Te
   p.out = out.mutable_data_ptr<float>();
   p.filters = filters.mutable_data_ptr<float>();
   p.invalid = invalid.mutable_data_ptr<int>();
+  p.live_pairs = static_cast<const int64_t*>(data_or_null(count));
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
   check_launch(kCfconv, cuda::launch_cfconv(p, c10::cuda::getCurrentCUDAStream()));
@@ -205,9 +208,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& basis, const at::Tensor& envelope,
     const at::Tensor& pairs, const at::Tensor& filters, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, c10::string_view activation, bool tf32,
-    const std::optional<at::Tensor>& sender_order) {
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   const CfconvShape s = check_cfconv(kCfconvBackward, x, basis, envelope, pairs, weight1, bias1, weight2,
-                                     std::nullopt, activation, sender_order);
+                                     std::nullopt, activation, sender_order, num_pairs);
   check_cfconv_backward(grad, filters, x, s);
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> held;
@@ -215,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   p.weights = cfconv_weights(kCfconvBackward, s, weight1, bias1, weight2, std::nullopt, activation, tf32, held);
   const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
   const at::Tensor basis_c = basis.contiguous(), envelope_c = envelope.contiguous(), idx = pairs.contiguous();
-  const at::Tensor order = given_sender_order(sender_order);
+  const at::Tensor order = given_sender_order(sender_order), count = contiguous_or_undefined(num_pairs);
   at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());
   at::Tensor grad_basis = at::empty({s.pairs, s.rbf}, x.options());
   at::Tensor grad_envelope = at::empty({s.pairs}, x.options());
@@ -231,6 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   p.grad_envelope = grad_envelope.mutable_data_ptr<float>();
   p.invalid = invalid.mutable_data_ptr<int>();
   p.sender_order = static_cast<const int*>(data_or_null(order));
+  p.live_pairs = static_cast<const int64_t*>(data_or_null(count));
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
   const at::Tensor workspace = workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs), x);

@@ -343,7 +343,7 @@ def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
     return torch.ops.mirage.pair_product(a, b, pairs)
 
 
-def sender_order(pairs: Tensor, num_nodes: int) -> Tensor:
+def sender_order(pairs: Tensor, num_nodes: int, num_pairs: Optional[Tensor] = None) -> Tensor:
     """The pairs' indices grouped by sender, for the backwards that scatter onto the senders.
 
     :func:`neighbor_list` sorts its pairs by receiver, so a forward sums each receiver's run of
@@ -364,14 +364,18 @@ def sender_order(pairs: Tensor, num_nodes: int) -> Tensor:
 
     Args:
         pairs: ``(2, P)`` int64, row 1 the senders.
-        num_nodes: ``N``; senders outside ``[0, N)`` come last.
+        num_nodes: ``N``; senders outside ``[0, N)`` come after the others.
+        num_pairs: None, or :func:`neighbor_list`'s count (one int64 on ``pairs``' device): the
+            padding, pairs from it on, then comes last, as :func:`cfconv`'s ``num_pairs`` needs
+            (an order formed without it fails cfconv's check there). A negative count or one
+            past ``P`` (neighbor_list's NaN and overflow cases) counts every pair.
 
     Returns:
         int32 ``(P,)``: the pair indices with non-decreasing senders, in no particular order
         within a sender's run on CUDA (stable on the CPU); ``(0,)`` for lists shorter than 8,192
         pairs, which the backwards walk in their own order (passing it is the same as None).
     """
-    return torch.ops.mirage.sender_order(pairs, int(num_nodes))
+    return torch.ops.mirage.sender_order(pairs, int(num_nodes), num_pairs)
 
 
 def vector_message_passing(
@@ -661,6 +665,7 @@ def cfconv(
     activation: str = "shifted_softplus",
     tf32: Optional[bool] = None,
     sender_order: Optional[Tensor] = None,
+    num_pairs: Optional[Tensor] = None,
 ) -> Tensor:
     """SchNet's continuous-filter convolution with its filter network fused in.
 
@@ -695,6 +700,12 @@ def cfconv(
         sender_order: None, or :func:`sender_order` of these pairs, formed once and passed to
             every op over the same list: the CUDA backward then reads it instead of sorting the
             list itself.
+        num_pairs: None, or :func:`neighbor_list`'s count (one int64 on ``pairs``' device): the
+            pairs from it on are its padding and are skipped, neither summed nor differentiated
+            (their gradients are 0; ``torch.ops.mirage.cfconv``'s filters there too), so a pass
+            costs the pairs there are, not the capacity. A negative count or one past ``P``
+            (neighbor_list's NaN and overflow cases) counts every pair. A ``sender_order`` must
+            then come from :func:`sender_order` with the same ``num_pairs``.
 
     Returns:
         ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x``, ``basis`` and
@@ -709,7 +720,7 @@ def cfconv(
     if tf32 is None:
         tf32 = tf32_matmuls()
     return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32,
-                                   sender_order)[0]
+                                   sender_order, num_pairs)[0]
 
 
 def radial_cfconv(

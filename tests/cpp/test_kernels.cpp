@@ -1066,8 +1066,8 @@ TEST_CASE("sort_by_sender groups the pairs by sender, bad senders last", "[pair_
       const int sentinel = 0;
       mc::SenderOrder none{&sentinel, {nullptr, 3}};
       REQUIRE(mc::sender_order_workspace_bytes(nodes, mc::kSenderOrderMinPairs - 1) == 0);
-      REQUIRE(mc::launch_sender_order(nullptr, nodes, mc::kSenderOrderMinPairs - 1, &sentinel, nullptr, &none,
-                                      nullptr) == cudaSuccess);
+      REQUIRE(mc::launch_sender_order(nullptr, nodes, mc::kSenderOrderMinPairs - 1, nullptr, &sentinel, nullptr,
+                                      &none, nullptr) == cudaSuccess);
       REQUIRE(none.order == nullptr);
       REQUIRE(none.check.count == 0);
     }
@@ -1084,24 +1084,44 @@ TEST_CASE("sort_by_sender groups the pairs by sender, bad senders last", "[pair_
             cudaSuccess);
     REQUIRE(cudaMalloc(&scratch, bytes) == cudaSuccess);
     REQUIRE(cudaMemset(scratch, 0x7F, bytes) == cudaSuccess);  // the sort initializes it
-    REQUIRE(mc::sort_by_sender(dpairs, nodes, P, dorder, scratch, nullptr) == cudaSuccess);
-    const std::vector<int> order = read_ints(dorder, P);
+    // Without a count, then with neighbor_list's (its padding, pairs from it on, last), then with
+    // a negative one (neighbor_list's NaN case: every pair walked).
+    const int64_t live = P - 1000;
+    for (const int64_t count : {int64_t{-2}, live, int64_t{-1}}) {
+      INFO("count=" << count);
+      int64_t* dcount = nullptr;
+      if (count != -2) {
+        REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dcount), sizeof(int64_t)) == cudaSuccess);
+        REQUIRE(cudaMemcpy(dcount, &count, sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess);
+      }
+      REQUIRE(mc::sort_by_sender(dpairs, nodes, P, dcount, dorder, scratch, nullptr) == cudaSuccess);
+      const std::vector<int> order = read_ints(dorder, P);
+      cudaFree(dcount);
+      const int64_t walked = count == live ? live : P;
+      // A permutation of the pairs whose keys never decrease: the sender, `nodes` for a bad one,
+      // `nodes + 1` for padding.
+      std::vector<int> seen(P, 0);
+      int64_t previous_key = -1;
+      for (const int p : order) {
+        REQUIRE(p >= 0);
+        REQUIRE(p < P);
+        ++seen[p];
+        const int64_t sender = pairs[P + p];
+        const int64_t key = p >= walked ? nodes + 1 : sender >= 0 && sender < nodes ? sender : nodes;
+        REQUIRE(key >= previous_key);
+        previous_key = key;
+      }
+      REQUIRE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+      // The bad senders (pairs 0, 5 and P - 1; the last one padding with a count) right before
+      // the padding, or last.
+      const int64_t bad_end = walked, bad = count == live ? 2 : 3;
+      for (int64_t q = bad_end - bad; q < bad_end; ++q)
+        REQUIRE((pairs[P + order[q]] < 0 || pairs[P + order[q]] >= nodes));
+      for (int64_t q = walked; q < P; ++q) REQUIRE(order[q] >= walked);
+    }
     cudaFree(dorder);
     cudaFree(scratch);
     cudaFree(dpairs);
-    // A permutation of the pairs whose senders never decrease, the bad ones (key `nodes`) last.
-    std::vector<int> seen(P, 0);
-    int64_t previous_key = -1;
-    for (const int p : order) {
-      REQUIRE(p >= 0);
-      REQUIRE(p < P);
-      ++seen[p];
-      const int64_t sender = pairs[P + p], key = sender >= 0 && sender < nodes ? sender : nodes;
-      REQUIRE(key >= previous_key);
-      previous_key = key;
-    }
-    REQUIRE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
-    for (int64_t q = P - 3; q < P; ++q) REQUIRE((pairs[P + order[q]] < 0 || pairs[P + order[q]] >= nodes));
   }
 }
 
@@ -1110,17 +1130,31 @@ TEST_CASE("launch_sender_order checks a given order: permutations balance, other
   const int64_t nodes = 300, P = 2 * mc::kSenderOrderMinPairs + 77;
   std::vector<int> reversed(P);
   for (int64_t k = 0; k < P; ++k) reversed[k] = static_cast<int>(P - 1 - k);
-  std::vector<int> duplicated = reversed, out_of_range = reversed, swapped = reversed;
+  std::vector<int> duplicated = reversed, out_of_range = reversed, swapped = reversed, identity(P);
   duplicated[10] = duplicated[11];  // one index twice, one missing
   out_of_range[20] = static_cast<int>(P);
   std::swap(swapped[0], swapped[P - 1]);  // still a permutation
+  for (int64_t k = 0; k < P; ++k) identity[k] = static_cast<int>(k);
+  // With a count (neighbor_list's: the walk stops there) the positions before it must hold the
+  // pairs before it: the identity does, the reversed order and the swapped identity do not.
+  const int64_t count = P - 100;
+  int64_t* dcount = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dcount), sizeof(int64_t)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(dcount, &count, sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess);
+  std::vector<int> swapped_identity = identity;
+  std::swap(swapped_identity[0], swapped_identity[P - 1]);
   struct Case {
     const char* name;
     const std::vector<int>& given;
+    const int64_t* live;
     bool valid;
   };
-  for (const Case& c : {Case{"reversed", reversed, true}, Case{"swapped", swapped, true},
-                        Case{"duplicated", duplicated, false}, Case{"out of range", out_of_range, false}}) {
+  for (const Case& c : {Case{"reversed", reversed, nullptr, true}, Case{"swapped", swapped, nullptr, true},
+                        Case{"duplicated", duplicated, nullptr, false},
+                        Case{"out of range", out_of_range, nullptr, false}, Case{"identity, count", identity, dcount, true},
+                        Case{"reversed, count", reversed, dcount, false},
+                        Case{"swapped identity, count", swapped_identity, dcount, false},
+                        Case{"duplicated, count", duplicated, dcount, false}}) {
     INFO(c.name);
     int* dgiven = device_ints(c.given);
     void* workspace = nullptr;
@@ -1129,7 +1163,7 @@ TEST_CASE("launch_sender_order checks a given order: permutations balance, other
     REQUIRE(cudaMemset(workspace, 0x7F, bytes) == cudaSuccess);  // the launcher initializes what it reads
     mc::SenderOrder walk;
     // The pairs are not read when an order is given.
-    REQUIRE(mc::launch_sender_order(nullptr, nodes, P, dgiven, workspace, &walk, nullptr) == cudaSuccess);
+    REQUIRE(mc::launch_sender_order(nullptr, nodes, P, c.live, dgiven, workspace, &walk, nullptr) == cudaSuccess);
     REQUIRE(walk.order != nullptr);
     REQUIRE(walk.check.count > 0);
     const std::vector<int> copied = read_ints(walk.order, P);
@@ -1146,6 +1180,7 @@ TEST_CASE("launch_sender_order checks a given order: permutations balance, other
       if (copied[k] != want) FAIL("copied[" << k << "] = " << copied[k] << ", want " << want);
     }
   }
+  cudaFree(dcount);
 }
 
 namespace {
@@ -1301,11 +1336,11 @@ TEST_CASE("launch_cfconv(_backward) match the host reference", "[cfconv]") {
     REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * 8, cudaMemcpyHostToDevice) == cudaSuccess);
     const mc::CfconvWeights weights{dw1.ptr, db1.ptr, dw2.ptr, db2.ptr, k.rbf, k.width, k.activation, false};
     const mc::CfconvParams forward{weights, dx.ptr, dbasis.ptr, denvelope.ptr, dpairs, dout.ptr, dfilters.ptr,
-                                   dinvalid, N, P};
+                                   dinvalid, /*live_pairs=*/nullptr, N, P};
     REQUIRE(mc::launch_cfconv(forward, nullptr) == cudaSuccess);
     const mc::CfconvBackwardParams backward{weights, dgrad.ptr, dx.ptr, dbasis.ptr, denvelope.ptr, dpairs,
                                             dfilters.ptr, dgrad_x.ptr, dgrad_basis.ptr, dgrad_envelope.ptr,
-                                            dinvalid, /*sender_order=*/nullptr, N, P};
+                                            dinvalid, /*sender_order=*/nullptr, /*live_pairs=*/nullptr, N, P};
     // 20,000 pairs walk in sender order, the others in list order.
     void* workspace = nullptr;
     const size_t workspace_bytes = mc::cfconv_backward_workspace_bytes(N, P);

@@ -368,6 +368,76 @@ def test_cfconv_refuses_parameter_gradients_and_double_backward(device):
     assert_first_order_only(out, basis, "no gradient in the filter network's parameters")
 
 
+# ---- num_pairs: neighbor_list's padding skipped ------------------------------------------------
+
+def cfconv_with_count(args, count, order=None):
+    """(out, filters, grad_x, grad_basis, grad_envelope) of torch.ops.mirage.cfconv with num_pairs
+    = count (None: without), the gradients of out . g for a fixed g."""
+    leaves = [a.detach().requires_grad_() for a in args[:3]]
+    num_pairs = None if count is None else torch.tensor([count], device=args[0].device)
+    out, filters = torch.ops.mirage.cfconv(*leaves, *args[3:], False, order, num_pairs)
+    grad_out = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+    return [out.detach(), filters, *torch.autograd.grad(out, leaves, grad_out)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["schnet", "many_tiles", "many_tiles_64"])  # list order; sender order from 8,192 pairs
+@pytest.mark.parametrize("given_order", [False, True])
+def test_cfconv_num_pairs_skips_the_padding(device, name, given_order, cfconv_kernels):
+    """make_inputs' last fifth is neighbor_list's padding (pairs (0, 0), envelope 0): with its
+    count the op skips it. The sums and the other pairs' values are those of the full list (the
+    padding adds nothing there), the skipped pairs' filters and gradients are 0; a negative count
+    or one past P (neighbor_list's NaN and overflow cases) walks every pair."""
+    if device == "cpu" and (cfconv_kernels == "portable" or name == "many_tiles"):
+        pytest.skip("a choice of CUDA kernels" if cfconv_kernels == "portable" else "CPU time")
+    args = make_inputs(name, device, torch.float32)
+    pairs, P = args[3], args[3].shape[1]
+    count = P - P // 5
+    order = mirage.ops.sender_order(pairs, args[0].shape[0], torch.tensor([count], device=device)) if given_order \
+        else None
+    full = cfconv_with_count(args, None)
+    got = cfconv_with_count(args, count, order)
+    # The same sums, in float32 atomics' order on CUDA.
+    close = {} if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    for what, g, f in zip(("out", "filters", "grad_x", "grad_basis", "grad_envelope"), got, full):
+        per_pair = what not in ("out", "grad_x")
+        torch.testing.assert_close(g[:count] if per_pair else g, f[:count] if per_pair else f, **close, msg=what)
+        if per_pair:
+            assert torch.equal(g[count:], torch.zeros_like(g[count:])), what
+    for every_pair in (-1, P, P + 7):
+        for what, g, f in zip(("out", "filters", "grad_x", "grad_basis", "grad_envelope"),
+                              cfconv_with_count(args, every_pair), full):
+            torch.testing.assert_close(g, f, **close, msg=f"{what} with num_pairs={every_pair}")
+
+
+@pytest.mark.cuda
+def test_cfconv_cuda_order_formed_without_the_count_turns_the_gradients_nan(cfconv_kernels):
+    # An order whose positions before the count do not hold the pairs before it (the padding,
+    # sender 0, sits among sender 0's pairs) would make the walk stop short: its check fails.
+    args = make_inputs("many_tiles", "cuda", torch.float32)
+    P = args[3].shape[1]
+    order = mirage.ops.sender_order(args[3], args[0].shape[0])
+    got = cfconv_with_count(args, P - P // 5, order)
+    assert torch.isfinite(got[0]).all()
+    assert all(torch.isnan(g).all() for g in got[2:])
+
+
+def test_cfconv_num_pairs_opcheck():
+    args = make_inputs("narrow")
+    torch.library.opcheck(torch.ops.mirage.cfconv.default, (*args, False, None, torch.tensor([250])))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cfconv_bad_num_pairs(device):
+    args = make_inputs("narrow", device, torch.float32 if device == "cuda" else torch.float64)
+    for count, message in ((torch.tensor([3], dtype=torch.int32), "one int64 (neighbor_list's count), got Int of shape [1]"),
+                           (torch.tensor([3, 4]), "one int64 (neighbor_list's count), got Long of shape [2]"),
+                           (torch.tensor([3], device="meta"), f"on pairs' device ({args[3].device}), got meta")):
+        on = count if count.is_meta else count.to(device)
+        assert_error(lambda d: torch.ops.mirage.cfconv(*args, False, None, on), device,
+                     "mirage::cfconv: num_pairs must be " + message)
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 def _call(device, **changes):

@@ -63,8 +63,9 @@ def test_opcheck(device, count):
     deterministic = device == "cpu" or count < MIN_PAIRS
     utils = ("test_schema", "test_autograd_registration", "test_faketensor") + (
         ("test_aot_dispatch_dynamic",) if deterministic else ())
-    torch.library.opcheck(torch.ops.mirage.sender_order.default, (receiver_sorted_pairs(9, count, device), 9),
-                          test_utils=utils)
+    pairs = receiver_sorted_pairs(9, count, device)
+    for num_pairs in (None, torch.tensor([count - 2], device=device)):
+        torch.library.opcheck(torch.ops.mirage.sender_order.default, (pairs, 9, num_pairs), test_utils=utils)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -87,6 +88,32 @@ def test_cuda_order_groups_by_sender_bad_ones_last(atoms):
     assert order.dtype == torch.int32 and order.shape == (count,) and order.is_cuda
     assert_sender_order(order, pairs, atoms)
     assert set(order[-3:].tolist()) == {0, 5, 9000}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count", [MIN_PAIRS + 3, -1, 10**9])  # a count, then neighbor_list's NaN and overflow cases
+def test_padding_past_num_pairs_comes_last(device, count):
+    atoms, total = 60, MIN_PAIRS + 1003
+    pairs = receiver_sorted_pairs(atoms, total, device)
+    pairs[:, MIN_PAIRS + 3:] = 0  # neighbor_list's padding: pair (0, 0)
+    pairs[1, 17] = atoms  # a bad sender before the count: walked, so before the padding
+    order = mirage.ops.sender_order(pairs, atoms, torch.tensor([count], device=device)).long().cpu()
+    walked = count if 0 <= count < total else total
+    assert torch.equal(torch.sort(order).values, torch.arange(total))
+    assert (order[walked:] >= walked).all() and (order[:walked] < walked).all()
+    keys = torch.where(pairs[1].cpu() < atoms, pairs[1].cpu(), atoms)[order[:walked]]
+    assert (keys[1:] >= keys[:-1]).all() and order[walked - 1] == 17
+    if device == "cpu":  # stable
+        assert torch.equal(order[walked:], torch.arange(walked, total))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_num_pairs(device):
+    pairs = receiver_sorted_pairs(4, 6, device)
+    for count, message in ((torch.tensor([3], dtype=torch.int32, device=device), "got Int of shape [1]"),
+                           (torch.tensor([3, 4], device=device), "got Long of shape [2]")):
+        assert_error(lambda d: mirage.ops.sender_order(pairs, 4, count), device,
+                     "mirage::sender_order: num_pairs must be one int64 (neighbor_list's count), " + message)
 
 
 # ---- the argument: one problem per op, run(order) -> (outputs, gradients) ----------------------

@@ -106,8 +106,11 @@ at::Tensor pair_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
 // The pairs' indices grouped by sender: int32 [P] for pair lists long enough for a backward to
 // walk them that way (P >= 8192), int32 [0] for shorter ones. Formed once per pair list and
 // passed as `sender_order` to vector_message_passing and pair_vectors (and torch.ops.mirage.cfconv
-// and radial_cfconv), whose backwards would otherwise each sort the same list again.
-at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes);
+// and radial_cfconv), whose backwards would otherwise each sort the same list again. num_pairs:
+// neighbor_list's count ([1] int64), which puts the padding past it last (what cfconv's num_pairs
+// needs), or none.
+at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes,
+                        const std::optional<at::Tensor>& num_pairs = std::nullopt);
 
 // PaiNN's messages: with m = x[j] * filter split into (s, vv, vs) parts of F features,
 // scalar[i] = sum m_s and vector[i, c] = sum vectors[j, c] * m_vv + m_vs * directions[p, c].
