@@ -237,11 +237,12 @@ class _FusedModel(nn.Module):
         capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
         return min(capacity, all_pairs) if cell is None else capacity
 
-    def _neighbors(self, positions: Tensor, cell, pbc) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
-        """(pairs [2, P], their sender order, vectors r_j - r_i + shift [P, 3], distances [P]) with
-        P = max_pairs. The order (CUDA only; mirage::sender_order) is formed once for the
-        backwards of every op over the pairs, which would otherwise each sort them again (three
-        to four times a call at 3,000 atoms, ~18 us each on an H200)."""
+    def _neighbors(self, positions: Tensor, cell, pbc) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
+        """(pairs [2, P], their true count, their sender order, vectors r_j - r_i + shift [P, 3],
+        distances [P]) with P = max_pairs. The order (CUDA only; mirage::sender_order, the padding
+        past the count last) is formed once for the backwards of every op over the pairs, which
+        would otherwise each sort them again (three to four times a call at 3,000 atoms, ~18 us
+        each on an H200)."""
         cell, pbc = self._boundaries(positions, cell, pbc)
         if self._max_pairs is None:
             self._max_pairs = self._initial_capacity(positions, cell, pbc)
@@ -253,9 +254,9 @@ class _FusedModel(nn.Module):
         # the cell only; detached otherwise, so that no shift gradient is formed for forces alone.
         if cell is None or not cell.requires_grad:
             shifts = shifts.detach()
-        order = ops.sender_order(pairs, positions.shape[0]) if pairs.is_cuda else None
+        order = ops.sender_order(pairs, positions.shape[0], num_pairs) if pairs.is_cuda else None
         vectors, distances = ops.pair_vectors(positions, pairs, shifts, sender_order=order)
-        return pairs, order, vectors, distances
+        return pairs, num_pairs, order, vectors, distances
 
     @classmethod
     def _assemble(cls, model: nn.Module, cutoff: float, max_pairs: Optional[int], num_rbf: int,
@@ -543,7 +544,7 @@ class SchNet(_FusedModel):
         interaction as one ``mirage::radial_cfconv`` (on Hopper) or ``mirage::cfconv`` (filter
         network, cutoff and message passing fused; :attr:`fused_interactions`,
         :attr:`radial_interactions`). Training mode takes the layer-by-layer path, which has both."""
-        pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
+        pairs, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                      self._kernel_weights(), self._kernel_activations())[0]
@@ -559,8 +560,9 @@ class SchNet(_FusedModel):
 
             def messages(t: int, block: nn.Module, h: Tensor) -> Tensor:
                 first, second = block.filter[0], block.filter[2]
+                # The padding past the count skipped (a fifth of the pairs at the default capacity).
                 return ops.cfconv(h, rbf, envelope, pairs, first.weight, first.bias, second.weight, second.bias,
-                                  self.filter_activation, sender_order=order)
+                                  self.filter_activation, sender_order=order, num_pairs=num_pairs)
         else:
             rbf = ops.radial_basis(distances, "gaussian", self.num_rbf, self.cutoff, "none")
             # unbind, not filters[t]: its backward stacks the T gradients in one pass, where each
@@ -784,7 +786,7 @@ class PaiNN(_FusedModel):
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both."""
-        pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
+        pairs, _, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return ops.painn_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                     self._kernel_weights(), self._kernel_activations(), self.norm_eps)[0]
