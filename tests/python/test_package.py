@@ -14,8 +14,8 @@ import mirage
 OPS = ["add_layer_norm", "bias_act", "cfconv", "cfconv_backward", "geglu", "group_norm", "layer_norm", "linear",
        "message_passing", "neighbor_list", "painn_energy", "painn_update", "painn_update_backward",
        "painn_update_input", "painn_update_input_backward", "pair_product", "pair_vectors", "pair_vectors_backward",
-       "radial_basis", "radial_basis_backward", "radial_cfconv", "radial_cfconv_backward", "schnet_energy", "subpixel_shuffle", "vector_message_passing",
-       "vector_message_passing_backward"]
+       "radial_basis", "radial_basis_backward", "radial_cfconv", "radial_cfconv_backward", "schnet_energy",
+       "sender_order", "subpixel_shuffle", "vector_message_passing", "vector_message_passing_backward"]
 
 
 def test_info_lists_build_and_ops():
