@@ -125,8 +125,10 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing(const at::Tensor& x,
                                                           const at::Tensor& directions,
                                                           const at::Tensor& pairs,
                                                           const std::optional<at::Tensor>& filter_weight,
-                                                          const std::optional<at::Tensor>& sender_order) {
-  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight, sender_order);
+                                                          const std::optional<at::Tensor>& sender_order,
+                                                          const std::optional<at::Tensor>& num_pairs) {
+  return handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight, sender_order,
+                                                num_pairs);
 }
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors(const at::Tensor& positions, const at::Tensor& pairs,

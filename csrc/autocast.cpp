@@ -186,14 +186,16 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
                                                                    const at::Tensor& directions,
                                                                    const at::Tensor& pairs,
                                                                    const std::optional<at::Tensor>& filter_weight,
-                                                                   const std::optional<at::Tensor>& sender_order) {
+                                                                   const std::optional<at::Tensor>& sender_order,
+                                                                   const std::optional<at::Tensor>& num_pairs) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
   std::optional<at::Tensor> weight;
   if (filter_weight.has_value()) weight = cached_cast(dtype, *filter_weight, Device);
   return handles::vector_message_passing().call(
       cached_cast(dtype, x, Device), cached_cast(dtype, filter, Device),
-      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs, weight, sender_order);
+      cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs, weight, sender_order,
+      num_pairs);
 }
 
 // mirage::painn_update(_input) are elementwise: like PyTorch's own elementwise ops under autocast

@@ -21,6 +21,7 @@
 #include "ops/bias_act.h"
 #include "ops/linear.h"
 #include "ops/message.h"
+#include "ops/pair_order.h"
 #include "ops/schnet_energy.h"
 #include "ops/subpixel_shuffle.h"
 #include "ops/vector_message_passing.h"
@@ -588,16 +589,23 @@ namespace {
 // inside for float16/bfloat16. Per pair p = (i, j), with m = x[j] * filter[p] = (m_s, m_vv, m_vs):
 // dL/dm_s = grad_scalar[i], dL/dm_vv = sum_c grad_vector[i, c] * vectors[j, c],
 // dL/dm_vs = sum_c grad_vector[i, c] * directions[p, c].
+// in = (grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight,
+// sender_order, num_pairs). With num_pairs the incoming gradients are masked to 0 at the padding's
+// pairs (on the device): every term of a skipped pair then vanishes, as in the fused op.
 variable_list vector_message_passing_backward_composite(const variable_list& in) {
   const at::Tensor& x = in[2];
   const at::Tensor& pairs = in[6];
   const at::Tensor i = pairs.select(0, 0), j = pairs.select(0, 1);
   const int64_t nodes = x.size(0), features = x.size(1) / 3;
   const at::Tensor x_j = to_compute_dtype(x).index_select(0, j);
-  const at::Tensor filter = to_compute_dtype(ops::formed_filter(
-      in[3], defined_or_none(in[7])));
-  const at::Tensor grad_scalar_i = to_compute_dtype(in[0]).index_select(0, i);
-  const at::Tensor grad_vector_i = to_compute_dtype(in[1]).index_select(0, i);  // [P, 3, F]
+  const at::Tensor filter = to_compute_dtype(ops::formed_filter(in[3], defined_or_none(in[7])));
+  at::Tensor grad_scalar_i = to_compute_dtype(in[0]).index_select(0, i);
+  at::Tensor grad_vector_i = to_compute_dtype(in[1]).index_select(0, i);  // [P, 3, F]
+  if (in[9].defined()) {
+    const at::Tensor walked = ops::walked_mask(in[9], pairs.size(1)).to(filter.scalar_type());
+    grad_scalar_i = grad_scalar_i * walked.unsqueeze(-1);
+    grad_vector_i = grad_vector_i * walked.view({-1, 1, 1});
+  }
   const at::Tensor vectors_j = to_compute_dtype(in[4]).index_select(0, j);
   const at::Tensor directions = to_compute_dtype(in[5]);
   const at::Tensor grad_m = at::cat({grad_scalar_i, (grad_vector_i * vectors_j).sum(1),
@@ -622,13 +630,14 @@ struct VectorMessagePassingBackwardFunction
                                const at::Tensor& filter, const at::Tensor& vectors,
                                const at::Tensor& directions, const at::Tensor& pairs,
                                const std::optional<at::Tensor>& filter_weight,
-                               const std::optional<at::Tensor>& sender_order) {
+                               const std::optional<at::Tensor>& sender_order,
+                               const std::optional<at::Tensor>& num_pairs) {
     save_inputs(ctx, {grad_scalar, grad_vector, x, filter, vectors, directions, pairs,
-                      value_or_undefined(filter_weight), value_or_undefined(sender_order)});
+                      value_or_undefined(filter_weight), value_or_undefined(sender_order),
+                      value_or_undefined(num_pairs)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [grad_x, grad_filter, grad_vectors, grad_directions] =
-        handles::vector_message_passing_backward().call(grad_scalar, grad_vector, x, filter,
-                                                        vectors, directions, pairs, filter_weight, sender_order);
+    auto [grad_x, grad_filter, grad_vectors, grad_directions] = handles::vector_message_passing_backward().call(
+        grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight, sender_order, num_pairs);
     return {grad_x, grad_filter, grad_vectors, grad_directions};
   }
 
@@ -644,12 +653,13 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& filter,
                                const at::Tensor& vectors, const at::Tensor& directions,
                                const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-                               const std::optional<at::Tensor>& sender_order) {
+                               const std::optional<at::Tensor>& sender_order,
+                               const std::optional<at::Tensor>& num_pairs) {
     ctx->save_for_backward({x, filter, vectors, directions, pairs, value_or_undefined(filter_weight),
-                            value_or_undefined(sender_order)});
+                            value_or_undefined(sender_order), value_or_undefined(num_pairs)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [scalar, vector] =
-        handles::vector_message_passing().call(x, filter, vectors, directions, pairs, filter_weight, sender_order);
+    auto [scalar, vector] = handles::vector_message_passing().call(x, filter, vectors, directions, pairs,
+                                                                   filter_weight, sender_order, num_pairs);
     return {scalar, vector};
   }
 
@@ -674,9 +684,10 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
     auto [grad_x, grad_filter, grad_vectors, grad_directions] =
         handles::vector_message_passing_backward().call(grad_outputs[0], grad_outputs[1], saved[0], filter,
                                                         saved[2], saved[3], saved[4], fused_weight,
-                                                        defined_or_none(saved[6]));
+                                                        defined_or_none(saved[6]), defined_or_none(saved[7]));
     if (!weight.defined()) {
-      return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor(), at::Tensor(), at::Tensor()};
+      return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor()};
     }
     // grad_filter @ weight by mirage::linear: its narrow kernel takes these [P, 3F] x [3F, K]
     // products of many pairs (cuBLAS's float32 kernels ran them at a quarter of the FMA rate).
@@ -685,16 +696,16 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
             ? handles::linear().call(grad_filter, weight.t(), std::nullopt, std::nullopt, "none")
             : at::Tensor();
     const at::Tensor grad_weight = ctx->needs_input_grad(5) ? grad_filter.t().matmul(basis) : at::Tensor();
-    return {grad_x, grad_basis, grad_vectors, grad_directions, at::Tensor(), grad_weight, at::Tensor()};
+    return {grad_x, grad_basis, grad_vectors, grad_directions, at::Tensor(), grad_weight, at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> vector_message_passing_autograd(
     const at::Tensor& x, const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order) {
-  const variable_list out =
-      VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs, filter_weight, sender_order);
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
+  const variable_list out = VectorMessagePassingFunction::apply(x, filter, vectors, directions, pairs, filter_weight,
+                                                                sender_order, num_pairs);
   return {out[0], out[1]};
 }
 
@@ -702,9 +713,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order) {
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   const variable_list out = VectorMessagePassingBackwardFunction::apply(
-      grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight, sender_order);
+      grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight, sender_order, num_pairs);
   return {out[0], out[1], out[2], out[3]};
 }
 

@@ -37,10 +37,11 @@ using SenderOrderArg = const std::optional<at::Tensor>&;
 using SenderOrderSig = at::Tensor(const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
 using VectorMessagePassingSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, SenderOrderArg);
+    const std::optional<at::Tensor>&, SenderOrderArg, const std::optional<at::Tensor>&);
 using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, SenderOrderArg);
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, SenderOrderArg,
+    const std::optional<at::Tensor>&);
 using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view);

@@ -45,11 +45,12 @@ TORCH_LIBRARY(mirage, m) {
   // filter_weight, `filter` is the basis its Linear maps to the filter (formed in the kernel);
   // grad_filter is then the formed filter's gradient.
   m.def("vector_message_passing(Tensor x, Tensor filter, Tensor vectors, Tensor directions, "
-        "Tensor pairs, Tensor? filter_weight=None, Tensor? sender_order=None) -> (Tensor scalar, Tensor vector)");
+        "Tensor pairs, Tensor? filter_weight=None, Tensor? sender_order=None, Tensor? num_pairs=None) -> "
+        "(Tensor scalar, Tensor vector)");
   m.def("vector_message_passing_backward(Tensor grad_scalar, Tensor grad_vector, Tensor x, "
         "Tensor filter, Tensor vectors, Tensor directions, Tensor pairs, Tensor? filter_weight=None, "
-        "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_filter, Tensor grad_vectors, "
-        "Tensor grad_directions)");
+        "Tensor? sender_order=None, Tensor? num_pairs=None) -> (Tensor grad_x, Tensor grad_filter, "
+        "Tensor grad_vectors, Tensor grad_directions)");
   // PaiNN's update block around its MLP (cuda/painn_update.cuh): the MLP's input [s, |V v|] and
   // the gated update of s and v; each backward is an op of its own (the forces' hot path).
   m.def("painn_update_input(Tensor s, Tensor vv, float eps) -> Tensor");

@@ -62,6 +62,25 @@ __device__ __forceinline__ void for_each_run(int64_t num_pairs, int pairs_per_wa
   }
 }
 
+// A fused filter's grid is one wave of `warps` warps walking runs of this many pairs, as evenly as
+// the runs allow. With the caller's count the kernels split the walked pairs again over the same
+// warps (the host chose from the capacity), so that the skipped padding shortens every warp's walk
+// instead of idling the last warps while the others take as long as before.
+__host__ __device__ inline int wave_pairs_per_warp(int64_t pairs, int64_t warps) {
+  int64_t runs_per_warp = ceil_div(pairs, warps * kLanes);
+  if (runs_per_warp < 1) runs_per_warp = 1;
+  const int64_t per_run = ceil_div(pairs, warps * runs_per_warp);
+  return static_cast<int>(per_run < 1 ? 1 : per_run > kLanes ? kLanes : per_run);
+}
+
+// The run length a kernel walks: the host's, or with a fused filter and a count the walked pairs'
+// split over the grid's warps.
+template <bool kFused>
+__device__ __forceinline__ int run_length(const int64_t* live, int64_t walked, int pairs_per_warp) {
+  if (!kFused || live == nullptr) return pairs_per_warp;
+  return wave_pairs_per_warp(walked, static_cast<int64_t>(gridDim.x) * kWarps);
+}
+
 // Fused filters are formed a group of pairs at a time, each weight load serving the group: four
 // in the forward, two in the backward (four spill registers at two blocks an SM: 229 against
 // 270 us a layer of PaiNN at 3,000 atoms on an H100, 2026-11-24; three spill fewer but still
@@ -197,7 +216,8 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
   const bool active = f < F;  // V divides F when V > 1
   auto stage = make_stage<kFused>(p.fused, F);
 
-  for_each_run(p.num_pairs, pairs_per_warp, [&](const PairRun run) {
+  const int64_t walked = pairs_to_walk(p.live_pairs, p.num_pairs);
+  for_each_run(walked, run_length<kFused>(p.live_pairs, walked, pairs_per_warp), [&](const PairRun run) {
     const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, nullptr, invalid);
     if constexpr (kFused) stage.stage_run(p.fused, mine.pair, threadIdx.x < run.count);
     float acc_s[V], acc_v[3][V];
@@ -275,7 +295,8 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
   const bool active = f < F;
   auto stage = make_stage<kFused>(p.fused, F);
 
-  for_each_run(p.num_pairs, pairs_per_warp, [&](const PairRun run) {
+  const int64_t walked = pairs_to_walk(p.live_pairs, p.num_pairs);
+  for_each_run(walked, run_length<kFused>(p.live_pairs, walked, pairs_per_warp), [&](const PairRun run) {
     const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, order, invalid);
     if constexpr (kFused) stage.stage_run(p.fused, mine.pair, threadIdx.x < run.count);
     // This lane's sums for the sender `current`: the gradients of x's three parts and of its
@@ -444,10 +465,7 @@ cudaError_t launch_over_pairs(void (*kernel)(Params, int, KernelArgs...), const 
   const cudaError_t status = blocks_per_wave(kernel, kLanes * kWarps, shared, wave);
   if (status != cudaSuccess) return status;
   const int64_t blocks = std::max<int64_t>(1, wave / tiles);
-  const int64_t warps = blocks * kWarps;
-  const int64_t runs_per_warp = std::max<int64_t>(1, ceil_div(p.num_pairs, warps * kLanes));
-  const int pairs_per_warp =
-      static_cast<int>(std::clamp<int64_t>(ceil_div(p.num_pairs, warps * runs_per_warp), 1, kLanes));
+  const int pairs_per_warp = wave_pairs_per_warp(p.num_pairs, blocks * kWarps);
   dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
   grid.x = static_cast<unsigned>(std::min<int64_t>(grid.x, blocks));
   kernel<<<grid, dim3(kLanes, kWarps), shared, stream>>>(p, pairs_per_warp, args...);
@@ -533,8 +551,8 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   // (workspace_bytes of them, a multiple of 256).
   SenderOrder walk;
   void* order_workspace = static_cast<char*>(workspace) + workspace_bytes(p.dtype, {n_node, n_node, n_dir});
-  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, /*live=*/nullptr, p.sender_order, order_workspace,
-                               &walk, stream);
+  status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, p.live_pairs, p.sender_order, order_workspace, &walk,
+                               stream);
   if (status != cudaSuccess) return status;
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
@@ -548,10 +566,14 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
       });
       if (status != cudaSuccess) return;
     }
+    // The skipped pairs' grad_filter is written as 0 here (their grad_directions stay the zeroed
+    // accumulator's 0).
     Segments segments{{{float32 ? nullptr : grad_x, p.grad_x, n_node},
                        {float32 ? nullptr : grad_vectors, p.grad_vectors, n_node},
                        {float32 ? nullptr : grad_directions, p.grad_directions, n_dir},
-                       {nullptr, p.grad_filter, p.num_pairs * 3 * p.features}}};
+                       {nullptr, p.grad_filter, p.num_pairs * 3 * p.features, 3 * p.features}},
+                      p.live_pairs,
+                      p.num_pairs};
     status = launch_finish<scalar_t>(segments, w.invalid, stream, walk.check);
   });
   return status;

@@ -37,6 +37,8 @@ struct VectorMessagePassingParams {
   const int64_t* pairs;    // [2, P] contiguous: row 0 receivers i, row 1 senders j
   void* scalar;            // [N, F] out
   void* vector;            // [N, 3, F] out
+  // [1] neighbor_list's count, or null: the pairs from pairs_to_walk on are padding, skipped.
+  const int64_t* live_pairs;
   int64_t nodes;           // N
   int64_t num_pairs;       // P
   int64_t features;        // F
@@ -58,6 +60,7 @@ struct VectorMessagePassingBackwardParams {
   void* grad_vectors;       // [N, 3, F] out
   void* grad_directions;    // [P, 3] out
   const int* sender_order;  // [P] mirage::sender_order's, checked (pair_order.cuh), or null: sorted here
+  const int64_t* live_pairs;  // as the forward's (the skipped pairs' gradients 0); an order must then keep them last
   int64_t nodes;
   int64_t num_pairs;
   int64_t features;

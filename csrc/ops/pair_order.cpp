@@ -31,6 +31,12 @@ void check_pair_count(std::string_view op, const std::optional<at::Tensor>& num_
                num_pairs->sizes());
 }
 
+at::Tensor walked_mask(const at::Tensor& num_pairs, int64_t P) {
+  const at::Tensor count = num_pairs.reshape({});
+  const at::Tensor walked = at::where((count >= 0) & (count < P), count, P);  // cuda::walked_pairs
+  return at::arange(P, num_pairs.options()) < walked;
+}
+
 int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t P) {
   return num_pairs.has_value() ? cuda::walked_pairs(num_pairs->item<int64_t>(), P) : P;
 }

@@ -21,6 +21,10 @@ int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes, const 
 // absent, or one int64 on pairs' device.
 void check_pair_count(std::string_view op, const std::optional<at::Tensor>& num_pairs, const at::Tensor& pairs);
 
+// arange(P) < the walked count, as a bool [P] tensor on num_pairs' device, without reading the count
+// on the host (differentiable composites use it as a mask).
+at::Tensor walked_mask(const at::Tensor& num_pairs, int64_t P);
+
 // How many of pairs' P pairs a CPU reference walks (cuda/sender_order.h's walked_pairs): P
 // without a count. Reads the count (on the CPU).
 int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t P);

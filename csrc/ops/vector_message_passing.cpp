@@ -49,7 +49,8 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
                                                        const at::Tensor& directions,
                                                        const at::Tensor& pairs,
                                                        const std::optional<at::Tensor>& filter_weight,
-                                                       const std::optional<at::Tensor>& sender_order) {
+                                                       const std::optional<at::Tensor>& sender_order,
+                                                       const std::optional<at::Tensor>& num_pairs) {
   check_activation_dtype(op, "x", x);
   MIRAGE_CHECK(x.dim() == 2 && x.size(1) % 3 == 0, op,
                ": x must be [N, 3F] (a last dimension divisible by 3), got ", x.sizes());
@@ -74,6 +75,7 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
   check_floating(op, "directions", directions, x);
   check_shape(op, "directions", directions, "[P, 3]", {s.pairs, 3});
   check_sender_order(op, sender_order, pairs);
+  check_pair_count(op, num_pairs, pairs);
   return s;
 }
 
@@ -81,10 +83,10 @@ VectorMessagePassingShape check_vector_message_passing_backward(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order) {
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   constexpr std::string_view op = kVectorMessagePassingBackward;
-  const VectorMessagePassingShape s =
-      check_vector_message_passing(op, x, filter, vectors, directions, pairs, filter_weight, sender_order);
+  const VectorMessagePassingShape s = check_vector_message_passing(op, x, filter, vectors, directions, pairs,
+                                                                   filter_weight, sender_order, num_pairs);
   check_floating(op, "grad_scalar", grad_scalar, x);
   check_shape(op, "grad_scalar", grad_scalar, "[N, F]", {s.nodes, s.features});
   check_floating(op, "grad_vector", grad_vector, x);
@@ -132,10 +134,12 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
                                                               const at::Tensor& directions,
                                                               const at::Tensor& pairs,
                                                               const std::optional<at::Tensor>& filter_weight,
-                                                              const std::optional<at::Tensor>& sender_order) {
+                                                              const std::optional<at::Tensor>& sender_order,
+                                                              const std::optional<at::Tensor>& num_pairs) {
   const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs,
-                                              filter_weight, sender_order);
-  const auto ij = read_pairs(kVectorMessagePassing, pairs, s.nodes);
+                                              filter_weight, sender_order, num_pairs);
+  const int64_t walked = walked_pairs_on_cpu(num_pairs, s.pairs);  // the rest is padding: skipped
+  const auto ij = read_pairs(kVectorMessagePassing, pairs.narrow(1, 0, walked), s.nodes);
   const at::Tensor x64 = as_double(x), f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
                    d64 = as_double(directions);
   auto [scalar, vector] = empty_vector_message_passing_outputs(s, x64.options());
@@ -146,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cpu(const at::Tensor& 
   double* out_s = scalar.mutable_data_ptr<double>();
   double* out_v = vector.mutable_data_ptr<double>();
   const int64_t F = s.features;
-  for (int64_t p = 0; p < s.pairs; ++p) {
+  for (int64_t p = 0; p < walked; ++p) {
     const auto [i, j] = ij[p];
     const double* xj = xs + j * 3 * F;
     const double* fp = fs + p * 3 * F;
@@ -164,10 +168,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order) {
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs, filter_weight, sender_order);
-  const auto ij = read_pairs(kVectorMessagePassingBackward, pairs, s.nodes);
+                                                       directions, pairs, filter_weight, sender_order, num_pairs);
+  const int64_t walked = walked_pairs_on_cpu(num_pairs, s.pairs);  // the rest is padding: zero gradients
+  const auto ij = read_pairs(kVectorMessagePassingBackward, pairs.narrow(1, 0, walked), s.nodes);
   const at::Tensor gs64 = as_double(grad_scalar), gv64 = as_double(grad_vector), x64 = as_double(x),
                    f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
                    d64 = as_double(directions);
@@ -181,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
          *gvec = grad_vectors.mutable_data_ptr<double>(),
          *gd = grad_directions.mutable_data_ptr<double>();
   const int64_t F = s.features;
-  for (int64_t p = 0; p < s.pairs; ++p) {
+  for (int64_t p = 0; p < walked; ++p) {
     const auto [i, j] = ij[p];
     const double* xj = xs + j * 3 * F;
     const double* fp = fs + p * 3 * F;
@@ -216,9 +221,10 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_meta(const at::Tensor&
                                                                const at::Tensor& directions,
                                                                const at::Tensor& pairs,
                                                                const std::optional<at::Tensor>& filter_weight,
-                                                              const std::optional<at::Tensor>& sender_order) {
+                                                              const std::optional<at::Tensor>& sender_order,
+                                                              const std::optional<at::Tensor>& num_pairs) {
   const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs,
-                                              filter_weight, sender_order);
+                                              filter_weight, sender_order, num_pairs);
   return empty_vector_message_passing_outputs(s, x.options());
 }
 
@@ -226,9 +232,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order) {
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs, filter_weight, sender_order);
+                                                       directions, pairs, filter_weight, sender_order, num_pairs);
   return empty_vector_message_passing_gradients(s, x.options());
 }
 

@@ -22,21 +22,23 @@ struct VectorMessagePassingShape {
 
 // Checks x [N, 3F], filter [P, 3F] (with filter_weight [3F, K]: filter is the basis [P, K]),
 // vectors [N, 3, F], directions [P, 3], pairs [2, P] int64: shapes, dtypes (all floating inputs
-// in x's dtype) and devices, sender_order as pair_order.h says. `op` names the op in messages.
+// in x's dtype) and devices, sender_order and num_pairs as pair_order.h says. `op` names the op in
+// messages.
 VectorMessagePassingShape check_vector_message_passing(std::string_view op, const at::Tensor& x,
                                                        const at::Tensor& filter,
                                                        const at::Tensor& vectors,
                                                        const at::Tensor& directions,
                                                        const at::Tensor& pairs,
                                                        const std::optional<at::Tensor>& filter_weight,
-                                                       const std::optional<at::Tensor>& sender_order);
+                                                       const std::optional<at::Tensor>& sender_order,
+                                                       const std::optional<at::Tensor>& num_pairs);
 
 // The above plus grad_scalar [N, F] and grad_vector [N, 3, F] in x's dtype on x's device.
 VectorMessagePassingShape check_vector_message_passing_backward(
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order);
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs);
 
 // The filter [P, 3F]: `filter` itself, or the basis through filter_weight (filter @ weight^T).
 at::Tensor formed_filter(const at::Tensor& filter, const std::optional<at::Tensor>& filter_weight);

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "../../cuda/vector_message_passing.cuh"
+#include "checks.h"
 #include "cuda_utils.h"
 #include "pair_order.h"
 #include "vector_message_passing.h"
@@ -47,12 +48,13 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor&
                                                                const at::Tensor& directions,
                                                                const at::Tensor& pairs,
                                                                const std::optional<at::Tensor>& filter_weight,
-                                                              const std::optional<at::Tensor>& sender_order) {
+                                                              const std::optional<at::Tensor>& sender_order,
+                                                              const std::optional<at::Tensor>& num_pairs) {
   const auto s = check_vector_message_passing(kVectorMessagePassing, x, filter, vectors, directions, pairs,
-                                              filter_weight, sender_order);
+                                              filter_weight, sender_order, num_pairs);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous(), vc = vectors.contiguous(), dc = directions.contiguous(),
-                   pc = pairs.contiguous();
+                   pc = pairs.contiguous(), count = contiguous_or_undefined(num_pairs);
   const FilterSource source(filter, filter_weight, {&xc, &vc});
   auto [scalar, vector] = empty_vector_message_passing_outputs(s, x.options());
   cuda::VectorMessagePassingParams params{};
@@ -64,6 +66,7 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_cuda(const at::Tensor&
   params.pairs = pc.const_data_ptr<int64_t>();
   params.scalar = scalar.mutable_data_ptr();
   params.vector = vector.mutable_data_ptr();
+  params.live_pairs = static_cast<const int64_t*>(data_or_null(count));
   params.nodes = s.nodes;
   params.num_pairs = s.pairs;
   params.features = s.features;
@@ -79,13 +82,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
     const at::Tensor& grad_scalar, const at::Tensor& grad_vector, const at::Tensor& x,
     const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
-    const std::optional<at::Tensor>& sender_order) {
+    const std::optional<at::Tensor>& sender_order, const std::optional<at::Tensor>& num_pairs) {
   const auto s = check_vector_message_passing_backward(grad_scalar, grad_vector, x, filter, vectors,
-                                                       directions, pairs, filter_weight, sender_order);
+                                                       directions, pairs, filter_weight, sender_order, num_pairs);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor gsc = grad_scalar.contiguous(), gvc = grad_vector.contiguous(),
                    xc = x.contiguous(), vc = vectors.contiguous(),
-                   dc = directions.contiguous(), pc = pairs.contiguous(), order = given_sender_order(sender_order);
+                   dc = directions.contiguous(), pc = pairs.contiguous(), order = given_sender_order(sender_order),
+                   count = contiguous_or_undefined(num_pairs);
   const FilterSource source(filter, filter_weight, {&gsc, &gvc, &xc, &vc});
   auto [grad_x, grad_filter, grad_vectors, grad_directions] =
       empty_vector_message_passing_gradients(s, x.options());
@@ -103,6 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   params.grad_vectors = grad_vectors.mutable_data_ptr();
   params.grad_directions = grad_directions.mutable_data_ptr();
   params.sender_order = static_cast<const int*>(data_or_null(order));
+  params.live_pairs = static_cast<const int64_t*>(data_or_null(count));
   params.nodes = s.nodes;
   params.num_pairs = s.pairs;
   params.features = s.features;

@@ -386,6 +386,7 @@ def vector_message_passing(
     pairs: Tensor,
     filter_weight: Optional[Tensor] = None,
     sender_order: Optional[Tensor] = None,
+    num_pairs: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """PaiNN's message step, fused: scalar and vector messages summed into their receivers.
 
@@ -419,6 +420,9 @@ def vector_message_passing(
         sender_order: None, or :func:`sender_order` of these pairs, formed once and passed to
             every op over the same list: the CUDA backward then reads it instead of sorting the
             list itself.
+        num_pairs: None, or :func:`neighbor_list`'s count: the pairs from it on are padding and
+            skipped, as :func:`cfconv`'s (no messages; their ``filter`` and ``directions``
+            gradients 0).
 
     Returns:
         ``(scalar, vector)``: ``(N, F)`` and ``(N, 3, F)`` in ``x``'s dtype, summed in float32
@@ -432,7 +436,8 @@ def vector_message_passing(
     An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads
     indices on the host, skips the pair and writes NaN to every output (gradients too).
     """
-    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs, filter_weight, sender_order)
+    return torch.ops.mirage.vector_message_passing(x, filter, vectors, directions, pairs, filter_weight, sender_order,
+                                                   num_pairs)
 
 
 def fused_filter_supported(features: int, basis: int, device: Union[str, torch.device]) -> bool:

@@ -968,11 +968,12 @@ MessageRun run_message_passing(const MessageCase& k, MessageInputs& in) {
           cudaSuccess);
   REQUIRE(cudaMemcpy(pairs, in.pairs.data(), in.pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) ==
           cudaSuccess);
-  mc::VectorMessagePassingParams fp{x.ptr, filter.ptr, vectors.ptr, directions.ptr, pairs, scalar.ptr,
-                                    vector.ptr, N, P, F, dtype_of<T>()};
+  mc::VectorMessagePassingParams fp{x.ptr,      filter.ptr, vectors.ptr, directions.ptr,     pairs, scalar.ptr,
+                                    vector.ptr, /*live_pairs=*/nullptr, N, P, F, dtype_of<T>()};
   mc::VectorMessagePassingBackwardParams bp{grad_scalar.ptr, grad_vector.ptr, x.ptr, filter.ptr,
                                             vectors.ptr, directions.ptr, pairs, gx.ptr, gf.ptr,
-                                            gvec.ptr, gd.ptr, /*sender_order=*/nullptr, N, P, F, dtype_of<T>()};
+                                            gvec.ptr, gd.ptr, /*sender_order=*/nullptr, /*live_pairs=*/nullptr, N, P, F,
+                                            dtype_of<T>()};
   const size_t bytes = std::max(mc::vector_message_passing_workspace_bytes(fp),
                                 mc::vector_message_passing_backward_workspace_bytes(bp));
   void* workspace = nullptr;

@@ -640,3 +640,67 @@ def test_cuda_formed_filter_graph_replay():
         want = step()
         for got, w in zip(captured, want):
             torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
+
+
+# ---- num_pairs: neighbor_list's padding skipped ------------------------------------------------
+
+def messages_with_count(inputs, count, order=None, weight=None):
+    """Outputs and gradients of the op over the pairs before `count` (None: every pair)."""
+    *floats, pairs = inputs
+    leaves = [t.detach().requires_grad_() for t in floats]
+    num_pairs = None if count is None else torch.tensor([count], device=pairs.device)
+    outputs = mirage.ops.vector_message_passing(*leaves, pairs, weight, sender_order=order, num_pairs=num_pairs)
+    grad_outputs = [torch.linspace(-1, 1, t.numel(), device=t.device, dtype=t.dtype).view_as(t) for t in outputs]
+    return [*(t.detach() for t in outputs), *torch.autograd.grad(outputs, leaves, grad_outputs)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count", [600, SENDER_ORDER_MIN_PAIRS + 500])  # list order; sender order on CUDA
+@pytest.mark.parametrize("formed_filter", [False, True])
+def test_num_pairs_skips_the_padding(device, count, formed_filter):
+    """With num_pairs the pairs from it on are skipped: the outputs and node gradients those of
+    the list cut there, the skipped pairs' filter and direction gradients 0; a negative count or
+    one past P walks every pair."""
+    nodes, features, padding = 300, 8, 137
+    total = count + padding
+    if formed_filter:
+        *inputs, weight = make_formed_inputs(nodes, features, total, 16, device=device)
+    else:
+        inputs, weight = list(make_inputs(nodes, features, total, device=device, order="sorted")), None
+    order = mirage.ops.sender_order(inputs[4], nodes, torch.tensor([count], device=device))
+    got = messages_with_count(inputs, count, order, weight)
+    cut = [inputs[0], inputs[1][:count], inputs[2], inputs[3][:count], inputs[4][:, :count]]
+    want = messages_with_count(cut, None, None, weight)
+    close = {} if device == "cpu" else dict(rtol=1e-4, atol=1e-4)  # float atomics' order on CUDA
+    per_pair = (3, 5)  # the gradients of filter (or basis) and directions
+    for k, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g[:count] if k in per_pair else g, w, **close, msg=f"output {k}")
+        if k in per_pair:
+            assert torch.equal(g[count:], torch.zeros_like(g[count:])), f"output {k}"
+    full = messages_with_count(inputs, None, None, weight)
+    for every_pair in (-1, total + 3):
+        for k, (g, w) in enumerate(zip(messages_with_count(inputs, every_pair, None, weight), full)):
+            torch.testing.assert_close(g, w, **close, msg=f"output {k} with num_pairs={every_pair}")
+
+
+def test_num_pairs_gradcheck_and_gradgradcheck():
+    # The double backward (force training) masks the padding's filter on the device.
+    x, filter, vectors, directions, _ = make_inputs(5, 2, 9, torch.float64)
+    pairs = torch.tensor([[1, 0, 3, 1, 1, 2, 0, 4, 4], [0, 3, 3, 2, 2, 1, 1, 0, 2]])
+    num_pairs = torch.tensor([6])
+    leaves = [t.requires_grad_() for t in (x, filter, vectors, directions)]
+
+    def fn(*args):
+        return mirage.ops.vector_message_passing(*args, pairs, num_pairs=num_pairs)
+
+    assert torch.autograd.gradcheck(fn, leaves)
+    assert torch.autograd.gradgradcheck(fn, leaves)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_num_pairs_opcheck_and_bad_counts(device):
+    inputs = make_inputs(6, 4, 20, device=device, order="sorted")
+    if device == "cpu":  # CUDA's float atomics add in any order: runs need not agree to the bit
+        opcheck(OP.default, (*inputs, None, None, torch.tensor([13])))
+    assert_error(lambda d: OP(*inputs, None, None, torch.tensor([3, 4], device=d)), device,
+                 NAME + "num_pairs must be one int64 (neighbor_list's count), got Long of shape [2]")

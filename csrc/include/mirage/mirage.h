@@ -116,11 +116,14 @@ at::Tensor sender_order(const at::Tensor& pairs, int64_t num_nodes,
 // scalar[i] = sum m_s and vector[i, c] = sum vectors[j, c] * m_vv + m_vs * directions[p, c].
 // x [N, 3F], filter [P, 3F], vectors [N, 3, F], directions [P, 3] -> ([N, F], [N, 3, F]).
 // With filter_weight [3F, K], `filter` is a basis [P, K] and the filter is filter @ filter_weight^T
-// (formed inside the kernel: PaiNN's filter Linear). sender_order: sender_order(pairs, N), or none.
+// (formed inside the kernel: PaiNN's filter Linear). sender_order: sender_order(pairs, N,
+// num_pairs), or none. num_pairs: neighbor_list's count ([1] int64), whose padding (the pairs past
+// it) is then skipped (no messages, zero gradients), or none.
 std::tuple<at::Tensor, at::Tensor> vector_message_passing(
     const at::Tensor& x, const at::Tensor& filter, const at::Tensor& vectors, const at::Tensor& directions,
     const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight = std::nullopt,
-    const std::optional<at::Tensor>& sender_order = std::nullopt);
+    const std::optional<at::Tensor>& sender_order = std::nullopt,
+    const std::optional<at::Tensor>& num_pairs = std::nullopt);
 
 // vectors[p] = positions[j] - positions[i] + shifts[p] and distances[p] = |vectors[p]| for
 // (i, j) = (pairs[0, p], pairs[1, p]): positions [N, 3] float32, pairs [2, P] int64, shifts
