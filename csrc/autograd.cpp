@@ -590,24 +590,27 @@ namespace {
 // dL/dm_s = grad_scalar[i], dL/dm_vv = sum_c grad_vector[i, c] * vectors[j, c],
 // dL/dm_vs = sum_c grad_vector[i, c] * directions[p, c].
 // in = (grad_scalar, grad_vector, x, filter, vectors, directions, pairs, filter_weight,
-// sender_order, num_pairs). With num_pairs the incoming gradients are masked to 0 at the padding's
-// pairs (on the device): every term of a skipped pair then vanishes, as in the fused op.
+// sender_order, num_pairs). With num_pairs every per-pair input of the padding (indices, filter,
+// directions) is replaced by zeros (node 0) on the device, as the fused op skips those pairs: each
+// of their terms is then an exact 0, whatever the padding held (NaN, indices out of range).
 variable_list vector_message_passing_backward_composite(const variable_list& in) {
   const at::Tensor& x = in[2];
   const at::Tensor& pairs = in[6];
-  const at::Tensor i = pairs.select(0, 0), j = pairs.select(0, 1);
+  const at::Tensor keep = in[9].defined() ? ops::walked_mask(in[9], pairs.size(1)) : at::Tensor();
+  const auto counted = [&keep](const at::Tensor& per_pair) {
+    if (!keep.defined()) return per_pair;
+    std::vector<int64_t> shape(per_pair.dim(), 1);
+    shape[0] = -1;
+    return at::where(keep.view(shape), per_pair, at::zeros({}, per_pair.options()));
+  };
+  const at::Tensor i = counted(pairs.select(0, 0)), j = counted(pairs.select(0, 1));
   const int64_t nodes = x.size(0), features = x.size(1) / 3;
   const at::Tensor x_j = to_compute_dtype(x).index_select(0, j);
-  const at::Tensor filter = to_compute_dtype(ops::formed_filter(in[3], defined_or_none(in[7])));
-  at::Tensor grad_scalar_i = to_compute_dtype(in[0]).index_select(0, i);
-  at::Tensor grad_vector_i = to_compute_dtype(in[1]).index_select(0, i);  // [P, 3, F]
-  if (in[9].defined()) {
-    const at::Tensor walked = ops::walked_mask(in[9], pairs.size(1)).to(filter.scalar_type());
-    grad_scalar_i = grad_scalar_i * walked.unsqueeze(-1);
-    grad_vector_i = grad_vector_i * walked.view({-1, 1, 1});
-  }
+  const at::Tensor filter = counted(to_compute_dtype(ops::formed_filter(in[3], defined_or_none(in[7]))));
+  const at::Tensor grad_scalar_i = counted(to_compute_dtype(in[0]).index_select(0, i));
+  const at::Tensor grad_vector_i = counted(to_compute_dtype(in[1]).index_select(0, i));  // [P, 3, F]
   const at::Tensor vectors_j = to_compute_dtype(in[4]).index_select(0, j);
-  const at::Tensor directions = to_compute_dtype(in[5]);
+  const at::Tensor directions = counted(to_compute_dtype(in[5]));
   const at::Tensor grad_m = at::cat({grad_scalar_i, (grad_vector_i * vectors_j).sum(1),
                                      (grad_vector_i * directions.unsqueeze(-1)).sum(1)},
                                     -1);  // [P, 3F]
@@ -746,7 +749,7 @@ at::Tensor pair_vectors_composite(const at::Tensor& positions, const at::Tensor&
   return shifts.defined() ? v + shifts : v;
 }
 
-// in = (grad_vectors, grad_distances, positions, pairs, shifts).
+// in = (grad_vectors, grad_distances, positions, pairs, shifts, sender_order).
 variable_list pair_vectors_backward_composite(const variable_list& in) {
   const at::Tensor& pairs = in[3];
   const at::Tensor g = pair_vector_gradient(in[0], in[1], pair_vectors_composite(in[2], pairs, in[4]));

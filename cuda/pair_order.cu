@@ -28,7 +28,11 @@ constexpr int kThreads = 256;
 constexpr int kChunk = 2048;
 constexpr int kCountThreads = 512;
 constexpr int64_t kCountingMaxNodes = 48 * 1024 / sizeof(int) - 2;
+// The grid-stride kernels' blocks (sender_keys_kernel, check_order_kernel): few enough that
+// their int indices never pass INT_MAX on the lists use_sender_order admits.
+constexpr int64_t kMaxStrideBlocks = 2048;
 static_assert(kSenderOrderMaxPairs <= INT_MAX - kChunk, "the last chunk's indices must fit an int");
+static_assert(kSenderOrderMaxPairs <= INT_MAX - kMaxStrideBlocks * kThreads, "grid strides must fit an int");
 
 // The sort's keys: pair p's sender; `nodes` for one out of range; `nodes + 1` for padding, the
 // pairs from the caller's count on (neighbor_list's num_pairs; none without one), which so come
@@ -160,6 +164,7 @@ __device__ __forceinline__ unsigned long long mix(unsigned long long z) {
 // A grid of at most this many blocks checks a given order, so that the backward's last kernel
 // sums few balances.
 constexpr int kMaxCheckBlocks = 512;
+static_assert(kMaxCheckBlocks <= kMaxStrideBlocks, "the check's grid strides must fit an int");
 
 // order[k] = given[k] (0 where out of range), balances[block] = its positions' sum of
 // h(k) - h(given[k]) (an out-of-range entry unbalances it like any other stray index). With the
@@ -222,7 +227,8 @@ cudaError_t sort_by_sender(const int64_t* pairs, int64_t nodes, int64_t num_pair
     scatter_pairs_kernel<<<w.blocks, kCountThreads, histogram_bytes, stream>>>(pairs, n, count, live, w.starts,
                                                                                order);
   } else {
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(count, kThreads), 8LL * sm_count()));
+    const unsigned blocks =
+        static_cast<unsigned>(std::min<int64_t>({ceil_div(count, kThreads), 8LL * sm_count(), kMaxStrideBlocks}));
     sender_keys_kernel<<<blocks, kThreads, 0, stream>>>(pairs, nodes, count, live, w.keys, w.indices);
     status = cub::DeviceRadixSort::SortPairs(w.temp, w.temp_bytes, w.keys, w.sorted_keys, w.indices, order, count,
                                              0, w.key_bits, stream);

@@ -17,8 +17,9 @@ namespace mirage::cuda {
 // atomics they save (a small molecule's pass is a few µs).
 constexpr int64_t kSenderOrderMinPairs = 8192;
 
-// The order is int32; the counting sort rounds the list up to whole chunks of pairs.
-constexpr int64_t kSenderOrderMaxPairs = INT32_MAX - 4096;
+// The order is int32, and the sort's and the check's kernels step through the list by int grid
+// strides (at most 2^19 in pair_order.cu): the list leaves them that much headroom.
+constexpr int64_t kSenderOrderMaxPairs = INT32_MAX - (int64_t{1} << 20);
 
 // Whether a pass over num_pairs pairs of `nodes` nodes should walk them in sender order: enough
 // pairs for it to pay, and counts that fit the int32 the ordering uses.

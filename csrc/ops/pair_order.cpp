@@ -41,7 +41,8 @@ int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t 
   return num_pairs.has_value() ? cuda::walked_pairs(num_pairs->item<int64_t>(), P) : P;
 }
 
-void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs) {
+void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs,
+                        const std::optional<at::Tensor>& num_pairs) {
   if (!order.has_value()) return;
   const int64_t P = pairs.size(1);
   MIRAGE_CHECK(order->device() == pairs.device(), op, ": sender_order must be on pairs' device (", pairs.device(),
@@ -54,11 +55,15 @@ void check_sender_order(std::string_view op, const std::optional<at::Tensor>& or
   if (order->is_cpu() && order->size(0) != 0) {
     const at::Tensor c = order->contiguous();
     const int* o = c.const_data_ptr<int>();
+    const int64_t walked = walked_pairs_on_cpu(num_pairs, P);
     std::vector<bool> seen(P, false);
     for (int64_t k = 0; k < P; ++k) {
       MIRAGE_CHECK(o[k] >= 0 && o[k] < P && !seen[o[k]], op,
                    ": sender_order must be a permutation of [0, P), but sender_order[", k, "] = ", o[k],
                    o[k] >= 0 && o[k] < P ? " appears twice" : " is out of range");
+      MIRAGE_CHECK((k < walked) == (o[k] < walked), op, ": sender_order must keep the ", walked,
+                   " counted pairs (num_pairs) before the padding, but sender_order[", k, "] = ", o[k],
+                   " (form it with mirage::sender_order(pairs, N, num_pairs))");
       seen[o[k]] = true;
     }
   }

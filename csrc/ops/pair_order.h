@@ -30,9 +30,11 @@ at::Tensor walked_mask(const at::Tensor& num_pairs, int64_t P);
 int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t P);
 
 // An op's `sender_order` argument: absent, or int32 of shape [P] or [0] on pairs' device; on
-// the CPU a non-empty one must be a permutation of [0, P) (the CPU references sum in their own
-// order and do not read it; the CUDA kernels check it on the device, see pair_order.cuh).
-void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs);
+// the CPU a non-empty one must be a permutation of [0, P) and, with the op's num_pairs (checked
+// first), keep the counted pairs before the count (the CPU references sum in their own order and
+// do not read it; the CUDA kernels check the same on the device, see pair_order.cuh).
+void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs,
+                        const std::optional<at::Tensor>& num_pairs = std::nullopt);
 
 // The given order as the CUDA launchers take it: contiguous, or undefined where absent or empty
 // (the backward then sorts the list itself where that pays).

@@ -323,8 +323,8 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
                basis.sizes());
   MIRAGE_CHECK(envelope.dim() == 1 && envelope.size(0) == s.pairs, op, ": envelope must have shape [P] = [",
                s.pairs, "], got ", envelope.sizes());
-  check_sender_order(op, sender_order, pairs);
   check_pair_count(op, num_pairs, pairs);
+  check_sender_order(op, sender_order, pairs, num_pairs);
   return s;
 }
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,

@@ -74,8 +74,8 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
   }
   check_floating(op, "directions", directions, x);
   check_shape(op, "directions", directions, "[P, 3]", {s.pairs, 3});
-  check_sender_order(op, sender_order, pairs);
   check_pair_count(op, num_pairs, pairs);
+  check_sender_order(op, sender_order, pairs, num_pairs);
   return s;
 }
 

@@ -358,9 +358,10 @@ def sender_order(pairs: Tensor, num_nodes: int, num_pairs: Optional[Tensor] = No
 
     The ops need only a permutation of the pairs to sum correctly (the grouping is for speed), and
     check on the GPU, without a host sync, that the order handed to them is one (a 64-bit hash sum
-    that a non-permutation matches with probability ~2^-64): one that is not turns the op's
-    gradients NaN, as an out-of-range index does; the CPU raises. An order of another pair list of
-    the same length is a permutation too: correct, only slower.
+    that a non-permutation matches with probability ~2^-64) and, for an op given ``num_pairs``,
+    that it keeps the counted pairs before the count: one that fails turns the op's gradients NaN,
+    as an out-of-range index does; the CPU raises. Without ``num_pairs``, an order of another pair
+    list of the same length is a permutation too: correct, only slower.
 
     Args:
         pairs: ``(2, P)`` int64, row 1 the senders.

@@ -430,7 +430,8 @@ def test_cfconv_num_pairs_opcheck():
 @pytest.mark.parametrize("device", DEVICES)
 def test_cfconv_bad_num_pairs(device):
     args = make_inputs("narrow", device, torch.float32 if device == "cuda" else torch.float64)
-    for count, message in ((torch.tensor([3], dtype=torch.int32), "one int64 (neighbor_list's count), got Int of shape [1]"),
+    for count, message in ((torch.tensor([3], dtype=torch.int32),
+                            "one int64 (neighbor_list's count), got Int of shape [1]"),
                            (torch.tensor([3, 4]), "one int64 (neighbor_list's count), got Long of shape [2]"),
                            (torch.tensor([3], device="meta"), f"on pairs' device ({args[3].device}), got meta")):
         on = count if count.is_meta else count.to(device)

@@ -78,7 +78,7 @@ def test_bad_input(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("atoms", [37, 3000, 20000])  # the counting sort (to 12,287 nodes), then the radix sort
+@pytest.mark.parametrize("atoms", [37, 3000, 20000])  # the counting sort (to 12,286 nodes), then the radix sort
 def test_cuda_order_groups_by_sender_bad_ones_last(atoms):
     count = 3 * MIN_PAIRS + 5
     pairs = receiver_sorted_pairs(atoms, count, "cuda")
@@ -210,6 +210,33 @@ def test_cpu_raises_for_an_order_that_is_no_permutation(name):
     order[10] = COUNT
     with pytest.raises(RuntimeError, match=rf"sender_order\[10\] = {COUNT} is out of range"):
         run(order)
+
+
+def counted_call(name, pairs):
+    """The op `name` (cfconv or vector_message_passing) on the CPU over `pairs`, as a function of
+    (sender_order, num_pairs)."""
+    P, f64 = pairs.shape[1], dict(dtype=torch.float64)
+    if name == "cfconv":
+        x, basis, envelope = randn(ATOMS, 64, **f64), torch.rand(P, 8, **f64), torch.rand(P, **f64)
+        w1, w2 = randn(64, 8, **f64), randn(64, 64, **f64) / 8
+        return lambda order, count: mirage.ops.cfconv(x, basis, envelope, pairs, w1, None, w2, None,
+                                                      sender_order=order, num_pairs=count)
+    x, filter = randn(ATOMS, 6, **f64), randn(P, 6, **f64)
+    vectors, directions = randn(ATOMS, 3, 2, **f64), randn(P, 3, **f64)
+    return lambda order, count: mirage.ops.vector_message_passing(x, filter, vectors, directions, pairs,
+                                                                  sender_order=order, num_pairs=count)
+
+
+@pytest.mark.parametrize("name", ["cfconv", "vector_message_passing"])
+def test_cpu_raises_for_an_order_that_mixes_padding_into_the_counted_pairs(name):
+    # With num_pairs the walk stops at the count: an order formed without it fails there.
+    pairs = receiver_sorted_pairs(ATOMS, COUNT)
+    count = torch.tensor([COUNT - 300])
+    call = counted_call(name, pairs)
+    with pytest.raises(RuntimeError, match=rf"mirage::{name}: sender_order must keep the {COUNT - 300} counted "
+                                           r"pairs \(num_pairs\) before the padding"):
+        call(mirage.ops.sender_order(pairs, ATOMS), count)
+    call(mirage.ops.sender_order(pairs, ATOMS, count), count)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -684,7 +684,7 @@ def test_num_pairs_skips_the_padding(device, count, formed_filter):
 
 
 def test_num_pairs_gradcheck_and_gradgradcheck():
-    # The double backward (force training) masks the padding's filter on the device.
+    # The double backward (force training) zeroes the padding's per-pair inputs on the device.
     x, filter, vectors, directions, _ = make_inputs(5, 2, 9, torch.float64)
     pairs = torch.tensor([[1, 0, 3, 1, 1, 2, 0, 4, 4], [0, 3, 3, 2, 2, 1, 1, 0, 2]])
     num_pairs = torch.tensor([6])
@@ -695,6 +695,30 @@ def test_num_pairs_gradcheck_and_gradgradcheck():
 
     assert torch.autograd.gradcheck(fn, leaves)
     assert torch.autograd.gradgradcheck(fn, leaves)
+
+
+def test_num_pairs_padding_of_any_content_adds_nothing_to_second_order():
+    # Padding with NaN directions and filters and an index out of range: skipped in every order,
+    # the double backward's gradients those of the list cut at the count.
+    x, filter, vectors, directions, pairs = make_inputs(6, 3, 14, torch.float64, order="sorted")
+    count = 10
+    filter[count:] = float("nan")
+    directions[count + 1] = float("nan")
+    pairs[1, count + 2] = 99
+
+    def second_order(filter, directions, pairs, num_pairs):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, filter, vectors, directions)]
+        outputs = mirage.ops.vector_message_passing(*leaves, pairs, num_pairs=num_pairs)
+        grads = torch.autograd.grad([o.square().sum() for o in outputs], leaves, create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), leaves)
+
+    got = second_order(filter, directions, pairs, torch.tensor([count]))
+    want = second_order(filter[:count], directions[:count], pairs[:, :count], None)
+    for k in (0, 2):  # x and vectors
+        torch.testing.assert_close(got[k], want[k])
+    for k in (1, 3):  # the per-pair inputs: the cut list's, then zeros
+        torch.testing.assert_close(got[k][:count], want[k])
+        assert torch.equal(got[k][count:], torch.zeros_like(got[k][count:]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
