@@ -281,9 +281,9 @@ __device__ __forceinline__ float activation_grad(float v, Activation activation)
 }
 
 // Sum over each aligned group of kLanes lanes (a power of two, at most 32) of a warp whose lanes
-// all take part; every lane gets its group's sum.
-template <int kLanes = 32>
-__device__ __forceinline__ float warp_sum(float v) {
+// all take part; every lane gets its group's sum. V: float, or an integer type (exact sums).
+template <int kLanes = 32, typename V = float>
+__device__ __forceinline__ V warp_sum(V v) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "kLanes: a power of two <= 32");
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -308,8 +308,8 @@ __device__ __forceinline__ float squared_deviations(const float (&vals)[K][V], f
   return m2;
 }
 
-// Sum over all threads of a 1-D block whose size is a multiple of 32, of a float or a float2.
-// scratch: >= 32 of them. Every thread gets the result; scratch may be reused right after.
+// Sum over all threads of a 1-D block whose size is a multiple of 32, of a float, a float2 or an
+// integer. scratch: >= 32 of them. Every thread gets the result; scratch may be reused right after.
 template <typename V>
 __device__ __forceinline__ V block_sum(V v, V* scratch) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -374,7 +374,7 @@ __device__ inline bool order_rejected(const OrderCheck& check) {
   if (threadIdx.x < 32) {
     unsigned long long total = 0;
     for (int b = threadIdx.x; b < check.count; b += 32) total += check.balances[b];
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_down_sync(0xffffffffu, total, offset);
+    total = warp_sum(total);
     if (threadIdx.x == 0) rejected = total != 0;
   }
   __syncthreads();

@@ -182,13 +182,9 @@ __global__ void __launch_bounds__(kThreads) check_order_kernel(const int* given,
     order[k] = p >= 0 && p < num_pairs ? p : 0;
     balance += h(k, k) - h(k, p);
   }
-  for (int offset = 16; offset > 0; offset /= 2) balance += __shfl_down_sync(0xffffffffu, balance, offset);
-  __shared__ unsigned long long warp_balance[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_balance[threadIdx.x / 32] = balance;
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  for (int w = 1; w < kThreads / 32; ++w) balance += warp_balance[w];
-  balances[blockIdx.x] = balance;
+  __shared__ unsigned long long scratch[32];
+  balance = block_sum(balance, scratch);
+  if (threadIdx.x == 0) balances[blockIdx.x] = balance;
 }
 
 // A backward's workspace: the order its walk reads, the check's balances, the sort's scratch.
