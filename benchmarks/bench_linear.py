@@ -2,8 +2,11 @@
 call inside a CUDA graph (where both run in a model: launch cost counts, host overhead does not).
 The shapes are a small molecule's (benzene's 12 atoms through a PaiNN's 128-wide layers, forward
 and the x gradient, whose weight is the transposed, column-major matrix), a few larger molecules'
-and a diffusion model's time embedding (2 rows: mirage's few-rows kernel; every other shape here
-is cuBLASLt's, its algorithm timed on the first call). Results: docs/perf/linear.md.
+a diffusion model's time embedding (2 rows: mirage's few-rows kernel) and a 3,000-atom system's
+atom-wise products. mirage times cuBLASLt's candidates and, for float32, its own tiled kernel on
+the first call of each shape and keeps the fastest; the columns "tiled" and "cuBLASLt" time each
+alone (MIRAGE_LINEAR_TILED=1 / 0; blank where the tiled kernel does not apply). Results:
+docs/perf/linear.md.
 
     python benchmarks/bench_linear.py [--dtype float32] [--json out.json]
 """
@@ -11,6 +14,7 @@ is cuBLASLt's, its algorithm timed on the first call). Results: docs/perf/linear
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +39,36 @@ SHAPES = [
     ("PaiNN basis grad, 3,000 atoms", 139046, 384, 21, True),
     ("PaiNN basis grad, 32,768 pairs", 32768, 384, 21, True),
     ("PaiNN basis grad, 1M pairs", 1_000_000, 384, 21, True),
+    # A 3,000-atom box: SchNet's and PaiNN's atom-wise products (PaiNN's U / V on 3 x 3,000 rows).
+    ("3,000 atoms, 128x128", 3000, 128, 128, False),
+    ("3,000 atoms, 128x128, x grad", 3000, 128, 128, True),
+    ("3,000 atoms, PaiNN phi 2nd", 3000, 128, 384, False),
+    ("3,000 atoms, PaiNN phi 2nd, x grad", 3000, 384, 128, True),
+    ("3,000 atoms, PaiNN U / V", 9000, 128, 128, False),
+    ("3,000 atoms, PaiNN update mlp 1st", 3000, 256, 128, False),
+    ("3,000 atoms, PaiNN update mlp 1st, x grad", 3000, 128, 256, True),
 ]
+
+
+def time_with(setting: str, fn, inputs) -> float:
+    """fn timed with MIRAGE_LINEAR_TILED=setting ("" unset: the timed choice)."""
+    saved = os.environ.pop("MIRAGE_LINEAR_TILED", None)
+    if setting:
+        os.environ["MIRAGE_LINEAR_TILED"] = setting
+    try:
+        return time_in_graph(fn, inputs)
+    finally:
+        os.environ.pop("MIRAGE_LINEAR_TILED", None)
+        if saved is not None:
+            os.environ["MIRAGE_LINEAR_TILED"] = saved
+
+
+def tiled_applies(x, weight) -> bool:
+    """Where the tiled kernel takes the operands (csrc/ops/linear_cuda.cpp): float32, past the
+    few-rows kernel's 8 rows, k % 4 == 0, and n % 4 == 0 for a column-major weight."""
+    m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    columns = weight.stride(0) == 1 and n > 1
+    return x.dtype == torch.float32 and m > 8 and k % 4 == 0 and (not columns or n % 4 == 0)
 
 
 def main() -> None:
@@ -52,15 +85,22 @@ def main() -> None:
         weight = torch.randn(k, n, device="cuda", dtype=dtype, generator=g).t() if columns else \
             torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
         bias = None if columns else torch.randn(n, device="cuda", dtype=dtype, generator=g)
-        ours = time_in_graph(lambda t: mirage.ops.linear(t, weight, bias), [(x,)])
+        def call(t):
+            return mirage.ops.linear(t, weight, bias)
+        ours = time_with("", call, [(x,)])
+        tiled = time_with("1", call, [(x,)]) if tiled_applies(x, weight) else None
+        cublaslt = time_with("0", call, [(x,)])
         theirs = time_in_graph(lambda t: F.linear(t, weight, bias), [(x,)])
         error = (mirage.ops.linear(x, weight, bias).double() - F.linear(x.double(), weight.double(),
                  None if bias is None else bias.double())).abs().max().item()
         rows.append({"shape": label, "rows": m, "k": k, "n": n, "weight": "column-major" if columns else "row-major",
-                     "mirage us": round(ours, 2), "F.linear us": round(theirs, 2), "speedup": round(theirs / ours, 2),
+                     "mirage us": round(ours, 2), "tiled us": None if tiled is None else round(tiled, 2),
+                     "cuBLASLt us": round(cublaslt, 2), "F.linear us": round(theirs, 2),
+                     "speedup": round(theirs / ours, 2),
                      "max error": f"{error:.1e}"})
     print_table(rows, [("shape", "shape", "s"), ("rows", "rows", "d"), ("k", "in", "d"), ("n", "out", "d"),
-                       ("weight", "weight", "s"), ("mirage us", "mirage us", ".2f"),
+                       ("weight", "weight", "s"), ("mirage us", "mirage us", ".2f"), ("tiled us", "tiled", ".2f"),
+                       ("cuBLASLt us", "cuBLASLt", ".2f"),
                        ("F.linear us", "F.linear us", ".2f"), ("speedup", "x", ".2f"), ("max error", "max |err|", "s")])
     write_json(args.json, {"device": device_facts(), "dtype": args.dtype, "rows": rows})
 

@@ -57,4 +57,29 @@ bool narrow_linear_fits(int64_t k);
 // y = x @ weight^T + bias, summed in float32 (three TF32 products each).
 cudaError_t launch_narrow_linear(const NarrowLinearParams& params, cudaStream_t stream);
 
+// mirage::linear in float32 on many rows, any width: 64 x 64 output tiles on TF32 tensor cores,
+// every operand split into two TF32 parts (three products: float32's accuracy) unless TF32 is
+// allowed (one product), x and the weight staged in shared memory by cp.async three slices of k
+// ahead. cuBLAS's float32 kernels ran a force field's [3,000, 128] x [128, 128] products at ~8 us
+// on an H200, a sixth of the FMA rate. The caller times it against cuBLASLt's candidates.
+struct TiledLinearParams {
+  const float* x;         // [m, k], rows ldx floats apart
+  const float* weight;    // element (n, k) at weight[n * ldw + k] or, column-major, weight[k * ldw + n]
+  const float* bias;      // [n], or null
+  const float* residual;  // [m, n], rows ldr floats apart, or null
+  float* y;               // [m, n], contiguous
+  int64_t m, ldx, ldw, ldr;
+  int n, k;
+  bool weight_columns;    // the weight column-major (the transpose of a row-major [k, n] matrix)
+  bool split;             // three TF32 products (float32's accuracy); one where TF32 is allowed
+};
+
+// Whether the tiled kernel takes these operands: k a multiple of 4, x's and the weight's rows
+// 16-byte aligned (and, for a column-major weight, n a multiple of 4), the grid's rows and columns
+// within CUDA's limits.
+bool tiled_linear_applies(const TiledLinearParams& params);
+
+// y = x @ weight^T + bias + residual, summed in float32.
+cudaError_t launch_tiled_linear(const TiledLinearParams& params, cudaStream_t stream);
+
 }  // namespace mirage::cuda

@@ -1,13 +1,16 @@
 // mirage::linear on CUDA: one cuBLASLt matmul whose epilogue adds the bias and the residual, so
 // x @ weight^T + bias + residual costs one pass over the output instead of PyTorch's two or three;
 // for up to 8 rows (time embeddings) one kernel of mirage's own, the input activation included;
-// for float32 outputs of up to 32 features from many rows (PaiNN's basis gradient) another.
+// for float32 outputs of up to 32 features from many rows (PaiNN's basis gradient) another; other
+// float32 products may run on a third, tiled one (TF32 tensor cores, float32's accuracy).
 // The algorithm is timed, not guessed: cuBLASLt's first heuristic pick was up to 1.6x slower than
 // its best candidate at the U-Net's [8192, 320] x [320, 320] (docs/perf/norms.md), so the first
-// eager call of each problem times the heuristic's candidates and keeps the fastest.
+// eager call of each problem times the heuristic's candidates, and the tiled kernel where it
+// applies, and keeps the fastest.
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -76,24 +79,31 @@ uint32_t alignment(const void* data, int64_t ld, size_t element_size) {
 }
 
 // Everything the fastest algorithm depends on.
-using ProblemKey = std::array<int64_t, 16>;
+using ProblemKey = std::array<int64_t, 17>;
+
+// How a problem runs: the tiled kernel, or cuBLASLt with `algo`.
+struct Plan {
+  bool tiled = false;
+  cublasLtMatmulAlgo_t algo{};
+};
 
 std::mutex plans_mutex;
-std::map<ProblemKey, cublasLtMatmulAlgo_t> plans;
+std::map<ProblemKey, Plan> plans;
 
 using Run = std::function<cublasStatus_t(const cublasLtMatmulAlgo_t&, cudaStream_t)>;
+// One call of a candidate on a stream; false if it could not run.
+using Call = std::function<bool(cudaStream_t)>;
 
-// Microseconds per call of `algo`, or a negative number if it fails. The calls run as a CUDA graph
-// of back-to-back launches: timed one launch at a time, a few-microsecond matmul would measure the
+// Microseconds per call, or a negative number if it fails. The calls run as a CUDA graph of
+// back-to-back launches: timed one launch at a time, a few-microsecond matmul would measure the
 // host's launch rate, the same for every candidate.
-float time_algorithm(const cublasLtMatmulAlgo_t& algo, const Run& run, cudaStream_t stream,
-                     cudaEvent_t start, cudaEvent_t stop) {
+float time_calls(const Call& call, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
   constexpr int kCalls = 10;
-  if (run(algo, stream) != CUBLAS_STATUS_SUCCESS) return -1.0f;  // a refusal drops the candidate
+  if (!call(stream)) return -1.0f;  // a refusal drops the candidate
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   bool ok = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
-  for (int i = 0; ok && i < kCalls; ++i) ok = run(algo, stream) == CUBLAS_STATUS_SUCCESS;
+  for (int i = 0; ok && i < kCalls; ++i) ok = call(stream);
   ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && ok;
   ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
   float ms = -1.0f;
@@ -110,13 +120,13 @@ float time_algorithm(const cublasLtMatmulAlgo_t& algo, const Run& run, cudaStrea
   return ms;
 }
 
-// The fastest of cuBLASLt's heuristic candidates for this problem, timed on its real operands on
-// the first eager call, on a private stream that waits for the work queued before it. Inside a
-// CUDA graph capture nothing can be timed: the heuristic's first pick runs and the problem stays
-// untimed, so a capture after one eager call (as mirage.graphs.capture does after its warm-up)
-// records the timed choice.
-cublasLtMatmulAlgo_t choose_algorithm(const ProblemKey& key, const Descriptors& desc, const Run& run,
-                                      cudaStream_t stream) {
+// The fastest of cuBLASLt's heuristic candidates and the tiled kernel (`tiled`, where it applies)
+// for this problem, timed on its real operands on the first eager call, on a private stream that
+// waits for the work queued before it. Inside a CUDA graph capture nothing can be timed: the
+// heuristic's first pick runs and the problem stays untimed, so a capture after one eager call (as
+// mirage.graphs.capture does after its warm-up) records the timed choice.
+Plan choose_plan(const ProblemKey& key, const Descriptors& desc, const Run& run, const Call& tiled,
+                 cudaStream_t stream) {
   {
     const std::lock_guard<std::mutex> lock(plans_mutex);
     const auto found = plans.find(key);
@@ -133,7 +143,7 @@ cublasLtMatmulAlgo_t choose_algorithm(const ProblemKey& key, const Descriptors& 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MIRAGE_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess, kLinear,
               ": cudaStreamIsCapturing failed");
-  if (capture != cudaStreamCaptureStatusNone) return results[0].algo;
+  if (capture != cudaStreamCaptureStatusNone) return {false, results[0].algo};
 
   cudaStream_t tuning = nullptr;
   cudaEvent_t ready = nullptr, start = nullptr, stop = nullptr;
@@ -142,10 +152,14 @@ cublasLtMatmulAlgo_t choose_algorithm(const ProblemKey& key, const Descriptors& 
                   cudaEventCreate(&stop) == cudaSuccess && cudaEventRecord(ready, stream) == cudaSuccess &&
                   cudaStreamWaitEvent(tuning, ready, 0) == cudaSuccess,
               kLinear, ": could not set up the algorithm timing (CUDA stream or event)");
-  int best = -1;
+  int best = -1;  // count: the tiled kernel
   float best_us = 0.0f;
-  for (int i = 0; i < count; ++i) {
-    const float us = time_algorithm(results[i].algo, run, tuning, start, stop);
+  for (int i = 0; i <= count; ++i) {
+    if (i == count && !tiled) break;
+    const Call call = i == count ? tiled : Call([&, i](cudaStream_t on) {
+      return run(results[i].algo, on) == CUBLAS_STATUS_SUCCESS;
+    });
+    const float us = time_calls(call, tuning, start, stop);
     if (us >= 0.0f && (best < 0 || us < best_us)) {
       best = i;
       best_us = us;
@@ -155,9 +169,23 @@ cublasLtMatmulAlgo_t choose_algorithm(const ProblemKey& key, const Descriptors& 
   cudaStreamDestroy(tuning);
   for (cudaEvent_t event : {ready, start, stop}) cudaEventDestroy(event);
   MIRAGE_CHECK(best >= 0, kLinear, ": every cuBLASLt candidate algorithm failed");
+  const Plan plan = best == count ? Plan{true, {}} : Plan{false, results[best].algo};
   const std::lock_guard<std::mutex> lock(plans_mutex);
-  plans.emplace(key, results[best].algo);
-  return results[best].algo;
+  plans.emplace(key, plan);
+  return plan;
+}
+
+// MIRAGE_LINEAR_TILED in the environment: "1" runs the tiled kernel wherever it applies, "0"
+// never (the tests run both ways); otherwise it is one of the timed candidates.
+enum class TiledChoice : int64_t { kNever, kTimed, kAlways };
+
+TiledChoice tiled_choice() {
+  const char* value = std::getenv("MIRAGE_LINEAR_TILED");
+  if (value == nullptr || *value == '\0') return TiledChoice::kTimed;
+  const std::string_view choice(value);
+  MIRAGE_CHECK(choice == "0" || choice == "1", kLinear, ": MIRAGE_LINEAR_TILED must be 0, 1 or unset, got \"",
+              choice, "\"");
+  return choice == "1" ? TiledChoice::kAlways : TiledChoice::kNever;
 }
 
 // Up to kSmallLinearMaxRows rows: mirage's kernel, the activation applied as x is read. A
@@ -339,9 +367,41 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                           desc.b, &beta, c.const_data_ptr(), desc.c, y.mutable_data_ptr(), desc.d, &algo,
                           workspace, workspace_bytes, on);
   };
+  // The tiled kernel: float32 only (cuBLASLt's float16/bfloat16 kernels run on tensor cores
+  // already), the residual in its epilogue (one rounding, whatever the alignment).
+  // (Pointers cast, not typed reads: this is filled for every dtype and used for float32 only.)
+  cuda::TiledLinearParams tiled{};
+  tiled.x = static_cast<const float*>(b.const_data_ptr());
+  tiled.weight = static_cast<const float*>(a.const_data_ptr());
+  tiled.bias = static_cast<const float*>(data_or_null(bias_vector));
+  tiled.residual = static_cast<const float*>(data_or_null(residual_rows));
+  tiled.y = static_cast<float*>(y.mutable_data_ptr());
+  tiled.m = m;
+  tiled.ldx = ldb;
+  tiled.ldw = lda;
+  tiled.ldr = has_residual ? row_stride(residual_rows) : 0;
+  tiled.n = static_cast<int>(n);
+  tiled.k = static_cast<int>(k);
+  tiled.weight_columns = weight_columns;
+  tiled.split = !tf32;
+  const TiledChoice choice = dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled)
+                                 ? tiled_choice() : TiledChoice::kNever;
+  if (choice == TiledChoice::kAlways) {
+    check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
+    return y;
+  }
+  const Call tiled_call = choice == TiledChoice::kTimed ? Call([&tiled](cudaStream_t on) {
+    return cuda::launch_tiled_linear(tiled, on) == cudaSuccess;
+  }) : Call();
   const ProblemKey key{x.get_device(), static_cast<int64_t>(dtype), m, n, k, weight_columns, lda, ldb, ldc, has_bias,
-                       residual_in_epilogue, tf32, align_a, align_b, align_c, align_d};
-  check_lt(run(choose_algorithm(key, desc, run, stream), stream), "cublasLtMatmul");
+                       residual_in_epilogue, tf32, align_a, align_b, align_c, align_d,
+                       static_cast<int64_t>(choice)};
+  const Plan plan = choose_plan(key, desc, run, tiled_call, stream);
+  if (plan.tiled) {
+    check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
+    return y;
+  }
+  check_lt(run(plan.algo, stream), "cublasLtMatmul");
   if (residual_after) y.add_(*residual);
   return y;
 }

@@ -455,3 +455,111 @@ def test_cuda_narrow_outputs_propagate_nan_and_inf():
     x[5, 3], x[9, 0] = float("nan"), float("inf")
     y = mirage.ops.linear(x, weight)
     assert torch.isnan(y[5]).all() and not torch.isfinite(y[9]).any() and torch.isfinite(y[10]).all()
+
+
+# ---- float32 in 64 x 64 tiles: the tiled kernel (TF32 parts), timed against cuBLASLt ---------
+
+def tiled_kernel_ran(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, any("tiled_linear_kernel" in e.name for e in prof.events())
+
+
+# A force field's atom-wise products and their x gradients, edges of the 64 x 64 tiles and the
+# 32-wide slices of k, one output, 9 rows (up to 8 take the few-rows kernel), many rows.
+TILED_SHAPES = [(3000, 128, 128), (9000, 128, 128), (3000, 256, 384), (9, 4, 1), (63, 36, 65), (65, 260, 130),
+                (129, 32, 4), (9, 1028, 64), (70_000, 12, 8)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,k,n", TILED_SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "weight_transposed", "strided"])
+def test_cuda_tiled_matches_float64(monkeypatch, m, k, n, layout):
+    """MIRAGE_LINEAR_TILED=1: float32 products whose rows are 16-byte aligned (k % 4 == 0, and
+    n % 4 == 0 for a column-major weight) run on the tiled kernel, with float32's accuracy from three
+    TF32 products, bias and residual in its epilogue."""
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "1")
+    x, weight, bias, residual = operands((m, k), n, torch.float32, "cuda", layout)
+    if layout == "strided":  # rows 4 floats wider than k: a column slice, still 16-byte aligned
+        x = torch.empty(m, k + 4, device="cuda")[:, :k].copy_(x)
+    for b, r in [(bias, residual), (None, None), (bias, None), (None, residual)]:
+        y, ran = tiled_kernel_ran(lambda: mirage.ops.linear(x, weight, b, r))
+        # A transposed [k, 1] weight is also a row-major [1, k] one.
+        assert ran == (layout != "weight_transposed" or n % 4 == 0 or n == 1)
+        assert_linear_close(y, x, weight, b, r)
+
+
+@pytest.mark.cuda
+def test_cuda_tiled_gradients(monkeypatch):
+    """The x gradient is linear itself with a column-major weight: the tiled kernel's other layout."""
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "1")
+    x, weight, bias, residual = (t.requires_grad_() for t in operands((300, 128), 96, torch.float32, "cuda"))
+    grad = randn(300, 96, device="cuda")
+    got = torch.autograd.grad(mirage.ops.linear(x, weight, bias, residual), (x, weight, bias, residual), grad)
+    expected = torch.autograd.grad(composite(*(t.double() for t in (x, weight, bias, residual))),
+                                   (x, weight, bias, residual), grad.double())
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-5)  # both float32: e's float64 sums rounded
+
+
+@pytest.mark.cuda
+def test_cuda_tiled_only_where_it_applies(monkeypatch):
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "1")
+    x, weight, bias, residual = operands((256, 64), 48, torch.float32, "cuda")
+    assert tiled_kernel_ran(lambda: mirage.ops.linear(x, weight))[1]
+    storage = randn(256 * 64 + 1, device="cuda")
+    cases = [lambda: mirage.ops.linear(x[:, :63], weight[:, :63]),  # k % 4 != 0
+             lambda: mirage.ops.linear(storage[1:].view(256, 64), weight),  # x not 16-byte aligned
+             lambda: mirage.ops.linear(x, randn(64, 46, device="cuda").T),  # column-major, n % 4 != 0
+             lambda: mirage.ops.linear(x.half(), weight.half(), bias.half(), residual.half()),
+             lambda: mirage.ops.linear(x[:4], weight)]  # few rows: the few-rows kernel
+    for case in cases:
+        y, ran = tiled_kernel_ran(case)
+        assert not ran
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "0")
+    y, ran = tiled_kernel_ran(lambda: mirage.ops.linear(x, weight, bias, residual))
+    assert not ran
+    assert_linear_close(y, x, weight, bias, residual)
+
+
+@pytest.mark.cuda
+def test_cuda_tiled_setting_must_be_0_or_1(monkeypatch):
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "yes")
+    x, weight, _, _ = operands((256, 64), 48, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match="mirage::linear: MIRAGE_LINEAR_TILED must be 0, 1 or unset"):
+        mirage.ops.linear(x, weight)
+
+
+@pytest.mark.cuda
+def test_cuda_tiled_tf32_and_non_finite(monkeypatch):
+    """With TF32 allowed the kernel makes one TF32 product (as cuBLAS's TF32 kernels); a NaN reaches
+    its row, an infinity gives NaN or an infinity there (the split of an infinity is NaN)."""
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "1")
+    x, weight, bias, residual = operands((512, 256), 128, torch.float32, "cuda")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        y, ran = tiled_kernel_ran(lambda: mirage.ops.linear(x, weight, bias, residual))
+        assert ran
+        torch.testing.assert_close(y, composite(x, weight, bias, residual), atol=0.05, rtol=0.01)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    x[5, 3], x[9, 0] = float("nan"), float("inf")
+    y = mirage.ops.linear(x, weight, bias, residual)
+    assert torch.isnan(y[5]).all() and not torch.isfinite(y[9]).any() and torch.isfinite(y[10]).all()
+
+
+@pytest.mark.cuda
+def test_cuda_timed_choice_and_graph_capture(monkeypatch):
+    """Unset, the tiled kernel is one of the timed candidates: whichever wins, the result and a
+    CUDA graph's replays with new inputs are right."""
+    monkeypatch.delenv("MIRAGE_LINEAR_TILED", raising=False)
+    x, weight, bias, residual = (torch.empty_like(t).copy_(t) for t in operands((3000, 128), 128, torch.float32, "cuda"))
+    graph, y = capture_graph(lambda: mirage.ops.linear(x, weight, bias, residual))
+    for _ in range(2):
+        for buf in (x, residual):
+            buf.copy_(randn(*buf.shape, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_linear_close(y, x, weight, bias, residual)
