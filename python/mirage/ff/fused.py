@@ -135,16 +135,17 @@ def _with_bias_column(linear: nn.Linear) -> Tensor:
     return torch.cat([linear.weight, linear.bias.unsqueeze(-1)], dim=1).t()
 
 
-def _apply_linear(x: Tensor, linear: nn.Linear) -> Tensor:
-    """``linear(x)`` by ``mirage::linear`` (cuBLASLt's timed algorithm, for x's gradient too):
-    PyTorch's cuBLAS matmuls of a molecule's few rows are slow (float32 [12, 384] x [384, 128]
-    took 52 us on an H200, mirage::linear 3.4; docs/perf/forcefield.md)."""
-    return ops.linear(x, linear.weight, linear.bias)
+def _apply_linear(x: Tensor, linear: nn.Linear, residual: Optional[Tensor] = None) -> Tensor:
+    """``linear(x) + residual`` by ``mirage::linear`` (the timed fastest of cuBLASLt's algorithms
+    and its own tiled kernel, for x's gradient too; the residual in the epilogue): PyTorch's cuBLAS
+    matmuls of a molecule's few rows are slow (float32 [12, 384] x [384, 128] took 52 us on an
+    H200, mirage::linear 3.4; docs/perf/forcefield.md)."""
+    return ops.linear(x, linear.weight, linear.bias, residual)
 
 
-def _mlp(x: Tensor, sequential: nn.Sequential, activation: str) -> Tensor:
+def _mlp(x: Tensor, sequential: nn.Sequential, activation: str, residual: Optional[Tensor] = None) -> Tensor:
     first, second = sequential[0], sequential[2]
-    return _apply_linear(ACTIVATIONS[activation](_apply_linear(x, first)), second)
+    return _apply_linear(ACTIVATIONS[activation](_apply_linear(x, first)), second, residual)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -575,7 +576,7 @@ class SchNet(_FusedModel):
         x = self.embedding(atomic_numbers)
         for t, block in enumerate(self.interactions):
             h = _apply_linear(x, block.in2f)
-            x = x + _mlp(messages(t, block, h), block.f2out, self.update_activations[t])
+            x = _mlp(messages(t, block, h), block.f2out, self.update_activations[t], residual=x)
         return self._readout(x)
 
     def _filters(self, rbf: Tensor, distances: Tensor) -> Tensor:
