@@ -157,27 +157,29 @@ struct NarrowChunk {
   }
 };
 
-// acc += the chunk at k0 times the weight. Each 16 columns of a chunk are two k8 steps whose "k
-// index" t stands for column 4 t + 2 s and t + 4 for the next one (a permutation, matched in the
-// weight's fragments, so that x comes in 16-byte loads).
-__device__ __forceinline__ void narrow_products(const NarrowChunk& a, const float* w, int k0, float (&acc)[4][4]) {
+// acc += the chunk at k0 times the weight's first 8 kTiles columns. Each 16 columns of a chunk
+// are two k8 steps whose "k index" t stands for column 4 t + 2 s and t + 4 for the next one (a
+// permutation, matched in the weight's fragments, so that x comes in 16-byte loads).
+template <int kTiles>
+__device__ __forceinline__ void narrow_products(const NarrowChunk& a, const float* w, int k0,
+                                                float (&acc)[kTiles][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int q = 0; q < 2; ++q)
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      uint32_t a_hi[4], a_lo[4], b_hi[4][2], b_lo[4][2];
+      uint32_t a_hi[4], a_lo[4], b_hi[kTiles][2], b_lo[kTiles][2];
       const float f[4] = {a.v[0][q][2 * s], a.v[1][q][2 * s], a.v[0][q][2 * s + 1], a.v[1][q][2 * s + 1]};
 #pragma unroll
       for (int i = 0; i < 4; ++i) split<true>(f[i], a_hi[i], a_lo[i]);
       const float* w_row = w + (k0 + 16 * q + 4 * t + 2 * s) * kNarrowLd + g;
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
+      for (int n = 0; n < kTiles; ++n) {
         split<true>(w_row[8 * n], b_hi[n][0], b_lo[n][0]);
         split<true>(w_row[kNarrowLd + 8 * n], b_hi[n][1], b_lo[n][1]);
       }
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {  // the small terms first
+      for (int n = 0; n < kTiles; ++n) {  // the small terms first
         mma_tf32(acc[n], a_lo, b_hi[n]);
         mma_tf32(acc[n], a_hi, b_lo[n]);
         mma_tf32(acc[n], a_hi, b_hi[n]);
@@ -186,7 +188,9 @@ __device__ __forceinline__ void narrow_products(const NarrowChunk& a, const floa
 }
 
 // Two chunks of x in flight per lane: each chunk's loads are issued two chunks ahead of its
-// products (one chunk ahead was latency-bound, 2.3 TB/s on an H200).
+// products (one chunk ahead was latency-bound, 2.3 TB/s on an H200). kTiles: the n8 tiles that
+// cover the outputs (PaiNN's 21 take 3: a quarter fewer products than padding them to 32).
+template <int kTiles>
 __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(NarrowLinearParams p) {
   extern __shared__ float4 smem4[];
   float* w = reinterpret_cast<float*>(smem4);
@@ -201,7 +205,7 @@ __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(Narrow
   for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kNarrowWarps + threadIdx.x / 32; tile < tiles;
        tile += static_cast<int64_t>(gridDim.x) * kNarrowWarps) {
     const int64_t row0 = tile * kNarrowTile;
-    float acc[4][4] = {};
+    float acc[kTiles][4] = {};
     NarrowChunk even, odd;
     even.load(p, row0, 0);
     odd.load(p, row0, kNarrowChunk);
@@ -209,13 +213,13 @@ __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(Narrow
     for (int k0 = 0; k0 < k_padded; k0 += 2 * kNarrowChunk) {
       NarrowChunk a = even;
       if (k0 + 2 * kNarrowChunk < k_padded) even.load(p, row0, k0 + 2 * kNarrowChunk);
-      narrow_products(a, w, k0, acc);
+      narrow_products<kTiles>(a, w, k0, acc);
       a = odd;
       if (k0 + 3 * kNarrowChunk < k_padded) odd.load(p, row0, k0 + 3 * kNarrowChunk);
-      narrow_products(a, w, k0 + kNarrowChunk, acc);
+      narrow_products<kTiles>(a, w, k0 + kNarrowChunk, acc);
     }
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t row = row0 + 8 * (e / 2) + g;
@@ -366,12 +370,15 @@ cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t strea
     return cudaErrorInvalidValue;
   if (p.m == 0) return cudaSuccess;
   const size_t shared = narrow_shared_bytes(p.k);
+  constexpr void (*kernels[])(NarrowLinearParams) = {narrow_linear_kernel<1>, narrow_linear_kernel<2>,
+                                                     narrow_linear_kernel<3>, narrow_linear_kernel<4>};
+  const auto kernel = kernels[ceil_div(p.n, 8) - 1];
   int64_t wave = 0;
-  const cudaError_t status = blocks_per_wave(narrow_linear_kernel, kNarrowWarps * 32, shared, wave);
+  const cudaError_t status = blocks_per_wave(kernel, kNarrowWarps * 32, shared, wave);
   if (status != cudaSuccess) return status;
   // One wave of blocks (each stages the weight once), fewer when there are fewer tiles.
   const int64_t blocks = std::min(ceil_div(ceil_div(p.m, int64_t{kNarrowTile}), int64_t{kNarrowWarps}), wave);
-  narrow_linear_kernel<<<static_cast<unsigned>(blocks), kNarrowWarps * 32, shared, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), kNarrowWarps * 32, shared, stream>>>(p);
   return cudaGetLastError();
 }
 
