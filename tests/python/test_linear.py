@@ -420,7 +420,8 @@ def narrow_kernel_ran(fn):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,k,n,layout", [(NARROW_MIN_ROWS, 384, 21, "weight_transposed"), (139_046, 384, 21, "weight_transposed"),
                                           (NARROW_MIN_ROWS + 3, 4, 1, "contiguous"), (NARROW_MIN_ROWS + 5, 1024, 32, "contiguous"),
-                                          (NARROW_MIN_ROWS + 9, 36, 7, "strided"), (NARROW_MIN_ROWS + 1, 388, 32, "row_stride")])
+                                          (NARROW_MIN_ROWS + 9, 36, 7, "strided"), (NARROW_MIN_ROWS + 1, 388, 32, "row_stride"),
+                                          (NARROW_MIN_ROWS + 2, 64, 12, "contiguous")])  # 1, 2, 3 and 4 n8 tiles
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cuda_narrow_outputs(m, k, n, layout, with_bias):
     """float32 outputs of up to 32 features from 131,072 rows on (k % 4 == 0 and 16-byte aligned x
