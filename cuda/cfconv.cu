@@ -1365,8 +1365,8 @@ cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream) {
   });
 }
 
-size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs) {
-  return sender_order_workspace_bytes(num_nodes, num_pairs);
+size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs, bool given_order) {
+  return sender_order_workspace_bytes(num_nodes, num_pairs, given_order);
 }
 
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream) {

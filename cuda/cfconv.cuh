@@ -65,10 +65,11 @@ struct CfconvBackwardParams {
 // enough shared memory per block, tensor cores with TF32).
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
-// Bytes of device scratch (256-byte aligned) the backward launchers below take for these sizes: long
-// lists are walked in sender order (pair_order.cuh), the messages onto senders summed over runs of
-// equal senders. 0 for short lists (the workspace may be null).
-size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs);
+// Bytes of device scratch (256-byte aligned) the backward launchers below take for these sizes and
+// whether a sender order is given (less: no sort): long lists are walked in sender order
+// (pair_order.cuh), the messages onto senders summed over runs of equal senders. 0 for short
+// lists (the workspace may be null).
+size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs, bool given_order);
 
 // Pairs with an index outside [0, num_nodes) are skipped and turn every output NaN (no host sync).
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream);
@@ -115,7 +116,7 @@ struct RadialCfconvBackwardParams {
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
 cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t stream);
-// Its workspace: cfconv_backward_workspace_bytes(num_nodes, num_pairs).
+// Its workspace: cfconv_backward_workspace_bytes(num_nodes, num_pairs, sender_order != nullptr).
 cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, void* workspace,
                                           cudaStream_t stream);
 

@@ -187,17 +187,21 @@ __global__ void __launch_bounds__(kThreads) check_order_kernel(const int* given,
   if (threadIdx.x == 0) balances[blockIdx.x] = balance;
 }
 
-// A backward's workspace: the order its walk reads, the check's balances, the sort's scratch.
+// A backward's workspace: the order its walk reads, and the check's balances of a given order or
+// else the sort's scratch.
 struct BackwardLayout {
   int* order;
-  unsigned long long* balances;
-  void* scratch;
+  unsigned long long* balances = nullptr;
+  void* scratch = nullptr;
   size_t bytes;
-  BackwardLayout(int64_t nodes, int64_t num_pairs, char* base) {
+  BackwardLayout(int64_t nodes, int64_t num_pairs, bool given, char* base) {
     WorkspaceLayout layout(base);
     order = static_cast<int*>(layout.take(num_pairs * sizeof(int)));
-    balances = static_cast<unsigned long long*>(layout.take(kMaxCheckBlocks * sizeof(unsigned long long)));
-    scratch = layout.take(sort_by_sender_scratch_bytes(nodes, num_pairs));
+    if (given) {
+      balances = static_cast<unsigned long long*>(layout.take(kMaxCheckBlocks * sizeof(unsigned long long)));
+    } else {
+      scratch = layout.take(sort_by_sender_scratch_bytes(nodes, num_pairs));
+    }
     bytes = layout.bytes();
   }
 };
@@ -233,15 +237,15 @@ cudaError_t sort_by_sender(const int64_t* pairs, int64_t nodes, int64_t num_pair
   return cudaGetLastError();
 }
 
-size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs) {
-  return use_sender_order(nodes, num_pairs) ? BackwardLayout(nodes, num_pairs, nullptr).bytes : 0;
+size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs, bool given) {
+  return use_sender_order(nodes, num_pairs) ? BackwardLayout(nodes, num_pairs, given, nullptr).bytes : 0;
 }
 
 cudaError_t launch_sender_order(const int64_t* pairs, int64_t nodes, int64_t num_pairs, const int64_t* live,
                                 const int* given, void* workspace, SenderOrder* walk, cudaStream_t stream) {
   *walk = SenderOrder{};
   if (!use_sender_order(nodes, num_pairs)) return cudaSuccess;
-  const BackwardLayout w(nodes, num_pairs, static_cast<char*>(workspace));
+  const BackwardLayout w(nodes, num_pairs, given != nullptr, static_cast<char*>(workspace));
   if (given == nullptr) {
     const cudaError_t status = sort_by_sender(pairs, nodes, num_pairs, live, w.order, w.scratch, stream);
     if (status == cudaSuccess) walk->order = w.order;

@@ -47,10 +47,11 @@ struct SenderOrder {
 };
 
 // Bytes of device scratch launch_sender_order needs, order included (0 where use_sender_order is
-// false).
-size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs);
+// false); the sort's scratch only where no order is given (`given`: one will be).
+size_t sender_order_workspace_bytes(int64_t nodes, int64_t num_pairs, bool given);
 
-// A backward's walk, in `workspace` (sender_order_workspace_bytes of it, 256-byte aligned):
+// A backward's walk, in `workspace` (sender_order_workspace_bytes(nodes, num_pairs, given !=
+// nullptr) of it, 256-byte aligned):
 // where use_sender_order is false, none (list order); else the pairs sorted by sender here (with
 // `live` as sort_by_sender takes it), or, where `given` is not null, the caller's order
 // (mirage::sender_order's, handed to the op) read instead of sorting again. The walk then reads a

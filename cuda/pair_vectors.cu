@@ -173,21 +173,21 @@ struct BackwardWorkspace {
   size_t zeroed_bytes;
   void* order;
   size_t bytes;
-  BackwardWorkspace(int64_t num_atoms, int64_t num_pairs, char* base) {
+  BackwardWorkspace(int64_t num_atoms, int64_t num_pairs, bool given_order, char* base) {
     WorkspaceLayout layout(base);
     zeroed_bytes = 16 + static_cast<size_t>(num_atoms) * sizeof(float4);
     char* front = static_cast<char*>(layout.take(zeroed_bytes));
     invalid = reinterpret_cast<int*>(front);
     acc = reinterpret_cast<float4*>(front + 16);
-    order = layout.take(sender_order_workspace_bytes(num_atoms, num_pairs));
+    order = layout.take(sender_order_workspace_bytes(num_atoms, num_pairs, given_order));
     bytes = layout.bytes();
   }
 };
 
 }  // namespace
 
-size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pairs) {
-  return BackwardWorkspace(num_atoms, num_pairs, nullptr).bytes;
+size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pairs, bool given_order) {
+  return BackwardWorkspace(num_atoms, num_pairs, given_order, nullptr).bytes;
 }
 
 cudaError_t launch_pair_vectors(const PairVectorsParams& params, cudaStream_t stream) {
@@ -205,7 +205,8 @@ cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params
     return cudaGetLastError();
   }
   if (ceil_div(std::max(params.num_pairs, values), kThreads) > INT32_MAX) return cudaErrorInvalidValue;
-  const BackwardWorkspace w(params.num_atoms, params.num_pairs, static_cast<char*>(workspace));
+  const BackwardWorkspace w(params.num_atoms, params.num_pairs, params.sender_order != nullptr,
+                            static_cast<char*>(workspace));
   cudaError_t status = cudaMemsetAsync(workspace, 0, w.zeroed_bytes, stream);
   if (status != cudaSuccess || values == 0) return status;
   SenderOrder walk;  // by sender for long lists, else none

@@ -39,9 +39,9 @@ struct PairVectorsBackwardParams {
 };
 
 // Bytes of device scratch the backward launcher needs (the invalid-index flag, an [N, 4] float32
-// accumulator and, for long lists, the sender order of pair_order.cuh), 256-byte aligned as the
-// caching allocator's blocks are.
-size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pairs);
+// accumulator and, for long lists, the sender order of pair_order.cuh: its sort's scratch unless
+// an order is given), 256-byte aligned as the caching allocator's blocks are.
+size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pairs, bool given_order);
 
 // Launch on `stream` into the current device; outputs need no initialization, `workspace` holds
 // the bytes above (any content). Return the status of the last launch.

@@ -501,7 +501,7 @@ size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& 
 
 size_t vector_message_passing_backward_workspace_bytes(const VectorMessagePassingBackwardParams& p) {
   return workspace_bytes(p.dtype, {p.nodes * 3 * p.features, p.nodes * 3 * p.features, p.num_pairs * 3}) +
-         sender_order_workspace_bytes(p.nodes, p.num_pairs);
+         sender_order_workspace_bytes(p.nodes, p.num_pairs, p.sender_order != nullptr);
 }
 
 cudaError_t launch_vector_message_passing(const VectorMessagePassingParams& p, void* workspace,

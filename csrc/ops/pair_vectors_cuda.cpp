@@ -41,7 +41,8 @@ at::Tensor pair_vectors_backward_cuda(const at::Tensor& grad_vectors, const at::
   const at::Tensor gv = grad_vectors.contiguous(), gd = grad_distances.contiguous(), pos = positions.contiguous(),
                    idx = pairs.contiguous(), sh = contiguous_shifts(shifts), order = given_sender_order(sender_order);
   at::Tensor grad = at::empty({N, 3}, positions.options());
-  const at::Tensor workspace = workspace_for(cuda::pair_vectors_backward_workspace_bytes(N, P), positions);
+  const at::Tensor workspace =
+      workspace_for(cuda::pair_vectors_backward_workspace_bytes(N, P, order.defined()), positions);
   const cuda::PairVectorsBackwardParams params{gv.const_data_ptr<float>(), gd.const_data_ptr<float>(),
                                                pos.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
                                                sh.defined() ? sh.const_data_ptr<float>() : nullptr,

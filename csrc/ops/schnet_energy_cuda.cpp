@@ -237,7 +237,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   p.live_pairs = static_cast<const int64_t*>(data_or_null(count));
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
-  const at::Tensor workspace = workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs), x);
+  const at::Tensor workspace =
+      workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs, p.sender_order != nullptr), x);
   check_launch(kCfconvBackward,
                cuda::launch_cfconv_backward(p, workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
   return {grad_x, grad_basis, grad_envelope};
@@ -307,7 +308,8 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cuda(const at::Tensor&
   p.num_nodes = s.nodes;
   p.num_pairs = s.pairs;
   p.width = s.width;
-  const at::Tensor workspace = workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs), x);
+  const at::Tensor workspace =
+      workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs, p.sender_order != nullptr), x);
   check_launch(kRadialCfconvBackward, cuda::launch_radial_cfconv_backward(p, workspace.mutable_data_ptr(),
                                                                           c10::cuda::getCurrentCUDAStream()));
   return {grad_x, grad_distances};

@@ -757,8 +757,9 @@ void check_pair_vectors(int64_t N, int64_t P, int64_t bad = -1) {
   REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dpairs), std::max<size_t>(pairs.size(), 1) * sizeof(int64_t)) ==
           cudaSuccess);
   REQUIRE(cudaMemcpy(dpairs, pairs.data(), pairs.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess);
-  REQUIRE(cudaMalloc(&workspace, mc::pair_vectors_backward_workspace_bytes(N, P)) == cudaSuccess);
-  REQUIRE(cudaMemset(workspace, 0x7F, mc::pair_vectors_backward_workspace_bytes(N, P)) == cudaSuccess);
+  const size_t workspace_bytes = mc::pair_vectors_backward_workspace_bytes(N, P, /*given_order=*/false);
+  REQUIRE(cudaMalloc(&workspace, workspace_bytes) == cudaSuccess);
+  REQUIRE(cudaMemset(workspace, 0x7F, workspace_bytes) == cudaSuccess);
   REQUIRE(mc::launch_pair_vectors({dpos.ptr, dpairs, dshifts.ptr, vectors.ptr, distances.ptr, N, P}, nullptr) ==
           cudaSuccess);
   REQUIRE(mc::launch_pair_vectors_backward({dgv.ptr, dgd.ptr, dpos.ptr, dpairs, dshifts.ptr, grad.ptr, nullptr, N, P},
@@ -1066,7 +1067,7 @@ TEST_CASE("sort_by_sender groups the pairs by sender, bad senders last", "[pair_
     {  // a list too short to pay: no scratch, no order (list order), nothing to check
       const int sentinel = 0;
       mc::SenderOrder none{&sentinel, {nullptr, 3}};
-      REQUIRE(mc::sender_order_workspace_bytes(nodes, mc::kSenderOrderMinPairs - 1) == 0);
+      REQUIRE(mc::sender_order_workspace_bytes(nodes, mc::kSenderOrderMinPairs - 1, false) == 0);
       REQUIRE(mc::launch_sender_order(nullptr, nodes, mc::kSenderOrderMinPairs - 1, nullptr, &sentinel, nullptr,
                                       &none, nullptr) == cudaSuccess);
       REQUIRE(none.order == nullptr);
@@ -1159,7 +1160,9 @@ TEST_CASE("launch_sender_order checks a given order: permutations balance, other
     INFO(c.name);
     int* dgiven = device_ints(c.given);
     void* workspace = nullptr;
-    const size_t bytes = mc::sender_order_workspace_bytes(nodes, P);
+    const size_t bytes = mc::sender_order_workspace_bytes(nodes, P, /*given=*/true);
+    // A given order needs no sort: less scratch than sorting here.
+    REQUIRE(bytes < mc::sender_order_workspace_bytes(nodes, P, /*given=*/false));
     REQUIRE(cudaMalloc(&workspace, bytes) == cudaSuccess);
     REQUIRE(cudaMemset(workspace, 0x7F, bytes) == cudaSuccess);  // the launcher initializes what it reads
     mc::SenderOrder walk;
@@ -1344,7 +1347,7 @@ TEST_CASE("launch_cfconv(_backward) match the host reference", "[cfconv]") {
                                             dinvalid, /*sender_order=*/nullptr, /*live_pairs=*/nullptr, N, P};
     // 20,000 pairs walk in sender order, the others in list order.
     void* workspace = nullptr;
-    const size_t workspace_bytes = mc::cfconv_backward_workspace_bytes(N, P);
+    const size_t workspace_bytes = mc::cfconv_backward_workspace_bytes(N, P, /*given_order=*/false);
     REQUIRE((workspace_bytes > 0) == (P >= mc::kSenderOrderMinPairs));
     REQUIRE(cudaMalloc(&workspace, std::max<size_t>(workspace_bytes, 1)) == cudaSuccess);
     REQUIRE(mc::launch_cfconv_backward(backward, workspace, nullptr) == cudaSuccess);
