@@ -230,16 +230,22 @@ __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(Narrow
 }
 
 
-// The tiled linear: each block a 64 x 64 tile of y, its four warps 32 x 32 each (two m16 by four
-// n8 MMA tiles); k in slices of 32, three slices in flight. Shared-memory rows are padded so that
-// the fragment reads of a warp (rows g, columns t: lanes 4 g + t) meet 32 banks.
-constexpr int kTiledRows = 64, kTiledCols = 64, kTiledDepth = 32, kTiledStages = 3, kTiledWarps = 4;
-constexpr int kTiledLd = kTiledDepth + 4;        // x's slice [64][36], a row-major weight's [64][36]
-constexpr int kTiledColumnsLd = kTiledCols + 8;  // a column-major weight's slice [32][72]
-constexpr int kTiledSliceFloats = kTiledRows * kTiledLd;
-static_assert(kTiledCols * kTiledLd == kTiledSliceFloats && kTiledDepth * kTiledColumnsLd == kTiledSliceFloats,
-              "one slice size for x and either weight layout");
-constexpr size_t kTiledSharedBytes = kTiledStages * 2 * kTiledSliceFloats * sizeof(float);
+// The tiled linear: each block a kSize x kSize tile of y (64, or 32 where 64 would leave the GPU
+// short of blocks), its four warps a quarter each (kSize / 32 m16 by kSize / 16 n8 MMA tiles); k in
+// slices of 32, three slices in flight. Shared-memory rows are padded so that the fragment reads of
+// a warp (rows g, columns t: lanes 4 g + t) meet 32 banks.
+constexpr int kTiledDepth = 32, kTiledStages = 3, kTiledWarps = 4;
+constexpr int kTiledLd = kTiledDepth + 4;  // x's slice [kSize][36], a row-major weight's [kSize][36]
+
+template <int kSize>
+struct TiledShape {
+  static constexpr int kM = kSize / 32, kN = kSize / 16;  // a warp's m16 and n8 tiles
+  static constexpr int kColumnsLd = kSize + 8;            // a column-major weight's slice [32][kSize + 8]
+  static constexpr int kSliceFloats = kSize * kTiledLd > kTiledDepth * kColumnsLd ? kSize * kTiledLd
+                                                                                   : kTiledDepth * kColumnsLd;
+  static constexpr int kPieces = 8 * kSize / (kTiledWarps * 32);  // 16-byte pieces a thread copies per operand
+  static constexpr size_t kSharedBytes = kTiledStages * 2 * kSliceFloats * sizeof(float);
+};
 
 // 16 bytes from global to shared memory, or (source size 0) 16 zero bytes.
 __device__ __forceinline__ void copy16(float* to, const float* from, bool valid) {
@@ -247,25 +253,26 @@ __device__ __forceinline__ void copy16(float* to, const float* from, bool valid)
                "l"(from), "r"(valid ? 16 : 0));
 }
 
-// Slice `slice` of k of x's and the weight's tiles into stage buffers xs and ws: 512 16-byte
-// pieces each, four a thread.
-template <bool kWeightColumns>
+// Slice `slice` of k of x's and the weight's tiles into stage buffers xs and ws: 8 kSize 16-byte
+// pieces each.
+template <int kSize, bool kWeightColumns>
 __device__ __forceinline__ void fetch_slice(const TiledLinearParams& p, int64_t row0, int col0, int slice, float* xs,
                                             float* ws) {
+  using S = TiledShape<kSize>;
   const int k0 = slice * kTiledDepth;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < S::kPieces; ++i) {
     const int piece = threadIdx.x + i * kTiledWarps * 32;
     const int r = piece / 8, c = 4 * (piece % 8);  // x: row r, columns k0 + c..c+3
     const int64_t row = row0 + r;
     const bool x_valid = row < p.m && k0 + c < p.k;
     copy16(xs + r * kTiledLd + c, x_valid ? p.x + row * p.ldx + k0 + c : p.x, x_valid);
-    if constexpr (kWeightColumns) {  // a row of 64 outputs for each of the slice's 32 inputs
-      const int kk = piece / 16, n = 4 * (piece % 16);
+    if constexpr (kWeightColumns) {  // a row of kSize outputs for each of the slice's 32 inputs
+      const int kk = piece / (kSize / 4), n = 4 * (piece % (kSize / 4));
       const bool valid = k0 + kk < p.k && col0 + n < p.n;
-      copy16(ws + kk * kTiledColumnsLd + n, valid ? p.weight + static_cast<int64_t>(k0 + kk) * p.ldw + col0 + n : p.weight,
-             valid);
-    } else {  // 32 inputs of each of 64 outputs
+      copy16(ws + kk * S::kColumnsLd + n,
+             valid ? p.weight + static_cast<int64_t>(k0 + kk) * p.ldw + col0 + n : p.weight, valid);
+    } else {  // 32 inputs of each of kSize outputs
       const bool valid = col0 + r < p.n && k0 + c < p.k;
       copy16(ws + r * kTiledLd + c, valid ? p.weight + static_cast<int64_t>(col0 + r) * p.ldw + k0 + c : p.weight,
              valid);
@@ -274,77 +281,83 @@ __device__ __forceinline__ void fetch_slice(const TiledLinearParams& p, int64_t 
   asm volatile("cp.async.commit_group;");
 }
 
-// acc += the slice's products: four k8 steps of the warp's 2 x 4 MMA tiles.
-template <bool kWeightColumns, bool kSplit>
+// acc += the slice's products: four k8 steps of the warp's kM x kN MMA tiles.
+template <int kSize, bool kWeightColumns, bool kSplit>
 __device__ __forceinline__ void slice_products(const float* xs, const float* ws, int warp_row, int warp_col,
-                                               float (&acc)[2][4][4]) {
+                                               float (&acc)[TiledShape<kSize>::kM][TiledShape<kSize>::kN][4]) {
+  using S = TiledShape<kSize>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int s = 0; s < kTiledDepth / 8; ++s) {
-    uint32_t a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
+    uint32_t a_hi[S::kM][4], a_lo[S::kM][4], b_hi[S::kN][2], b_lo[S::kN][2];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < S::kM; ++mi) {
       const float* x = xs + (warp_row + 16 * mi + g) * kTiledLd + 8 * s + t;
       const float f[4] = {x[0], x[8 * kTiledLd], x[4], x[8 * kTiledLd + 4]};
 #pragma unroll
       for (int e = 0; e < 4; ++e) split<kSplit>(f[e], a_hi[mi][e], a_lo[mi][e]);
     }
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
+    for (int ni = 0; ni < S::kN; ++ni) {
       const int n = warp_col + 8 * ni + g, kk = 8 * s + t;
-      const float f0 = kWeightColumns ? ws[kk * kTiledColumnsLd + n] : ws[n * kTiledLd + kk];
-      const float f1 = kWeightColumns ? ws[(kk + 4) * kTiledColumnsLd + n] : ws[n * kTiledLd + kk + 4];
+      const float f0 = kWeightColumns ? ws[kk * S::kColumnsLd + n] : ws[n * kTiledLd + kk];
+      const float f1 = kWeightColumns ? ws[(kk + 4) * S::kColumnsLd + n] : ws[n * kTiledLd + kk + 4];
       split<kSplit>(f0, b_hi[ni][0], b_lo[ni][0]);
       split<kSplit>(f1, b_hi[ni][1], b_lo[ni][1]);
     }
-    // The small terms first; one term for all eight tiles before the next, so that no MMA waits
-    // on the one before it.
+    // The small terms first; one term for all the warp's tiles before the next, so that no MMA
+    // waits on the one before it.
     if constexpr (kSplit) {
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < S::kM; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_tf32(acc[mi][ni], a_lo[mi], b_hi[ni]);
+        for (int ni = 0; ni < S::kN; ++ni) mma_tf32(acc[mi][ni], a_lo[mi], b_hi[ni]);
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < S::kM; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_tf32(acc[mi][ni], a_hi[mi], b_lo[ni]);
+        for (int ni = 0; ni < S::kN; ++ni) mma_tf32(acc[mi][ni], a_hi[mi], b_lo[ni]);
     }
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < S::kM; ++mi)
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni) mma_tf32(acc[mi][ni], a_hi[mi], b_hi[ni]);
+      for (int ni = 0; ni < S::kN; ++ni) mma_tf32(acc[mi][ni], a_hi[mi], b_hi[ni]);
   }
 }
 
-template <bool kWeightColumns, bool kSplit>
+template <int kSize, bool kWeightColumns, bool kSplit>
 __global__ void __launch_bounds__(kTiledWarps * 32) tiled_linear_kernel(TiledLinearParams p) {
+  using S = TiledShape<kSize>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);  // per stage: x's slice, then the weight's
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTiledRows;
-  const int col0 = static_cast<int>(blockIdx.y) * kTiledCols;
-  const int warp = threadIdx.x / 32, warp_row = 32 * (warp / 2), warp_col = 32 * (warp % 2);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSize;
+  const int col0 = static_cast<int>(blockIdx.y) * kSize;
+  const int warp = threadIdx.x / 32, warp_row = kSize / 2 * (warp / 2), warp_col = kSize / 2 * (warp % 2);
   const int slices = static_cast<int>(ceil_div(p.k, kTiledDepth));
-  auto stage = [&](int slice) { return smem + (slice % kTiledStages) * 2 * kTiledSliceFloats; };
+  auto stage = [&](int slice) { return smem + (slice % kTiledStages) * 2 * S::kSliceFloats; };
 #pragma unroll
   for (int s = 0; s < kTiledStages - 1; ++s) {
-    if (s < slices) fetch_slice<kWeightColumns>(p, row0, col0, s, stage(s), stage(s) + kTiledSliceFloats);
+    if (s < slices) fetch_slice<kSize, kWeightColumns>(p, row0, col0, s, stage(s), stage(s) + S::kSliceFloats);
     else asm volatile("cp.async.commit_group;");  // an empty group keeps the count the wait below expects
   }
-  float acc[2][4][4] = {};
+  float acc[S::kM][S::kN][4] = {};
 #pragma unroll 1
   for (int slice = 0; slice < slices; ++slice) {
     asm volatile("cp.async.wait_group %0;" ::"n"(kTiledStages - 2) : "memory");
     __syncthreads();  // this slice has landed for every thread; the previous one's buffer is free
     const int next = slice + kTiledStages - 1;
-    if (next < slices) fetch_slice<kWeightColumns>(p, row0, col0, next, stage(next), stage(next) + kTiledSliceFloats);
-    else asm volatile("cp.async.commit_group;");
-    slice_products<kWeightColumns, kSplit>(stage(slice), stage(slice) + kTiledSliceFloats, warp_row, warp_col, acc);
+    if (next < slices) {
+      fetch_slice<kSize, kWeightColumns>(p, row0, col0, next, stage(next), stage(next) + S::kSliceFloats);
+    } else {
+      asm volatile("cp.async.commit_group;");
+    }
+    slice_products<kSize, kWeightColumns, kSplit>(stage(slice), stage(slice) + S::kSliceFloats, warp_row, warp_col,
+                                                  acc);
   }
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < S::kM; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
+    for (int ni = 0; ni < S::kN; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t row = row0 + warp_row + 16 * mi + 8 * (e / 2) + g;
@@ -357,6 +370,7 @@ __global__ void __launch_bounds__(kTiledWarps * 32) tiled_linear_kernel(TiledLin
         }
       }
 }
+
 }  // namespace
 
 bool narrow_linear_fits(int64_t k) {
@@ -386,20 +400,37 @@ bool tiled_linear_applies(const TiledLinearParams& p) {
   constexpr int64_t kMaxGridX = INT32_MAX, kMaxGridY = 65535;
   return p.m >= 1 && p.n >= 1 && p.k >= 4 && p.k % 4 == 0 && p.ldx % 4 == 0 && p.ldw % 4 == 0 &&
          is_aligned(p.x, 16) && is_aligned(p.weight, 16) && (!p.weight_columns || p.n % 4 == 0) &&
-         ceil_div(p.m, kTiledRows) <= kMaxGridX && ceil_div(p.n, kTiledCols) <= kMaxGridY;
+         ceil_div(p.m, 32) <= kMaxGridX && ceil_div(p.n, 32) <= kMaxGridY;
 }
+
+namespace {
+
+template <int kSize>
+cudaError_t launch_tiles(const TiledLinearParams& p, cudaStream_t stream) {
+  const auto kernel = p.weight_columns
+                          ? (p.split ? tiled_linear_kernel<kSize, true, true> : tiled_linear_kernel<kSize, true, false>)
+                          : (p.split ? tiled_linear_kernel<kSize, false, true> : tiled_linear_kernel<kSize, false, false>);
+  constexpr size_t kShared = TiledShape<kSize>::kSharedBytes;
+  // Past 48 KB a kernel's dynamic shared memory must be asked for; cheap enough to ask each call.
+  if (kShared > 48 * 1024) {
+    const cudaError_t status =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kShared));
+    if (status != cudaSuccess) return status;
+  }
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.m, kSize)), static_cast<unsigned>(ceil_div(p.n, kSize)));
+  kernel<<<grid, kTiledWarps * 32, kShared, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
 
 cudaError_t launch_tiled_linear(const TiledLinearParams& p, cudaStream_t stream) {
   if (!tiled_linear_applies(p)) return cudaErrorInvalidValue;
-  const auto kernel = p.weight_columns ? (p.split ? tiled_linear_kernel<true, true> : tiled_linear_kernel<true, false>)
-                                       : (p.split ? tiled_linear_kernel<false, true> : tiled_linear_kernel<false, false>);
-  // Past 48 KB a kernel's dynamic shared memory must be asked for; cheap enough to ask each call.
-  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kTiledSharedBytes));
-  if (status != cudaSuccess) return status;
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.m, kTiledRows)), static_cast<unsigned>(ceil_div(p.n, kTiledCols)));
-  kernel<<<grid, kTiledWarps * 32, kTiledSharedBytes, stream>>>(p);
-  return cudaGetLastError();
+  // 64 x 64 tiles where they give every multiprocessor four blocks or more, else 32 x 32: Nsight
+  // Compute on [3000, 128] x [128, 128] (94 blocks of 64 x 64) found 6% of the warps a
+  // multiprocessor can hold busy and the tensor cores 13% (H200).
+  const bool large = ceil_div(p.m, 64) * ceil_div(p.n, 64) >= 4LL * sm_count();
+  return large ? launch_tiles<64>(p, stream) : launch_tiles<32>(p, stream);
 }
 
 cudaError_t launch_small_linear(const SmallLinearParams& p, cudaStream_t stream) {

@@ -57,7 +57,8 @@ bool narrow_linear_fits(int64_t k);
 // y = x @ weight^T + bias, summed in float32 (three TF32 products each).
 cudaError_t launch_narrow_linear(const NarrowLinearParams& params, cudaStream_t stream);
 
-// mirage::linear in float32 on many rows, any width: 64 x 64 output tiles on TF32 tensor cores,
+// mirage::linear in float32 on many rows, any width: 64 x 64 output tiles (32 x 32 where those
+// would be too few to fill the GPU) on TF32 tensor cores,
 // every operand split into two TF32 parts (three products: float32's accuracy) unless TF32 is
 // allowed (one product), x and the weight staged in shared memory by cp.async three slices of k
 // ahead. cuBLAS's float32 kernels ran a force field's [3,000, 128] x [128, 128] products at ~8 us

@@ -468,7 +468,8 @@ def tiled_kernel_ran(fn):
 
 
 # A force field's atom-wise products and their x gradients, edges of the 64 x 64 tiles and the
-# 32-wide slices of k, one output, 9 rows (up to 8 take the few-rows kernel), many rows.
+# 32-wide slices of k, one output, 9 rows (up to 8 take the few-rows kernel), many rows (70,000
+# rows of 8 outputs: 64 x 64 tiles; the others fill the GPU only with 32 x 32 ones).
 TILED_SHAPES = [(3000, 128, 128), (9000, 128, 128), (3000, 256, 384), (9, 4, 1), (63, 36, 65), (65, 260, 130),
                 (129, 32, 4), (9, 1028, 64), (70_000, 12, 8)]
 
