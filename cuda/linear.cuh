@@ -33,7 +33,8 @@ cudaError_t launch_small_linear(const SmallLinearParams& params, cudaStream_t st
 
 // mirage::linear with few outputs and many rows, float32 (PaiNN's basis gradient: [139k, 384] x
 // [384, 21] at 3,000 atoms, on which cuBLAS's float32 kernels reached a quarter of the GPU's
-// FMA rate): the weight in shared memory, each warp a 16 x 32 tile of the output on TF32 tensor
+// FMA rate): the weight in shared memory, each warp a tile of 16 rows by the outputs (one to four
+// n8 tiles) on TF32 tensor
 // cores with every operand split into two TF32 parts (three products: float32's accuracy; an
 // infinite x gives NaN where F.linear gives an infinity, as in mirage::cfconv), x read once,
 // straight from memory into the products' fragments.
@@ -58,10 +59,10 @@ bool narrow_linear_fits(int64_t k);
 cudaError_t launch_narrow_linear(const NarrowLinearParams& params, cudaStream_t stream);
 
 // mirage::linear in float32 on many rows, any width: 64 x 64 output tiles (32 x 32 where those
-// would be too few to fill the GPU) on TF32 tensor cores,
-// every operand split into two TF32 parts (three products: float32's accuracy) unless TF32 is
-// allowed (one product), x and the weight staged in shared memory by cp.async three slices of k
-// ahead. cuBLAS's float32 kernels ran a force field's [3,000, 128] x [128, 128] products at ~8 us
+// would be too few to fill the GPU) on TF32 tensor cores, every operand split into two TF32 parts
+// (three products: float32's accuracy) unless TF32 is allowed (one product), x and the weight
+// staged in shared memory by cp.async in three stages (two slices of k fetched ahead of the one
+// in use). cuBLAS's float32 kernels ran a force field's [3,000, 128] x [128, 128] products at ~8 us
 // on an H200, a sixth of the FMA rate. The caller times it against cuBLASLt's candidates.
 struct TiledLinearParams {
   const float* x;         // [m, k], rows ldx floats apart

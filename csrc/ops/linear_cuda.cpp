@@ -368,7 +368,7 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                           workspace, workspace_bytes, on);
   };
   // The tiled kernel: float32 only (cuBLASLt's float16/bfloat16 kernels run on tensor cores
-  // already), the residual in its epilogue (one rounding, whatever the alignment).
+  // already), bias and residual added to the float32 sums in its epilogue, whatever the alignment.
   // (Pointers cast, not typed reads: this is filled for every dtype and used for float32 only.)
   cuda::TiledLinearParams tiled{};
   tiled.x = static_cast<const float*>(b.const_data_ptr());
@@ -384,8 +384,12 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   tiled.k = static_cast<int>(k);
   tiled.weight_columns = weight_columns;
   tiled.split = !tf32;
-  const TiledChoice choice = dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled)
-                                 ? tiled_choice() : TiledChoice::kNever;
+  // The setting is read (and a bad one refused) on every call, whether the kernel applies or not.
+  const TiledChoice setting = tiled_choice();
+  const TiledChoice choice =
+      dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled)
+          ? setting
+          : TiledChoice::kNever;
   if (choice == TiledChoice::kAlways) {
     check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
     return y;

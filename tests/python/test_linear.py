@@ -467,11 +467,12 @@ def tiled_kernel_ran(fn):
     return out, any("tiled_linear_kernel" in e.name for e in prof.events())
 
 
-# A force field's atom-wise products and their x gradients, edges of the 64 x 64 tiles and the
-# 32-wide slices of k, one output, 9 rows (up to 8 take the few-rows kernel), many rows (70,000
-# rows of 8 outputs: 64 x 64 tiles; the others fill the GPU only with 32 x 32 ones).
+# A force field's atom-wise products and their x gradients, edges of the 32 x 32 tiles and the
+# 32-wide slices of k, one output, 9 rows (up to 8 take the few-rows kernel); 64 x 64 tiles take
+# problems of at least four such tiles a multiprocessor: 70,000 rows of 8 outputs (one slice of
+# k) and 20,000 rows of 256 (seven slices, the last one partial).
 TILED_SHAPES = [(3000, 128, 128), (9000, 128, 128), (3000, 256, 384), (9, 4, 1), (63, 36, 65), (65, 260, 130),
-                (129, 32, 4), (9, 1028, 64), (70_000, 12, 8)]
+                (129, 32, 4), (9, 1028, 64), (70_000, 12, 8), (20_000, 200, 256)]
 
 
 @pytest.mark.cuda
@@ -498,7 +499,9 @@ def test_cuda_tiled_gradients(monkeypatch):
     monkeypatch.setenv("MIRAGE_LINEAR_TILED", "1")
     x, weight, bias, residual = (t.requires_grad_() for t in operands((300, 128), 96, torch.float32, "cuda"))
     grad = randn(300, 96, device="cuda")
-    got = torch.autograd.grad(mirage.ops.linear(x, weight, bias, residual), (x, weight, bias, residual), grad)
+    y = mirage.ops.linear(x, weight, bias, residual)
+    got, ran = tiled_kernel_ran(lambda: torch.autograd.grad(y, (x, weight, bias, residual), grad))
+    assert ran  # x's gradient: grad @ weight, the weight passed column-major
     expected = torch.autograd.grad(composite(*(t.double() for t in (x, weight, bias, residual))),
                                    (x, weight, bias, residual), grad.double())
     for g, e in zip(got, expected):
@@ -527,10 +530,12 @@ def test_cuda_tiled_only_where_it_applies(monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_tiled_setting_must_be_0_or_1(monkeypatch):
+    """A bad setting is refused on every call past the few-rows kernel, float16 ones included."""
     monkeypatch.setenv("MIRAGE_LINEAR_TILED", "yes")
     x, weight, _, _ = operands((256, 64), 48, torch.float32, "cuda")
-    with pytest.raises(RuntimeError, match="mirage::linear: MIRAGE_LINEAR_TILED must be 0, 1 or unset"):
-        mirage.ops.linear(x, weight)
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(RuntimeError, match="mirage::linear: MIRAGE_LINEAR_TILED must be 0, 1 or unset"):
+            mirage.ops.linear(x.to(dtype), weight.to(dtype))
 
 
 @pytest.mark.cuda
@@ -539,14 +544,20 @@ def test_cuda_tiled_tf32_and_non_finite(monkeypatch):
     its row, an infinity gives NaN or an infinity there (the split of an infinity is NaN)."""
     monkeypatch.setenv("MIRAGE_LINEAR_TILED", "1")
     x, weight, bias, residual = operands((512, 256), 128, torch.float32, "cuda")
+    expected = composite(*(t.double() for t in (x, weight, bias, residual)))
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
         y, ran = tiled_kernel_ran(lambda: mirage.ops.linear(x, weight, bias, residual))
         assert ran
-        torch.testing.assert_close(y, composite(x, weight, bias, residual), atol=0.05, rtol=0.01)
+        torch.testing.assert_close(y.double(), expected, atol=0.05, rtol=0.01)
+        # One TF32 product: operands rounded to 10-bit mantissas (~4e-3 at worst here, outputs
+        # ~20), against ~1e-5 for three products.
+        assert (y.double() - expected).abs().max() > 1e-3
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+    three_products = mirage.ops.linear(x, weight, bias, residual)
+    assert (three_products.double() - expected).abs().max() < 1e-3
     x[5, 3], x[9, 0] = float("nan"), float("inf")
     y = mirage.ops.linear(x, weight, bias, residual)
     assert torch.isnan(y[5]).all() and not torch.isfinite(y[9]).any() and torch.isfinite(y[10]).all()
