@@ -14,7 +14,20 @@
 // The filters' derivative in the distance is carried forward (a tangent row beside each pair's
 // row in the filter network's products) instead of back-propagated: the backward then needs no
 // product through the filter networks, only a dot product per pair.
+// The cluster kernel starts beside the filters kernel (programmatic dependent launch): its pairs,
+// embedding and first product need none of the filters.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
+//
+// Tried and not kept (H200, 2026-11-27, benzene, every -m cuda schnet_energy test passing in each
+// version): the cluster's blocks splitting every Linear by its outputs instead of the atoms, each
+// block a sixteenth of each weight (staged in its shared memory) and every atom's row; the
+// messages and their backward then need only the block's own columns, and the products' inputs,
+// whole rows, were written by each block into every block's shared memory (distributed shared
+// memory) before a cluster barrier, 19 of them a call. The cluster kernel took 85-111 us against
+// 48: each product ~2.7-3 us by globaltimer stamps, of which the barrier's wait was ~0.03-0.3 us;
+// Nsight Compute counted 14.6k instructions a warp (3.7M in all) at 11 cycles a warp per issued
+// instruction. The per-column products, the stores to 16 blocks and the index arithmetic of a
+// phase cost more instructions than the row-split kernel's phases spend waiting for weights.
 #include "atom_products.cuh"
 #include "radial_functions.cuh"
 #include "schnet_energy.cuh"
@@ -133,6 +146,7 @@ __device__ void transpose_weights(const SchnetEnergyParams& p) {
 __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_constant__ SchnetEnergyParams p) {
   extern __shared__ float4 shared_rows[];  // [2 kFilterPairs][R4] basis, then [2 kFilterPairs][H4] hidden
   __shared__ float4 partial[kPartialFloats / 4];
+  allow_next_grid();  // the cluster reads what this kernel writes only after wait_for_prior_grid
   if (blockIdx.y == p.num_interactions) {
     transpose_weights(p);
     return;
@@ -242,6 +256,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     linear_product(na, atom_row, x, F4, F, layer.in2f_w, layer.in2f_b, M, to(h(t), M4));
   };
   features_to_h(0);
+  wait_for_prior_grid();  // the filters and the transposed weights (the writes above are the cluster's own)
   cluster_sync();
   for (int t = 0; t < T; ++t) {
     const SchnetInteraction& layer = p.interactions[t];
@@ -343,7 +358,9 @@ cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t 
   if (error != cudaSuccess) return error;
   const int limit = cluster_limit<schnet_energy_kernel>();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
-  return launch_cluster<schnet_energy_kernel>(blocks, params, stream);
+  // The cluster starts beside the filters kernel: its pairs, embedding and first product read none
+  // of what that kernel writes.
+  return launch_cluster<schnet_energy_kernel>(blocks, params, stream, true);
 }
 
 }  // namespace mirage::cuda
