@@ -390,17 +390,14 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
       dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled)
           ? setting
           : TiledChoice::kNever;
-  if (choice == TiledChoice::kAlways) {
-    check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
-    return y;
-  }
   const Call tiled_call = choice == TiledChoice::kTimed ? Call([&tiled](cudaStream_t on) {
     return cuda::launch_tiled_linear(tiled, on) == cudaSuccess;
   }) : Call();
   const ProblemKey key{x.get_device(), static_cast<int64_t>(dtype), m, n, k, weight_columns, lda, ldb, ldc, has_bias,
                        residual_in_epilogue, tf32, align_a, align_b, align_c, align_d,
                        static_cast<int64_t>(choice)};
-  const Plan plan = choose_plan(key, desc, run, tiled_call, stream);
+  const Plan plan =
+      choice == TiledChoice::kAlways ? Plan{true, {}} : choose_plan(key, desc, run, tiled_call, stream);
   if (plan.tiled) {
     check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
     return y;
