@@ -14,13 +14,14 @@ docs/perf/linear.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 
 import mirage
-from harness import device_facts, print_table, time_in_graph, write_json
+from harness import device_facts, kernel_times, print_table, time_in_graph, write_json
 
 # (label, rows, in_features, out_features, column-major weight)
 SHAPES = [
@@ -50,25 +51,31 @@ SHAPES = [
 ]
 
 
-def time_with(setting: str, fn, inputs) -> float:
-    """fn timed with MIRAGE_LINEAR_TILED=setting ("" unset: the timed choice)."""
+@contextlib.contextmanager
+def tiled_setting(setting: str):
+    """MIRAGE_LINEAR_TILED=setting inside ("" unset: the timed choice), restored after."""
     saved = os.environ.pop("MIRAGE_LINEAR_TILED", None)
     if setting:
         os.environ["MIRAGE_LINEAR_TILED"] = setting
     try:
-        return time_in_graph(fn, inputs)
+        yield
     finally:
         os.environ.pop("MIRAGE_LINEAR_TILED", None)
         if saved is not None:
             os.environ["MIRAGE_LINEAR_TILED"] = saved
 
 
-def tiled_applies(x, weight) -> bool:
-    """Where the tiled kernel takes the operands (csrc/ops/linear_cuda.cpp): float32, past the
-    few-rows kernel's 8 rows, k % 4 == 0, and n % 4 == 0 for a column-major weight."""
-    m, k, n = x.shape[0], x.shape[1], weight.shape[0]
-    columns = weight.stride(0) == 1 and n > 1
-    return x.dtype == torch.float32 and m > 8 and k % 4 == 0 and (not columns or n % 4 == 0)
+def time_with(setting: str, fn, inputs) -> float:
+    """fn timed with MIRAGE_LINEAR_TILED=setting."""
+    with tiled_setting(setting):
+        return time_in_graph(fn, inputs)
+
+
+def tiled_kernel_runs(fn, *args) -> bool:
+    """Whether fn(*args) runs mirage's tiled kernel with MIRAGE_LINEAR_TILED=1 (the library's own
+    rule decides: elsewhere the setting leaves cuBLASLt or the few-rows and narrow kernels)."""
+    with tiled_setting("1"):
+        return any("tiled_linear_kernel" in name for name, _ in kernel_times(fn, *args))
 
 
 def main() -> None:
@@ -88,7 +95,7 @@ def main() -> None:
         def call(t):
             return mirage.ops.linear(t, weight, bias)
         ours = time_with("", call, [(x,)])
-        tiled = time_with("1", call, [(x,)]) if tiled_applies(x, weight) else None
+        tiled = time_with("1", call, [(x,)]) if tiled_kernel_runs(call, x) else None
         cublaslt = time_with("0", call, [(x,)])
         theirs = time_in_graph(lambda t: F.linear(t, weight, bias), [(x,)])
         error = (mirage.ops.linear(x, weight, bias).double() - F.linear(x.double(), weight.double(),
