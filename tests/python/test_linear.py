@@ -564,6 +564,22 @@ def test_cuda_tiled_tf32_and_non_finite(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_cuda_tiled_takes_a_residual_cublaslt_would_add_after(monkeypatch):
+    """Unset, with bias and a residual that is not 16-byte aligned (cuBLASLt's kernels would add it
+    in a second pass, a second rounding) the tiled kernel runs without timing: one pass, one rounding."""
+    monkeypatch.delenv("MIRAGE_LINEAR_TILED", raising=False)
+    x, weight, bias, residual = operands((300, 128), 96, torch.float32, "cuda")
+    unaligned = randn(300 * 96 + 1, device="cuda")[1:].view(300, 96).copy_(residual)
+    y, ran = tiled_kernel_ran(lambda: mirage.ops.linear(x, weight, bias, unaligned))
+    assert ran
+    assert_linear_close(y, x, weight, bias, unaligned)
+    monkeypatch.setenv("MIRAGE_LINEAR_TILED", "0")  # still cuBLASLt and the second pass when asked
+    y, ran = tiled_kernel_ran(lambda: mirage.ops.linear(x, weight, bias, unaligned))
+    assert not ran
+    assert_linear_close(y, x, weight, bias, unaligned)
+
+
+@pytest.mark.cuda
 def test_cuda_timed_choice_and_graph_capture(monkeypatch):
     """Unset, the tiled kernel is one of the timed candidates: whichever wins, the result and a
     CUDA graph's replays with new inputs are right."""
