@@ -380,12 +380,13 @@ __device__ __noinline__ float any_activation_grad(float v, Activation activation
   return activation_grad(v, activation);
 }
 
-// The hardware's approximate 2^x, log2 and 1/x without the denormal fix-ups that __expf, __logf
-// and __fdividef add around them (two to three instructions each): the shifted softplus' operands
-// never need them (see below). The activation is most of the Hopper forward's instructions.
-__device__ __forceinline__ float exp2_ftz(float x) {
+// The hardware's approximate exp (as 2^(x log2 e)), log2 and 1/x without the denormal fix-ups
+// that __expf, __logf and __fdividef add around them (two to three instructions each): the shifted
+// softplus' operands never need them (see below). The activation is most of the Hopper forward's
+// instructions.
+__device__ __forceinline__ float exp_ftz(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
   return y;
 }
 __device__ __forceinline__ float log2_ftz(float x) {
@@ -406,8 +407,8 @@ __device__ __forceinline__ float filter_activation(float v, Activation activatio
     // below 2^-126 changes the sum by less than that; above v = 20, where F.softplus returns v,
     // the last term (< 2.1e-9) is below half an ulp of the rest (v - log 2 > 19.3), so the sum
     // rounds to F.softplus' value without a branch. A NaN stays NaN through exp.
-    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-    const float tail = log2_ftz(1.0f + exp2_ftz(-fabsf(v) * kLog2e));
+    constexpr float kLn2 = 0.6931471805599453f;
+    const float tail = log2_ftz(1.0f + exp_ftz(-fabsf(v)));
     return fmaf(tail, kLn2, fmaxf(v, 0.0f) - kLn2);
   } else {
     return any_activation(v, activation);
@@ -420,8 +421,7 @@ __device__ __forceinline__ float filter_activation_grad(float v, Activation acti
     // sigmoid(v) = 1 / (1 + exp(-v)): above v = 20, where F.softplus' backward returns 1, the sum
     // rounds to 1 (exp(-20) is below half an ulp of 1); far below 0, exp(-v) is infinite and the
     // result 0, as the exact value rounds.
-    constexpr float kLog2e = 1.4426950408889634f;
-    return reciprocal_ftz(1.0f + exp2_ftz(-v * kLog2e));
+    return reciprocal_ftz(1.0f + exp_ftz(-v));
   } else {
     return any_activation_grad(v, activation);
   }
