@@ -385,23 +385,22 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   tiled.weight_columns = weight_columns;
   tiled.split = !tf32;
   // The setting is read (and a bad one refused) on every call, whether the kernel applies or not.
+  // Where cuBLASLt would leave the residual to a second pass (residual_after: a second rounding
+  // too), the tiled kernel, which adds it in its epilogue, is taken without timing: the timed
+  // cuBLASLt candidates would leave that pass out of their times.
   const TiledChoice setting = tiled_choice();
-  const TiledChoice choice =
-      dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled)
-          ? setting
-          : TiledChoice::kNever;
+  const bool applies = dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled);
+  const TiledChoice choice = !applies                                            ? TiledChoice::kNever
+                             : setting == TiledChoice::kTimed && residual_after ? TiledChoice::kAlways
+                                                                                 : setting;
   const Call tiled_call = choice == TiledChoice::kTimed ? Call([&tiled](cudaStream_t on) {
     return cuda::launch_tiled_linear(tiled, on) == cudaSuccess;
   }) : Call();
   const ProblemKey key{x.get_device(), static_cast<int64_t>(dtype), m, n, k, weight_columns, lda, ldb, ldc, has_bias,
                        residual_in_epilogue, tf32, align_a, align_b, align_c, align_d,
                        static_cast<int64_t>(choice)};
-  // Where cuBLASLt would leave the residual to a second pass (residual_after: a second rounding
-  // too), the tiled kernel, which adds it in its epilogue, is taken without timing: the timed
-  // cuBLASLt candidates would leave that pass out of their times.
-  const Plan plan = choice == TiledChoice::kAlways || (choice == TiledChoice::kTimed && residual_after)
-                        ? Plan{true, {}}
-                        : choose_plan(key, desc, run, tiled_call, stream);
+  const Plan plan =
+      choice == TiledChoice::kAlways ? Plan{true, {}} : choose_plan(key, desc, run, tiled_call, stream);
   if (plan.tiled) {
     check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
     return y;
