@@ -28,6 +28,8 @@ __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParam
     float basis;
     if (p.kind == RadialBasisKind::kGaussian) {
       basis = gaussian(d, k, spacing);
+    } else if (p.kind == RadialBasisKind::kNone) {
+      basis = no_basis(d);
     } else {
       const float frequency = (k + 1) * kPi / p.cutoff;
       basis = bessel_scale * frequency * sinc(frequency * d);  // sqrt(2/c) sin(n pi d / c) / d

@@ -9,7 +9,9 @@
 
 namespace mirage::cuda {
 
-enum class RadialBasisKind : int { kGaussian, kBessel };
+// kNone: no basis, 1 (radial_functions.cuh's no_basis): radial_basis then gives the cutoff
+// function alone.
+enum class RadialBasisKind : int { kGaussian, kBessel, kNone };
 enum class CutoffFn : int { kNone, kCosine, kPolynomial };
 
 struct RadialBasisParams {

@@ -25,6 +25,10 @@ __device__ __forceinline__ float gaussian_derivative(float value, float d, int k
   return -z / spacing * value;
 }
 
+// Kind "none": cos(0 d), that is 1, and NaN (value and slope) where d is NaN or infinite, as the
+// other kinds' gradients there (the envelopes give 0 at such d; the products stay NaN).
+__device__ __forceinline__ float no_basis(float d) { return isfinite(d) ? 1.0f : __int_as_float(0x7fc00000); }
+
 // Below this |x|, sin(x) / x is its Taylor series: exact to float64 rounding there, and the
 // autograd composite switches at the same point so that its derivatives stay finite at d = 0.
 constexpr float kSincSeriesBelow = 0.1f;
@@ -54,9 +58,14 @@ __device__ __forceinline__ void sinc_and_derivative(float x, float& value, float
 }
 
 // basis_k(d), radial_basis' function k (no envelope), and its derivative in d: the Gaussian of
-// center k * spacing, or the Bessel function sqrt(2 / c) sin((k + 1) pi d / c) / d.
+// center k * spacing, the Bessel function sqrt(2 / c) sin((k + 1) pi d / c) / d, or 1 (kNone).
 __device__ __forceinline__ void basis_and_derivative(RadialBasisKind kind, int k, float d, float spacing,
                                                      float cutoff, float& value, float& derivative) {
+  if (kind == RadialBasisKind::kNone) {
+    value = no_basis(d);
+    derivative = no_basis(d) - 1.0f;
+    return;
+  }
   if (kind == RadialBasisKind::kGaussian) {
     value = gaussian(d, k, spacing);
     derivative = gaussian_derivative(value, d, k, spacing);

@@ -43,7 +43,9 @@ inline cuda::Activation kernel_activation(std::string_view name) {
 
 // The radial functions' names (checked by check_radial_basis) as the kernels take them.
 inline cuda::RadialBasisKind kernel_basis(std::string_view kind) {
-  return kind == "gaussian" ? cuda::RadialBasisKind::kGaussian : cuda::RadialBasisKind::kBessel;
+  return kind == "gaussian" ? cuda::RadialBasisKind::kGaussian
+         : kind == "bessel" ? cuda::RadialBasisKind::kBessel
+                            : cuda::RadialBasisKind::kNone;
 }
 inline cuda::CutoffFn kernel_cutoff_fn(std::string_view cutoff_fn) {
   return cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine

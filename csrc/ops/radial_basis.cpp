@@ -15,8 +15,8 @@ std::vector<int64_t> check_radial_basis(const at::Tensor& distances, std::string
                                         int64_t num, double cutoff, std::string_view cutoff_fn,
                                         std::string_view op) {
   check_activation_dtype(op, "distances", distances);
-  MIRAGE_CHECK(kind == "gaussian" || kind == "bessel", op,
-               ": kind must be \"gaussian\" or \"bessel\", got \"", kind, "\"");
+  MIRAGE_CHECK(kind == "gaussian" || kind == "bessel" || kind == "none", op,
+               ": kind must be \"gaussian\", \"bessel\" or \"none\", got \"", kind, "\"");
   MIRAGE_CHECK(num > 0, op, ": num must be positive, got ", num);
   MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ",
                cutoff);
@@ -76,14 +76,16 @@ double envelope_derivative(std::string_view cutoff_fn, double d, double cutoff) 
   return (-168.0 * std::pow(x, 5) + 336.0 * std::pow(x, 6) - 168.0 * std::pow(x, 7)) / cutoff;
 }
 
-// basis_k(d) and its derivative in d: the Gaussian of center k * spacing, or the Bessel
-// function of frequency (k + 1) pi / cutoff (formulas in docs/ops.md).
+// basis_k(d) and its derivative in d: the Gaussian of center k * spacing, the Bessel function
+// of frequency (k + 1) pi / cutoff (formulas in docs/ops.md), or for kind "none" cos(0 d): 1, NaN
+// (value and slope) at a NaN or infinite d, as the other kinds' gradients there.
 struct BasisValue {
   double value, derivative;
 };
 
-BasisValue basis(bool gaussian, int64_t k, double d, double spacing, double cutoff) {
-  if (gaussian) {
+BasisValue basis(std::string_view kind, int64_t k, double d, double spacing, double cutoff) {
+  if (kind == "none") return std::isfinite(d) ? BasisValue{1.0, 0.0} : BasisValue{NAN, NAN};
+  if (kind == "gaussian") {
     const double z = (d - k * spacing) / spacing;
     const double value = std::exp(-0.5 * z * z);
     return {value, -z / spacing * value};
@@ -105,7 +107,7 @@ std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, s
   const double spacing = num > 1 ? cutoff / (num - 1) : cutoff;
   for (int64_t p = 0; p < count; ++p)
     for (int64_t k = 0; k < num; ++k) {
-      const BasisValue b = basis(kind == "gaussian", k, ds[p], spacing, cutoff);
+      const BasisValue b = basis(kind, k, ds[p], spacing, cutoff);
       vs[p * num + k] = b.value;
       dvs[p * num + k] = b.derivative;
     }

@@ -348,7 +348,9 @@ CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances
   check_like_x(op, distances, "distances", x);
   MIRAGE_CHECK(distances.dim() == 1 && distances.size(0) == s.pairs, op, ": distances must have shape [P] = [",
                s.pairs, "] (P from pairs), got ", distances.sizes());
-  check_radial_basis(distances, basis, s.rbf, cutoff, envelope, op);  // the basis' and envelope's names, the cutoff
+  MIRAGE_CHECK(basis == "gaussian" || basis == "bessel", op, ": basis must be \"gaussian\" or \"bessel\", got \"",
+               basis, "\"");
+  check_radial_basis(distances, basis, s.rbf, cutoff, envelope, op);  // the envelope's name, the cutoff
   check_sender_order(op, sender_order, pairs);
   return s;
 }

@@ -278,6 +278,7 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
         SchNet's (schnetpack's GaussianRBF).
         ``"bessel"``: ``sqrt(2 / c) * sin(n pi d / c) / d`` with ``n = k + 1`` (DimeNet), and its
         limit ``sqrt(2 / c) * n pi / c`` at ``d = 0``.
+        ``"none"``: 1, so the output is the cutoff function alone (a model's envelope, fused).
 
     Cutoff functions (zero from ``d = c`` on, so ``neighbor_list`` padding gets weight zero):
         ``"cosine"``: ``0.5 * (cos(pi d / c) + 1)``.

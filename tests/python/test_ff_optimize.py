@@ -424,7 +424,9 @@ def test_forward_calls_mirage_ops_and_never_syncs(name):
     with OpCounter() as backward:
         torch.autograd.grad(energy, pos)
     calls = forward.calls
-    assert calls.count("mirage.neighbor_list") == 1 and calls.count("mirage.radial_basis") == 1
+    # radial_basis twice: the basis, and the cosine cutoff (kind "none"); each one fused backward.
+    assert calls.count("mirage.neighbor_list") == 1 and calls.count("mirage.radial_basis") == 2
+    assert backward.calls.count("mirage.radial_basis_backward") == 2
     # .item() (a host sync) and nonzero (data-dependent shape) cannot be captured in a graph.
     assert not {"aten._local_scalar_dense", "aten.nonzero"} & set(calls + backward.calls)
     assert calls.count("mirage.message_passing" if name == "SchNet" else "mirage.vector_message_passing") == 3

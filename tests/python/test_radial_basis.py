@@ -8,7 +8,7 @@ import mirage
 from common import DEVICES, DTYPES, OpCounter, assert_error, assert_matches, capture_graph, opcheck, strided
 from tolerances import tolerance
 
-KINDS = ["gaussian", "bessel"]
+KINDS = ["gaussian", "bessel", "none"]
 CUTOFF_FNS = ["cosine", "polynomial", "none"]
 CUTOFF = 5.0
 BACKWARD_OP = torch.ops.mirage.radial_basis_backward
@@ -31,6 +31,8 @@ def composite(d, kind, num, cutoff, cutoff_fn):
         delta = cutoff / (num - 1) if num > 1 else cutoff
         mu = torch.arange(num, dtype=d.dtype, device=d.device) * delta
         basis = torch.exp(-((d - mu) ** 2) / (2 * delta**2))
+    elif kind == "none":  # cos(0 d): 1, and NaN in value and slope at NaN and infinite d
+        basis = torch.cos(0 * d).expand(*d.shape[:-1], num)
     else:
         frequency = torch.arange(1, num + 1, dtype=d.dtype, device=d.device) * math.pi / cutoff
         basis = math.sqrt(2 / cutoff) * frequency * sinc(frequency * d)  # sin(n pi d / c) / d
@@ -103,7 +105,7 @@ def test_empty_and_nan(device):
     "call,message",
     [
         (lambda d: mirage.ops.radial_basis(torch.rand(4, device=d), "sine", 4, 5.0, "cosine"),
-         "mirage::radial_basis: kind must be \"gaussian\" or \"bessel\", got \"sine\""),
+         "mirage::radial_basis: kind must be \"gaussian\", \"bessel\" or \"none\", got \"sine\""),
         (lambda d: mirage.ops.radial_basis(torch.rand(4, device=d), "bessel", 0, 5.0, "cosine"),
          "mirage::radial_basis: num must be positive, got 0"),
         (lambda d: mirage.ops.radial_basis(torch.rand(4, device=d), "bessel", 4, -1.0, "cosine"),
@@ -130,7 +132,7 @@ def test_cuda_rejects_float64():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("kind,num,cutoff_fn", [("gaussian", 5, "cosine"), ("bessel", 3, "polynomial"),
-                                                ("bessel", 1, "none")])
+                                                ("bessel", 1, "none"), ("none", 1, "cosine")])
 def test_opcheck(device, requires_grad, kind, num, cutoff_fn):
     d = distances(2, 7, device=device).requires_grad_(requires_grad)
     torch.library.opcheck(torch.ops.mirage.radial_basis.default, (d, kind, num, CUTOFF, cutoff_fn))
@@ -356,7 +358,7 @@ def test_backward_opcheck(device, requires_grad, kind, num, cutoff_fn):
     "call,message",
     [
         (lambda d: BACKWARD_OP(torch.rand(4, 3, device=d), torch.rand(4, device=d), "sine", 3, 5.0, "cosine"),
-         "mirage::radial_basis_backward: kind must be \"gaussian\" or \"bessel\", got \"sine\""),
+         "mirage::radial_basis_backward: kind must be \"gaussian\", \"bessel\" or \"none\", got \"sine\""),
         (lambda d: BACKWARD_OP(torch.rand(4, 3, device=d), torch.rand(4, device=d), "bessel", 0, 5.0, "cosine"),
          "mirage::radial_basis_backward: num must be positive, got 0"),
         (lambda d: BACKWARD_OP(torch.rand(4, 3, device=d), torch.rand(4, device=d), "bessel", 3, 0.0, "cosine"),

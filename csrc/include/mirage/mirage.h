@@ -90,8 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
     const std::optional<at::Tensor>& batch = std::nullopt, int64_t max_pairs = -1,
     bool half = false, std::string_view method = "auto");
 
-// [*, num] = basis(distances) * cutoff_fn(distances); kind "gaussian" or "bessel", cutoff_fn
-// "cosine", "polynomial" or "none".
+// [*, num] = basis(distances) * cutoff_fn(distances); kind "gaussian", "bessel" or "none" (1: the
+// cutoff function alone), cutoff_fn "cosine", "polynomial" or "none".
 at::Tensor radial_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
                         double cutoff, std::string_view cutoff_fn);
 
