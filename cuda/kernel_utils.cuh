@@ -381,6 +381,18 @@ __device__ inline bool order_rejected(const OrderCheck& check) {
   return rejected;
 }
 
+// Zeros out[0 .. count) over the grid (16-byte stores between at most three scalar ones a side).
+__device__ inline void grid_zero(float* out, int64_t count) {
+  const int64_t id = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t head = std::min<int64_t>(count, (16 - reinterpret_cast<uintptr_t>(out) % 16) % 16 / 4);
+  const int64_t vectors = (count - head) / 4, tail = count - head - 4 * vectors;
+  if (id < head) out[id] = 0.0f;
+  float4* body = reinterpret_cast<float4*>(out + head);
+  for (int64_t v = id; v < vectors; v += threads) body[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (id < tail) out[head + 4 * vectors + id] = 0.0f;
+}
+
 // The last pass of kernels that accumulate in float32 and flag invalid input on the device (no
 // host sync): up to four outputs, each with where its values are: `acc` holds them in float32
 // (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair
