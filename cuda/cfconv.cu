@@ -48,13 +48,6 @@ __device__ __forceinline__ void team_sync() {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + team<kSize>()), "n"(kSize) : "memory");
 }
 
-// The padding's rows (pairs from `walked` on, which no tile reaches) of a per-pair output: zeros,
-// written by the kernel while its first loads are in flight rather than by the finish pass
-// (SchNet's filters at 3,000 atoms: 17.8 MB, a pass of its own).
-__device__ void zero_padding(float* out, int64_t walked, int64_t num_pairs, int per_pair) {
-  grid_zero(out + walked * per_pair, (num_pairs - walked) * per_pair);
-}
-
 // Four 8 x 4 float32 blocks of shared memory, one per register (ldmatrix's 8 x 8 16-bit
 // matrices are 8 x 4 32-bit ones): lane l reads row l / 4, column l % 4 of each block, which is
 // the TF32 fragment layout of mma.sync. Lanes 8 q .. 8 q + 7 give the row addresses of block q.

@@ -381,35 +381,46 @@ __device__ inline bool order_rejected(const OrderCheck& check) {
   return rejected;
 }
 
-// Zeros out[0 .. count) over the grid (16-byte stores between at most three scalar ones a side).
-__device__ inline void grid_zero(float* out, int64_t count) {
-  const int64_t id = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t head = std::min<int64_t>(count, (16 - reinterpret_cast<uintptr_t>(out) % 16) % 16 / 4);
-  const int64_t vectors = (count - head) / 4, tail = count - head - 4 * vectors;
-  if (id < head) out[id] = 0.0f;
+// Zeros out[0 .. count) over the (two-dimensional) grid: 16-byte stores, with single elements
+// before the first 16-byte boundary and after the last.
+template <typename T>
+__device__ void grid_zero(T* out, int64_t count) {
+  constexpr int kPerVector = 16 / sizeof(T);
+  const int64_t block_threads = static_cast<int64_t>(blockDim.x) * blockDim.y;
+  const int64_t id = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * block_threads +
+                     threadIdx.y * blockDim.x + threadIdx.x;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * gridDim.y * block_threads;
+  const int64_t head =
+      std::min<int64_t>(count, (16 - reinterpret_cast<uintptr_t>(out) % 16) % 16 / sizeof(T));
+  const int64_t vectors = (count - head) / kPerVector, tail = count - head - kPerVector * vectors;
+  if (id < head) out[id] = from_float<T>(0.0f);
   float4* body = reinterpret_cast<float4*>(out + head);
   for (int64_t v = id; v < vectors; v += threads) body[v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (id < tail) out[head + 4 * vectors + id] = 0.0f;
+  if (id < tail) out[head + kPerVector * vectors + id] = from_float<T>(0.0f);
+}
+
+// The padding's rows (pairs from `walked` on, pairs_to_walk) of a per-pair output, per_pair values
+// a pair: zeros, written by the kernel that skips those pairs while its first loads are in flight
+// rather than by a pass of their own (SchNet's filters at 3,000 atoms: 17.8 MB; PaiNN's
+// grad_filter 53 MB).
+template <typename T>
+__device__ void zero_padding(T* out, int64_t walked, int64_t num_pairs, int64_t per_pair) {
+  grid_zero(out + walked * per_pair, (num_pairs - walked) * per_pair);
 }
 
 // The last pass of kernels that accumulate in float32 and flag invalid input on the device (no
 // host sync): up to four outputs, each with where its values are: `acc` holds them in float32
 // (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair
-// gradients). A raised flag, or a handed-in sender order that failed its check, turns every
-// output NaN. Per-pair outputs (per_pair values a pair) of a pass that skipped the padding (the
-// pairs from pairs_to_walk(live_pairs, num_pairs) on) are 0 there: the kernels wrote nothing.
+// gradients; a pass that skips the padding writes its zeros itself, grid_zero). A raised flag, or
+// a handed-in sender order that failed its check, turns every output NaN.
 struct Segment {
   const float* acc;
   void* out;
   int64_t count;
-  int64_t per_pair = 0;  // values a pair, for a per-pair output; 0 for others
 };
 
 struct Segments {
   Segment s[4];  // unused ones have count 0
-  const int64_t* live_pairs = nullptr;
-  int64_t num_pairs = 0;
 };
 
 template <typename T>
@@ -418,17 +429,13 @@ __global__ void __launch_bounds__(256) finish_kernel(Segments segments, const in
   const bool bad = *invalid != 0 || rejected;
   const T nan = from_float<T>(__int_as_float(0x7fc00000));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t walked = segments.live_pairs != nullptr ? pairs_to_walk(segments.live_pairs, segments.num_pairs) : 0;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {  // unrolled: a constant index keeps the segments in parameter space
     const Segment s = segments.s[k];
-    // Where the skipped pairs' values begin (none without a count).
-    const int64_t skipped = segments.live_pairs != nullptr && s.per_pair != 0 ? walked * s.per_pair : s.count;
-    // Nothing to convert and nothing to poison: only the skipped pairs' zeros to write.
-    const int64_t begin = s.acc == nullptr && !bad ? skipped : 0;
+    if (s.acc == nullptr && !bad) continue;  // nothing to convert and nothing to poison
     T* out = static_cast<T*>(s.out);
-    for (int64_t e = begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < s.count; e += stride)
-      out[e] = bad ? nan : e >= skipped ? from_float<T>(0.0f) : from_float<T>(s.acc[e]);
+    for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < s.count; e += stride)
+      out[e] = bad ? nan : from_float<T>(s.acc[e]);
   }
 }
 

@@ -296,6 +296,7 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
   auto stage = make_stage<kFused>(p.fused, F);
 
   const int64_t walked = pairs_to_walk(p.live_pairs, p.num_pairs);
+  zero_padding(grad_filter, walked, p.num_pairs, 3 * F);  // (their grad_directions: the zeroed accumulator's)
   for_each_run(walked, run_length<kFused>(p.live_pairs, walked, pairs_per_warp), [&](const PairRun run) {
     const LanePair<T> mine(p.pairs, static_cast<const T*>(p.directions), p.num_pairs, N, run, order, invalid);
     if constexpr (kFused) stage.stage_run(p.fused, mine.pair, threadIdx.x < run.count);
@@ -566,14 +567,10 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
       });
       if (status != cudaSuccess) return;
     }
-    // The skipped pairs' grad_filter is written as 0 here (their grad_directions stay the zeroed
-    // accumulator's 0).
     Segments segments{{{float32 ? nullptr : grad_x, p.grad_x, n_node},
                        {float32 ? nullptr : grad_vectors, p.grad_vectors, n_node},
                        {float32 ? nullptr : grad_directions, p.grad_directions, n_dir},
-                       {nullptr, p.grad_filter, p.num_pairs * 3 * p.features, 3 * p.features}},
-                      p.live_pairs,
-                      p.num_pairs};
+                       {nullptr, p.grad_filter, p.num_pairs * 3 * p.features}}};
     status = launch_finish<scalar_t>(segments, w.invalid, stream, walk.check);
   });
   return status;
