@@ -313,6 +313,38 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   const cudaDataType_t type = dtype == at::kHalf ? CUDA_R_16F : dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
   const bool tf32 = dtype == at::kFloat && tf32_matmuls();
 
+  // The tiled kernel: float32 only (cuBLASLt's float16/bfloat16 kernels run on tensor cores
+  // already), bias and residual added to the float32 sums in its epilogue, whatever the alignment.
+  // (Pointers cast, not typed reads: this is filled for every dtype and used for float32 only.)
+  cuda::TiledLinearParams tiled{};
+  tiled.x = static_cast<const float*>(b.const_data_ptr());
+  tiled.weight = static_cast<const float*>(a.const_data_ptr());
+  tiled.bias = static_cast<const float*>(data_or_null(bias_vector));
+  tiled.residual = static_cast<const float*>(data_or_null(residual_rows));
+  tiled.y = static_cast<float*>(y.mutable_data_ptr());
+  tiled.m = m;
+  tiled.ldx = ldb;
+  tiled.ldw = lda;
+  tiled.ldr = has_residual ? row_stride(residual_rows) : 0;
+  tiled.n = static_cast<int>(n);
+  tiled.k = static_cast<int>(k);
+  tiled.weight_columns = weight_columns;
+  tiled.split = !tf32;
+  // The setting is read (and a bad one refused) on every call, whether the kernel applies or not.
+  // Where cuBLASLt would leave the residual to a second pass (residual_after: a second rounding
+  // too), the tiled kernel, which adds it in its epilogue, is taken without timing: the timed
+  // cuBLASLt candidates would leave that pass out of their times.
+  const TiledChoice setting = tiled_choice();
+  const bool applies = dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled);
+  const TiledChoice choice = !applies                                            ? TiledChoice::kNever
+                             : setting == TiledChoice::kTimed && residual_after ? TiledChoice::kAlways
+                                                                                 : setting;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (choice == TiledChoice::kAlways) {  // no cuBLASLt descriptors to build
+    check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
+    return y;
+  }
+
   // Row-major [m, n] y is column-major [n, m]: y^T = weight x x^T ([k, m] column-major), the
   // weight a row-major [n, k] (column-major [k, n], transposed) or a column-major [n, k] one.
   Descriptors desc;
@@ -358,7 +390,6 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                                                 &workspace_bytes, sizeof workspace_bytes),
            "cublasLtMatmulPreferenceSetAttribute");
 
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   const float alpha = 1.0f, beta = residual_in_epilogue ? 1.0f : 0.0f;
@@ -367,40 +398,13 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                           desc.b, &beta, c.const_data_ptr(), desc.c, y.mutable_data_ptr(), desc.d, &algo,
                           workspace, workspace_bytes, on);
   };
-  // The tiled kernel: float32 only (cuBLASLt's float16/bfloat16 kernels run on tensor cores
-  // already), bias and residual added to the float32 sums in its epilogue, whatever the alignment.
-  // (Pointers cast, not typed reads: this is filled for every dtype and used for float32 only.)
-  cuda::TiledLinearParams tiled{};
-  tiled.x = static_cast<const float*>(b.const_data_ptr());
-  tiled.weight = static_cast<const float*>(a.const_data_ptr());
-  tiled.bias = static_cast<const float*>(data_or_null(bias_vector));
-  tiled.residual = static_cast<const float*>(data_or_null(residual_rows));
-  tiled.y = static_cast<float*>(y.mutable_data_ptr());
-  tiled.m = m;
-  tiled.ldx = ldb;
-  tiled.ldw = lda;
-  tiled.ldr = has_residual ? row_stride(residual_rows) : 0;
-  tiled.n = static_cast<int>(n);
-  tiled.k = static_cast<int>(k);
-  tiled.weight_columns = weight_columns;
-  tiled.split = !tf32;
-  // The setting is read (and a bad one refused) on every call, whether the kernel applies or not.
-  // Where cuBLASLt would leave the residual to a second pass (residual_after: a second rounding
-  // too), the tiled kernel, which adds it in its epilogue, is taken without timing: the timed
-  // cuBLASLt candidates would leave that pass out of their times.
-  const TiledChoice setting = tiled_choice();
-  const bool applies = dtype == at::kFloat && n <= INT32_MAX && k <= INT32_MAX && cuda::tiled_linear_applies(tiled);
-  const TiledChoice choice = !applies                                            ? TiledChoice::kNever
-                             : setting == TiledChoice::kTimed && residual_after ? TiledChoice::kAlways
-                                                                                 : setting;
   const Call tiled_call = choice == TiledChoice::kTimed ? Call([&tiled](cudaStream_t on) {
     return cuda::launch_tiled_linear(tiled, on) == cudaSuccess;
   }) : Call();
   const ProblemKey key{x.get_device(), static_cast<int64_t>(dtype), m, n, k, weight_columns, lda, ldb, ldc, has_bias,
                        residual_in_epilogue, tf32, align_a, align_b, align_c, align_d,
                        static_cast<int64_t>(choice)};
-  const Plan plan =
-      choice == TiledChoice::kAlways ? Plan{true, {}} : choose_plan(key, desc, run, tiled_call, stream);
+  const Plan plan = choose_plan(key, desc, run, tiled_call, stream);
   if (plan.tiled) {
     check_launch(kLinear, cuda::launch_tiled_linear(tiled, stream));
     return y;
