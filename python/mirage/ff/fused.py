@@ -6,8 +6,8 @@ Gastegger 2021) with mirage's ops, with the same call::
     energy = model(atomic_numbers, positions, cell=None, pbc=None)
 
 - the radius graph is ``mirage::neighbor_list`` (fixed capacity ``max_pairs``, no host sync);
-- the radial basis is ``mirage::radial_basis``; the cosine cutoff is multiplied into the filters
-  (SchNet) or the basis (PaiNN);
+- the radial basis is ``mirage::radial_basis``, and so is the cosine cutoff (its kind "none"),
+  which is multiplied into the filters (SchNet) or the basis (PaiNN);
 - the filter networks' first Linear of every interaction is one batched GEMM (they all read the
   same basis), their second Linear too where they have one;
 - message passing is ``mirage::message_passing`` (SchNet) or ``mirage::vector_message_passing``
@@ -110,7 +110,7 @@ def identify_activation(module: nn.Module, where: str) -> str:
 def _cosine_cutoff(d: Tensor, cutoff: float) -> Tensor:
     """0.5 (cos(pi d / c) + 1) for d < c, else 0 (exactly, and its gradient, at the neighbor
     list's padding, d == c), ``[*, 1]``: ``mirage::radial_basis`` with no basis, one kernel forward
-    and one backward where PyTorch's cos, square and where took five each way."""
+    and one backward where PyTorch's cos, square and where took 15 between them."""
     return ops.radial_basis(d, "none", 1, cutoff, "cosine")
 
 
