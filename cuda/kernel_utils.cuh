@@ -411,7 +411,7 @@ __device__ void zero_padding(T* out, int64_t walked, int64_t num_pairs, int64_t 
 // The last pass of kernels that accumulate in float32 and flag invalid input on the device (no
 // host sync): up to four outputs, each with where its values are: `acc` holds them in float32
 // (converted into `out`), or is null when `out` already holds them (float32 outputs, per-pair
-// gradients; a pass that skips the padding writes its zeros itself, grid_zero). A raised flag, or
+// gradients; a pass that skips the padding writes its zeros itself, zero_padding). A raised flag, or
 // a handed-in sender order that failed its check, turns every output NaN.
 struct Segment {
   const float* acc;
