@@ -7,9 +7,10 @@
 // own float32-list ops do: coordinates and distances need float32's precision (a bfloat16
 // distance of 5 A is off by up to 0.02 A), and what follows them casts for itself. float64 input
 // (on the CPU) is left alone.
-// cfconv and radial_cfconv run in float32 too: its filter network's products are float32-accurate on the tensor
-// cores already (the CUDA kernels take float32 alone), and a bfloat16 filter would cost the
-// forces accuracy for no speed; the atom-wise Linears around it still run in the autocast dtype.
+// cfconv and radial_cfconv run in float32 too: their filter networks are float32-accurate already
+// (tensor-core products, a table built in float64; the CUDA kernels take float32 alone), and a
+// bfloat16 filter would cost the forces accuracy for no speed; the atom-wise Linears around them
+// still run in the autocast dtype.
 // message_passing and pair_product run in the autocast dtype, like a matmul: x and filter (a and
 // b) are cast to it, and the kernels accumulate in float32 whatever the dtype.
 #include <initializer_list>
@@ -147,15 +148,15 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autocast(const at::Tensor& x, const at
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_autocast(
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_autocast(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
     const std::optional<at::Tensor>& sender_order) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto f32 = [](const auto& t) { return cached_cast(at::kFloat, t, Device); };  // tensors and optionals
   return handles::radial_cfconv().call(f32(x), f32(distances), pairs, f32(weight1), f32(bias1), f32(weight2),
-                                       f32(bias2), activation, basis, cutoff, envelope, tf32, sender_order);
+                                       f32(bias2), activation, basis, cutoff, envelope, sender_order);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>

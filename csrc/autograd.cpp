@@ -1111,53 +1111,54 @@ std::tuple<at::Tensor, at::Tensor> cfconv_autograd(const at::Tensor& x, const at
 }  // namespace
 
 // mirage::radial_cfconv: gradients in x and the distances from the fused backward, which reads the
-// filters and their derivatives the forward returned; first order only and no gradient in the
-// filter network's parameters, as cfconv.
+// table the forward returned; first order only and no gradient in the filter network's
+// parameters, as cfconv.
 namespace {
 
 struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& distances,
                                const at::Tensor& weight1, const at::Tensor& bias1, const at::Tensor& weight2,
                                const at::Tensor& bias2, const at::Tensor& pairs, c10::string_view activation,
-                               c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+                               c10::string_view basis, double cutoff, c10::string_view envelope,
                                const std::optional<at::Tensor>& sender_order) {
-    at::Tensor out, filters, derivatives;
+    at::Tensor out, table;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, filters, derivatives) =
-          handles::radial_cfconv().call(x, distances, pairs, weight1, optional(bias1), weight2, optional(bias2),
-                                        activation, basis, cutoff, envelope, tf32, sender_order);
+      std::tie(out, table) = handles::radial_cfconv().call(x, distances, pairs, weight1, optional(bias1), weight2,
+                                                           optional(bias2), activation, basis, cutoff, envelope,
+                                                           sender_order);
     }
-    ctx->save_for_backward({x, pairs, filters, derivatives, value_or_undefined(sender_order)});
-    ctx->mark_non_differentiable({filters, derivatives});
-    ctx->set_materialize_grads(false);  // as cfconv's: no zero gradients for the two outputs above
-    return {out, filters, derivatives};
+    ctx->save_for_backward({x, distances, pairs, table, value_or_undefined(sender_order)});
+    ctx->saved_data["cutoff"] = cutoff;
+    ctx->mark_non_differentiable({table});
+    ctx->set_materialize_grads(false);  // as cfconv's: no zero gradient for the table
+    return {out, table};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     check_first_order(ctx, ops::kRadialCfconv, 2);
-    // x, distances, four parameters, pairs, activation, basis, cutoff, envelope, tf32, sender_order
-    variable_list grads(13);
+    // x, distances, four parameters, pairs, activation, basis, cutoff, envelope, sender_order
+    variable_list grads(12);
     if (!grad_outputs[0].defined()) return grads;
     const variable_list s = ctx->get_saved_variables();
-    std::tie(grads[0], grads[1]) =
-        handles::radial_cfconv_backward().call(grad_outputs[0], s[0], s[1], s[2], s[3], defined_or_none(s[4]));
+    std::tie(grads[0], grads[1]) = handles::radial_cfconv_backward().call(
+        grad_outputs[0], s[0], s[1], s[2], s[3], ctx->saved_data["cutoff"].toDouble(), defined_or_none(s[4]));
     return grads;
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_autograd(
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_autograd(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
     const std::optional<at::Tensor>& sender_order) {
   // Checked here first: past this point an empty bias would read as an absent one.
   ops::check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope,
                            sender_order);
   const variable_list out =
       RadialCfconvFunction::apply(x, distances, weight1, or_empty(bias1, weight1), weight2, or_empty(bias2, weight2),
-                                  pairs, activation, basis, cutoff, envelope, tf32, sender_order);
-  return {out[0], out[1], out[2]};
+                                  pairs, activation, basis, cutoff, envelope, sender_order);
+  return {out[0], out[1]};
 }
 
 }  // namespace

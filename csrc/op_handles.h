@@ -59,13 +59,13 @@ using CfconvBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, c10::string_view,
     bool, SenderOrderArg, const std::optional<at::Tensor>&);
-using RadialCfconvSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+using RadialCfconvSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, c10::string_view, double,
-    c10::string_view, bool, SenderOrderArg);
+    c10::string_view, SenderOrderArg);
 using RadialCfconvBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&,
-                                                                   const at::Tensor&, SenderOrderArg);
+                                                                   const at::Tensor&, double, SenderOrderArg);
 using PairVectorsSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                           const std::optional<at::Tensor>&, SenderOrderArg);
 using PairVectorsBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,

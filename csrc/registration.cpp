@@ -80,13 +80,12 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor weight1, Tensor? bias1, Tensor weight2, str activation, bool tf32=False, "
         "Tensor? sender_order=None, Tensor? num_pairs=None) -> (Tensor grad_x, Tensor grad_basis, "
         "Tensor grad_envelope)");
-  // cfconv with the basis (radial_basis' `basis` functions, R from weight1) and the envelope (a
-  // cutoff function) formed from the distances in the kernel; returns the filters times the
-  // envelope and their derivative in the distance, which its backward reads: a pass over the pairs
-  // with no products.
+  // cfconv with the filters a function of the distance (radial_basis' `basis` functions, R from
+  // weight1, times the `envelope` cutoff function), read from a table of the network that the
+  // forward builds and returns (its backward reads it): passes over the pairs with no products.
   m.def("radial_cfconv(Tensor x, Tensor distances, Tensor pairs, Tensor weight1, Tensor? bias1, Tensor weight2, "
-        "Tensor? bias2, str activation, str basis, float cutoff, str envelope, bool tf32=False, "
-        "Tensor? sender_order=None) -> (Tensor out, Tensor filters, Tensor filter_derivatives)");
-  m.def("radial_cfconv_backward(Tensor grad, Tensor x, Tensor pairs, Tensor filters, Tensor filter_derivatives, "
+        "Tensor? bias2, str activation, str basis, float cutoff, str envelope, Tensor? sender_order=None) -> "
+        "(Tensor out, Tensor table)");
+  m.def("radial_cfconv_backward(Tensor grad, Tensor x, Tensor distances, Tensor pairs, Tensor table, float cutoff, "
         "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_distances)");
 }

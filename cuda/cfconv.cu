@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "cfconv.cuh"
+#include "filter_table.h"
 #include "kernel_utils.cuh"
 #include "pair_order.cuh"
 #include "radial_functions.cuh"
@@ -232,11 +233,6 @@ __device__ void load_weights(const CfconvWeights& w, const Layout<D>& l, float* 
 // (pair_order.cuh: the backward's messages onto senders then come in runs, one atomic a run).
 __device__ __forceinline__ int64_t pair_at(const int* order, int64_t k) { return order == nullptr ? k : order[k]; }
 
-// Pair k's envelope: the input's, or 1 where the filters come enveloped already (radial_cfconv).
-__device__ __forceinline__ float envelope_of(const CfconvParams& p, int64_t k) { return p.envelope[k]; }
-__device__ __forceinline__ float envelope_of(const CfconvBackwardParams& p, int64_t k) { return p.envelope[k]; }
-__device__ __forceinline__ float envelope_of(const RadialCfconvParams&, int64_t) { return 1.0f; }
-
 // A tile's pairs: receivers (-1 for padding rows and pairs with an index out of range, which
 // also raise *invalid), senders and envelopes (0 for padding), one row a thread. fetch() puts the
 // loads in flight into registers; stash() checks them and stores them to shared memory.
@@ -255,7 +251,7 @@ struct PairFetch {
       pair = pair_at(order, base + row);
       receiver = p.pairs[pair];
       sender = p.pairs[p.num_pairs + pair];
-      envelope = envelope_of(p, pair);
+      envelope = p.envelope[pair];
     }
   }
 
@@ -954,124 +950,6 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
   }
 }
 
-// radial_cfconv's forward: the kernel above with the basis formed from the distances, and the
-// filters' derivative in the distance carried through the network beside them. With z = W1 b + b1
-// (b the basis), f = W2 act(z) + b2, t = W1 b' (b' the basis' derivative), the activation's slope
-// s = act'(z) and the envelope e (slope e'):
-//   filters     = e f
-//   derivatives = W2 (e s t) + e' f
-// In that order: f to the tile first, then t's product, then the derivatives' (f read back from
-// the tile), so that at most two [64, 128] accumulators are live at a time (z and f, z and t, t and
-// the derivatives). The filters take the forward's way out (the tile, memory, the scatter); the
-// derivatives go from the accumulator straight to memory, read by the backward alone.
-struct RadialRows {
-  float d[2];  // the distances of the thread's rows at.row and at.row + 8 (0 past the pairs)
-  __device__ void fetch(const RadialCfconvParams& p, int64_t base, const Place& at) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = base + at.row + 8 * half;
-      d[half] = row < p.num_pairs ? p.distances[row] : 0.0f;
-    }
-  }
-  // The A fragments of z = [b, 1] [W1, b1]^T (kTangent false) or of t = [b', 0] [W1, b1]^T (slots
-  // as BasisFragments'; rows past the pairs zero). Formed twice rather than held (registers).
-  template <bool kTangent>
-  __device__ void fragments(const RadialCfconvParams& p, int64_t base, const Place& at,
-                            float (&v)[kBasisChunks][4]) const {
-    const int num_rbf = p.weights.num_rbf;
-    const float spacing = gaussian_spacing(num_rbf, p.cutoff);
-#pragma unroll
-    for (int c = 0; c < kBasisChunks; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int half = i % 2, r = 8 * c + at.col + i / 2;
-        float value = 0.0f, derivative = 0.0f;
-        if (base + at.row + 8 * half < p.num_pairs) {
-          if (r < num_rbf) basis_and_derivative(p.basis, r, d[half], spacing, p.cutoff, value, derivative);
-          if (r == num_rbf && !kTangent) value = 1.0f;
-        }
-        v[c][i] = kTangent ? derivative : value;
-      }
-  }
-};
-
-template <bool kSplit, bool kSsp>
-__global__ void __launch_bounds__(kThreads, 1) radial_cfconv_kernel(RadialCfconvParams p) {
-  extern __shared__ float4 smem4[];
-  float* smem = reinterpret_cast<float*>(smem4);
-  const TeamTiles walk(p.weights, p.num_pairs, smem);
-  const auto& [l, walked, tiles, stride, first, receivers, senders] = walk;
-  const float *w1_hi = smem + SharedLayout::kW1, *w1_lo = w1_hi + kWidth * kBasisK;
-  const Place at;
-  const Activation activation = p.weights.activation;
-  PairFetch pair;
-  RadialRows radial;
-  if (first < tiles) {
-    pair.fetch(p, walked, first * kTile, team_thread<kTeamThreads>());
-    radial.fetch(p, first * kTile, at);
-  }
-  for (int64_t tile = first; tile < tiles; tile += stride) {
-    const int64_t base = tile * kTile, next = base + stride * kTile;
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, walked - base));
-    team_sync<kTeamThreads>();  // the previous tile's scatter is done with the shared arrays
-    pair.stash(p, team_thread<kTeamThreads>(), receivers, senders, smem + l.envelope);
-    const RadialRows rows_now = radial;  // radial takes the next tile's distances below
-    float z[64] = {};
-    {
-      float b[kBasisChunks][4];
-      rows_now.fragments<false>(p, base, at, b);
-#pragma unroll
-      for (int c = 0; c < kBasisChunks; ++c) product_chunk<kSplit>(z, b[c], w1_hi, w1_lo, c, kBasisK);
-    }
-    float e[2], slope[2];  // the envelope of the thread's two rows, while the product runs
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      e[half] = envelope(p.envelope, rows_now.d[half], p.cutoff);
-      slope[half] = envelope_derivative(p.envelope, rows_now.d[half], p.cutoff);
-    }
-    wgmma_wait<0>();
-    hold(z);
-    if (tile + stride < tiles) {  // in flight during the other products and the scatter
-      pair.fetch(p, walked, next, team_thread<kTeamThreads>());
-      radial.fetch(p, next, at);
-    }
-    float* filters = smem + l.tile;
-    filters_to_tile<kSplit, kSsp>(z, smem, filters, at, activation);
-    hold(z);  // act'(z) is formed below from z, not from values kept from the product above (registers)
-    float t[64] = {};
-    {
-      float tangent[kBasisChunks][4];
-      rows_now.fragments<true>(p, base, at, tangent);
-#pragma unroll
-      for (int c = 0; c < kBasisChunks; ++c) product_chunk<kSplit>(t, tangent[c], w1_hi, w1_lo, c, kBasisK);
-    }
-    wgmma_wait<0>();
-    hold(t);
-#pragma unroll
-    for (int q = 0; q < 64; ++q) {  // element q is in row at.row + 8 (q % 4 / 2)
-      t[q] *= e[q % 4 / 2] * filter_activation_grad<kSsp>(z[q], activation);
-    }
-    // derivatives = W2 (e s t) + e' (W2 act(z) + b2), the second term read back from the tile
-    // (the thread's own elements), which then takes the filters times the envelope.
-    float g[64] = {};
-    second_product<kSplit>(g, t, smem, [](float v) { return v; });
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float* row = filters + (at.row + 8 * half) * kTileLd + at.col;
-#pragma unroll
-      for (int j = 0; j < kChunks; ++j) {
-        float2 v = *reinterpret_cast<float2*>(row + 8 * j);
-        g[4 * j + 2 * half] = fmaf(slope[half], v.x, g[4 * j + 2 * half]);
-        g[4 * j + 2 * half + 1] = fmaf(slope[half], v.y, g[4 * j + 2 * half + 1]);
-        *reinterpret_cast<float2*>(row + 8 * j) = make_float2(e[half] * v.x, e[half] * v.y);
-      }
-    }
-    store_rows(g, p.derivatives + base * kWidth, kWidth, at, at.row, rows);
-    team_sync<kTeamThreads>();
-    scatter_messages<kWidth, kTeamThreads / 32>(p, filters, smem + l.envelope, receivers, senders, base, rows);
-  }
-}
-
 // cfconv's backward on Hopper (the forward's sizes). Each warpgroup takes 64 positions of the walk
 // at a time (`order`, as the portable backward) through the pass over their pairs
 // (backward_pair_pass: grad_x, the envelope's gradient, the filters' gradient G to the tile), then
@@ -1303,73 +1181,251 @@ cudaError_t launch_passes(const Params& params, float* accumulator, const Segmen
   return launch_finish<float>(outputs, params.invalid, stream, check);
 }
 
-// radial_cfconv's backward: a warp takes kBackwardSpan consecutive positions of the walk (list
-// order, or sender order for long lists, as cfconv's backward), lane k < kBackwardSpan holding the
-// k-th pair's indices; the pairs go kBackwardBatch at a time with their loads in flight together,
-// lane l the columns 4 l, 4 l + 128, ... The messages onto the senders are summed over runs of
-// equal senders (RunSum), each pair's distance gradient in registers until the columns are done.
-constexpr int kBackwardThreads = 256;
-constexpr int kBackwardSpan = 16;
-constexpr int kBackwardBatch = 4;
+// ------------------------------------------------------------------------------------------------
+// radial_cfconv (filter_table.h): the table of the filter network, then one pass over the pairs
+// each way, reading every pair's filters (and their slopes) from the table's piece for its
+// distance: a quintic in s per column, no products.
 
-__global__ void __launch_bounds__(kBackwardThreads)
-    radial_cfconv_backward_kernel(RadialCfconvBackwardParams p, const int* order) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kBackwardThreads / 32);
-  const int64_t M = p.width;
-  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kBackwardThreads + threadIdx.x) / 32 * kBackwardSpan;
-       first < p.num_pairs; first += warps * kBackwardSpan) {
-    int64_t pair = -1, i = -1, j = -1;  // i = -1: no pair, or one with an index out of range
-    if (lane < kBackwardSpan && first + lane < p.num_pairs) {
-      pair = pair_at(order, first + lane);
-      i = p.pairs[pair];
-      j = p.pairs[p.num_pairs + pair];
-      if (i < 0 || i >= p.num_nodes || j < 0 || j >= p.num_nodes) {
-        *p.invalid = 1;  // every writer stores the same value
-        i = -1;
+// The table, float64 throughout: a block takes kTablePieces pieces, forms the network at their
+// kTablePieces + 1 ends (one end shared with the next block's, formed twice) and writes the
+// pieces' coefficients. The basis' jets and the hidden layer's (act(z), its first and second
+// derivatives in d) go through shared memory; then, kTableColumns outputs at a time, thread
+// (group g, column m) sums output m at ends g, g + kTableGroups, ... over the hidden features,
+// kTableChunk at a time from a tile of W2 staged in shared memory, and the pieces' coefficients
+// come from the ends' jets, also in shared memory. Four warps a scheduler: with one (128 threads,
+// a thread per output at every end) the kernel waited on its own latencies, ~7 cycles an
+// instruction (Nsight Compute, H200, SchNet's network: 70 µs a call; 32 µs as it is).
+constexpr int kTableColumns = 128;
+constexpr int kTableGroups = 4;
+constexpr int kTableThreads = kTableColumns * kTableGroups;
+constexpr int kTablePieces = 8;
+constexpr int kTableEnds = kTablePieces + 1;
+constexpr int kTableEndsPerGroup = (kTableEnds + kTableGroups - 1) / kTableGroups;
+constexpr int kTableChunk = 16;
+constexpr int kTableTileLd = kTableChunk + 1;  // a thread's row of the tile: its own bank each step
+
+// Shared memory, in doubles: the basis' jets [end][r][3], the hidden jets' values and first
+// derivatives [end][h] (pairs: one 16-byte load) and second derivatives [end][h], the outputs'
+// jets [end][column][3], then the W2 tile [column][k] of floats.
+struct TableLayout {
+  int64_t basis, values, curvatures, outputs, tile, bytes;
+  __host__ __device__ TableLayout(int64_t num_rbf, int64_t hidden)
+      : basis(0),
+        values((kTableEnds * 3 * num_rbf + 1) / 2 * 2),  // 16-byte aligned: read as double2
+        curvatures(values + kTableEnds * 2 * hidden),
+        outputs(curvatures + kTableEnds * hidden),
+        tile(outputs + kTableEnds * kTableColumns * 3),
+        bytes(tile * static_cast<int64_t>(sizeof(double)) + kTableColumns * kTableTileLd * sizeof(float)) {}
+};
+
+size_t filter_table_shared_bytes(int64_t num_rbf, int64_t hidden) {
+  return static_cast<size_t>(TableLayout(num_rbf, hidden).bytes);
+}
+
+__global__ void __launch_bounds__(kTableThreads) filter_table_kernel(FilterTableParams p) {
+  using namespace filter_table;
+  extern __shared__ double table_shared[];
+  const int R = p.num_rbf, H = p.hidden, M = p.width;
+  const TableLayout l(R, H);
+  double* basis = table_shared + l.basis;
+  double2* values = reinterpret_cast<double2*>(table_shared + l.values);
+  double* curvatures = table_shared + l.curvatures;
+  double* outputs = table_shared + l.outputs;
+  float* tile = reinterpret_cast<float*>(table_shared + l.tile);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTablePieces;
+  const int ends = static_cast<int>(std::min<int64_t>(kTableEnds, p.intervals - first + 1));
+  const double cutoff = p.cutoff, width = cutoff / static_cast<double>(p.intervals);
+  for (int e = threadIdx.x; e < ends * R; e += kTableThreads) {
+    const Jet b = basis_jet(p.basis, e % R, R, static_cast<double>(first + e / R) * width, cutoff);
+    basis[3 * e] = b.v;
+    basis[3 * e + 1] = b.d1;
+    basis[3 * e + 2] = b.d2;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < ends * H; e += kTableThreads) {
+    const int end = e / H, k = e % H;
+    double z = p.b1 != nullptr ? p.b1[k] : 0.0, t = 0.0, u = 0.0;  // W1 b + b1 and its derivatives in d
+    for (int r = 0; r < R; ++r) {
+      const double w = p.w1[static_cast<int64_t>(k) * R + r], *b = basis + 3 * (end * R + r);
+      z += w * b[0];
+      t += w * b[1];
+      u += w * b[2];
+    }
+    const Jet a = activation_jet(p.activation, z);
+    values[e] = make_double2(a.v, a.d1 * t);
+    curvatures[e] = a.d2 * t * t + a.d1 * u;
+  }
+  const int column = threadIdx.x % kTableColumns, group = threadIdx.x / kTableColumns;
+  for (int m0 = 0; m0 < M; m0 += kTableColumns) {
+    const int m = m0 + column;
+    Jet f[kTableEndsPerGroup];  // W2 (the hidden jets) + b2 at ends group, group + kTableGroups, ...
+#pragma unroll
+    for (int i = 0; i < kTableEndsPerGroup; ++i) f[i] = {m < M && p.b2 != nullptr ? p.b2[m] : 0.0, 0.0, 0.0};
+    for (int k0 = 0; k0 < H; k0 += kTableChunk) {
+      __syncthreads();  // the hidden jets are written; the last chunk's tile and the last pass's jets are read
+      float staged[kTableColumns * kTableChunk / kTableThreads];  // the loads in flight before any store
+#pragma unroll
+      for (int i = 0; i < kTableColumns * kTableChunk / kTableThreads; ++i) {
+        const int e = threadIdx.x + i * kTableThreads, row = e / kTableChunk, k = k0 + e % kTableChunk;
+        staged[i] = m0 + row < M && k < H ? p.w2[static_cast<int64_t>(m0 + row) * H + k] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kTableColumns * kTableChunk / kTableThreads; ++i) {
+        const int e = threadIdx.x + i * kTableThreads;
+        tile[e / kTableChunk * kTableTileLd + e % kTableChunk] = staged[i];
+      }
+      __syncthreads();
+      const int chunk = H - k0 < kTableChunk ? H - k0 : kTableChunk;
+      for (int c = 0; c < chunk; ++c) {
+        const double w = tile[column * kTableTileLd + c];
+#pragma unroll
+        for (int i = 0; i < kTableEndsPerGroup; ++i) {
+          const int end = group + i * kTableGroups;
+          if (end >= ends) break;
+          const double2 a = values[end * H + k0 + c];
+          f[i].v += w * a.x;
+          f[i].d1 += w * a.y;
+          f[i].d2 += w * curvatures[end * H + k0 + c];
+        }
       }
     }
-    float dot[kBackwardSpan] = {};
-    for (int64_t c0 = 0; c0 < M; c0 += 128) {  // uniform over the warp: the shuffles need every lane
-      const int64_t c = c0 + 4 * lane;
-      RunSum to_senders(p.grad_x + c, M);
 #pragma unroll
-      for (int k0 = 0; k0 < kBackwardSpan; k0 += kBackwardBatch) {
-        float g[kBackwardBatch][4], x[kBackwardBatch][4], f[kBackwardBatch][4], t[kBackwardBatch][4];
-        int64_t to[kBackwardBatch];
-        bool mine[kBackwardBatch];
-#pragma unroll
-        for (int k = 0; k < kBackwardBatch; ++k) {
-          const int64_t pk = __shfl_sync(0xffffffffu, pair, k0 + k), ik = __shfl_sync(0xffffffffu, i, k0 + k);
-          to[k] = __shfl_sync(0xffffffffu, j, k0 + k);
-          mine[k] = ik >= 0 && c < M;
-          if (!mine[k]) continue;
-          load_packed<float, 4>(p.grad + ik * M + c, g[k]);
-          load_packed<float, 4>(p.x + to[k] * M + c, x[k]);
-          load_packed<float, 4>(p.filters + pk * M + c, f[k]);
-          load_packed<float, 4>(p.derivatives + pk * M + c, t[k]);
-        }
-#pragma unroll
-        for (int k = 0; k < kBackwardBatch; ++k) {
-          if (!mine[k]) continue;
-          to_senders.fma(to[k], g[k], f[k]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dot[k0 + k] = fmaf(g[k][e] * x[k][e], t[k][e], dot[k0 + k]);
-        }
-      }
-      to_senders.flush();
+    for (int i = 0; i < kTableEndsPerGroup; ++i) {
+      const int end = group + i * kTableGroups;
+      if (end >= ends) break;
+      const Jet g = times(f[i], envelope_jet(p.envelope, static_cast<double>(first + end) * width, cutoff));
+      double* out = outputs + 3 * (end * kTableColumns + column);
+      out[0] = g.v;
+      out[1] = g.d1;
+      out[2] = g.d2;
     }
-    float mine = 0.0f;  // lane k: pair k's distance gradient
-#pragma unroll
-    for (int k = 0; k < kBackwardSpan; ++k) {
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) dot[k] += __shfl_xor_sync(0xffffffffu, dot[k], offset);
-      if (lane == k) mine = dot[k];
+    __syncthreads();
+    for (int e = threadIdx.x; e < (ends - 1) * kTableColumns; e += kTableThreads) {
+      const int piece = e / kTableColumns, col = e % kTableColumns;
+      if (m0 + col >= M) continue;
+      const double* left = outputs + 3 * (piece * kTableColumns + col);
+      const double* right = left + 3 * kTableColumns;
+      double c[kCoefficients];
+      quintic({left[0], left[1], left[2]}, {right[0], right[1], right[2]}, width, c);
+      for (int q = 0; q < kCoefficients; ++q)
+        p.table[((first + piece) * kCoefficients + q) * M + m0 + col] = static_cast<float>(c[q]);
     }
-    if (pair >= 0) p.grad_distances[pair] = mine;
   }
 }
 
+// The passes: a warp takes kPassSpan consecutive positions of the walk (list order forward, the
+// messages onto the receivers; sender order backward for long lists, onto the senders), lane k <
+// kPassSpan holding the k-th pair's rows, piece and place in it; the pairs go kPassBatch at a time
+// with their loads in flight together, lane l the columns 4 l, 4 l + 128, ... Each pair's run
+// sum (RunSum) and, backward, its distance gradient stay in registers until the columns are done.
+constexpr int kPassThreads = 256;
+constexpr int kPassSpan = 16;
+constexpr int kPassBatch = 2;
+
+template <bool kBackward>
+__global__ void __launch_bounds__(kPassThreads) radial_cfconv_kernel(RadialCfconvParams p, const int* order) {
+  using filter_table::kCoefficients;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPassThreads / 32);
+  const int64_t M = p.width;
+  const float scale = static_cast<float>(p.intervals) / p.cutoff;
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kPassThreads + threadIdx.x) / 32 * kPassSpan;
+       first < p.num_pairs; first += warps * kPassSpan) {
+    // from: the row gathered (forward the sender's x, backward the receiver's grad), -1 where the
+    // pair adds nothing (none, at or past the cutoff, an index out of range); to: the row summed onto.
+    int64_t pair = -1, from = -1, to = -1, piece = 0;
+    float s = 0.0f;
+    if (lane < kPassSpan && first + lane < p.num_pairs) {
+      pair = pair_at(order, first + lane);
+      const int64_t i = p.pairs[pair], j = p.pairs[p.num_pairs + pair];
+      const float d = p.distances[pair];
+      if (i < 0 || i >= p.num_nodes || j < 0 || j >= p.num_nodes) {
+        *p.invalid = 1;  // every writer stores the same value
+      } else if (!(d >= p.cutoff)) {
+        // A negative or NaN distance takes piece 0 at s = NaN: NaN filters, as the network's.
+        const float u = d * scale;
+        piece = d >= 0.0f ? std::min<int64_t>(static_cast<int64_t>(u), p.intervals - 1) : 0;
+        s = d >= 0.0f ? u - static_cast<float>(piece) : __int_as_float(0x7fc00000);
+        from = kBackward ? i : j;
+        to = kBackward ? j : i;
+      }
+    }
+    float dot[kPassSpan] = {};  // backward: each pair's distance gradient, this lane's columns
+    for (int64_t c0 = 0; c0 < M; c0 += 128) {  // uniform over the warp: the shuffles need every lane
+      const int64_t c = c0 + 4 * lane;
+      RunSum sums(p.out + c, M);
+#pragma unroll
+      for (int k0 = 0; k0 < kPassSpan; k0 += kPassBatch) {
+        float row[kPassBatch][4], x[kPassBatch][4], coefficient[kPassBatch][kCoefficients][4], at[kPassBatch];
+        int64_t onto[kPassBatch];
+        bool mine[kPassBatch];
+#pragma unroll
+        for (int k = 0; k < kPassBatch; ++k) {
+          const int64_t fk = __shfl_sync(0xffffffffu, from, k0 + k), pk = __shfl_sync(0xffffffffu, piece, k0 + k);
+          onto[k] = __shfl_sync(0xffffffffu, to, k0 + k);
+          at[k] = __shfl_sync(0xffffffffu, s, k0 + k);
+          mine[k] = fk >= 0 && c < M;
+          if (!mine[k]) continue;
+          load_packed<float, 4>(p.rows + fk * M + c, row[k]);
+          if constexpr (kBackward) load_packed<float, 4>(p.x + onto[k] * M + c, x[k]);
+#pragma unroll
+          for (int q = 0; q < kCoefficients; ++q)
+            load_packed<float, 4>(p.table + (pk * kCoefficients + q) * M + c, coefficient[k][q]);
+        }
+#pragma unroll
+        for (int k = 0; k < kPassBatch; ++k) {
+          if (!mine[k]) continue;
+          const float t = at[k];
+          const auto& a = coefficient[k];
+          float f[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            f[e] = fmaf(fmaf(fmaf(fmaf(fmaf(a[5][e], t, a[4][e]), t, a[3][e]), t, a[2][e]), t, a[1][e]), t, a[0][e]);
+          sums.fma(onto[k], row[k], f);
+          if constexpr (kBackward) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float slope =
+                  fmaf(fmaf(fmaf(fmaf(5.0f * a[5][e], t, 4.0f * a[4][e]), t, 3.0f * a[3][e]), t, 2.0f * a[2][e]), t,
+                       a[1][e]);
+              dot[k0 + k] = fmaf(row[k][e] * x[k][e], slope, dot[k0 + k]);
+            }
+          }
+        }
+      }
+      sums.flush();
+    }
+    if constexpr (kBackward) {
+      float mine = 0.0f;  // lane k: pair k's distance gradient
+#pragma unroll
+      for (int k = 0; k < kPassSpan; ++k) {
+        const float sum = warp_sum(dot[k]);
+        if (lane == k) mine = sum * scale;  // d/dd = d/ds * intervals / cutoff
+      }
+      if (pair >= 0) p.grad_distances[pair] = mine;
+    }
+  }
+}
+
+// Zeroes the invalid flag and the [N, M] accumulator, then runs the pass (none without pairs) and
+// converts the outputs or, after a bad index or a handed-in sender order that failed `check`,
+// poisons them.
+template <bool kBackward>
+cudaError_t launch_radial_pass(const RadialCfconvParams& params, const SenderOrder& walk, const Segments& outputs,
+                               cudaStream_t stream) {
+  const int64_t warps = ceil_div(params.num_pairs, kPassSpan);
+  const int64_t blocks = std::min<int64_t>(ceil_div(warps, kPassThreads / 32), 16LL * sm_count());
+  radial_cfconv_kernel<kBackward><<<static_cast<unsigned>(blocks), kPassThreads, 0, stream>>>(params, walk.order);
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return status;
+  return launch_finish<float>(outputs, params.invalid, stream, walk.check);
+}
+
+cudaError_t zero_accumulator(const RadialCfconvParams& params, cudaStream_t stream) {
+  const cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
+  if (status != cudaSuccess) return status;
+  return cudaMemsetAsync(params.out, 0, params.num_nodes * params.width * sizeof(float), stream);
+}
 }  // namespace
 
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
@@ -1425,38 +1481,34 @@ cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* wor
 }
 
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
-  return hopper_sizes(num_rbf, hidden, width) && hopper();
+  return num_rbf >= 1 && hidden >= 1 && width >= 1 && width % 4 == 0 &&
+         filter_table_shared_bytes(num_rbf, hidden) <= max_shared_bytes_per_block();
 }
 
-cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t stream) {
-  const Segments outputs{{{nullptr, params.out, params.num_nodes * params.weights.width},
-                          {nullptr, params.filters, params.num_pairs * params.weights.width},
-                          {nullptr, params.derivatives, params.num_pairs * params.weights.width}}};
-  return launch_passes(params, params.out, outputs, stream, [&](auto /*width: 128*/, auto split, auto ssp) {
-    return launch(sm90::radial_cfconv_kernel<split(), ssp()>, params, sm90::SharedLayout::kTotal * sizeof(float),
-                  sm90::kThreads, sm90::kTeams, stream);
-  });
+cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfconvParams& params,
+                                 cudaStream_t stream) {
+  const size_t bytes = filter_table_shared_bytes(table.num_rbf, table.hidden);
+  cudaError_t status =
+      cudaFuncSetAttribute(filter_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (status != cudaSuccess) return status;
+  const int64_t blocks = ceil_div(table.intervals, kTablePieces);
+  filter_table_kernel<<<static_cast<unsigned>(blocks), kTableThreads, bytes, stream>>>(table);
+  status = cudaGetLastError();
+  if (status == cudaSuccess) status = zero_accumulator(params, stream);
+  if (status != cudaSuccess || params.num_pairs == 0) return status;
+  const Segments outputs{{{nullptr, params.out, params.num_nodes * params.width}}};
+  return launch_radial_pass<false>(params, SenderOrder{}, outputs, stream);
 }
 
-cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, void* workspace,
-                                          cudaStream_t stream) {
-  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
-  if (status == cudaSuccess) {
-    status = cudaMemsetAsync(params.grad_x, 0, params.num_nodes * params.width * sizeof(float), stream);
-  }
+cudaError_t launch_radial_cfconv_backward(const RadialCfconvParams& params, void* workspace, cudaStream_t stream) {
+  cudaError_t status = zero_accumulator(params, stream);
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   SenderOrder walk;
   status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, /*live=*/nullptr,
                                params.sender_order, workspace, &walk, stream);
   if (status != cudaSuccess) return status;
-  const int64_t warps = ceil_div(params.num_pairs, kBackwardSpan);
-  const int64_t blocks = std::min<int64_t>(ceil_div(warps, kBackwardThreads / 32), 16LL * sm_count());
-  radial_cfconv_backward_kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, 0, stream>>>(params, walk.order);
-  status = cudaGetLastError();
-  if (status != cudaSuccess) return status;
-  const Segments outputs{{{nullptr, params.grad_x, params.num_nodes * params.width},
+  const Segments outputs{{{nullptr, params.out, params.num_nodes * params.width},
                           {nullptr, params.grad_distances, params.num_pairs}}};
-  return launch_finish<float>(outputs, params.invalid, stream, walk.check);
+  return launch_radial_pass<true>(params, walk, outputs, stream);
 }
-
 }  // namespace mirage::cuda

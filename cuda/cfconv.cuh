@@ -75,49 +75,53 @@ size_t cfconv_backward_workspace_bytes(int64_t num_nodes, int64_t num_pairs, boo
 cudaError_t launch_cfconv(const CfconvParams& params, cudaStream_t stream);
 cudaError_t launch_cfconv_backward(const CfconvBackwardParams& params, void* workspace, cudaStream_t stream);
 
-// mirage::radial_cfconv: cfconv with the basis and the envelope formed from the distances in the
-// kernel, and the filters' derivative in the distance carried forward beside them:
-//   filters[p]     = (W2 act(W1 basis(d_p) + b1) + b2) * envelope(d_p)     [P, M]
-//   derivatives[p] = d filters[p] / d d_p                                   [P, M]
-//   out[i]         = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p]
-// Its backward is then a pass over the pairs with no products:
-//   grad_x[j] += grad[i] * filters[p],  grad_distances[p] = sum_c grad[i, c] x[j, c] derivatives[p, c].
-struct RadialCfconvParams {
-  CfconvWeights weights;
-  const float* x;          // [N, M] contiguous, 16-byte aligned
-  const float* distances;  // [P]
-  const int64_t* pairs;    // [2, P]
-  RadialBasisKind basis;   // radial_basis' functions (no cutoff function of their own)
-  CutoffFn envelope;       // the filters' envelope
+// mirage::radial_cfconv: cfconv whose filters are a function of the pair's distance alone,
+//   F(d)           = envelope(d) (W2 act(W1 basis(d) + b1) + b2)            [M]
+//   out[i]         = sum over p with pairs[0, p] == i of x[pairs[1, p]] * F(d_p)
+//   grad_x[j]     += grad[i] * F(d_p),  grad_distances[p] = sum_c grad[i, c] x[j, c] F'(d_p)[c]
+// read from a table of F (filter_table.h) that the forward builds from the network in float64, so
+// that neither pass runs the network per pair. Pairs at or past the cutoff add nothing (their
+// gradients 0); negative or NaN distances give NaN.
+struct FilterTableParams {
+  const float* w1;  // [H, R], nn.Linear layout, contiguous
+  const float* b1;  // [H] or null (zero)
+  const float* w2;  // [M, H]
+  const float* b2;  // [M] or null
+  int num_rbf, hidden, width;  // R, H, M
+  Activation activation;       // smooth: not relu
+  RadialBasisKind basis;       // Gaussian or Bessel
+  CutoffFn envelope;           // cosine or polynomial: F vanishes at the cutoff
   float cutoff;
-  float* out;              // [N, M], 16-byte aligned
-  float* filters;          // [P, M], 16-byte aligned
-  float* derivatives;      // [P, M]
-  int* invalid;            // as above
-  int64_t num_nodes, num_pairs;
+  int64_t intervals;           // filter_table::intervals_for
+  float* table;                // [intervals, 6, M]
 };
 
-struct RadialCfconvBackwardParams {
-  const float* grad;         // [N, M], 16-byte aligned
-  const float* x;            // [N, M], 16-byte aligned
-  const int64_t* pairs;      // [2, P]
-  const float* filters;      // [P, M], 16-byte aligned
-  const float* derivatives;  // [P, M], 16-byte aligned
-  float* grad_x;             // [N, M], 16-byte aligned
-  float* grad_distances;     // [P]
-  int* invalid;
-  const int* sender_order;   // as CfconvBackwardParams'
+// One pass over the pairs: forward (out = the messages onto the receivers) or backward (out =
+// grad_x, onto the senders, and grad_distances).
+struct RadialCfconvParams {
+  const float* rows;       // [N, M], 16-byte aligned: forward x (at the senders), backward grad (at the receivers)
+  const float* x;          // backward: [N, M], 16-byte aligned; forward: null
+  const float* distances;  // [P]
+  const int64_t* pairs;    // [2, P]
+  const float* table;      // [intervals, 6, M], 16-byte aligned
+  int64_t intervals;
+  float cutoff;
+  float* out;              // [N, M], 16-byte aligned
+  float* grad_distances;   // backward: [P]; forward: null
+  int* invalid;            // as above
+  const int* sender_order; // backward: as CfconvBackwardParams'; forward: null (list order)
   int64_t num_nodes, num_pairs, width;  // width M: a multiple of 4
 };
 
-// Whether the forward kernel takes these sizes on the current device: it is Hopper's (compute
-// capability 9.0, this library built for sm_90a) for H == M == 128 and R <= 23. The backward
-// runs on any GPU.
+// Whether the kernels take these sizes on the current device: M a multiple of 4, and the table
+// kernel's shared memory (float64 jets of R basis functions and H hidden features at 9 ends)
+// within the device's.
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
-cudaError_t launch_radial_cfconv(const RadialCfconvParams& params, cudaStream_t stream);
+// The table (table.table, an output of the op), then the forward pass over params.table.
+cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfconvParams& params,
+                                 cudaStream_t stream);
 // Its workspace: cfconv_backward_workspace_bytes(num_nodes, num_pairs, sender_order != nullptr).
-cudaError_t launch_radial_cfconv_backward(const RadialCfconvBackwardParams& params, void* workspace,
-                                          cudaStream_t stream);
+cudaError_t launch_radial_cfconv_backward(const RadialCfconvParams& params, void* workspace, cudaStream_t stream);
 
 }  // namespace mirage::cuda

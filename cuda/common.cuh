@@ -5,14 +5,12 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
+#include "kinds.h"
+
 namespace mirage::cuda {
 
 // The floating dtypes the kernels are built for. csrc/ maps at::ScalarType onto this.
 enum class DType : int { kFloat32, kFloat16, kBFloat16 };
-
-// The activation fused into a kernel's epilogue (group_norm takes kNone and kSilu only; the
-// force-field kernels also take the softplus family and tanh).
-enum class Activation : int { kNone, kSilu, kGelu, kGeluTanh, kRelu, kTanh, kSoftplus, kShiftedSoftplus };
 
 // The two GELU forms diffusers and PyTorch offer (F.gelu's approximate="none" / "tanh").
 enum class GeluApprox : int { kNone, kTanh };

@@ -9,11 +9,6 @@
 
 namespace mirage::cuda {
 
-// kNone: no basis, 1 (radial_functions.cuh's no_basis): radial_basis then gives the cutoff
-// function alone.
-enum class RadialBasisKind : int { kGaussian, kBessel, kNone };
-enum class CutoffFn : int { kNone, kCosine, kPolynomial };
-
 struct RadialBasisParams {
   const void* distances;  // [count] contiguous
   void* out;              // [count, num] contiguous, distances' dtype

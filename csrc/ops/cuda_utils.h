@@ -10,6 +10,7 @@
 
 #include "../../cuda/common.cuh"
 #include "../../cuda/radial_basis.cuh"
+#include "kinds.h"
 #include "message.h"
 
 namespace mirage::ops {
@@ -29,28 +30,6 @@ inline bool is_16_byte_aligned(const at::Tensor& t) {
 
 inline const void* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr() : nullptr;
-}
-
-// The force-field kernels' activation of a name from kEnergyActivations (schnet_energy.h).
-inline cuda::Activation kernel_activation(std::string_view name) {
-  if (name == "shifted_softplus") return cuda::Activation::kShiftedSoftplus;
-  if (name == "softplus") return cuda::Activation::kSoftplus;
-  if (name == "silu") return cuda::Activation::kSilu;
-  if (name == "tanh") return cuda::Activation::kTanh;
-  if (name == "gelu") return cuda::Activation::kGelu;
-  return cuda::Activation::kRelu;  // the checks admit nothing else
-}
-
-// The radial functions' names (checked by check_radial_basis) as the kernels take them.
-inline cuda::RadialBasisKind kernel_basis(std::string_view kind) {
-  return kind == "gaussian" ? cuda::RadialBasisKind::kGaussian
-         : kind == "bessel" ? cuda::RadialBasisKind::kBessel
-                            : cuda::RadialBasisKind::kNone;
-}
-inline cuda::CutoffFn kernel_cutoff_fn(std::string_view cutoff_fn) {
-  return cutoff_fn == "cosine"       ? cuda::CutoffFn::kCosine
-         : cutoff_fn == "polynomial" ? cuda::CutoffFn::kPolynomial
-                                     : cuda::CutoffFn::kNone;
 }
 
 // Device scratch for a launcher, on x's device from the caching allocator (safe under graph capture).

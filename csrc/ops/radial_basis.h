@@ -24,7 +24,7 @@ void check_radial_basis_backward(const at::Tensor& grad, const at::Tensor& dista
                                  std::string_view kind, int64_t num, double cutoff,
                                  std::string_view cutoff_fn);
 
-// float64 references of radial_basis' functions, for its own CPU kernels and radial_cfconv's: the
+// float64 references of radial_basis' functions, for its CPU kernels: the
 // basis without envelope and its derivative in d, each [P, num], of the P distances (any shape,
 // flattened); the envelope `cutoff_fn` and its derivative, each [P]. The arguments as
 // check_radial_basis takes them.

@@ -1,5 +1,5 @@
-// mirage::schnet_energy and mirage::cfconv (with its backward): checks, the CPU references and the Meta
-// kernels.
+// mirage::schnet_energy, mirage::cfconv and mirage::radial_cfconv (with their backwards): checks,
+// the CPU references and the Meta kernels.
 #include "schnet_energy.h"
 
 #include <cmath>
@@ -7,7 +7,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "../../cuda/filter_table.h"
 #include "checks.h"
+#include "kinds.h"
 #include "message.h"
 #include "pair_order.h"
 #include "radial_basis.h"
@@ -345,28 +347,36 @@ CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances
   constexpr std::string_view op = kRadialCfconv;
   CfconvShape s = check_messages(op, x, pairs);
   check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
+  MIRAGE_CHECK(activation != "relu", op, ": activation \"relu\" is not smooth, and the filters' table "
+               "interpolates them (cfconv takes it)");
   check_like_x(op, distances, "distances", x);
   MIRAGE_CHECK(distances.dim() == 1 && distances.size(0) == s.pairs, op, ": distances must have shape [P] = [",
                s.pairs, "] (P from pairs), got ", distances.sizes());
   MIRAGE_CHECK(basis == "gaussian" || basis == "bessel", op, ": basis must be \"gaussian\" or \"bessel\", got \"",
                basis, "\"");
   check_radial_basis(distances, basis, s.rbf, cutoff, envelope, op);  // the envelope's name, the cutoff
+  MIRAGE_CHECK(envelope != "none", op, ": envelope must be \"cosine\" or \"polynomial\" (the filters' table "
+               "covers [0, cutoff), where they must vanish), got \"none\"");
   check_sender_order(op, sender_order, pairs);
   return s;
 }
 
-CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pairs,
-                                         const at::Tensor& filters, const at::Tensor& derivatives,
+CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& distances,
+                                         const at::Tensor& pairs, const at::Tensor& table, double cutoff,
                                          const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kRadialCfconvBackward;
   const CfconvShape s = check_messages(op, x, pairs);
   check_like_x(op, grad, "grad", x);
   MIRAGE_CHECK(grad.sizes() == x.sizes(), op, ": grad must have x's shape ", x.sizes(), ", got ", grad.sizes());
-  for (const auto& [t, name] : {std::pair{&filters, "filters"}, std::pair{&derivatives, "filter_derivatives"}}) {
-    check_like_x(op, *t, name, x);
-    MIRAGE_CHECK(t->dim() == 2 && t->size(0) == s.pairs && t->size(1) == s.width, op, ": ", name,
-                 " must have shape [P, M] = [", s.pairs, ", ", s.width, "], got ", t->sizes());
-  }
+  check_like_x(op, distances, "distances", x);
+  MIRAGE_CHECK(distances.dim() == 1 && distances.size(0) == s.pairs, op, ": distances must have shape [P] = [",
+               s.pairs, "] (P from pairs), got ", distances.sizes());
+  check_like_x(op, table, "table", x);
+  MIRAGE_CHECK(table.dim() == 3 && table.size(0) >= 1 && table.size(1) == cuda::filter_table::kCoefficients &&
+                   table.size(2) == s.width,
+               op, ": table must have shape [intervals, 6, M] = [*, 6, ", s.width, "] (radial_cfconv's), got ",
+               table.sizes());
+  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ", cutoff);
   check_sender_order(op, sender_order, pairs);
   return s;
 }
@@ -459,66 +469,128 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
           at::empty({s.pairs}, x.options())};
 }
 
-// radial_cfconv's reference: float64 from the definition, the derivatives in forward mode (the
-// tangent of the basis through the network, the envelope's by the product rule).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cpu(
+// radial_cfconv's table (cuda/filter_table.h), float64: the basis, activation and envelope jets
+// of filter_table.h at the pieces' ends, the network's products by ATen, each piece's quintic.
+at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                                  const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+                                  std::string_view activation, std::string_view basis, double cutoff,
+                                  std::string_view envelope) {
+  using namespace cuda::filter_table;
+  const int64_t H = weight1.size(0), R = weight1.size(1), M = weight2.size(0);
+  const int64_t intervals = intervals_for(kernel_basis(basis), R), ends = intervals + 1;
+  const double width = cutoff / static_cast<double>(intervals);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor b = at::empty({3, ends, R}, f64);  // the basis and its two derivatives at the ends
+  auto bv = b.accessor<double, 3>();
+  for (int64_t e = 0; e < ends; ++e)
+    for (int64_t r = 0; r < R; ++r) {
+      const Jet j = basis_jet(kernel_basis(basis), static_cast<int>(r), static_cast<int>(R), e * width, cutoff);
+      bv[0][e][r] = j.v;
+      bv[1][e][r] = j.d1;
+      bv[2][e][r] = j.d2;
+    }
+  const at::Tensor w1 = weight1.to(at::kDouble);
+  const at::Tensor z = at::linear(b[0], w1, optional_f64(bias1)), t = at::matmul(b[1], w1.t());
+  const at::Tensor u = at::matmul(b[2], w1.t());
+  at::Tensor a = at::empty({3, ends, H}, f64);  // act(z) and its two derivatives in d
+  auto av = a.accessor<double, 3>();
+  const auto zv = z.accessor<double, 2>(), tv = t.accessor<double, 2>(), uv = u.accessor<double, 2>();
+  for (int64_t e = 0; e < ends; ++e)
+    for (int64_t h = 0; h < H; ++h) {
+      const Jet j = activation_jet(kernel_activation(activation), zv[e][h]);
+      av[0][e][h] = j.v;
+      av[1][e][h] = j.d1 * tv[e][h];
+      av[2][e][h] = j.d2 * tv[e][h] * tv[e][h] + j.d1 * uv[e][h];
+    }
+  at::Tensor f = at::matmul(a, weight2.to(at::kDouble).t());  // [3, ends, M]
+  if (bias2.has_value()) f[0] += bias2->to(at::kDouble);
+  at::Tensor table = at::empty({intervals, kCoefficients, M}, f64);
+  auto out = table.accessor<double, 3>();
+  const auto fv = f.accessor<double, 3>();
+  for (int64_t m = 0; m < M; ++m) {
+    Jet left{};
+    for (int64_t e = 0; e < ends; ++e) {
+      const Jet right = times({fv[0][e][m], fv[1][e][m], fv[2][e][m]},
+                              envelope_jet(kernel_cutoff_fn(envelope), e * width, cutoff));
+      if (e > 0) {
+        double c[kCoefficients];
+        quintic(left, right, width, c);
+        for (int q = 0; q < kCoefficients; ++q) out[e - 1][q][m] = c[q];
+      }
+      left = right;
+    }
+  }
+  return table;
+}
+
+// The table's filters [P, M] at the distances (kSlope: their derivative in d), float64: 0 at and
+// past the cutoff, NaN at negative and NaN distances (as the CUDA kernels).
+at::Tensor table_filters(const at::Tensor& table, const at::Tensor& distances, double cutoff, bool slope) {
+  const int64_t intervals = table.size(0);
+  const at::Tensor d = distances.to(at::kDouble);
+  const at::Tensor past = (d >= cutoff).unsqueeze(1), invalid = (~(d >= 0)).unsqueeze(1);
+  const at::Tensor u = at::where(d >= 0, d, 0.0) * (intervals / cutoff);
+  const at::Tensor piece = u.floor().clamp(0, intervals - 1);
+  const at::Tensor s = (u - piece).unsqueeze(1);
+  const at::Tensor c = table.to(at::kDouble).index_select(0, piece.to(at::kLong));  // [P, 6, M]
+  at::Tensor f = at::zeros_like(c.select(1, 0));
+  for (int64_t q = cuda::filter_table::kCoefficients - 1; q >= (slope ? 1 : 0); --q) {
+    f = f * s + c.select(1, q) * (slope ? static_cast<double>(q) : 1.0);
+  }
+  if (slope) f = f * (intervals / cutoff);
+  return at::where(invalid, NAN, at::where(past, 0.0, f));
+}
+
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_cpu(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
     c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
-    bool /*tf32: the reference is float64*/,
     const std::optional<at::Tensor>& sender_order /*the reference sums in its own order*/) {
   const CfconvShape s =
       check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope,
                           sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kRadialCfconv, idx, s.nodes);
-  const auto [b, b_slope] = reference_basis(distances, basis, s.rbf, cutoff);
-  const auto [e, e_slope] = reference_envelope(distances, envelope, cutoff);
-  const std::string act(activation);
-  const at::Tensor w1 = weight1.to(at::kDouble), w2 = weight2.to(at::kDouble);
-  const at::Tensor pre = at::linear(b, w1, optional_f64(bias1));
-  const at::Tensor f = at::linear(reference_activation(pre, act), w2, optional_f64(bias2));
-  const at::Tensor f_slope = at::linear(reference_activation_grad(pre, act) * at::linear(b_slope, w1), w2);
-  const at::Tensor filters = f * e.unsqueeze(1);
-  const at::Tensor derivatives = f_slope * e.unsqueeze(1) + f * e_slope.unsqueeze(1);
-  const at::Tensor messages = x.to(at::kDouble).index_select(0, idx[1]) * filters;
+  const at::Tensor table = reference_filter_table(weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope);
+  const at::Tensor messages =
+      x.to(at::kDouble).index_select(0, idx[1]) * table_filters(table, distances, cutoff, false);
   const at::Tensor out = at::zeros({s.nodes, s.width}, messages.options()).index_add_(0, idx[0], messages);
-  const auto dtype = x.scalar_type();
-  return {out.to(dtype), filters.to(dtype), derivatives.to(dtype)};
+  return {out.to(x.scalar_type()), table.to(x.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cpu(const at::Tensor& grad, const at::Tensor& x,
-                                                              const at::Tensor& pairs, const at::Tensor& filters,
-                                                              const at::Tensor& derivatives,
+                                                              const at::Tensor& distances, const at::Tensor& pairs,
+                                                              const at::Tensor& table, double cutoff,
                                                               const std::optional<at::Tensor>& sender_order) {
-  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives, sender_order);
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, distances, pairs, table, cutoff, sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kRadialCfconvBackward, idx, s.nodes);
   const at::Tensor grad_i = grad.to(at::kDouble).index_select(0, idx[0]);
-  const at::Tensor grad_x =
-      at::zeros({s.nodes, s.width}, grad_i.options()).index_add_(0, idx[1], grad_i * filters.to(at::kDouble));
+  const at::Tensor grad_x = at::zeros({s.nodes, s.width}, grad_i.options())
+                                .index_add_(0, idx[1], grad_i * table_filters(table, distances, cutoff, false));
   const at::Tensor grad_distances =
-      (grad_i * x.to(at::kDouble).index_select(0, idx[1]) * derivatives.to(at::kDouble)).sum(1);
+      (grad_i * x.to(at::kDouble).index_select(0, idx[1]) * table_filters(table, distances, cutoff, true)).sum(1);
   return {grad_x.to(x.scalar_type()), grad_distances.to(x.scalar_type())};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_meta(
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_meta(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool /*tf32*/,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
     const std::optional<at::Tensor>& sender_order) {
   const CfconvShape s =
       check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis, cutoff, envelope,
                           sender_order);
-  return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs, s.width}, x.options()),
-          at::empty({s.pairs, s.width}, x.options())};
+  const int64_t intervals = cuda::filter_table::intervals_for(kernel_basis(basis), s.rbf);
+  return {at::empty({s.nodes, s.width}, x.options()),
+          at::empty({intervals, cuda::filter_table::kCoefficients, s.width}, x.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_meta(const at::Tensor& grad, const at::Tensor& x,
-                                                               const at::Tensor& pairs, const at::Tensor& filters,
-                                                               const at::Tensor& derivatives,
-                                                              const std::optional<at::Tensor>& sender_order) {
-  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives, sender_order);
+                                                               const at::Tensor& distances, const at::Tensor& pairs,
+                                                               const at::Tensor& table, double cutoff,
+                                                               const std::optional<at::Tensor>& sender_order) {
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, distances, pairs, table, cutoff, sender_order);
   return {at::empty({s.nodes, s.width}, x.options()), at::empty({s.pairs}, x.options())};
 }
 

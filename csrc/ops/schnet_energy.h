@@ -86,21 +86,22 @@ CfconvShape check_cfconv(std::string_view op, const at::Tensor& x, const at::Ten
 void check_cfconv_backward(const at::Tensor& grad, const at::Tensor& filters, const at::Tensor& x,
                            const CfconvShape& s);
 
-// mirage::radial_cfconv and its backward: cfconv with the basis and the envelope formed from the
-// distances, the filters' derivative in the distance carried forward (docs/ops.md).
+// mirage::radial_cfconv and its backward: cfconv with the filters a function of the distance,
+// read from a table of the filter network built per call (cuda/filter_table.h, docs/ops.md).
 inline constexpr std::string_view kRadialCfconv = "mirage::radial_cfconv";
 inline constexpr std::string_view kRadialCfconvBackward = "mirage::radial_cfconv_backward";
 
 // Every argument but the index values; `basis`, `cutoff` and `envelope` as radial_basis takes
-// its kind, cutoff and cutoff_fn.
+// its kind, cutoff and cutoff_fn, less what a table cannot take (relu, no basis, no envelope).
 CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs,
                                 const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                 const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                 std::string_view activation, std::string_view basis, double cutoff,
                                 std::string_view envelope, const std::optional<at::Tensor>& sender_order);
-// The backward's arguments (R and H unset in the result).
-CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pairs,
-                                         const at::Tensor& filters, const at::Tensor& derivatives,
+// The backward's arguments (R and H unset in the result); table [intervals, 6, M] as the forward
+// returns it.
+CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& distances,
+                                         const at::Tensor& pairs, const at::Tensor& table, double cutoff,
                                          const std::optional<at::Tensor>& sender_order);
 
 }  // namespace mirage::ops

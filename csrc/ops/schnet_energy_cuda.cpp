@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "../../cuda/cfconv.cuh"
+#include "../../cuda/filter_table.h"
 #include "../../cuda/painn_energy.cuh"
 #include "../../cuda/schnet_energy.cuh"
 #include "checks.h"
@@ -244,70 +245,88 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_cuda(
   return {grad_x, grad_basis, grad_envelope};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> radial_cfconv_cuda(
+// What both passes of radial_cfconv take: the sizes' check, the pairs and distances, the table.
+cuda::RadialCfconvParams radial_pass(std::string_view op, const CfconvShape& s, const at::Tensor& distances,
+                                     const at::Tensor& pairs, const at::Tensor& table, double cutoff,
+                                     const at::Tensor& invalid, std::vector<at::Tensor>& held) {
+  MIRAGE_CHECK(s.width % 4 == 0, op, ": the CUDA kernels take M (x's columns) a multiple of 4, got ", s.width);
+  MIRAGE_CHECK(s.nodes < INT32_MAX, op, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
+  held.push_back(distances.contiguous());
+  held.push_back(pairs.contiguous());
+  cuda::RadialCfconvParams p{};
+  p.distances = held[held.size() - 2].const_data_ptr<float>();
+  p.pairs = held.back().const_data_ptr<int64_t>();
+  p.table = table.const_data_ptr<float>();
+  p.intervals = table.size(0);
+  p.cutoff = static_cast<float>(cutoff);
+  p.invalid = invalid.mutable_data_ptr<int>();
+  p.num_nodes = s.nodes;
+  p.num_pairs = s.pairs;
+  p.width = s.width;
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> radial_cfconv_cuda(
     const at::Tensor& x, const at::Tensor& distances, const at::Tensor& pairs, const at::Tensor& weight1,
     const std::optional<at::Tensor>& bias1, const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope, bool tf32,
+    c10::string_view activation, c10::string_view basis, double cutoff, c10::string_view envelope,
     const std::optional<at::Tensor>& sender_order /*its backward's*/) {
   const CfconvShape s = check_radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
                                             cutoff, envelope, sender_order);
   const c10::cuda::CUDAGuard guard(x.device());
   MIRAGE_CHECK(cuda::radial_cfconv_supported(s.rbf, s.hidden, s.width), kRadialCfconv,
-               ": the CUDA kernel is Hopper's (compute capability 9.0, mirage built for sm_90a) and takes H == M "
-               "== 128 and R <= 23; got R=", s.rbf, ", H=", s.hidden, ", M=", s.width, " on ", x.device(),
-               " (mirage::cfconv with the basis and envelope from mirage::radial_basis takes the others)");
+               ": the CUDA kernels take M (x's columns) a multiple of 4 and a network whose table kernel fits the "
+               "device's shared memory (9 x 3 x (R + H) float64); got R=", s.rbf, ", H=", s.hidden, ", M=", s.width,
+               " on ", x.device());
   std::vector<at::Tensor> held;
-  cuda::RadialCfconvParams p{};
-  p.weights = cfconv_weights(kRadialCfconv, s, weight1, bias1, weight2, bias2, activation, tf32, held);
-  const at::Tensor xc = aligned(x), distances_c = distances.contiguous(), idx = pairs.contiguous();
+  const auto weight = [&held](const at::Tensor& t) {
+    held.push_back(t.contiguous());
+    return held.back().const_data_ptr<float>();
+  };
+  cuda::FilterTableParams t{};
+  t.w1 = weight(weight1);
+  t.b1 = bias1.has_value() ? weight(*bias1) : nullptr;
+  t.w2 = weight(weight2);
+  t.b2 = bias2.has_value() ? weight(*bias2) : nullptr;
+  t.num_rbf = static_cast<int>(s.rbf);
+  t.hidden = static_cast<int>(s.hidden);
+  t.width = static_cast<int>(s.width);
+  t.activation = kernel_activation(activation);
+  t.basis = kernel_basis(basis);
+  t.envelope = kernel_cutoff_fn(envelope);
+  t.cutoff = static_cast<float>(cutoff);
+  t.intervals = cuda::filter_table::intervals_for(t.basis, s.rbf);
+  at::Tensor table = at::empty({t.intervals, cuda::filter_table::kCoefficients, s.width}, x.options());
+  t.table = table.mutable_data_ptr<float>();
   at::Tensor out = at::empty({s.nodes, s.width}, x.options());
-  at::Tensor filters = at::empty({s.pairs, s.width}, x.options());
-  at::Tensor derivatives = at::empty({s.pairs, s.width}, x.options());
   const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));  // zeroed on the stream
-  p.x = xc.const_data_ptr<float>();
-  p.distances = distances_c.const_data_ptr<float>();
-  p.pairs = idx.const_data_ptr<int64_t>();
-  p.basis = kernel_basis(basis);
-  p.envelope = kernel_cutoff_fn(envelope);
-  p.cutoff = static_cast<float>(cutoff);
+  const at::Tensor xc = aligned(x);
+  cuda::RadialCfconvParams p = radial_pass(kRadialCfconv, s, distances, pairs, table, cutoff, invalid, held);
+  p.rows = xc.const_data_ptr<float>();
   p.out = out.mutable_data_ptr<float>();
-  p.filters = filters.mutable_data_ptr<float>();
-  p.derivatives = derivatives.mutable_data_ptr<float>();
-  p.invalid = invalid.mutable_data_ptr<int>();
-  p.num_nodes = s.nodes;
-  p.num_pairs = s.pairs;
-  check_launch(kRadialCfconv, cuda::launch_radial_cfconv(p, c10::cuda::getCurrentCUDAStream()));
-  return {out, filters, derivatives};
+  check_launch(kRadialCfconv, cuda::launch_radial_cfconv(t, p, c10::cuda::getCurrentCUDAStream()));
+  return {out, table};
 }
 
 std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
-                                                               const at::Tensor& pairs, const at::Tensor& filters,
-                                                               const at::Tensor& derivatives,
+                                                               const at::Tensor& distances, const at::Tensor& pairs,
+                                                               const at::Tensor& table, double cutoff,
                                                                const std::optional<at::Tensor>& sender_order) {
-  const CfconvShape s = check_radial_cfconv_backward(grad, x, pairs, filters, derivatives, sender_order);
-  MIRAGE_CHECK(s.width % 4 == 0, kRadialCfconvBackward, ": the CUDA kernel takes M (x's columns) a multiple of 4, got ",
-               s.width);
-  MIRAGE_CHECK(s.nodes < INT32_MAX, kRadialCfconvBackward, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
+  const CfconvShape s = check_radial_cfconv_backward(grad, x, distances, pairs, table, cutoff, sender_order);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor grad_c = aligned(grad), xc = aligned(x), filters_c = aligned(filters);
-  const at::Tensor derivatives_c = aligned(derivatives), idx = pairs.contiguous();
+  const at::Tensor grad_c = aligned(grad), xc = aligned(x), table_c = aligned(table);
   const at::Tensor order = given_sender_order(sender_order);
   at::Tensor grad_x = at::empty({s.nodes, s.width}, x.options());
   at::Tensor grad_distances = at::empty({s.pairs}, x.options());
   const at::Tensor invalid = at::empty({1}, x.options().dtype(at::kInt));
-  cuda::RadialCfconvBackwardParams p{};
-  p.grad = grad_c.const_data_ptr<float>();
+  std::vector<at::Tensor> held;
+  cuda::RadialCfconvParams p =
+      radial_pass(kRadialCfconvBackward, s, distances, pairs, table_c, cutoff, invalid, held);
+  p.rows = grad_c.const_data_ptr<float>();
   p.x = xc.const_data_ptr<float>();
-  p.pairs = idx.const_data_ptr<int64_t>();
-  p.filters = filters_c.const_data_ptr<float>();
-  p.derivatives = derivatives_c.const_data_ptr<float>();
-  p.grad_x = grad_x.mutable_data_ptr<float>();
+  p.out = grad_x.mutable_data_ptr<float>();
   p.grad_distances = grad_distances.mutable_data_ptr<float>();
-  p.invalid = invalid.mutable_data_ptr<int>();
   p.sender_order = static_cast<const int*>(data_or_null(order));
-  p.num_nodes = s.nodes;
-  p.num_pairs = s.pairs;
-  p.width = s.width;
   const at::Tensor workspace =
       workspace_for(cuda::cfconv_backward_workspace_bytes(s.nodes, s.pairs, p.sender_order != nullptr), x);
   check_launch(kRadialCfconvBackward, cuda::launch_radial_cfconv_backward(p, workspace.mutable_data_ptr(),

@@ -742,42 +742,42 @@ def radial_cfconv(
     basis: str = "gaussian",
     cutoff: float = 5.0,
     envelope: str = "cosine",
-    tf32: Optional[bool] = None,
     sender_order: Optional[Tensor] = None,
 ) -> Tensor:
-    """:func:`cfconv` with the basis and the envelope formed from the distances in the kernel: with ``b = radial_basis(distances, basis, R, cutoff, "none")`` (``R`` from
-    ``weight1``) and ``e`` the cutoff function ``envelope`` of the distances (as
-    :func:`radial_basis` applies it)::
+    """:func:`cfconv` whose filters are a function of the pair's distance: with ``b`` the basis
+    ``radial_basis(distances, basis, R, cutoff, "none")`` (``R`` from ``weight1``) and ``e`` the
+    cutoff function ``envelope`` (as :func:`radial_basis` applies it)::
 
-        filters[p] = (weight2 @ act(weight1 @ b[p] + bias1) + bias2) * e[p]
-        out[i]     = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters[p]
+        filters(d) = (weight2 @ act(weight1 @ b(d) + bias1) + bias2) * e(d)
+        out[i]     = sum over p with pairs[0, p] == i of x[pairs[1, p]] * filters(distances[p])
 
-    The filters' derivative in the distance goes through the filter network beside them (forward
-    mode), so the backward is one pass over the pairs with no products: on a 3,000-atom SchNet box
-    it replaces :func:`cfconv`'s backward, which runs the filter network backwards
-    (docs/perf/forcefield.md).
+    The filters come from a table of the network that each call builds in float64: quintic
+    pieces over ``[0, cutoff)`` matching the network's value and first two derivatives at their
+    ends, 32 pieces per unit of the basis' resolution (1,024 for SchNet's 20 Gaussians), whose
+    error is below float32 rounding for the models in the tests (docs/ops.md). Forward and
+    backward are then passes over the pairs with no products.
 
     Args:
-        x, pairs, weight1, bias1, weight2, bias2, activation, tf32, sender_order: as :func:`cfconv`.
-        distances: ``(P,)`` pair distances, x's dtype and device.
+        x, pairs, weight1, bias1, weight2, bias2, sender_order: as :func:`cfconv`.
+        distances: ``(P,)`` pair distances, x's dtype and device; pairs at or past the cutoff add
+            nothing, negative or NaN distances give NaN.
+        activation: as :func:`cfconv`, less ``"relu"`` (not smooth: a table cannot interpolate it).
         basis: ``"gaussian"`` or ``"bessel"``, :func:`radial_basis`' functions.
         cutoff: finite and > 0, the basis' and the envelope's.
-        envelope: ``"cosine"``, ``"polynomial"`` or ``"none"``, :func:`radial_basis`' cutoff functions.
+        envelope: ``"cosine"`` or ``"polynomial"``, :func:`radial_basis`' cutoff functions (the
+            filters must vanish at the cutoff).
 
     Returns:
         ``(N, M)`` in x's dtype (float32 under autocast). Differentiable in ``x`` and
         ``distances`` (first order) through ``torch.ops.mirage.radial_cfconv_backward``; asking
         for a gradient in the weights or for a second order raises ``RuntimeError``.
-        ``torch.ops.mirage.radial_cfconv`` also returns the filters and their derivatives
-        ``(P, M)``, which the backward reads. CUDA runs Hopper's kernel alone (compute capability
-        9.0, mirage built for sm_90a, ``H == M == 128``, ``R <= 23``: :func:`radial_cfconv_supported`)
-        and raises ``RuntimeError`` otherwise. Indices outside ``[0, N)``: the CPU raises
-        ``RuntimeError``; CUDA returns NaN everywhere (gradients too).
+        ``torch.ops.mirage.radial_cfconv`` also returns the table ``(intervals, 6, M)``, which
+        the backward reads. CUDA takes ``M`` a multiple of 4 (:func:`radial_cfconv_supported`).
+        Indices outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere
+        (gradients too).
     """
-    if tf32 is None:
-        tf32 = tf32_matmuls()
     return torch.ops.mirage.radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
-                                          float(cutoff), envelope, tf32, sender_order)[0]
+                                          float(cutoff), envelope, sender_order)[0]
 
 
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at
@@ -813,8 +813,8 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
 @torch.compiler.assume_constant_result
 def radial_cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     """Whether :func:`radial_cfconv` runs a filter network of these sizes on ``device``: always on
-    the CPU; on CUDA with compute capability 9.0 (H100, H200) and mirage built for sm_90a, for
-    ``hidden == width == 128`` and ``num_rbf <= 23``."""
+    the CPU; on CUDA for ``width`` a multiple of 4 where the table kernel's shared memory
+    (``9 * 3 * (num_rbf + hidden)`` float64) fits the device's."""
     return _supported("radial_cfconv_supported", num_rbf, hidden, width, device)
 
 

@@ -169,8 +169,6 @@ def cfconv_problem(atoms, pairs, dtype):
 
 def radial_cfconv_problem(atoms, pairs, dtype):
     device, count = pairs.device, pairs.shape[1]
-    if device.type == "cuda" and not mirage.ops.radial_cfconv_supported(20, 128, 128, device):
-        pytest.skip("radial_cfconv's CUDA kernel is Hopper's (sm_90a)")
     inputs = [randn(atoms, 128, dtype=dtype, device=device), torch.rand(count, dtype=dtype, device=device) * 4.5 + 0.3]
     return filter_network_problem(mirage.ops.radial_cfconv, inputs, atoms, pairs, dtype)
 

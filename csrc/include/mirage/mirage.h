@@ -30,7 +30,8 @@ BuildInfo build_info();
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
 // Whether mirage::radial_cfconv runs a filter network of these sizes on `device`: always on the CPU;
-// on CUDA with compute capability 9.0 and mirage built for sm_90a, for H == M == 128 and R <= 23.
+// on CUDA for M a multiple of 4 where its table kernel's shared memory (9 x 3 x (R + H) float64)
+// fits the device's.
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
 // Whether vector_message_passing's CUDA kernels form a float32 filter of 3F columns (F =

@@ -439,12 +439,12 @@ class SchNet(_FusedModel):
     #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
     #: the batched filter GEMMs (for comparisons).
     fused_interactions = True
-    #: True: where mirage::radial_cfconv takes the sizes (Hopper: H == M == 128, R <= 23), the
-    #: interactions run as that op instead of cfconv (the basis and cutoff formed in its kernel, the
-    #: filters' distance derivative carried forward, the backward a pass over the pairs without the
-    #: filter network). Off by default: slower than cfconv so far on the 3,000-atom box (H200,
-    #: 2070 against 1846 µs per energy+forces; docs/perf/forcefield.md says where the time goes).
-    radial_interactions = False
+    #: True (the default): where mirage::radial_cfconv takes the sizes (CUDA: M a multiple of 4)
+    #: and the filter activation is smooth (not relu), the interactions run as that op instead of
+    #: cfconv: the filters read from a table of the filter network built per call in float64, both
+    #: passes over the pairs without products. H200, 2026-11-27: SchNet's 3,000-atom box 969
+    #: against 1125 µs per energy+forces (docs/perf/forcefield.md). False keeps cfconv.
+    radial_interactions = True
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:
@@ -540,9 +540,10 @@ class SchNet(_FusedModel):
         :attr:`whole_model_max_atoms` atoms run as one op,
         ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Larger systems under the same conditions run each
-        interaction as one ``mirage::radial_cfconv`` (on Hopper) or ``mirage::cfconv`` (filter
-        network, cutoff and message passing fused; :attr:`fused_interactions`,
-        :attr:`radial_interactions`). Training mode takes the layer-by-layer path, which has both."""
+        interaction as one ``mirage::radial_cfconv`` (the filters from a float64-built table of
+        the filter network) or ``mirage::cfconv`` (filter network, cutoff and message passing
+        fused; :attr:`fused_interactions`, :attr:`radial_interactions`). Training mode takes the
+        layer-by-layer path, which has both."""
         pairs, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
@@ -607,7 +608,8 @@ class SchNet(_FusedModel):
         if not (self.fused_interactions and self._eval_kernels(positions)):
             return "layers"
         sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
-        if self.radial_interactions and ops.radial_cfconv_supported(*sizes, positions.device):
+        if (self.radial_interactions and self.filter_activation != "relu"  # a table needs a smooth network
+                and ops.radial_cfconv_supported(*sizes, positions.device)):
             return "radial_cfconv"
         return "cfconv" if ops.cfconv_supported(*sizes, positions.device) else "layers"
 

@@ -118,9 +118,11 @@ class FFOptimizeReport:
                          f"capacity and {SchNet.whole_model_max_atoms} atoms "
                          "(SchNet.whole_model_max_pairs, whole_model_max_atoms) "
                          "run as one mirage::schnet_energy op (two kernels) instead, and larger ones each "
-                         "interaction's filter network and message passing as one mirage::cfconv "
-                         "(SchNet.fused_interactions; filter "
-                         "networks of H == M = 64 or 128 that fit the GPU: mirage.ops.cfconv_supported)")
+                         "interaction as one mirage::radial_cfconv, its filters read from a table of the filter "
+                         "network built per call in float64 (SchNet.radial_interactions; a smooth activation, "
+                         "mirage.ops.radial_cfconv_supported), or else one mirage::cfconv, filter network and "
+                         "message passing fused (SchNet.fused_interactions; H == M = 64 or 128 that fit the GPU: "
+                         "mirage.ops.cfconv_supported)")
         if self.style == "PaiNN-style":
             lines.append("  in eval mode on CUDA (float32 positions and parameters, under autocast too; at most 8 "
                          f"interactions, U and V without bias), systems of up to {PaiNN.whole_model_max_pairs} pairs "
