@@ -12,13 +12,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "host_device.h"
 #include "kinds.h"
-
-#if defined(__CUDACC__)
-#define MIRAGE_HOST_DEVICE __host__ __device__
-#else
-#define MIRAGE_HOST_DEVICE
-#endif
 
 namespace mirage::cuda::filter_table {
 

@@ -5,11 +5,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MIRAGE_HOST_DEVICE __host__ __device__
-#else
-#define MIRAGE_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace mirage::cuda {
 
