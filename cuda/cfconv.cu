@@ -1165,16 +1165,21 @@ cudaError_t dispatch(const CfconvWeights& w, F&& f) {
                        : by_precision(std::integral_constant<int, 128>{});
 }
 
+// The launchers' first step: the invalid flag and the float32 accumulator the kernels add onto, zeroed.
+cudaError_t zero_flag_and_accumulator(int* invalid, float* accumulator, int64_t floats, cudaStream_t stream) {
+  const cudaError_t status = cudaMemsetAsync(invalid, 0, sizeof(int), stream);
+  if (status != cudaSuccess) return status;
+  return cudaMemsetAsync(accumulator, 0, floats * sizeof(float), stream);
+}
+
 // Zeroes the invalid flag and the [N, D] float32 accumulator, runs the kernel (launch_kernel(width,
 // split, ssp); none without pairs), then converts the outputs or, after a bad index or a handed-in
 // sender order that failed `check`, poisons them.
 template <typename Params, typename LaunchKernel>
 cudaError_t launch_passes(const Params& params, float* accumulator, const Segments& outputs, cudaStream_t stream,
                           LaunchKernel&& launch_kernel, const OrderCheck& check = {}) {
-  cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
-  if (status == cudaSuccess) {
-    status = cudaMemsetAsync(accumulator, 0, params.num_nodes * params.weights.width * sizeof(float), stream);
-  }
+  cudaError_t status =
+      zero_flag_and_accumulator(params.invalid, accumulator, params.num_nodes * params.weights.width, stream);
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   status = dispatch(params.weights, launch_kernel);
   if (status != cudaSuccess) return status;
@@ -1224,6 +1229,7 @@ size_t filter_table_shared_bytes(int64_t num_rbf, int64_t hidden) {
 
 __global__ void __launch_bounds__(kTableThreads) filter_table_kernel(FilterTableParams p) {
   using namespace filter_table;
+  using namespace jets;
   extern __shared__ double table_shared[];
   const int R = p.num_rbf, H = p.hidden, M = p.width;
   const TableLayout l(R, H);
@@ -1420,12 +1426,6 @@ cudaError_t launch_radial_pass(const RadialCfconvParams& params, const SenderOrd
   if (status != cudaSuccess) return status;
   return launch_finish<float>(outputs, params.invalid, stream, walk.check);
 }
-
-cudaError_t zero_accumulator(const RadialCfconvParams& params, cudaStream_t stream) {
-  const cudaError_t status = cudaMemsetAsync(params.invalid, 0, sizeof(int), stream);
-  if (status != cudaSuccess) return status;
-  return cudaMemsetAsync(params.out, 0, params.num_nodes * params.width * sizeof(float), stream);
-}
 }  // namespace
 
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
@@ -1494,14 +1494,16 @@ cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfc
   const int64_t blocks = ceil_div(table.intervals, kTablePieces);
   filter_table_kernel<<<static_cast<unsigned>(blocks), kTableThreads, bytes, stream>>>(table);
   status = cudaGetLastError();
-  if (status == cudaSuccess) status = zero_accumulator(params, stream);
+  if (status == cudaSuccess) {
+    status = zero_flag_and_accumulator(params.invalid, params.out, params.num_nodes * params.width, stream);
+  }
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   const Segments outputs{{{nullptr, params.out, params.num_nodes * params.width}}};
   return launch_radial_pass<false>(params, SenderOrder{}, outputs, stream);
 }
 
 cudaError_t launch_radial_cfconv_backward(const RadialCfconvParams& params, void* workspace, cudaStream_t stream) {
-  cudaError_t status = zero_accumulator(params, stream);
+  cudaError_t status = zero_flag_and_accumulator(params.invalid, params.out, params.num_nodes * params.width, stream);
   if (status != cudaSuccess || params.num_pairs == 0) return status;
   SenderOrder walk;
   status = launch_sender_order(params.pairs, params.num_nodes, params.num_pairs, /*live=*/nullptr,

@@ -2,11 +2,14 @@
 #include "radial_basis.h"
 
 #include <cmath>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "../../cuda/jets.h"
 #include "checks.h"
+#include "kinds.h"
 #include "message.h"
 
 namespace mirage::ops {
@@ -46,56 +49,9 @@ void check_radial_basis_backward(const at::Tensor& grad, const at::Tensor& dista
 
 namespace {
 
-double sinc(double x) {
-  return x == 0.0 ? 1.0 : std::sin(x) / x;
-}
-
-// d sinc / dx. (x cos x - sin x) / x^2 loses about log10(3 / x^2) digits to cancellation, so
-// below |x| = 0.1 it is the Taylor series -x/3 + x^3/30 - x^5/840 + x^7/45360 instead.
-double sinc_derivative(double x) {
-  if (std::abs(x) < 0.1) {
-    const double x2 = x * x;
-    return -x / 3.0 * (1.0 - x2 / 10.0 * (1.0 - x2 / 28.0 * (1.0 - x2 / 54.0)));
-  }
-  return (x * std::cos(x) - std::sin(x)) / (x * x);
-}
-
-double envelope(std::string_view cutoff_fn, double d, double cutoff) {
-  if (cutoff_fn == "none") return 1.0;
-  if (!(d < cutoff)) return 0.0;
-  const double x = d / cutoff;
-  if (cutoff_fn == "cosine") return 0.5 * (std::cos(M_PI * x) + 1.0);
-  return 1.0 - 28.0 * std::pow(x, 6) + 48.0 * std::pow(x, 7) - 21.0 * std::pow(x, 8);
-}
-
-// d envelope / dd; 0 from the cutoff on, like the envelope.
-double envelope_derivative(std::string_view cutoff_fn, double d, double cutoff) {
-  if (cutoff_fn == "none" || !(d < cutoff)) return 0.0;
-  const double x = d / cutoff;
-  if (cutoff_fn == "cosine") return -0.5 * M_PI / cutoff * std::sin(M_PI * x);
-  return (-168.0 * std::pow(x, 5) + 336.0 * std::pow(x, 6) - 168.0 * std::pow(x, 7)) / cutoff;
-}
-
-// basis_k(d) and its derivative in d: the Gaussian of center k * spacing, the Bessel function
-// of frequency (k + 1) pi / cutoff (formulas in docs/ops.md), or for kind "none" cos(0 d): 1, NaN
-// (value and slope) at a NaN or infinite d, as the other kinds' gradients there.
-struct BasisValue {
-  double value, derivative;
-};
-
-BasisValue basis(std::string_view kind, int64_t k, double d, double spacing, double cutoff) {
-  if (kind == "none") return std::isfinite(d) ? BasisValue{1.0, 0.0} : BasisValue{NAN, NAN};
-  if (kind == "gaussian") {
-    const double z = (d - k * spacing) / spacing;
-    const double value = std::exp(-0.5 * z * z);
-    return {value, -z / spacing * value};
-  }
-  const double frequency = (k + 1) * M_PI / cutoff, scale = std::sqrt(2.0 / cutoff) * frequency;
-  return {scale * sinc(frequency * d), scale * frequency * sinc_derivative(frequency * d)};
-}
-
-}  // namespace
-
+// float64 references of radial_basis' functions from the jets of cuda/jets.h: the basis without
+// envelope and its derivative in d, each [P, num], of the P distances (any shape, flattened); the
+// envelope `cutoff_fn` and its derivative, each [P], 0 from the cutoff on (and at NaN d).
 std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
                                                   double cutoff) {
   const at::Tensor d64 = distances.to(at::kDouble).contiguous();
@@ -104,12 +60,12 @@ std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, s
   const double* ds = d64.const_data_ptr<double>();
   double* vs = values.mutable_data_ptr<double>();
   double* dvs = derivatives.mutable_data_ptr<double>();
-  const double spacing = num > 1 ? cutoff / (num - 1) : cutoff;
   for (int64_t p = 0; p < count; ++p)
     for (int64_t k = 0; k < num; ++k) {
-      const BasisValue b = basis(kind, k, ds[p], spacing, cutoff);
-      vs[p * num + k] = b.value;
-      dvs[p * num + k] = b.derivative;
+      const cuda::jets::Jet b =
+          cuda::jets::basis_jet(kernel_basis(kind), static_cast<int>(k), static_cast<int>(num), ds[p], cutoff);
+      vs[p * num + k] = b.v;
+      dvs[p * num + k] = b.d1;
     }
   return {values, derivatives};
 }
@@ -121,14 +77,16 @@ std::pair<at::Tensor, at::Tensor> reference_envelope(const at::Tensor& distances
   const double* ds = d64.const_data_ptr<double>();
   double* vs = values.mutable_data_ptr<double>();
   double* dvs = derivatives.mutable_data_ptr<double>();
+  const cuda::CutoffFn fn = kernel_cutoff_fn(cutoff_fn);
   for (int64_t p = 0; p < d64.numel(); ++p) {
-    vs[p] = envelope(cutoff_fn, ds[p], cutoff);
-    dvs[p] = envelope_derivative(cutoff_fn, ds[p], cutoff);
+    const cuda::jets::Jet e = fn == cuda::CutoffFn::kNone || ds[p] < cutoff
+                                  ? cuda::jets::envelope_jet(fn, ds[p], cutoff)
+                                  : cuda::jets::Jet{0.0, 0.0, 0.0};
+    vs[p] = e.v;
+    dvs[p] = e.d1;
   }
   return {values, derivatives};
 }
-
-namespace {
 
 // The reference: float64 from the formulas in docs/ops.md, basis times envelope.
 at::Tensor radial_basis_cpu(const at::Tensor& distances, c10::string_view kind, int64_t num,

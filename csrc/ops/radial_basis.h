@@ -3,7 +3,6 @@
 #pragma once
 
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -23,14 +22,5 @@ std::vector<int64_t> check_radial_basis(const at::Tensor& distances, std::string
 void check_radial_basis_backward(const at::Tensor& grad, const at::Tensor& distances,
                                  std::string_view kind, int64_t num, double cutoff,
                                  std::string_view cutoff_fn);
-
-// float64 references of radial_basis' functions, for its CPU kernels: the
-// basis without envelope and its derivative in d, each [P, num], of the P distances (any shape,
-// flattened); the envelope `cutoff_fn` and its derivative, each [P]. The arguments as
-// check_radial_basis takes them.
-std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, std::string_view kind, int64_t num,
-                                                  double cutoff);
-std::pair<at::Tensor, at::Tensor> reference_envelope(const at::Tensor& distances, std::string_view cutoff_fn,
-                                                     double cutoff);
 
 }  // namespace mirage::ops

@@ -470,12 +470,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cfconv_backward_meta(
 }
 
 // radial_cfconv's table (cuda/filter_table.h), float64: the basis, activation and envelope jets
-// of filter_table.h at the pieces' ends, the network's products by ATen, each piece's quintic.
+// of cuda/jets.h at the pieces' ends, the network's products by ATen, each piece's quintic.
 at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                                   const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                   std::string_view activation, std::string_view basis, double cutoff,
                                   std::string_view envelope) {
   using namespace cuda::filter_table;
+  using namespace cuda::jets;
   const int64_t H = weight1.size(0), R = weight1.size(1), M = weight2.size(0);
   const int64_t intervals = intervals_for(kernel_basis(basis), R), ends = intervals + 1;
   const double width = cutoff / static_cast<double>(intervals);

@@ -251,10 +251,10 @@ cuda::RadialCfconvParams radial_pass(std::string_view op, const CfconvShape& s, 
                                      const at::Tensor& invalid, std::vector<at::Tensor>& held) {
   MIRAGE_CHECK(s.width % 4 == 0, op, ": the CUDA kernels take M (x's columns) a multiple of 4, got ", s.width);
   MIRAGE_CHECK(s.nodes < INT32_MAX, op, ": at most 2^31 - 2 nodes on CUDA, got ", s.nodes);
-  held.push_back(distances.contiguous());
-  held.push_back(pairs.contiguous());
   cuda::RadialCfconvParams p{};
-  p.distances = held[held.size() - 2].const_data_ptr<float>();
+  held.push_back(distances.contiguous());
+  p.distances = held.back().const_data_ptr<float>();
+  held.push_back(pairs.contiguous());
   p.pairs = held.back().const_data_ptr<int64_t>();
   p.table = table.const_data_ptr<float>();
   p.intervals = table.size(0);
@@ -276,8 +276,8 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_cuda(
   const c10::cuda::CUDAGuard guard(x.device());
   MIRAGE_CHECK(cuda::radial_cfconv_supported(s.rbf, s.hidden, s.width), kRadialCfconv,
                ": the CUDA kernels take M (x's columns) a multiple of 4 and a network whose table kernel fits the "
-               "device's shared memory (9 x 3 x (R + H) float64); got R=", s.rbf, ", H=", s.hidden, ", M=", s.width,
-               " on ", x.device());
+               "device's shared memory (about 216 (R + H) + 36,000 bytes); got R=", s.rbf, ", H=", s.hidden,
+               ", M=", s.width, " on ", x.device());
   std::vector<at::Tensor> held;
   const auto weight = [&held](const at::Tensor& t) {
     held.push_back(t.contiguous());
