@@ -114,8 +114,8 @@ struct RadialCfconvParams {
 };
 
 // Whether the kernels take these sizes on the current device: M a multiple of 4, and the table
-// kernel's shared memory (float64 jets of R basis functions and H hidden features at 9 ends)
-// within the device's.
+// kernel's shared memory (float64 jets of R basis functions, H hidden features and 128 outputs at
+// 9 ends, and a W2 tile: about 216 (R + H) + 36,000 bytes) within the device's.
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
 // The table (table.table, an output of the op), then the forward pass over params.table.

@@ -813,8 +813,8 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
 @torch.compiler.assume_constant_result
 def radial_cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     """Whether :func:`radial_cfconv` runs a filter network of these sizes on ``device``: always on
-    the CPU; on CUDA for ``width`` a multiple of 4 where the table kernel's shared memory
-    (``9 * 3 * (num_rbf + hidden)`` float64) fits the device's."""
+    the CPU; on CUDA for ``width`` a multiple of 4 where the table kernel's shared memory (about
+    ``216 * (num_rbf + hidden) + 36,000`` bytes) fits the device's."""
     return _supported("radial_cfconv_supported", num_rbf, hidden, width, device)
 
 

@@ -442,8 +442,8 @@ class SchNet(_FusedModel):
     #: True (the default): where mirage::radial_cfconv takes the sizes (CUDA: M a multiple of 4)
     #: and the filter activation is smooth (not relu), the interactions run as that op instead of
     #: cfconv: the filters read from a table of the filter network built per call in float64, both
-    #: passes over the pairs without products. H200, 2026-11-27: SchNet's 3,000-atom box 969
-    #: against 1125 µs per energy+forces (docs/perf/forcefield.md). False keeps cfconv.
+    #: passes over the pairs without products. H200, 2026-11-27: SchNet's 3,000-atom box 0.755 ms
+    #: per energy+forces against 1.134 with cfconv (docs/perf/forcefield.md). False keeps cfconv.
     radial_interactions = True
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
