@@ -20,11 +20,17 @@ import mirage.ff
 from bench_forcefield import MODEL_CONFIG, MODELS, SYSTEMS, energy_and_forces, make_system, parse_list
 from harness import categorizer, kernel_times, print_kernel_report, time_in_graph
 
-CATEGORIES = [  # first match wins: (category, substrings of the kernel name)
+CATEGORIES = [  # first match wins: (category, substrings of the lower-cased kernel name)
     ("mirage neighbor list", ("neighbor", "cub::", "radixsort", "scan")),
-    ("mirage message passing", ("message_passing", "pair_product", "cfconv")),
+    ("mirage sender order, pair vectors", ("sender", "scatter_pairs", "check_order", "pair_vectors")),
+    # PaiNN's kernels are named after their params (VectorMessagePassingParams); SchNet's table
+    # of the filter network belongs to radial_cfconv.
+    ("mirage message passing", ("message_passing", "messagepassing", "pair_product", "cfconv", "filter_table")),
     ("mirage radial basis", ("radial_basis",)),
-    ("gemm", ("gemm", "cutlass", "cublas", "nvjet", "splitk")),
+    ("mirage painn update", ("painnupdate",)),
+    ("mirage whole-model kernels", ("schnet_energy", "schnet_filters", "painn_energy", "painn_transpose")),
+    ("gemm (cuBLAS, mirage::linear)", ("gemm", "cutlass", "cublas", "nvjet", "splitk", "linear_kernel")),
+    ("mirage finish passes", ("finish_kernel",)),
     ("scatter/gather/index", ("index", "scatter", "gather", "embedding")),
     ("reductions", ("reduce",)),
     ("copies/fill", ("copy", "cat", "fill", "memset", "stack")),

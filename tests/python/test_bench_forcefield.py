@@ -214,3 +214,46 @@ def test_quick_run(tmp_path, capsys, one_thread):
     names = [t["name"] for t in result["targets"]]
     assert "schnet benzene: mirage ms per energy+forces (call)" in names
     assert "Issue 4 targets:" in printed
+
+
+# Kernels of mirage's fused force fields as torch.profiler named them on an H200 (2026-11-28,
+# profile_forcefield.py --models painn|schnet --systems box3k), with the category each belongs to.
+PROFILED_KERNELS = [
+    ("void mirage::cuda::(anonymous namespace)::backward_kernel<float, 4, true>(mirage::cuda::"
+     "VectorMessagePassingBackwardParams, int, int const*, float*, float*, float*, int*)", "mirage message passing"),
+    ("void mirage::cuda::(anonymous namespace)::forward_kernel<float, 4, true>(mirage::cuda::"
+     "VectorMessagePassingParams, int, float*, float*, int*)", "mirage message passing"),
+    ("mirage::cuda::(anonymous namespace)::filter_table_kernel(mirage::cuda::FilterTableParams)",
+     "mirage message passing"),
+    ("void mirage::cuda::(anonymous namespace)::radial_cfconv_kernel<true>(mirage::cuda::RadialCfconvParams, int "
+     "const*)", "mirage message passing"),
+    ("void mirage::cuda::(anonymous namespace)::narrow_linear_kernel<3>(mirage::cuda::NarrowLinearParams)",
+     "gemm (cuBLAS, mirage::linear)"),
+    ("void mirage::cuda::(anonymous namespace)::tiled_linear_kernel<32, true, true>(mirage::cuda::TiledLinearParams)",
+     "gemm (cuBLAS, mirage::linear)"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3_warpsize1x4x1_ffma_aligna4_alignc4_execute_kernel",
+     "gemm (cuBLAS, mirage::linear)"),
+    ("void mirage::cuda::(anonymous namespace)::update_backward_kernel<float>(mirage::cuda::PainnUpdateBackwardParams)",
+     "mirage painn update"),
+    ("void mirage::cuda::(anonymous namespace)::radial_basis_backward_kernel<float, 4>(mirage::cuda::"
+     "RadialBasisBackwardParams)", "mirage radial basis"),
+    ("mirage::cuda::(anonymous namespace)::cell_list_write_kernel(mirage::cuda::NeighborListParams)",
+     "mirage neighbor list"),
+    ("mirage::cuda::(anonymous namespace)::scatter_pairs_kernel(long const*, int, int, long const*, int const*, int*)",
+     "mirage sender order, pair vectors"),
+    ("mirage::cuda::(anonymous namespace)::pair_vectors_backward_kernel(mirage::cuda::PairVectorsBackwardParams, int)",
+     "mirage sender order, pair vectors"),
+    ("void mirage::cuda::finish_kernel<float>(mirage::cuda::Segments, int const*, mirage::cuda::OrderCheck)",
+     "mirage finish passes"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >",
+     "other elementwise"),
+]
+
+
+@pytest.mark.parametrize("name,expected", PROFILED_KERNELS)
+def test_profile_categories(name, expected):
+    """profile_forcefield.py puts each of mirage's kernels in its own category: PaiNN's message
+    passing, named after its params, once fell in "other elementwise" (82% of PaiNN's time)."""
+    import profile_forcefield
+
+    assert profile_forcefield.category(name) == expected
