@@ -1199,9 +1199,11 @@ cudaError_t launch_passes(const Params& params, float* accumulator, const Segmen
 // kTableChunk at a time from a tile of W2 staged in shared memory, and the pieces' coefficients
 // come from the ends' jets, also in shared memory. Four warps a scheduler: with one (128 threads,
 // a thread per output at every end) the kernel waited on its own latencies, ~7 cycles an
-// instruction (Nsight Compute, H200, SchNet's network: 70 µs a call; 32 µs as it is). At 32 µs
-// (Nsight Compute, 2026-11-28) a fifth of its stall samples wait on the W2 tile's staging behind
-// each chunk's global loads and 15% on the barriers around it; 4 pieces a block were slower.
+// instruction (Nsight Compute, H200, SchNet's network: 70 µs a call; 32 µs with one W2 tile). The
+// tile is double-buffered, the next chunk's loads in flight during a chunk's products, one barrier
+// a chunk: with one tile, a fifth of the stall samples waited on its staging behind each chunk's
+// global loads and 15% on the two barriers around it (Nsight Compute, 2026-11-28); with two, 30
+// µs. 4 pieces a block were slower.
 constexpr int kTableColumns = 128;
 constexpr int kTableGroups = 4;
 constexpr int kTableThreads = kTableColumns * kTableGroups;
@@ -1210,10 +1212,12 @@ constexpr int kTableEnds = kTablePieces + 1;
 constexpr int kTableEndsPerGroup = (kTableEnds + kTableGroups - 1) / kTableGroups;
 constexpr int kTableChunk = 16;
 constexpr int kTableTileLd = kTableChunk + 1;  // a thread's row of the tile: its own bank each step
+constexpr int kTableTileFloats = kTableColumns * kTableTileLd;
+constexpr int kTableStaged = kTableColumns * kTableChunk / kTableThreads;  // a thread's share of a tile
 
 // Shared memory, in doubles: the basis' jets [end][r][3], the hidden jets' values and first
 // derivatives [end][h] (pairs: one 16-byte load) and second derivatives [end][h], the outputs'
-// jets [end][column][3], then the W2 tile [column][k] of floats.
+// jets [end][column][3], then the W2 tiles [2][column][k] of floats.
 struct TableLayout {
   int64_t basis, values, curvatures, outputs, tile, bytes;
   __host__ __device__ TableLayout(int64_t num_rbf, int64_t hidden)
@@ -1222,7 +1226,7 @@ struct TableLayout {
         curvatures(values + kTableEnds * 2 * hidden),
         outputs(curvatures + kTableEnds * hidden),
         tile(outputs + kTableEnds * kTableColumns * 3),
-        bytes(tile * static_cast<int64_t>(sizeof(double)) + kTableColumns * kTableTileLd * sizeof(float)) {}
+        bytes(tile * static_cast<int64_t>(sizeof(double)) + 2 * kTableTileFloats * sizeof(float)) {}
 };
 
 size_t filter_table_shared_bytes(int64_t num_rbf, int64_t hidden) {
@@ -1239,7 +1243,7 @@ __global__ void __launch_bounds__(kTableThreads) filter_table_kernel(FilterTable
   double2* values = reinterpret_cast<double2*>(table_shared + l.values);
   double* curvatures = table_shared + l.curvatures;
   double* outputs = table_shared + l.outputs;
-  float* tile = reinterpret_cast<float*>(table_shared + l.tile);
+  float* tiles = reinterpret_cast<float*>(table_shared + l.tile);
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTablePieces;
   const int ends = static_cast<int>(std::min<int64_t>(kTableEnds, p.intervals - first + 1));
   const double cutoff = p.cutoff, width = cutoff / static_cast<double>(p.intervals);
@@ -1269,20 +1273,28 @@ __global__ void __launch_bounds__(kTableThreads) filter_table_kernel(FilterTable
     Jet f[kTableEndsPerGroup];  // W2 (the hidden jets) + b2 at ends group, group + kTableGroups, ...
 #pragma unroll
     for (int i = 0; i < kTableEndsPerGroup; ++i) f[i] = {m < M && p.b2 != nullptr ? p.b2[m] : 0.0, 0.0, 0.0};
-    for (int k0 = 0; k0 < H; k0 += kTableChunk) {
-      __syncthreads();  // the hidden jets are written; the last chunk's tile and the last pass's jets are read
-      float staged[kTableColumns * kTableChunk / kTableThreads];  // the loads in flight before any store
+    // This thread's share of W2's chunk of hidden features k0 (columns m0 ..): loaded into
+    // registers, stored into a tile after the loads of the next chunk are issued.
+    const auto load_chunk = [&](int k0, float (&staged)[kTableStaged]) {
 #pragma unroll
-      for (int i = 0; i < kTableColumns * kTableChunk / kTableThreads; ++i) {
+      for (int i = 0; i < kTableStaged; ++i) {
         const int e = threadIdx.x + i * kTableThreads, row = e / kTableChunk, k = k0 + e % kTableChunk;
         staged[i] = m0 + row < M && k < H ? p.w2[static_cast<int64_t>(m0 + row) * H + k] : 0.0f;
       }
+    };
+    float staged[kTableStaged];
+    load_chunk(0, staged);
+    for (int k0 = 0; k0 < H; k0 += kTableChunk) {
+      float* tile = tiles + (k0 / kTableChunk % 2) * kTableTileFloats;
 #pragma unroll
-      for (int i = 0; i < kTableColumns * kTableChunk / kTableThreads; ++i) {
+      for (int i = 0; i < kTableStaged; ++i) {
         const int e = threadIdx.x + i * kTableThreads;
         tile[e / kTableChunk * kTableTileLd + e % kTableChunk] = staged[i];
       }
+      // The tile and (first chunk) the hidden jets are written; this tile was last read two chunks
+      // ago, and the last pass's output jets are read.
       __syncthreads();
+      if (k0 + kTableChunk < H) load_chunk(k0 + kTableChunk, staged);  // in flight during the products
       const int chunk = H - k0 < kTableChunk ? H - k0 : kTableChunk;
       for (int c = 0; c < chunk; ++c) {
         const double w = tile[column * kTableTileLd + c];

@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_cuda(
   const c10::cuda::CUDAGuard guard(x.device());
   MIRAGE_CHECK(cuda::radial_cfconv_supported(s.rbf, s.hidden, s.width), kRadialCfconv,
                ": the CUDA kernels take M (x's columns) a multiple of 4 and a network whose table kernel fits the "
-               "device's shared memory (about 216 (R + H) + 36,000 bytes); got R=", s.rbf, ", H=", s.hidden,
+               "device's shared memory (about 216 (R + H) + 45,000 bytes); got R=", s.rbf, ", H=", s.hidden,
                ", M=", s.width, " on ", x.device());
   std::vector<at::Tensor> held;
   const auto weight = [&held](const at::Tensor& t) {

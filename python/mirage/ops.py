@@ -814,7 +814,7 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
 def radial_cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     """Whether :func:`radial_cfconv` runs a filter network of these sizes on ``device``: always on
     the CPU; on CUDA for ``width`` a multiple of 4 where the table kernel's shared memory (about
-    ``216 * (num_rbf + hidden) + 36,000`` bytes) fits the device's."""
+    ``216 * (num_rbf + hidden) + 45,000`` bytes) fits the device's."""
     return _supported("radial_cfconv_supported", num_rbf, hidden, width, device)
 
 

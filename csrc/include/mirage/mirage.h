@@ -30,7 +30,7 @@ BuildInfo build_info();
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
 // Whether mirage::radial_cfconv runs a filter network of these sizes on `device`: always on the CPU;
-// on CUDA for M a multiple of 4 where its table kernel's shared memory (about 216 (R + H) + 36,000
+// on CUDA for M a multiple of 4 where its table kernel's shared memory (about 216 (R + H) + 45,000
 // bytes) fits the device's.
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
