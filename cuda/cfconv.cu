@@ -1273,8 +1273,8 @@ __global__ void __launch_bounds__(kTableThreads) filter_table_kernel(FilterTable
     Jet f[kTableEndsPerGroup];  // W2 (the hidden jets) + b2 at ends group, group + kTableGroups, ...
 #pragma unroll
     for (int i = 0; i < kTableEndsPerGroup; ++i) f[i] = {m < M && p.b2 != nullptr ? p.b2[m] : 0.0, 0.0, 0.0};
-    // This thread's share of W2's chunk of hidden features k0 (columns m0 ..): loaded into
-    // registers, stored into a tile after the loads of the next chunk are issued.
+    // This thread's share of W2's chunk of hidden features k0 (columns m0 ..), into registers: a
+    // chunk ahead, in flight during the products of the chunk before, then stored into its tile.
     const auto load_chunk = [&](int k0, float (&staged)[kTableStaged]) {
 #pragma unroll
       for (int i = 0; i < kTableStaged; ++i) {
