@@ -422,19 +422,4 @@ cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream
   return cudaLaunchKernelEx(&config, kKernel, params);
 }
 
-// In a kernel launched with `overlap`: waits until the kernel ahead of it has finished and its
-// writes are visible (a no-op without the overlap, or below sm_90).
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// In the kernel ahead: lets the overlapping kernel start now.
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
 }  // namespace mirage::cuda::atomwise

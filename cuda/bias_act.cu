@@ -68,6 +68,7 @@ __device__ __forceinline__ void bias_act_vector(const BiasActParams& p, Index i,
 
 template <typename T, typename P, int V, typename Index>
 __global__ void __launch_bounds__(kThreads) bias_act_kernel(BiasActParams p, Index vectors, Index row_vecs) {
+  start_after_prior_grid();
   const Index i = static_cast<Index>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= vectors) return;
   if (p.residual != nullptr) bias_act_vector<T, P, V, Index, true>(p, i, row_vecs);
@@ -81,13 +82,11 @@ cudaError_t launch_with(const BiasActParams& p, cudaStream_t stream) {
   const int64_t blocks = ceil_div(vectors, kThreads);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;  // > 5e11 vectors
   // int offsets where the grid's last thread's fit (it runs up to a block past the end).
-  if ((vectors + kThreads) * V <= INT32_MAX) {
-    bias_act_kernel<T, P, V, int><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        p, static_cast<int>(vectors), static_cast<int>(row_vecs));
-  } else {
-    bias_act_kernel<T, P, V, int64_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, vectors, row_vecs);
-  }
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
+  if ((vectors + kThreads) * V <= INT32_MAX)
+    return launch_overlapped(bias_act_kernel<T, P, V, int>, grid, block, 0, stream, false, p,
+                             static_cast<int>(vectors), static_cast<int>(row_vecs));
+  return launch_overlapped(bias_act_kernel<T, P, V, int64_t>, grid, block, 0, stream, false, p, vectors, row_vecs);
 }
 
 // The bias comes in x's dtype or in float32.

@@ -140,6 +140,7 @@ __device__ __forceinline__ Moments batch_moments(const float (&vals)[kUnroll][V]
 // made the kernel 1.2-1.3x slower (H200, fp16, docs/perf/norms.md), as in bias_act and layer_norm.
 template <typename T, typename P, int V, int K, bool kChannelsLast, bool kSilu>
 __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a) {
+  start_after_prior_grid();
   __shared__ float scratch[32];
   // [cpg]: scale, shift of the group's channels. Channels-last: as V planes [V][row_vecs], so
   // that a warp's lanes (consecutive columns) read consecutive entries; indexed by channel, lanes
@@ -208,6 +209,7 @@ __global__ void __launch_bounds__(kFusedThreads) group_norm_fused_kernel(Args a)
 // groups path, pass 1: moments of chunk (blockIdx.x % chunks) of group (blockIdx.x / chunks).
 template <typename T, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_stats_kernel(Args a) {
+  start_after_prior_grid();
   __shared__ Moments scratch[32];
   const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
   const int64_t begin = (blockIdx.x % a.chunks) * a.chunk_size;
@@ -260,6 +262,7 @@ __device__ __forceinline__ float2 finalize_group(const Args& a, int64_t ng, int 
 
 // Split schemes, pass 2: one warp per group.
 __global__ void __launch_bounds__(kFinalizeWarps * 32) group_norm_finalize_kernel(Args a, int64_t groups_total) {
+  start_after_prior_grid();
   const int64_t ng = static_cast<int64_t>(blockIdx.x) * kFinalizeWarps + threadIdx.x / 32;
   if (ng >= groups_total) return;  // whole warps leave together
   const float2 s = finalize_group(a, ng, threadIdx.x % 32);
@@ -269,6 +272,7 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32) group_norm_finalize_kerne
 // groups scheme, pass 3: normalize chunk (blockIdx.x % chunks) of group (blockIdx.x / chunks).
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_groups_apply_kernel(Args a) {
+  start_after_prior_grid();
   const int64_t ng = blockIdx.x / a.chunks, n = ng / a.groups, g = ng % a.groups;
   const int64_t begin = (blockIdx.x % a.chunks) * a.chunk_size;
   const int64_t end = std::min(begin + a.chunk_size, a.view.group_vecs);
@@ -350,6 +354,7 @@ __device__ __forceinline__ NhwcBlock nhwc_block(const Args& a) {
 // division, and stay accurate while values sit near their shift (they are samples of the channel).
 template <typename T, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Args a) {
+  start_after_prior_grid();
   extern __shared__ float2 channel_sums[];  // [tile channels][blockDim.y | 1]; then the shifts
   const NhwcBlock b = nhwc_block<V>(a);
   const T* x = static_cast<const T*>(a.x) + b.n * a.spatial * a.channels + b.col * V;
@@ -427,6 +432,7 @@ __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_stats_kernel(Ar
 
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kSplitThreads) group_norm_nhwc_apply_kernel(Args a) {
+  start_after_prior_grid();
   const NhwcBlock b = nhwc_block<V>(a);
   if (!b.active) return;
 
@@ -551,6 +557,7 @@ __device__ __forceinline__ float2 finalize_block_shifted(const Args& a, int64_t 
 // per channel (weight, bias) [C], then its group's shift [C] (16-byte aligned: C % V == 0).
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixels_kernel(Args a) {
+  start_after_prior_grid();
   static_assert(V % 4 == 0, "shifts are read as float4");
   extern __shared__ __align__(16) unsigned char resident_smem[];
   const int channels = static_cast<int>(a.channels), groups = static_cast<int>(a.groups);
@@ -673,6 +680,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_pixel
 // (scale, shift), of the group's channels [cpg].
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kResidentThreads, 1) group_norm_resident_spans_kernel(Args a) {
+  start_after_prior_grid();
   extern __shared__ __align__(16) unsigned char resident_smem[];
   __shared__ float2 scratch[32];
   __shared__ float2 stats;
@@ -875,9 +883,18 @@ Plan make_plan(const GroupNormParams& p) {
   return plan;
 }
 
-void finalize(const Plan& plan, cudaStream_t stream) {
-  group_norm_finalize_kernel<<<static_cast<unsigned>(ceil_div(plan.groups_total, kFinalizeWarps)),
-                               kFinalizeWarps * 32, 0, stream>>>(plan.args, plan.groups_total);
+cudaError_t finalize(const Plan& plan, cudaStream_t stream) {
+  return launch_overlapped(group_norm_finalize_kernel,
+                           dim3(static_cast<unsigned>(ceil_div(plan.groups_total, kFinalizeWarps))),
+                           dim3(kFinalizeWarps * 32), 0, stream, false, plan.args, plan.groups_total);
+}
+
+// The split paths: statistics of each chunk, each group's (mean, rstd), then the normalize pass.
+cudaError_t three_passes(void (*stats)(Args), void (*apply)(Args), const Plan& plan, cudaStream_t stream) {
+  cudaError_t status = launch_overlapped(stats, plan.grid, plan.block, plan.shared_bytes, stream, false, plan.args);
+  if (status == cudaSuccess) status = finalize(plan, stream);
+  if (status == cudaSuccess) status = launch_overlapped(apply, plan.grid, plan.block, 0, stream, false, plan.args);
+  return status;
 }
 
 // Launches a resident kernel: cooperative (its blocks wait for each other at a grid barrier, so
@@ -886,17 +903,7 @@ cudaError_t launch_cooperative(void (*kernel)(Args), const Plan& plan, cudaStrea
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(plan.shared_bytes));
   if (status != cudaSuccess) return status;
-  cudaLaunchConfig_t config{};
-  config.gridDim = plan.grid;
-  config.blockDim = plan.block;
-  config.dynamicSmemBytes = plan.shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, plan.args);
+  return launch_overlapped(kernel, plan.grid, plan.block, plan.shared_bytes, stream, true, plan.args);
 }
 
 template <typename T, typename P, int V, bool kChannelsLast, bool kSilu>
@@ -918,31 +925,22 @@ cudaError_t launch_with(const Plan& plan, cudaStream_t stream) {
                                                   : fused_kernel<T, P, V, true, false>(plan.per_thread))
                                           : (silu ? fused_kernel<T, P, V, false, true>(plan.per_thread)
                                                   : fused_kernel<T, P, V, false, false>(plan.per_thread));
-      kernel<<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
-      break;
+      return launch_overlapped(kernel, plan.grid, plan.block, plan.shared_bytes, stream, false, a);
     }
     case Path::kResidentPixels:
     case Path::kResidentSpans:
       if constexpr (V > 1) {  // the plan picks these paths only for full-width vectors
-        const cudaError_t status = launch_cooperative(
-            plan.path == Path::kResidentPixels ? group_norm_resident_pixels_kernel<T, P, V>
-                                               : group_norm_resident_spans_kernel<T, P, V>,
-            plan, stream);
-        if (status != cudaSuccess) return status;
+        return launch_cooperative(plan.path == Path::kResidentPixels ? group_norm_resident_pixels_kernel<T, P, V>
+                                                                     : group_norm_resident_spans_kernel<T, P, V>,
+                                  plan, stream);
       }
       break;
     case Path::kNhwc:
-      group_norm_nhwc_stats_kernel<T, V><<<plan.grid, plan.block, plan.shared_bytes, stream>>>(a);
-      finalize(plan, stream);
-      group_norm_nhwc_apply_kernel<T, P, V><<<plan.grid, plan.block, 0, stream>>>(a);
-      break;
+      return three_passes(group_norm_nhwc_stats_kernel<T, V>, group_norm_nhwc_apply_kernel<T, P, V>, plan, stream);
     case Path::kGroups:
-      group_norm_groups_stats_kernel<T, V><<<plan.grid, plan.block, 0, stream>>>(a);
-      finalize(plan, stream);
-      group_norm_groups_apply_kernel<T, P, V><<<plan.grid, plan.block, 0, stream>>>(a);
-      break;
+      return three_passes(group_norm_groups_stats_kernel<T, V>, group_norm_groups_apply_kernel<T, P, V>, plan, stream);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 // Parameters come in x's dtype or in float32.

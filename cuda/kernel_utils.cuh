@@ -3,6 +3,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -173,6 +176,79 @@ inline int sm_count() {
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   return sms > 0 ? sms : 1;
+}
+
+// Programmatic dependent launch (sm_90 and later). A kernel started by launch_overlapped may
+// begin while the kernel ahead of it in the stream is still finishing: its launch and block
+// start-up hide behind that kernel's tail, which in a chain of short kernels (the norms of a
+// U-Net, a CUDA graph of them) is a good part of each one's time. Such a kernel must call
+// start_after_prior_grid() before it touches global memory: the kernel ahead may still be reading
+// what this one writes (the caching allocator hands a freed block straight to the next op) or
+// writing what it reads.
+
+// Whether kernels are launched overlapped: on devices of compute capability 9.0 or later, unless
+// the environment sets MIRAGE_OVERLAP_LAUNCHES=0 (read once a process; for measuring the overlap's
+// gain and for ruling it out when hunting a bug).
+inline bool overlapped_launches() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("MIRAGE_OVERLAP_LAUNCHES");
+    return env == nullptr || std::string_view(env) != "0";
+  }();
+  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  if (device < 64 && cached[device] != 0) return cached[device] == 2;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const bool overlap = allowed && major >= 9;
+  if (device < 64) cached[device] = overlap ? 2 : 1;
+  return overlap;
+}
+
+// Launches kernel<<<grid, block, shared, stream>>>(args...), overlapped with the kernel ahead where
+// the device allows it. `cooperative`: all blocks resident at once, for a grid barrier.
+template <typename... Params, typename... Args>
+cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared,
+                              cudaStream_t stream, bool cooperative, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2]{};
+  if (cooperative) {
+    attrs[config.numAttrs].id = cudaLaunchAttributeCooperative;
+    attrs[config.numAttrs].val.cooperative = 1;
+    ++config.numAttrs;
+  }
+  if (overlapped_launches()) {
+    attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    ++config.numAttrs;
+  }
+  config.attrs = attrs;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Waits until the kernel ahead in the stream has finished and its writes are visible (a no-op in
+// a kernel not launched overlapped, and below sm_90).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the kernel behind this one in the stream launch now (it waits in wait_for_prior_grid).
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// The first statement of an overlapped kernel: the kernel ahead is done, the kernel behind may
+// start (after the wait, so that at most one grid waits behind a running one).
+__device__ __forceinline__ void start_after_prior_grid() {
+  wait_for_prior_grid();
+  allow_next_grid();
 }
 
 // The shared memory one block of the current device may opt in to, in bytes.

@@ -60,6 +60,7 @@ __device__ __forceinline__ void load_affine(const LayerNormParams& p, int64_t v,
 
 template <typename T, typename P, int V, int K, bool kAffine>
 __global__ void __launch_bounds__(kMaxTeam) layer_norm_kernel(Args a) {
+  start_after_prior_grid();
   __shared__ float scratch[32 * 32];
   const LayerNormParams& p = a.p;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -150,6 +151,7 @@ int team_lanes(int64_t row_vecs, int max_k) {
 // plain K = 5 form takes 118); capped at 102 (five blocks) it was 13% slower at 8192x320.
 template <typename T, typename P, int kTeam, int K, bool kResidual>
 __global__ void __launch_bounds__(kTeamThreads, 4) layer_norm_team_kernel(Args a) {
+  start_after_prior_grid();
   constexpr int V = kPackWidth<T>;
   using Vec = Packed<T, V>;
   const LayerNormParams& p = a.p;
@@ -206,18 +208,16 @@ template <typename T, typename P, int kTeam, bool kResidual>
 cudaError_t launch_team_kernel(const Args& a, cudaStream_t stream) {
   constexpr int kRows = kTeamThreads / kTeam;
   const dim3 grid(static_cast<unsigned>((a.p.rows + kRows - 1) / kRows));
+  const dim3 block(kTeamThreads);
   switch (ceil_div(a.row_vecs, kTeam)) {
-    case 3: layer_norm_team_kernel<T, P, kTeam, 3, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
-    case 4: layer_norm_team_kernel<T, P, kTeam, 4, kResidual><<<grid, kTeamThreads, 0, stream>>>(a); break;
+    case 3: return launch_overlapped(layer_norm_team_kernel<T, P, kTeam, 3, kResidual>, grid, block, 0, stream, false, a);
+    case 4: return launch_overlapped(layer_norm_team_kernel<T, P, kTeam, 4, kResidual>, grid, block, 0, stream, false, a);
     case 5:
-      if constexpr (kTeamMaxK<T, P> >= 5) {
-        layer_norm_team_kernel<T, P, kTeam, 5, kResidual><<<grid, kTeamThreads, 0, stream>>>(a);
-        break;
-      }
+      if constexpr (kTeamMaxK<T, P> >= 5)
+        return launch_overlapped(layer_norm_team_kernel<T, P, kTeam, 5, kResidual>, grid, block, 0, stream, false, a);
       [[fallthrough]];
     default: return cudaErrorInvalidValue;  // team_lanes keeps K within 3..kTeamMaxK
   }
-  return cudaGetLastError();
 }
 
 template <typename T, typename P, bool kResidual>
@@ -232,12 +232,10 @@ cudaError_t launch_team(const Args& a, int lanes, cudaStream_t stream) {
 }
 
 template <typename T, typename P, int V, int K>
-void launch_kernel(const Args& a, dim3 grid, dim3 block, cudaStream_t stream) {
-  if (a.p.weight != nullptr && a.p.bias != nullptr) {
-    layer_norm_kernel<T, P, V, K, true><<<grid, block, 0, stream>>>(a);
-  } else {
-    layer_norm_kernel<T, P, V, K, false><<<grid, block, 0, stream>>>(a);
-  }
+cudaError_t launch_kernel(const Args& a, dim3 grid, dim3 block, cudaStream_t stream) {
+  const bool affine = a.p.weight != nullptr && a.p.bias != nullptr;
+  return launch_overlapped(affine ? layer_norm_kernel<T, P, V, K, true> : layer_norm_kernel<T, P, V, K, false>,
+                           grid, block, 0, stream, false, a);
 }
 
 template <typename T, typename P, int V>
@@ -267,7 +265,7 @@ cudaError_t launch_with(const Args& a, cudaStream_t stream) {
 #define MIRAGE_LAYER_NORM_CASE(K)                                 \
   case K:                                                         \
     if constexpr (K * V <= kMaxValuesPerThread)                   \
-      launch_kernel<T, P, V, K>(a, grid, block, stream);          \
+      return launch_kernel<T, P, V, K>(a, grid, block, stream);   \
     break;
     MIRAGE_LAYER_NORM_CASE(1)
     MIRAGE_LAYER_NORM_CASE(2)
@@ -278,7 +276,7 @@ cudaError_t launch_with(const Args& a, cudaStream_t stream) {
     MIRAGE_LAYER_NORM_CASE(32)
 #undef MIRAGE_LAYER_NORM_CASE
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;  // layer_norm_max_dim keeps rows within K * V <= kMaxValuesPerThread
 }
 
 // Parameters come in x's dtype or in float32.

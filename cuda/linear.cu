@@ -75,6 +75,7 @@ __device__ __forceinline__ void stage_x(const SmallLinearParams& p, float* stage
 // M: the most rows of x this instance takes (fewer rows, less code).
 template <typename T, int V, int M>
 __global__ void __launch_bounds__(kWarps * 32) small_linear_kernel(SmallLinearParams p) {
+  start_after_prior_grid();
   extern __shared__ float staged[];  // [m, k]
   const int m = static_cast<int>(p.m), k = static_cast<int>(p.k);
   const int lane = threadIdx.x % 32;
@@ -192,6 +193,7 @@ __device__ __forceinline__ void narrow_products(const NarrowChunk& a, const floa
 // cover the outputs (PaiNN's 21 take 3: a quarter fewer products than padding them to 32).
 template <int kTiles>
 __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(NarrowLinearParams p) {
+  start_after_prior_grid();
   extern __shared__ float4 smem4[];
   float* w = reinterpret_cast<float*>(smem4);
   const int k_padded = narrow_padded_k(p.k);
@@ -326,6 +328,7 @@ __device__ __forceinline__ void slice_products(const float* xs, const float* ws,
 
 template <int kSize, bool kWeightColumns, bool kSplit>
 __global__ void __launch_bounds__(kTiledWarps * 32) tiled_linear_kernel(TiledLinearParams p) {
+  start_after_prior_grid();
   using S = TiledShape<kSize>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);  // per stage: x's slice, then the weight's
@@ -392,8 +395,7 @@ cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t strea
   if (status != cudaSuccess) return status;
   // One wave of blocks (each stages the weight once), fewer when there are fewer tiles.
   const int64_t blocks = std::min(ceil_div(ceil_div(p.m, int64_t{kNarrowTile}), int64_t{kNarrowWarps}), wave);
-  kernel<<<static_cast<unsigned>(blocks), kNarrowWarps * 32, shared, stream>>>(p);
-  return cudaGetLastError();
+  return launch_overlapped(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kNarrowWarps * 32), shared, stream, false, p);
 }
 
 bool tiled_linear_applies(const TiledLinearParams& p) {
@@ -418,8 +420,7 @@ cudaError_t launch_tiles(const TiledLinearParams& p, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(p.m, kSize)), static_cast<unsigned>(ceil_div(p.n, kSize)));
-  kernel<<<grid, kTiledWarps * 32, kShared, stream>>>(p);
-  return cudaGetLastError();
+  return launch_overlapped(kernel, grid, dim3(kTiledWarps * 32), kShared, stream, false, p);
 }
 
 }  // namespace
@@ -446,8 +447,7 @@ cudaError_t launch_small_linear(const SmallLinearParams& p, cudaStream_t stream)
                                            : small_linear_kernel<scalar_t, 1, kSmallLinearMaxRows>);
     const int64_t blocks = ceil_div(p.n, int64_t{kWarps});  // one warp per output feature
     const size_t shared = static_cast<size_t>(p.m * p.k) * sizeof(float);
-    kernel<<<static_cast<unsigned>(blocks), kWarps * 32, shared, stream>>>(p);
-    status = cudaGetLastError();
+    status = launch_overlapped(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * 32), shared, stream, false, p);
   });
   return status;
 }

@@ -15,6 +15,7 @@ constexpr int kThreads = 256;
 // constant so that the unrolled body carries no run-time branch.
 template <typename T, typename B, bool kBias, int V, typename Index>
 __global__ void __launch_bounds__(kThreads) subpixel_shuffle_kernel(SubpixelShuffleParams p, Index pixels) {
+  start_after_prior_grid();
   const Index col = grid_col<Index>(), pixel = grid_row<Index>();
   const Index channels = static_cast<Index>(p.channels);
   if (col * V >= channels || pixel >= pixels) return;
@@ -41,12 +42,10 @@ cudaError_t launch_with(const SubpixelShuffleParams& p, cudaStream_t stream) {
   const RowGrid g = row_grid(pixels, p.channels / V, kThreads);
   if (!g.valid) return cudaErrorInvalidValue;  // > 4e9 pixels
   const int64_t y_elements = p.batch * (p.height + 1) * (p.width + 1) * 4 * p.channels;
-  if (g.fits_int(y_elements)) {
-    subpixel_shuffle_kernel<T, B, kBias, V, int><<<g.grid, g.block, 0, stream>>>(p, static_cast<int>(pixels));
-  } else {
-    subpixel_shuffle_kernel<T, B, kBias, V, int64_t><<<g.grid, g.block, 0, stream>>>(p, pixels);
-  }
-  return cudaGetLastError();
+  if (g.fits_int(y_elements))
+    return launch_overlapped(subpixel_shuffle_kernel<T, B, kBias, V, int>, g.grid, g.block, 0, stream, false, p,
+                             static_cast<int>(pixels));
+  return launch_overlapped(subpixel_shuffle_kernel<T, B, kBias, V, int64_t>, g.grid, g.block, 0, stream, false, p, pixels);
 }
 
 template <typename T, int V>
