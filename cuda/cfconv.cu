@@ -524,6 +524,7 @@ __device__ void backward_pair_pass(const CfconvBackwardParams& p, PairOf&& pair_
 
 template <int D, bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
+  start_after_prior_grid();
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -567,6 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
 // order): tile rows are walk positions, and the messages onto the senders come in runs.
 template <int D, bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p, const int* order) {
+  start_after_prior_grid();
   using W = WarpTile<D>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -916,6 +918,7 @@ struct TeamTiles {
 
 template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_kernel(CfconvParams p) {
+  start_after_prior_grid();
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   const TeamTiles walk(p.weights, pairs_to_walk(p.live_pairs, p.num_pairs), smem);
@@ -1019,6 +1022,7 @@ struct HiddenTiles {
 
 template <bool kSplit, bool kSsp>
 __global__ void __launch_bounds__(kThreads, 1) cfconv_backward_kernel(CfconvBackwardParams p, const int* order) {
+  start_after_prior_grid();
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   const TeamTiles walk(p.weights, pairs_to_walk(p.live_pairs, p.num_pairs), smem, /*transposed=*/true);
@@ -1119,8 +1123,8 @@ cudaError_t launch(void (*kernel)(Params, Args...), const Params& params, size_t
   if (status != cudaSuccess) return status;
   const int64_t tiles = ceil_div(params.num_pairs, kTile);
   const int64_t blocks = std::min<int64_t>(ceil_div(tiles, teams), sm_count());
-  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(params, args...);
-  return cudaGetLastError();
+  return launch_overlapped(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), bytes, stream, false, params,
+                           args...);
 }
 
 // Whether this library was built for sm_90a and the current device has compute capability 9.0:
@@ -1234,6 +1238,7 @@ size_t filter_table_shared_bytes(int64_t num_rbf, int64_t hidden) {
 }
 
 __global__ void __launch_bounds__(kTableThreads) filter_table_kernel(FilterTableParams p) {
+  start_after_prior_grid();
   using namespace filter_table;
   using namespace jets;
   extern __shared__ double table_shared[];
@@ -1344,6 +1349,7 @@ constexpr int kPassBatch = 2;
 
 template <bool kBackward>
 __global__ void __launch_bounds__(kPassThreads) radial_cfconv_kernel(RadialCfconvParams p, const int* order) {
+  start_after_prior_grid();
   using filter_table::kCoefficients;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPassThreads / 32);
@@ -1435,8 +1441,8 @@ cudaError_t launch_radial_pass(const RadialCfconvParams& params, const SenderOrd
                                cudaStream_t stream) {
   const int64_t warps = ceil_div(params.num_pairs, kPassSpan);
   const int64_t blocks = std::min<int64_t>(ceil_div(warps, kPassThreads / 32), 16LL * sm_count());
-  radial_cfconv_kernel<kBackward><<<static_cast<unsigned>(blocks), kPassThreads, 0, stream>>>(params, walk.order);
-  const cudaError_t status = cudaGetLastError();
+  const cudaError_t status = launch_overlapped(radial_cfconv_kernel<kBackward>, dim3(static_cast<unsigned>(blocks)),
+                                               dim3(kPassThreads), 0, stream, false, params, walk.order);
   if (status != cudaSuccess) return status;
   return launch_finish<float>(outputs, params.invalid, stream, walk.check);
 }
@@ -1506,8 +1512,8 @@ cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfc
       cudaFuncSetAttribute(filter_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status != cudaSuccess) return status;
   const int64_t blocks = ceil_div(table.intervals, kTablePieces);
-  filter_table_kernel<<<static_cast<unsigned>(blocks), kTableThreads, bytes, stream>>>(table);
-  status = cudaGetLastError();
+  status = launch_overlapped(filter_table_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTableThreads), bytes,
+                             stream, false, table);
   if (status == cudaSuccess) {
     status = zero_flag_and_accumulator(params.invalid, params.out, params.num_nodes * params.width, stream);
   }

@@ -501,6 +501,7 @@ struct Segments {
 
 template <typename T>
 __global__ void __launch_bounds__(256) finish_kernel(Segments segments, const int* invalid, OrderCheck check) {
+  start_after_prior_grid();
   const bool rejected = order_rejected(check);  // a barrier: every thread, before any other test
   const bool bad = *invalid != 0 || rejected;
   const T nan = from_float<T>(__int_as_float(0x7fc00000));
@@ -521,8 +522,8 @@ cudaError_t launch_finish(const Segments& segments, const int* invalid, cudaStre
   int64_t largest = 0;
   for (const Segment& s : segments.s) largest = std::max(largest, s.count);
   const int64_t blocks = std::clamp<int64_t>(ceil_div(largest, 256), 1, 4LL * sm_count());
-  finish_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(segments, invalid, check);
-  return cudaGetLastError();
+  return launch_overlapped(finish_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, false, segments,
+                           invalid, check);
 }
 
 }  // namespace mirage::cuda

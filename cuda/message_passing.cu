@@ -24,6 +24,7 @@ __device__ __forceinline__ bool valid_index(int64_t v, int64_t n) { return v >= 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     message_passing_scatter_kernel(MessagePassingParams p, float* accum, int* invalid, int run) {
+  start_after_prior_grid();
   const T* x = static_cast<const T*>(p.x);            // [num_nodes, features]
   const T* filter = static_cast<const T*>(p.filter);  // [num_pairs, features]
   const int64_t* receivers = p.pairs;                 // [num_pairs]
@@ -68,6 +69,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) pair_product_kernel(PairProductParams p) {
+  start_after_prior_grid();
   const T* a = static_cast<const T*>(p.a);  // [num_nodes, features]
   const T* b = static_cast<const T*>(p.b);  // [num_nodes, features]
   T* out = static_cast<T*>(p.out);          // [num_pairs, features]
@@ -142,16 +144,15 @@ cudaError_t launch_message_passing(const MessagePassingParams& params, cudaStrea
     if (params.num_pairs > 0) {
       if (vectorizable<scalar_t>(params.features, {params.x, params.filter})) {
         const int run = run_length(params.num_pairs, params.features / V);
-        message_passing_scatter_kernel<scalar_t, V>
-            <<<grid_for(ceil_div(params.num_pairs, run) * (params.features / V)), kThreads, 0,
-               stream>>>(params, accum, invalid, run);
+        status = launch_overlapped(message_passing_scatter_kernel<scalar_t, V>,
+                                   grid_for(ceil_div(params.num_pairs, run) * (params.features / V)), dim3(kThreads),
+                                   0, stream, false, params, accum, invalid, run);
       } else {
         const int run = run_length(params.num_pairs, params.features);
-        message_passing_scatter_kernel<scalar_t, 1>
-            <<<grid_for(ceil_div(params.num_pairs, run) * params.features), kThreads, 0, stream>>>(
-                params, accum, invalid, run);
+        status = launch_overlapped(message_passing_scatter_kernel<scalar_t, 1>,
+                                   grid_for(ceil_div(params.num_pairs, run) * params.features), dim3(kThreads), 0,
+                                   stream, false, params, accum, invalid, run);
       }
-      status = cudaGetLastError();
       if (status != cudaSuccess) return;
     }
     // float16/bfloat16: the float32 accumulator into out; float32 (accum is out): nothing to
@@ -167,14 +168,11 @@ cudaError_t launch_pair_product(const PairProductParams& params, cudaStream_t st
   cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     constexpr int V = kPackWidth<scalar_t>;
-    if (vectorizable<scalar_t>(params.features, {params.a, params.b, params.out})) {
-      pair_product_kernel<scalar_t, V>
-          <<<grid_for(params.num_pairs * (params.features / V)), kThreads, 0, stream>>>(params);
-    } else {
-      pair_product_kernel<scalar_t, 1>
-          <<<grid_for(params.num_pairs * params.features), kThreads, 0, stream>>>(params);
-    }
-    status = cudaGetLastError();
+    const bool packed = vectorizable<scalar_t>(params.features, {params.a, params.b, params.out});
+    status = packed ? launch_overlapped(pair_product_kernel<scalar_t, V>, grid_for(params.num_pairs * (params.features / V)),
+                                        dim3(kThreads), 0, stream, false, params)
+                    : launch_overlapped(pair_product_kernel<scalar_t, 1>, grid_for(params.num_pairs * params.features),
+                                        dim3(kThreads), 0, stream, false, params);
   });
   return status;
 }

@@ -36,6 +36,7 @@ __device__ __forceinline__ bool element(int64_t nodes, int64_t F, int64_t& n, in
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) update_input_kernel(PainnUpdateInputParams p) {
+  start_after_prior_grid();
   int64_t n, f;
   const int64_t F = p.features;
   if (!element(p.nodes, F, n, f)) return;
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(kThreads) update_input_kernel(PainnUpdateInput
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) update_input_backward_kernel(PainnUpdateInputBackwardParams p) {
+  start_after_prior_grid();
   int64_t n, f;
   const int64_t F = p.features;
   if (!element(p.nodes, F, n, f)) return;
@@ -67,6 +69,7 @@ __global__ void __launch_bounds__(kThreads) update_input_backward_kernel(PainnUp
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) update_kernel(PainnUpdateParams p) {
+  start_after_prior_grid();
   int64_t n, f;
   const int64_t F = p.features;
   if (!element(p.nodes, F, n, f)) return;
@@ -85,6 +88,7 @@ __global__ void __launch_bounds__(kThreads) update_kernel(PainnUpdateParams p) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) update_backward_kernel(PainnUpdateBackwardParams p) {
+  start_after_prior_grid();
   int64_t n, f;
   const int64_t F = p.features;
   if (!element(p.nodes, F, n, f)) return;
@@ -113,10 +117,11 @@ cudaError_t launch(const Params& p, cudaStream_t stream, KernelOf kernel) {
   if (elements == 0) return cudaSuccess;
   const int64_t blocks = ceil_div(elements, kThreads);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  cudaError_t status = cudaSuccess;
   MIRAGE_DISPATCH_FLOAT(p.dtype, [&] {
-    kernel(scalar_t{})<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    status = launch_overlapped(kernel(scalar_t{}), dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, false, p);
   });
-  return cudaGetLastError();
+  return status;
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ __device__ __forceinline__ bool pair_vector(const float* positions, const int64_
 }
 
 __global__ void __launch_bounds__(kThreads) pair_vectors_kernel(PairVectorsParams p) {
+  start_after_prior_grid();
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (k >= p.num_pairs) return;
   int64_t i, j;
@@ -121,6 +122,7 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_backward_kernel(PairVec
                                                                          const int* order,  // [P] or null
                                                                          float4* acc,   // [N] rows, zeroed
                                                                          int* invalid) {  // [1], zeroed
+  start_after_prior_grid();
   backward_position(p, static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, order, invalid,
                     [acc](int64_t atom, const float (&g)[3], float sign) { add_row(acc, atom, g, sign); });
 }
@@ -132,6 +134,7 @@ __global__ void __launch_bounds__(kThreads) pair_vectors_finish_kernel(const flo
                                                                        OrderCheck check,
                                                                        float* grad,         // [N, 3] out
                                                                        int64_t values) {    // 3N
+  start_after_prior_grid();
   const bool rejected = order_rejected(check);  // a barrier: every thread, before the early return
   const bool bad = *invalid != 0 || rejected;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -148,6 +151,7 @@ constexpr int kOneBlockThreads = 1024;
 
 __global__ void __launch_bounds__(kOneBlockThreads)
     pair_vectors_backward_one_block_kernel(PairVectorsBackwardParams p) {
+  start_after_prior_grid();
   __shared__ float acc[3 * kOneBlockMaxAtoms];
   __shared__ int invalid;
   const int values = static_cast<int>(3 * p.num_atoms);
@@ -193,16 +197,16 @@ size_t pair_vectors_backward_workspace_bytes(int64_t num_atoms, int64_t num_pair
 cudaError_t launch_pair_vectors(const PairVectorsParams& params, cudaStream_t stream) {
   if (params.num_pairs == 0) return cudaSuccess;
   if (ceil_div(params.num_pairs, kThreads) > INT32_MAX) return cudaErrorInvalidValue;
-  pair_vectors_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params);
-  return cudaGetLastError();
+  return launch_overlapped(pair_vectors_kernel, blocks_for(params.num_pairs), dim3(kThreads), 0, stream, false, params);
 }
 
 cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params, void* workspace,
                                          cudaStream_t stream) {
   const int64_t values = params.num_atoms * 3;
   if (params.num_atoms <= kOneBlockMaxAtoms && params.num_pairs <= kOneBlockMaxPairs) {
-    if (values > 0) pair_vectors_backward_one_block_kernel<<<1, kOneBlockThreads, 0, stream>>>(params);
-    return cudaGetLastError();
+    if (values == 0) return cudaSuccess;
+    return launch_overlapped(pair_vectors_backward_one_block_kernel, dim3(1), dim3(kOneBlockThreads), 0, stream, false,
+                             params);
   }
   if (ceil_div(std::max(params.num_pairs, values), kThreads) > INT32_MAX) return cudaErrorInvalidValue;
   const BackwardWorkspace w(params.num_atoms, params.num_pairs, params.sender_order != nullptr,
@@ -214,14 +218,12 @@ cudaError_t launch_pair_vectors_backward(const PairVectorsBackwardParams& params
     status = launch_sender_order(params.pairs, params.num_atoms, params.num_pairs, /*live=*/nullptr,
                                  params.sender_order, w.order, &walk, stream);
     if (status != cudaSuccess) return status;
-    pair_vectors_backward_kernel<<<blocks_for(params.num_pairs), kThreads, 0, stream>>>(params, walk.order, w.acc,
-                                                                                         w.invalid);
-    status = cudaGetLastError();
+    status = launch_overlapped(pair_vectors_backward_kernel, blocks_for(params.num_pairs), dim3(kThreads), 0, stream,
+                               false, params, walk.order, w.acc, w.invalid);
     if (status != cudaSuccess) return status;
   }
-  pair_vectors_finish_kernel<<<blocks_for(values), kThreads, 0, stream>>>(w.acc, w.invalid, walk.check,
-                                                                           params.grad_positions, values);
-  return cudaGetLastError();
+  return launch_overlapped(pair_vectors_finish_kernel, blocks_for(values), dim3(kThreads), 0, stream, false, w.acc,
+                           w.invalid, walk.check, params.grad_positions, values);
 }
 
 }  // namespace mirage::cuda

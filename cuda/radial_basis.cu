@@ -14,6 +14,7 @@ namespace {
 constexpr int kThreads = 256;
 template <typename T>
 __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParams p) {
+  start_after_prior_grid();
   const T* distances = static_cast<const T*>(p.distances);  // [count]
   T* out = static_cast<T*>(p.out);                          // [count, num]
   const int64_t total = p.count * p.num;
@@ -43,6 +44,7 @@ __global__ void __launch_bounds__(kThreads) radial_basis_kernel(RadialBasisParam
 // grad_distances = f * sum_k g_k basis_k' + f' * sum_k g_k basis_k.
 template <typename T, int G>
 __global__ void __launch_bounds__(kThreads) radial_basis_backward_kernel(RadialBasisBackwardParams p) {
+  start_after_prior_grid();
   static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0 && kThreads % G == 0);
   const T* grad = static_cast<const T*>(p.grad);            // [count, num]
   const T* distances = static_cast<const T*>(p.distances);  // [count]
@@ -85,9 +87,8 @@ cudaError_t launch_backward_with_group(const RadialBasisBackwardParams& params,
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     const int64_t blocks =
         std::min<int64_t>(ceil_div(params.count * G, kThreads), 8LL * sm_count());
-    radial_basis_backward_kernel<scalar_t, G>
-        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params);
-    status = cudaGetLastError();
+    status = launch_overlapped(radial_basis_backward_kernel<scalar_t, G>, dim3(static_cast<unsigned>(blocks)),
+                               dim3(kThreads), 0, stream, false, params);
   });
   return status;
 }
@@ -113,8 +114,8 @@ cudaError_t launch_radial_basis(const RadialBasisParams& params, cudaStream_t st
   MIRAGE_DISPATCH_FLOAT(params.dtype, [&] {
     const int64_t blocks =
         std::min<int64_t>(ceil_div(params.count * params.num, kThreads), 8LL * sm_count());
-    radial_basis_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params);
-    status = cudaGetLastError();
+    status = launch_overlapped(radial_basis_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                               stream, false, params);
   });
   return status;
 }

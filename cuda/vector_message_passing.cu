@@ -211,6 +211,7 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
                    float* scalar,  // [N, F], zeroed
                    float* vector,  // [N, 3, F], zeroed
                    int* invalid) {  // [1]
+  start_after_prior_grid();
   static_assert(!kFused || (std::is_same_v<T, float> && V == 4), "fused filters: float32, 4 columns a lane");
   constexpr int kStep = kFused ? kForwardGroup : 1;
   const T* x = static_cast<const T*>(p.x);
@@ -287,6 +288,7 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
                     float* grad_vectors,     // [N, 3, F], zeroed
                     float* grad_directions,  // [P, 3], zeroed
                     int* invalid) {          // [1]
+  start_after_prior_grid();
   static_assert(!kFused || (std::is_same_v<T, float> && V == 4), "fused filters: float32, 4 columns a lane");
   constexpr int kStep = kFused ? kBackwardGroup : 1;
   const T* grad_scalar = static_cast<const T*>(p.grad_scalar);
@@ -462,9 +464,8 @@ cudaError_t launch_over_pairs(void (*kernel)(Params, int, KernelArgs...), const 
                               cudaStream_t stream, Args... args) {
   if (p.fused.basis == nullptr) {
     const int pairs_per_warp = pick_pairs_per_warp(p.num_pairs, tiles);
-    kernel<<<pair_grid(p.num_pairs, pairs_per_warp, tiles), dim3(kLanes, kWarps), 0, stream>>>(p, pairs_per_warp,
-                                                                                              args...);
-    return cudaGetLastError();
+    return launch_overlapped(kernel, pair_grid(p.num_pairs, pairs_per_warp, tiles), dim3(kLanes, kWarps), 0, stream,
+                             false, p, pairs_per_warp, args...);
   }
   const size_t shared = fused_shared_bytes(p.features, p.fused.width);
   int64_t wave = 0;
@@ -474,8 +475,7 @@ cudaError_t launch_over_pairs(void (*kernel)(Params, int, KernelArgs...), const 
   const int pairs_per_warp = wave_pairs_per_warp(p.num_pairs, blocks * kWarps);
   dim3 grid = pair_grid(p.num_pairs, pairs_per_warp, tiles);
   grid.x = static_cast<unsigned>(std::min<int64_t>(grid.x, blocks));
-  kernel<<<grid, dim3(kLanes, kWarps), shared, stream>>>(p, pairs_per_warp, args...);
-  return cudaGetLastError();
+  return launch_overlapped(kernel, grid, dim3(kLanes, kWarps), shared, stream, false, p, pairs_per_warp, args...);
 }
 
 // The kernel for the dtype T, packing and filter source: kernel(std::integral_constant<int, V>,
