@@ -193,7 +193,6 @@ __device__ __forceinline__ void narrow_products(const NarrowChunk& a, const floa
 // cover the outputs (PaiNN's 21 take 3: a quarter fewer products than padding them to 32).
 template <int kTiles>
 __global__ void __launch_bounds__(kNarrowWarps * 32) narrow_linear_kernel(NarrowLinearParams p) {
-  start_after_prior_grid();
   extern __shared__ float4 smem4[];
   float* w = reinterpret_cast<float*>(smem4);
   const int k_padded = narrow_padded_k(p.k);
@@ -328,7 +327,6 @@ __device__ __forceinline__ void slice_products(const float* xs, const float* ws,
 
 template <int kSize, bool kWeightColumns, bool kSplit>
 __global__ void __launch_bounds__(kTiledWarps * 32) tiled_linear_kernel(TiledLinearParams p) {
-  start_after_prior_grid();
   using S = TiledShape<kSize>;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);  // per stage: x's slice, then the weight's
@@ -395,7 +393,9 @@ cudaError_t launch_narrow_linear(const NarrowLinearParams& p, cudaStream_t strea
   if (status != cudaSuccess) return status;
   // One wave of blocks (each stages the weight once), fewer when there are fewer tiles.
   const int64_t blocks = std::min(ceil_div(ceil_div(p.m, int64_t{kNarrowTile}), int64_t{kNarrowWarps}), wave);
-  return launch_overlapped(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kNarrowWarps * 32), shared, stream, false, p);
+  // A plain launch, as for the tiled kernel below: see there.
+  kernel<<<static_cast<unsigned>(blocks), kNarrowWarps * 32, shared, stream>>>(p);
+  return cudaGetLastError();
 }
 
 bool tiled_linear_applies(const TiledLinearParams& p) {
@@ -420,7 +420,14 @@ cudaError_t launch_tiles(const TiledLinearParams& p, cudaStream_t stream) {
     if (status != cudaSuccess) return status;
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(p.m, kSize)), static_cast<unsigned>(ceil_div(p.n, kSize)));
-  return launch_overlapped(kernel, grid, dim3(kTiledWarps * 32), kShared, stream, false, p);
+  // A plain launch, not an overlapped one. PaiNN at 3,000 atoms (H200, 2026-11-28, bench_forcefield,
+  // two runs each): 2.182-2.185 ms a call with this kernel and the narrow one overlapped, 2.134 with
+  // them plain and the rest overlapped, 2.135-2.141 with nothing overlapped. The likely cause: an
+  // overlapped grid's blocks are placed while the kernel ahead still holds the multiprocessors,
+  // wherever there is room, so a grid of fewer blocks than multiprocessors (PaiNN's [3000, 128] x
+  // [128, 128]: 94) can end up with two on one multiprocessor while another idles.
+  kernel<<<grid, kTiledWarps * 32, kShared, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace
