@@ -186,9 +186,10 @@ inline int sm_count() {
 // what this one writes (the caching allocator hands a freed block straight to the next op) or
 // writing what it reads.
 
-// Whether kernels are launched overlapped: on devices of compute capability 9.0 or later, unless
-// the environment sets MIRAGE_OVERLAP_LAUNCHES=0 (read once a process; for measuring the overlap's
-// gain and for ruling it out when hunting a bug).
+// Whether launch_overlapped overlaps: on devices of compute capability 9.0 or later, unless the
+// environment sets MIRAGE_OVERLAP_LAUNCHES=0 (read once a process; for measuring the overlap's gain
+// and for ruling it out when hunting a bug). The whole-model ops' cluster kernel overlaps its own
+// filters kernel regardless (atomwise::launch_cluster): the two are one op.
 inline bool overlapped_launches() {
   static const bool allowed = [] {
     const char* env = std::getenv("MIRAGE_OVERLAP_LAUNCHES");
@@ -226,7 +227,11 @@ cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, 
     ++config.numAttrs;
   }
   config.attrs = attrs;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  // Clear a failed launch's error, as cudaGetLastError did after a <<<>>> launch: the op reports
+  // this status, and a pending error would otherwise surface in the next op's launch check.
+  if (status != cudaSuccess) cudaGetLastError();
+  return status;
 }
 
 // Waits until the kernel ahead in the stream has finished and its writes are visible (a no-op in

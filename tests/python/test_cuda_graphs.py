@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -32,42 +34,70 @@ def test_capture_and_replay_with_new_inputs():
         torch.testing.assert_close(gg, mirage.ops.geglu(f), atol=0, rtol=0)
 
 
-def _overlapped_chain(x, w, b, bias, rounds, sync_each_op):
-    """Rounds of mirage ops, each reading what the one before it wrote (on sm_90 they are launched
-    overlapped: each must wait for its predecessor). Intermediates are dropped as soon as they are
-    read, so the caching allocator hands their blocks to later outputs while a kernel that read them
-    may still be finishing. sync_each_op puts the host between the launches: no overlap at all."""
-    def done(t):
-        if sync_each_op:
-            torch.cuda.synchronize()
-        return t
 
-    n, c, height, width = x.shape
-    side = []
+def _group_norm_op(channels, groups):
+    w = randn(channels, device="cuda", std=0.2, mean=1.0)
+    b = randn(channels, device="cuda", std=0.2)
+    return lambda x: mirage.ops.group_norm(x, groups, w, b, 1e-5, "silu")
+
+
+def _norms_ops(n, c, h, w_):
+    """GroupNorm (the resident kernel at 2x640x32x32), bias_act with its input as the residual,
+    LayerNorm, LayerNorm with its input as the residual; images channels-last, tokens their views."""
+    w, b = randn(c, device="cuda", std=0.2, mean=1.0), randn(c, device="cuda", std=0.2)
+    bias = randn(c, device="cuda", dtype=torch.float16, std=0.2)
+    return [
+        _group_norm_op(c, 32),
+        lambda x: mirage.ops.bias_act(x, bias, residual=x, scale=0.5),
+        lambda x: mirage.ops.layer_norm(x.permute(0, 2, 3, 1).reshape(n, h * w_, c), w, b, 1e-5),
+        lambda t: mirage.ops.layer_norm(t, w, b, 1e-5, residual=t)[0].reshape(n, h, w_, c).permute(0, 3, 1, 2),
+    ]
+
+
+def _image(*shape, channels_last=True):
+    x = randn(*shape, device="cuda", dtype=torch.float16)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+# name: (input, the ops of one round, rounds)
+_CHAINS = {
+    "norms": (lambda: _image(2, 640, 32, 32), lambda: _norms_ops(2, 640, 32, 32), 40),
+    "group_norm_fused": (lambda: _image(2, 1280, 8, 8), lambda: [_group_norm_op(1280, 32)], 40),
+    "group_norm_nhwc": (lambda: _image(2, 300, 45, 45), lambda: [_group_norm_op(300, 30)], 20),  # C % 8 != 0
+    "group_norm_groups": (lambda: _image(2, 320, 45, 45, channels_last=False),  # H * W % 8 != 0
+                          lambda: [_group_norm_op(320, 32)], 20),
+    "geglu": (lambda: randn(1024, 8192, device="cuda", dtype=torch.float16),
+              lambda: [mirage.ops.geglu] * 7, 1),  # widths 8192 -> 64
+}
+
+
+def _run_chain(x, ops, rounds, sync_each_op):
+    """Each op reads what the op ahead of it wrote; each intermediate is dropped as soon as the op
+    after it is launched, so the caching allocator may hand its block to a later output while the
+    kernel reading it is still running. sync_each_op: the host waits for the GPU after every op."""
     for _ in range(rounds):
-        g = done(mirage.ops.group_norm(x, 32, w, b, 1e-5, "silu"))  # the resident kernel at this size
-        h = done(mirage.ops.bias_act(g, bias, residual=x, scale=0.5))
-        tokens = h.permute(0, 2, 3, 1).reshape(n, height * width, c)  # channels-last: a view
-        normed, _ = done(mirage.ops.layer_norm(tokens, w, b, 1e-5, residual=tokens))
-        side.append(done(mirage.ops.geglu(normed)).float().sum())
-        x = normed.reshape(n, height, width, c).permute(0, 3, 1, 2)
-    return x, torch.stack(side)
+        for op in ops:
+            x = op(x)
+            if sync_each_op:
+                torch.cuda.synchronize()
+    return x
 
 
 @pytest.mark.cuda
-def test_overlapped_launches_keep_stream_order():
-    # Without the wait at the top of each kernel, a kernel would read its input before the one
-    # ahead had written it (or write a block another is still reading): results would differ from
-    # the same chain run one op at a time.
-    c = 640
-    x = randn(2, c, 32, 32, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-    w, b = randn(c, device="cuda", std=0.2, mean=1.0), randn(c, device="cuda", std=0.2)
-    bias = randn(c, device="cuda", dtype=torch.float16, std=0.2)
-    expected = _overlapped_chain(x, w, b, bias, 40, sync_each_op=True)
-    got = _overlapped_chain(x, w, b, bias, 40, sync_each_op=False)
-    torch.testing.assert_close(got, expected, atol=0, rtol=0)
-    graph, outputs = capture_graph(lambda: _overlapped_chain(x, w, b, bias, 40, sync_each_op=False))
+@pytest.mark.parametrize("chain", sorted(_CHAINS))
+def test_overlapped_launches_keep_stream_order(chain):
+    # On sm_90 mirage's kernels are launched overlapped (docs/ops.md): each may be scheduled while
+    # the kernel ahead finishes, and must wait for it before touching memory. A missing wait would
+    # read an input before it was written, or write a block that a kernel still reads: the chain
+    # would differ from the same chain run one op at a time.
+    if torch.cuda.get_device_capability() < (9, 0) or os.environ.get("MIRAGE_OVERLAP_LAUNCHES") == "0":
+        pytest.skip("launches are overlapped on compute capability 9.0 and later, unless MIRAGE_OVERLAP_LAUNCHES=0")
+    make_input, make_ops, rounds = _CHAINS[chain]
+    x, ops = make_input(), make_ops()
+    expected = _run_chain(x, ops, rounds, sync_each_op=True)
+    torch.testing.assert_close(_run_chain(x, ops, rounds, sync_each_op=False), expected, atol=0, rtol=0)
+    graph, output = capture_graph(lambda: _run_chain(x, ops, rounds, sync_each_op=False))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(outputs, expected, atol=0, rtol=0)
+    torch.testing.assert_close(output, expected, atol=0, rtol=0)
