@@ -57,6 +57,17 @@ bool fused_filter_supported(int64_t features, int64_t basis, const c10::Device& 
 #endif
 }
 
+bool overlapped_launches(const c10::Device& device) {
+#if MIRAGE_WITH_CUDA
+  if (!device.is_cuda()) return false;
+  const c10::cuda::CUDAGuard guard(device);
+  return cuda::overlapped_launches();
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps,

@@ -40,4 +40,7 @@ PYBIND11_MODULE(_C, m) {
       },
       "Whether mirage::vector_message_passing's CUDA kernels form a float32 filter of 3 * features columns "
       "from a basis of this width themselves (a torch device string).");
+  m.def(
+      "overlapped_launches", [](const std::string& device) { return mirage::overlapped_launches(c10::Device(device)); },
+      "Whether mirage's kernels are launched overlapped on this device (a torch device string).");
 }

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
 #include <cuda_runtime_api.h>
 
 #include "kinds.h"
@@ -16,5 +19,24 @@ enum class DType : int { kFloat32, kFloat16, kBFloat16 };
 enum class GeluApprox : int { kNone, kTanh };
 
 inline int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+// Whether launch_overlapped overlaps: on devices of compute capability 9.0 or later, unless the
+// environment sets MIRAGE_OVERLAP_LAUNCHES=0 (read once a process; for measuring the overlap's gain
+// and for ruling it out when hunting a bug). The whole-model ops' cluster kernel overlaps its own
+// filters kernel regardless (atomwise::launch_cluster): the two are one op.
+inline bool overlapped_launches() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("MIRAGE_OVERLAP_LAUNCHES");
+    return env == nullptr || std::string_view(env) != "0";
+  }();
+  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  if (device < 64 && cached[device] != 0) return cached[device] == 2;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const bool overlap = allowed && major >= 9;
+  if (device < 64) cached[device] = overlap ? 2 : 1;
+  return overlap;
+}
 
 }  // namespace mirage::cuda

@@ -3,8 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 #include <utility>
 
 #include <cuda_bf16.h>
@@ -185,25 +183,6 @@ inline int sm_count() {
 // start_after_prior_grid() before it touches global memory: the kernel ahead may still be reading
 // what this one writes (the caching allocator hands a freed block straight to the next op) or
 // writing what it reads.
-
-// Whether launch_overlapped overlaps: on devices of compute capability 9.0 or later, unless the
-// environment sets MIRAGE_OVERLAP_LAUNCHES=0 (read once a process; for measuring the overlap's gain
-// and for ruling it out when hunting a bug). The whole-model ops' cluster kernel overlaps its own
-// filters kernel regardless (atomwise::launch_cluster): the two are one op.
-inline bool overlapped_launches() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("MIRAGE_OVERLAP_LAUNCHES");
-    return env == nullptr || std::string_view(env) != "0";
-  }();
-  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
-  int device = 0, major = 0;
-  cudaGetDevice(&device);
-  if (device < 64 && cached[device] != 0) return cached[device] == 2;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  const bool overlap = allowed && major >= 9;
-  if (device < 64) cached[device] = overlap ? 2 : 1;
-  return overlap;
-}
 
 // Launches kernel<<<grid, block, shared, stream>>>(args...), overlapped with the kernel ahead where
 // the device allows it. `cooperative`: all blocks resident at once, for a grid barrier.

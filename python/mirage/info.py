@@ -23,14 +23,18 @@ def info() -> str:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         gpu = f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)"
+        launches = ("overlapped (programmatic dependent launch; MIRAGE_OVERLAP_LAUNCHES=0 turns it off)"
+                    if _C.overlapped_launches(f"cuda:{torch.cuda.current_device()}")
+                    else "plain (overlapped ones need compute capability 9.0, and MIRAGE_OVERLAP_LAUNCHES not 0)")
     else:
-        gpu = "none"
+        gpu, launches = "none", "plain (no GPU)"
     lines = [
         f"mirage {built['version']}",
         f"built against: torch {built['torch_version']}, CUDA {built['cuda_version'] or 'none (CPU-only build)'}",
         f"running:       torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}",
         f"compiled GPU architectures: {', '.join('sm_' + a for a in built['cuda_archs']) or 'none'}",
         f"GPU: {gpu}",
+        f"kernel launches: {launches}",
         "ops:",
     ]
     lines += [f"  {name}" for name in registered_ops()]

@@ -39,6 +39,10 @@ TEST_CASE("build_info names the version and the torch built against", "[api]") {
   REQUIRE(info.torch_version.find('.') != std::string::npos);
 }
 
+TEST_CASE("kernels are never reported overlapped off CUDA", "[api]") {
+  REQUIRE_FALSE(mirage::overlapped_launches(c10::Device("cpu")));
+}
+
 TEST_CASE("group_norm matches at::group_norm + silu on CPU tensors", "[api]") {
   const at::Tensor x = at::randn({2, 12, 5, 7}).contiguous(at::MemoryFormat::ChannelsLast);
   const at::Tensor w = at::randn({12}), b = at::randn({12});

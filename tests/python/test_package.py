@@ -30,9 +30,13 @@ def test_info_lists_build_and_ops():
     assert lines[3] == f"compiled GPU architectures: {archs}"
     if torch.cuda.is_available():
         assert lines[4].startswith(f"GPU: {torch.cuda.get_device_name()} (sm_")
+        overlapped = (built["cuda_version"] and torch.cuda.get_device_capability() >= (9, 0)
+                      and os.environ.get("MIRAGE_OVERLAP_LAUNCHES") != "0")
+        assert lines[5].startswith("kernel launches: " + ("overlapped (" if overlapped else "plain ("))
     else:
         assert lines[4] == "GPU: none"
-    assert lines[5] == "ops:" and lines[6:] == [f"  mirage::{op}" for op in OPS]
+        assert lines[5] == "kernel launches: plain (no GPU)"
+    assert lines[6] == "ops:" and lines[7:] == [f"  mirage::{op}" for op in OPS]
 
 
 def test_build_info_matches_running_torch():

@@ -39,6 +39,11 @@ bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, con
 // shared memory), given 16-byte aligned rows; otherwise a GEMM forms it first. False off CUDA.
 bool fused_filter_supported(int64_t features, int64_t basis, const c10::Device& device);
 
+// Whether mirage's kernels are launched overlapped on `device` (programmatic dependent launch, each
+// kernel scheduled while the one ahead finishes; docs/ops.md): on compute capability 9.0 and later,
+// unless the environment sets MIRAGE_OVERLAP_LAUNCHES=0 when the library first launches. False off CUDA.
+bool overlapped_launches(const c10::Device& device);
+
 // GroupNorm over (N, C, *) input, NCHW or channels-last, output in the input's layout;
 // activation is "none" or "silu" (applied after the affine).
 at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,
