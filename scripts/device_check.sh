@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU-machine run: build against the device's torch for sm_90a, run every test (the
-# `cuda`-marked ones included) and Catch2, then the benchmarks. Results and logs go to $OUT.
+# `cuda`-marked ones included) and Catch2, then the benchmarks. Results and logs go to $OUT (one
+# archive, results.tar.gz, when they are more than the 8 files the device tool brings back).
 #   usage (device tool): [STEPS="build pytest ..."] bash scripts/device_check.sh [pytest args...]
 # STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff profile_ff
 # validate_nve (default: all; together they outlast one 10-minute device call: split them; the
@@ -94,6 +95,12 @@ fi
 if want validate_nve; then
   step "validate_nve"
   python3 scripts/validate_nve.py --out "$OUT/nve" 2>&1 | tee "$OUT/validate_nve.txt" || status=1
+fi
+# The device tool brings back at most 8 files from $OUT: past that, the results travel as one
+# archive (tar -xzf results.tar.gz to unpack them).
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar -czf /tmp/mirage-results.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete &&
+    mv /tmp/mirage-results.tar.gz "$OUT/results.tar.gz" && echo "more than 8 result files: bundled in results.tar.gz"
 fi
 step "done (status $status)"
 exit $status
