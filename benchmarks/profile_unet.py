@@ -4,7 +4,7 @@ torch.profiler.
 
 Graphs are off here (the profiler sees the kernels one by one; a graph replays the same ones).
 
-    python benchmarks/profile_unet.py [--model unet|vae] [--batch 2] [--top 25]
+    python benchmarks/profile_unet.py [--model unet|vae] [--batch 2] [--top 25] [--no-compile]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--model", default="unet", choices=("unet", "vae"))
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also profile torch.compile's forward (about a minute of compiling)")
     opts = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     build, make_inputs = MODELS[opts.model]
@@ -42,9 +44,10 @@ def main() -> None:
     args, kwargs = make_inputs(opts.batch, torch.float16)
     args = to_channels_last(args)
     with torch.inference_mode():
-        fp16 = copy.deepcopy(model).half().to(memory_format=torch.channels_last)
-        print_kernel_report("torch.compile (default mode)", kernel_times(torch.compile(fp16), *args, **kwargs),
-                            category, opts.top)
+        if opts.compile:
+            fp16 = copy.deepcopy(model).half().to(memory_format=torch.channels_last)
+            print_kernel_report("torch.compile (default mode)", kernel_times(torch.compile(fp16), *args, **kwargs),
+                                category, opts.top)
         fast = mirage.optimize(model, dtype=torch.float16, cuda_graph=False, verbose=False)
         print_kernel_report("mirage.optimize (graphs off)", kernel_times(fast, *args, **kwargs), category,
                             opts.top)
