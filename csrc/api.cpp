@@ -158,4 +158,14 @@ std::tuple<at::Tensor, at::Tensor> painn_update(const at::Tensor& s, const at::T
   return handles::painn_update().call(s, v, uv, vv, a);
 }
 
+at::Tensor verlet_kick_drift(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
+                             const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
+  return handles::verlet_kick_drift().call(positions, velocities, forces, inverse_masses, kick, drift, dtype);
+}
+
+void verlet_forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
+                        const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick) {
+  handles::verlet_forces_kick().call(velocities, forces, energy, grad, model_energy, inverse_masses, kick);
+}
+
 }  // namespace mirage

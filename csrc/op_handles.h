@@ -82,6 +82,10 @@ c10::TypedOperatorHandle<Sig> lookup(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+using VerletKickDriftSig = at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                                      at::ScalarType);
+using VerletForcesKickSig = void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, double);
 // One lookup per op; a handle stays valid while the library is loaded.
 #define MIRAGE_OP_HANDLE(NAME, SIG)                                  \
   inline const c10::TypedOperatorHandle<SIG>& NAME() {               \
@@ -115,6 +119,8 @@ MIRAGE_OP_HANDLE(painn_update_input, PainnUpdateInputSig)
 MIRAGE_OP_HANDLE(painn_update_input_backward, PainnUpdateInputSig)
 MIRAGE_OP_HANDLE(painn_update, PainnUpdateSig)
 MIRAGE_OP_HANDLE(painn_update_backward, PainnUpdateBackwardSig)
+MIRAGE_OP_HANDLE(verlet_kick_drift, VerletKickDriftSig)
+MIRAGE_OP_HANDLE(verlet_forces_kick, VerletForcesKickSig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

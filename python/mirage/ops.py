@@ -1,8 +1,9 @@
 """Typed wrappers of the ``torch.ops.mirage`` operators.
 
 Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), accumulates in
-float32 (float64 on the CPU reference), returns new tensors, and raises ``RuntimeError`` naming
-the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
+float32 (float64 on the CPU reference), returns new tensors (but the MD state updates
+``verlet_kick_drift`` and ``verlet_forces_kick``, which work in place), and raises
+``RuntimeError`` naming the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
 (float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` and ``painn_energy``
 take float32 (float64 too on the CPU); ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
@@ -778,6 +779,54 @@ def radial_cfconv(
     """
     return torch.ops.mirage.radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
                                           float(cutoff), envelope, sender_order)[0]
+
+
+def verlet_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, inverse_masses: Tensor, kick: float,
+                      drift: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A velocity-Verlet kick and drift of an MD state, in place, in one kernel::
+
+        velocities += kick * forces * inverse_masses
+        positions  += drift * velocities
+
+    (``mirage.ff.md``'s step before the force call: ``kick = dt / 2``, ``drift = dt``.)
+
+    Args:
+        positions, velocities: ``(N, 3)`` float32 or float64, contiguous; updated in place.
+        forces: ``(N, 3)``; inverse_masses: ``(N,)`` or ``(N, 1)``; both in ``positions``' dtype
+            and on its device (strided ones are copied to contiguous first).
+        kick, drift: the two time factors (ASE units: Å, eV, amu and ASE's time unit).
+        dtype: the dtype of the returned positions, float32 or float64 (the model's).
+
+    Returns:
+        The updated positions as a new ``(N, 3)`` tensor in ``dtype``, for the force call. Not
+        differentiable. On CUDA the products may be fused into multiply-adds, so the state can
+        differ from the PyTorch composite's in the last bit.
+    """
+    return torch.ops.mirage.verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype)
+
+
+def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad: Tensor, model_energy: Tensor,
+                       inverse_masses: Tensor, kick: float) -> None:
+    """A force call's result taken into an MD state, then a velocity-Verlet kick, in place, in one
+    kernel::
+
+        forces      = -grad
+        energy      = model_energy
+        velocities += kick * forces * inverse_masses
+
+    (``mirage.ff.md``'s step after the force call: ``kick = dt / 2``.)
+
+    Args:
+        velocities, forces: ``(N, 3)`` float32 or float64, contiguous; updated in place.
+        energy: ``()`` in their dtype; written.
+        grad: ``(N, 3)`` float32 or float64, the energy's gradient in the positions, and
+            model_energy: one floating-point element (the model's energy), on the state's device.
+        inverse_masses: ``(N,)`` or ``(N, 1)`` in the state's dtype.
+        kick: the time factor.
+
+    Not differentiable; returns nothing.
+    """
+    torch.ops.mirage.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick)
 
 
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at

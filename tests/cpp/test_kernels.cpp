@@ -27,6 +27,7 @@
 #include "pair_vectors.cuh"
 #include "radial_basis.cuh"
 #include "subpixel_shuffle.cuh"
+#include "verlet.cuh"
 #include "vector_message_passing.cuh"
 
 namespace mc = mirage::cuda;
@@ -1267,6 +1268,52 @@ TEST_CASE("launch_subpixel_shuffle matches the host reference", "[subpixel_shuff
   }
   mc::SubpixelShuffleParams empty{};
   REQUIRE(mc::launch_subpixel_shuffle(empty, nullptr) == cudaSuccess);
+}
+
+// Velocity-Verlet updates, float32 state and model: a kick and drift, then the forces taken in.
+TEST_CASE("launch_verlet_kick_drift and launch_verlet_forces_kick match the host reference", "[verlet]") {
+  if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
+  for (const int64_t atoms : {1, 7, 300}) {
+    INFO("atoms=" << atoms);
+    std::vector<float> x = random_values(3 * atoms), v = random_values(3 * atoms, 0.0f, 0.1f),
+                       f = random_values(3 * atoms), grad = random_values(3 * atoms), e = random_values(1),
+                       inverse = random_values(atoms, 1.0f, 0.2f);
+    Device<float> dx(x), dv(v), df(f), dgrad(grad), de(e), dinverse(inverse), dout(3 * atoms), denergy(1);
+    mc::VerletParams p{};
+    p.atoms = atoms;
+    p.kick = 0.25;
+    p.drift = 0.5;
+    p.positions = dx.ptr;
+    p.velocities = dv.ptr;
+    p.forces = df.ptr;
+    p.inverse_masses = dinverse.ptr;
+    p.model_positions = dout.ptr;
+    REQUIRE(mc::launch_verlet_kick_drift(p, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    std::vector<double> want_v(3 * atoms), want_x(3 * atoms), want_f(3 * atoms);
+    for (int64_t k = 0; k < 3 * atoms; ++k) {
+      want_v[k] = v[k] + 0.25 * f[k] * inverse[k / 3];
+      want_x[k] = x[k] + 0.5 * want_v[k];
+    }
+    require_close(dv.read(), want_v, 1e-6, 1e-6);
+    require_close(dx.read(), want_x, 1e-6, 1e-6);
+    require_close(dout.read(), want_x, 1e-6, 1e-6);
+
+    v = dv.read();
+    p.kick = 0.125;
+    p.energy = denergy.ptr;
+    p.grad = dgrad.ptr;
+    p.model_energy = de.ptr;
+    REQUIRE(mc::launch_verlet_forces_kick(p, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    for (int64_t k = 0; k < 3 * atoms; ++k) {
+      want_f[k] = -grad[k];
+      want_v[k] = v[k] + 0.125 * want_f[k] * inverse[k / 3];
+    }
+    require_close(df.read(), want_f, 0, 0);
+    require_close(dv.read(), want_v, 1e-6, 1e-6);
+    require_close(denergy.read(), {e[0]}, 0, 0);
+  }
 }
 
 // cfconv: the filter network W2 act(W1 basis + b1) + b2 times the envelope, scattered from the

@@ -13,7 +13,7 @@ import copy
 import inspect
 import os
 from collections import OrderedDict
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -97,6 +97,23 @@ def evaluate(
     Returns:
         ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
     """
+    energy, grads = energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress=stress,
+                                         precision=precision, who=who)
+    energy = energy.to(positions.dtype)
+    forces = grads[0].neg().to(positions.dtype)
+    if not stress:
+        return energy, forces, None
+    g = 0.5 * (grads[1] + grads[1].transpose(0, 1))
+    voigt = torch.stack((g[0, 0], g[1, 1], g[2, 2], g[1, 2], g[0, 2], g[0, 1])) / _volume(cell.detach())
+    return energy, forces, voigt.to(positions.dtype)
+
+
+def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
+                         pbc: Optional[Tensor] = None, *, stress: bool = False, precision: str = "fp32",
+                         who: str = "mirage.ff.Calculator") -> Tuple[Tensor, List[Tensor]]:
+    """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the model's
+    dtype) and its gradients in the positions and, with ``stress``, the strain (never None), as
+    autograd returns them."""
     with torch.enable_grad():
         positions = positions.detach().requires_grad_(True)
         wrt = [positions]
@@ -124,15 +141,9 @@ def evaluate(
     if grads[0] is None:
         raise ValueError(f"{who}: the model's energy does not depend on positions (autograd found no path), "
                          "so there are no forces; does the model detach its inputs?")
-    energy = energy.detach().reshape(()).to(positions.dtype)
-    forces = grads[0].neg().to(positions.dtype)
-    if not stress:
-        return energy, forces, None
-    if grads[1] is None:  # positions are strained, so this means the energy ignores them: never zeros
+    if stress and grads[1] is None:  # positions are strained, so this means the energy ignores them: never zeros
         raise ValueError(f"{who}: the model's energy does not depend on the strain of the cell, so there is no stress")
-    g = 0.5 * (grads[1] + grads[1].transpose(0, 1))
-    voigt = torch.stack((g[0, 0], g[1, 1], g[2, 2], g[1, 2], g[0, 2], g[0, 1])) / _volume(cell.detach())
-    return energy, forces, voigt.to(positions.dtype)
+    return energy.detach().reshape(()), list(grads)
 
 
 def uncapturable(who: str, error: "graphs.CaptureError", eager: str) -> RuntimeError:

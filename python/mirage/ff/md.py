@@ -33,9 +33,10 @@ import ase.io
 from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from .. import graphs
+from .. import graphs, ops
 from . import capacity
-from .calculator import CapacityWatch, check_model, evaluate, model_device_dtype, on_device, synchronize, uncapturable
+from .calculator import (CapacityWatch, check_model, energy_and_gradients, model_device_dtype, on_device, synchronize,
+                         uncapturable)
 from .precision import check_precision, matmul_precision
 
 __all__ = ["Langevin", "VelocityVerlet"]
@@ -153,6 +154,10 @@ class VelocityVerlet:
         self.precision = check_precision(precision, _WHO)
         self.progress_every = progress_every
         self.device, self.dtype = model_device_dtype(model, device, _WHO)
+        if self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{_WHO}: the model's parameters are {self.dtype}; it runs float32 or float64 models "
+                             "(positions need float32's precision at least): convert it with model.float() and "
+                             "pass precision='bf16-mixed' for bfloat16 products")
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.step = 0
         self.records: List[Dict[str, float]] = []
@@ -203,19 +208,24 @@ class VelocityVerlet:
             state["pair_counts"] = torch.zeros(2, dtype=torch.int64, device=self.device)  # [max, min] of a replay
         return state
 
-    def _forces(self, state: Dict[str, Tensor]) -> None:
-        """One force evaluation into ``state`` (in place), folding the pair count into its range."""
-        energy, forces, _ = evaluate(self.model, state["numbers"], state["positions"].to(self.dtype),
-                                     state.get("cell"), state.get("pbc"), precision=self.precision, who=_WHO)
-        state["forces"].copy_(forces)
-        state["energy"].copy_(energy)
+    def _forces(self, state: Dict[str, Tensor], model_positions: Tensor, kick: float) -> None:
+        """One force evaluation at ``model_positions`` into ``state`` (in place), then a kick of
+        the velocities by ``kick`` (a time); folds the pair count into its range."""
+        energy, (grad,) = energy_and_gradients(self.model, state["numbers"], model_positions, state.get("cell"),
+                                               state.get("pbc"), precision=self.precision, who=_WHO)
+        ops.verlet_forces_kick(state["velocities"], state["forces"], state["energy"], grad, energy,
+                               state["inverse_masses"], kick)
         if self._counting:
             counts, found = state["pair_counts"], self.model.num_pairs
             torch.maximum(counts[:1], found, out=counts[:1])
             torch.minimum(counts[1:], found, out=counts[1:])
 
     def _advance(self, state: Dict[str, Tensor], steps: int) -> Dict[str, Tensor]:
-        """``steps`` steps in place on ``state`` (what one graph records); returns ``state``."""
+        """``steps`` steps in place on ``state`` (what one graph records); returns ``state``.
+
+        Each step is a half kick and a drift (one kernel), the forces, and a half kick (one
+        kernel with taking the forces in); with the thermostat, BAOAB: the drift is split in two
+        around the O step."""
         for name in ("positions", "velocities", "forces", "energy"):
             state["saved_" + name].copy_(state[name])
         if self._counting:
@@ -224,11 +234,10 @@ class VelocityVerlet:
         x, v, f, inverse_masses = state["positions"], state["velocities"], state["forces"], state["inverse_masses"]
         dt = self.timestep
         for _ in range(steps):
-            v.addcmul_(f, inverse_masses, value=0.5 * dt)
             if self.thermostat is None:
-                x.add_(v, alpha=dt)
+                model_positions = ops.verlet_kick_drift(x, v, f, inverse_masses, 0.5 * dt, dt, self.dtype)
             else:
-                x.add_(v, alpha=0.5 * dt)
+                ops.verlet_kick_drift(x, v, f, inverse_masses, 0.5 * dt, 0.5 * dt, self.dtype)
                 c1 = math.exp(-self.thermostat.friction * dt)
                 if self._fix_com:
                     # The O step's change of v (noise, friction) minus its mass-weighted mean:
@@ -237,9 +246,8 @@ class VelocityVerlet:
                     v.add_(kick.sub_((state["mass_fractions"] * kick).sum(0)))
                 else:
                     v.mul_(c1).addcmul_(torch.randn_like(v), state["noise_scales"])
-                x.add_(v, alpha=0.5 * dt)
-            self._forces(state)
-            v.addcmul_(f, inverse_masses, value=0.5 * dt)
+                model_positions = ops.verlet_kick_drift(x, v, f, inverse_masses, 0.0, 0.5 * dt, self.dtype)
+            self._forces(state, model_positions, 0.5 * dt)
         return state
 
     def _restore(self) -> None:
@@ -268,7 +276,7 @@ class VelocityVerlet:
                 self._state["pair_counts"][0].fill_(0)
                 self._state["pair_counts"][1].fill_(_NO_PAIRS)
             with torch.no_grad(), matmul_precision(self.precision):
-                self._forces(self._state)
+                self._forces(self._state, self._state["positions"].to(self.dtype), 0.0)
             needed = self._needed()
             if needed is None:
                 return

@@ -1,0 +1,112 @@
+// mirage::verlet_kick_drift and mirage::verlet_forces_kick: checks, CPU references and Meta
+// kernels. The state is updated in place, so that an MD loop captured in a CUDA graph keeps it in
+// the same buffers from replay to replay (mirage.ff.md); each op is one kernel on the GPU where
+// the same steps in PyTorch ops take three to six.
+#include "verlet.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "message.h"
+
+namespace mirage::ops {
+namespace {
+
+bool is_float32_or_64(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kDouble; }
+
+// A state tensor the op writes: [N, 3] float32/float64, contiguous (the kernels write it in place).
+void check_state(std::string_view op, std::string_view arg, const at::Tensor& t) {
+  MIRAGE_CHECK(is_float32_or_64(t.scalar_type()), op, ": ", arg, " must be float32 or float64, got ",
+               t.scalar_type());
+  MIRAGE_CHECK(t.dim() == 2 && t.size(1) == 3, op, ": ", arg, " must be [N, 3], got ", t.sizes());
+  MIRAGE_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (it is updated in place), got strides ",
+               t.strides());
+}
+
+void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,
+                          const at::Tensor& state) {
+  const int64_t n = state.size(0);
+  MIRAGE_CHECK(inverse_masses.device() == state.device(), op, ": inverse_masses must be on ", owner, " device (",
+               state.device(), "), got ", inverse_masses.device());
+  MIRAGE_CHECK(inverse_masses.scalar_type() == state.scalar_type(), op, ": inverse_masses must have ", owner,
+               " dtype (", state.scalar_type(), "), got ", inverse_masses.scalar_type());
+  const bool shaped = (inverse_masses.dim() == 1 && inverse_masses.size(0) == n) ||
+                      (inverse_masses.dim() == 2 && inverse_masses.size(0) == n && inverse_masses.size(1) == 1);
+  MIRAGE_CHECK(shaped, op, ": inverse_masses must be [N] or [N, 1] with N = ", n, ", got ", inverse_masses.sizes());
+}
+
+// The references: PyTorch ops in the state's dtype, as mirage.ff.md wrote the steps before.
+at::Tensor verlet_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
+                                 const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+  velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
+  positions.add_(velocities, drift);
+  return positions.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
+                            const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick) {
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
+  forces.copy_(grad.neg());
+  energy.copy_(model_energy.reshape({}));
+  velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
+}
+
+at::Tensor verlet_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
+                                  const at::Tensor& inverse_masses, double, double, at::ScalarType dtype) {
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+  return at::empty(positions.sizes(), positions.options().dtype(dtype));
+}
+
+void verlet_forces_kick_meta(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
+                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double) {
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
+}
+
+}  // namespace
+
+void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
+                             const at::Tensor& inverse_masses, at::ScalarType dtype) {
+  constexpr std::string_view op = kVerletKickDrift;
+  check_state(op, "positions", positions);
+  check_like(op, "velocities", velocities, "positions'", positions, "[N, 3]", positions.sizes());
+  check_state(op, "velocities", velocities);
+  check_like(op, "forces", forces, "positions'", positions, "[N, 3]", positions.sizes());
+  check_inverse_masses(op, inverse_masses, "positions'", positions);
+  MIRAGE_CHECK(is_float32_or_64(dtype), op, ": dtype must be float32 or float64, got ", dtype);
+}
+
+void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
+                              const at::Tensor& grad, const at::Tensor& model_energy,
+                              const at::Tensor& inverse_masses) {
+  constexpr std::string_view op = kVerletForcesKick;
+  check_state(op, "velocities", velocities);
+  check_like(op, "forces", forces, "velocities'", velocities, "[N, 3]", velocities.sizes());
+  check_state(op, "forces", forces);
+  check_like(op, "energy", energy, "velocities'", velocities, "[]", {});
+  MIRAGE_CHECK(grad.device() == velocities.device(), op, ": grad must be on velocities' device (",
+               velocities.device(), "), got ", grad.device());
+  MIRAGE_CHECK(is_float32_or_64(grad.scalar_type()), op, ": grad must be float32 or float64, got ",
+               grad.scalar_type());
+  MIRAGE_CHECK(grad.sizes() == velocities.sizes(), op, ": grad must have velocities' shape ", velocities.sizes(),
+               ", got ", grad.sizes());
+  MIRAGE_CHECK(model_energy.device() == velocities.device(), op, ": model_energy must be on velocities' device (",
+               velocities.device(), "), got ", model_energy.device());
+  MIRAGE_CHECK(at::isFloatingType(model_energy.scalar_type()), op, ": model_energy must be floating point, got ",
+               model_energy.scalar_type());
+  MIRAGE_CHECK(model_energy.numel() == 1, op, ": model_energy must have one element, got shape ",
+               model_energy.sizes());
+  check_inverse_masses(op, inverse_masses, "velocities'", velocities);
+}
+
+TORCH_LIBRARY_IMPL(mirage, CPU, m) {
+  m.impl("verlet_kick_drift", &verlet_kick_drift_cpu);
+  m.impl("verlet_forces_kick", &verlet_forces_kick_cpu);
+}
+TORCH_LIBRARY_IMPL(mirage, Meta, m) {
+  m.impl("verlet_kick_drift", &verlet_kick_drift_meta);
+  m.impl("verlet_forces_kick", &verlet_forces_kick_meta);
+}
+
+}  // namespace mirage::ops

@@ -1,0 +1,28 @@
+// mirage::verlet_kick_drift and mirage::verlet_forces_kick: checks shared by the CPU, Meta and
+// CUDA kernels.
+#pragma once
+
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+namespace mirage::ops {
+
+inline constexpr std::string_view kVerletKickDrift = "mirage::verlet_kick_drift";
+inline constexpr std::string_view kVerletForcesKick = "mirage::verlet_forces_kick";
+
+// positions and velocities: the state, [N, 3] float32/float64, contiguous (updated in place);
+// forces: [N, 3], inverse_masses: [N] or [N, 1], both in the state's dtype and on its device;
+// dtype: float32 or float64.
+void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
+                             const at::Tensor& inverse_masses, at::ScalarType dtype);
+
+// velocities and forces: the state, [N, 3] float32/float64, contiguous (updated in place);
+// energy: [] in their dtype (written); grad: [N, 3] float32 or float64 and model_energy: one
+// floating-point element (bfloat16 under autocast, say), on the state's device; inverse_masses
+// as above.
+void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
+                              const at::Tensor& grad, const at::Tensor& model_energy,
+                              const at::Tensor& inverse_masses);
+
+}  // namespace mirage::ops

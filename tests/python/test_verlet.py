@@ -1,0 +1,244 @@
+"""mirage::verlet_kick_drift and mirage::verlet_forces_kick against the velocity-Verlet steps
+written in PyTorch (what mirage.ff.md ran before), in float64."""
+
+import pytest
+import torch
+
+import mirage
+from common import DEVICES, assert_error, capture_graph, randn, strided
+from tolerances import tolerance
+
+
+def kick_drift_reference(positions, velocities, forces, inverse_masses, kick, drift):
+    v = velocities.double() + kick * forces.double() * inverse_masses.double().reshape(-1, 1)
+    return positions.double() + drift * v, v
+
+
+def forces_kick_reference(velocities, grad, inverse_masses, kick):
+    forces = -grad.double()
+    return forces, velocities.double() + kick * forces * inverse_masses.double().reshape(-1, 1)
+
+
+def make_state(atoms, dtype, device, masses_shape="column"):
+    positions = randn(atoms, 3, dtype=dtype, device=device, std=5.0)
+    velocities = randn(atoms, 3, dtype=dtype, device=device, std=0.05)
+    forces = randn(atoms, 3, dtype=dtype, device=device)
+    inverse_masses = 1.0 / (1.0 + 100.0 * torch.rand(atoms, dtype=dtype, device=device))
+    if masses_shape == "column":
+        inverse_masses = inverse_masses[:, None]
+    return positions, velocities, forces, inverse_masses
+
+
+def assert_state_close(got, want, dtype):
+    """One rounding of the state's dtype on values of the reference's size (a sum of two terms)."""
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("atoms", [1, 7, 769])
+@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+def test_kick_drift_matches_pytorch(device, state_dtype, model_dtype, atoms, masses_shape):
+    positions, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
+    want_positions, want_velocities = kick_drift_reference(positions, velocities, forces, inverse_masses, 0.25, 0.5)
+    out = mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.25, 0.5, model_dtype)
+    assert_state_close(positions, want_positions, state_dtype)
+    assert_state_close(velocities, want_velocities, state_dtype)
+    # The returned positions: the new state's, rounded to the model's dtype, in a tensor of their own.
+    assert out.dtype == model_dtype and out.shape == (atoms, 3) and out.data_ptr() != positions.data_ptr()
+    assert torch.equal(out, positions.to(model_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("atoms", [1, 7, 769])
+def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms):
+    _, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device)
+    grad = randn(atoms, 3, dtype=model_dtype, device=device)
+    model_energy = randn(1, dtype=model_dtype, device=device)
+    energy = torch.full((), float("nan"), dtype=state_dtype, device=device)
+    forces.fill_(float("nan"))  # written, never read
+    want_forces, want_velocities = forces_kick_reference(velocities, grad, inverse_masses, 0.125)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, 0.125)
+    assert torch.equal(forces, -grad.to(state_dtype))
+    assert torch.equal(energy, model_energy.reshape(()).to(state_dtype))
+    assert_state_close(velocities, want_velocities, state_dtype)
+    assert_state_close(forces, want_forces, state_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_read_only_inputs(device):
+    """forces, inverse masses and grad may be views; only the state written in place must be contiguous."""
+    positions, velocities, forces, inverse_masses = make_state(33, torch.float64, device)
+    want_positions, want_velocities = kick_drift_reference(positions, velocities, forces, inverse_masses, 0.5, 1.0)
+    mirage.ops.verlet_kick_drift(positions, velocities, strided(forces), strided(inverse_masses.reshape(-1)), 0.5, 1.0)
+    assert_state_close(positions, want_positions, torch.float64)
+    assert_state_close(velocities, want_velocities, torch.float64)
+    grad = randn(33, 3, device=device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    _, want_velocities = forces_kick_reference(velocities, grad, inverse_masses, 0.5)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, strided(grad), randn(1, 1, device=device)[:, 0],
+                                  inverse_masses, 0.5)
+    assert torch.equal(forces, -grad.double())
+    assert_state_close(velocities, want_velocities, torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reduced_precision_model_energy_is_taken(device):
+    """A model under bfloat16 autocast may return a bfloat16 energy: it is taken as it is."""
+    _, velocities, forces, inverse_masses = make_state(4, torch.float64, device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    model_energy = torch.tensor(-3.125, dtype=torch.bfloat16, device=device)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, randn(4, 3, device=device), model_energy,
+                                  inverse_masses, 0.5)
+    assert energy.item() == -3.125
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_atoms(device):
+    positions, velocities, forces, inverse_masses = make_state(0, torch.float64, device)
+    out = mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.5, 1.0)
+    assert out.shape == (0, 3) and out.dtype == torch.float32
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, torch.empty(0, 3, device=device),
+                                  torch.tensor([2.5], device=device), inverse_masses, 0.5)
+    assert energy.item() == 2.5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_propagates(device):
+    positions, velocities, forces, inverse_masses = make_state(5, torch.float64, device)
+    forces[2, 1] = float("nan")
+    out = mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.5, 1.0)
+    assert torch.isnan(velocities[2, 1]) and torch.isnan(positions[2, 1]) and torch.isnan(out[2, 1])
+    assert torch.isfinite(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2, [0, 2]]).all()
+    grad = randn(5, 3, device=device)
+    grad[4, 0] = float("inf")
+    mirage.ops.verlet_forces_kick(velocities, forces, torch.zeros((), dtype=torch.float64, device=device), grad,
+                                  torch.tensor(float("nan"), device=device), inverse_masses, 0.5)
+    assert forces[4, 0] == float("-inf") and torch.isinf(velocities[4, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    positions, velocities, forces, inverse_masses = make_state(7, torch.float64, device)
+    torch.library.opcheck(torch.ops.mirage.verlet_kick_drift,
+                          (positions, velocities, forces, inverse_masses, 0.5, 1.0, torch.float32))
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    torch.library.opcheck(torch.ops.mirage.verlet_forces_kick,
+                          (velocities, forces, energy, randn(7, 3, device=device), randn(1, device=device),
+                           inverse_masses, 0.5))
+
+
+def md_steps(positions, velocities, forces, energy, inverse_masses, steps):
+    """Velocity-Verlet with a harmonic force on each coordinate (grad = x), float32 'model'."""
+    for _ in range(steps):
+        x = mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.05, 0.1)
+        mirage.ops.verlet_forces_kick(velocities, forces, energy, x, 0.5 * (x * x).sum(), inverse_masses, 0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_steps_match_eager(device):
+    state = make_state(9, torch.float64, device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    eager = [t.clone() for t in state[:3]] + [energy.clone()]
+    md_steps(eager[0], eager[1], eager[2], eager[3], state[3], 3)
+    compiled = torch.compile(md_steps, fullgraph=True)
+    compiled(state[0], state[1], state[2], energy, state[3], 3)
+    for got, want in zip(state[:3], eager):
+        assert_state_close(got, want, torch.float64)
+    # The float32 "model" energy is a sum the compiler may order differently.
+    torch.testing.assert_close(energy, eager[3], **tolerance(torch.float32))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_advance_the_state():
+    """Each replay advances the captured buffers from where the last left them, as eager steps do."""
+    positions, velocities, forces, inverse_masses = make_state(12, torch.float64, "cuda")
+    energy = torch.zeros((), dtype=torch.float64, device="cuda")
+    state = (positions, velocities, forces, energy)
+    graph, _ = capture_graph(lambda: md_steps(*state, inverse_masses, 2))
+    eager = [t.clone() for t in state]  # where the warm-up calls left the state (capturing runs nothing)
+    for _ in range(3):
+        graph.replay()
+        md_steps(*eager, inverse_masses, 2)
+    torch.cuda.synchronize()
+    for got, want in zip(state, eager):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def kick_drift_call(**changes):
+    def call(device):
+        args = dict(zip(("positions", "velocities", "forces", "inverse_masses"), make_state(4, torch.float64, device)))
+        args.update(kick=0.5, drift=1.0, dtype=torch.float32)
+        args.update({k: (v(device) if callable(v) else v) for k, v in changes.items()})
+        return torch.ops.mirage.verlet_kick_drift(**args)
+    return call
+
+
+def forces_kick_call(**changes):
+    def call(device):
+        _, velocities, forces, inverse_masses = make_state(4, torch.float64, device)
+        args = dict(velocities=velocities, forces=forces, energy=torch.zeros((), dtype=torch.float64, device=device),
+                    grad=randn(4, 3, device=device), model_energy=randn(1, device=device),
+                    inverse_masses=inverse_masses, kick=0.5)
+        args.update({k: v(device) for k, v in changes.items()})
+        return torch.ops.mirage.verlet_forces_kick(**args)
+    return call
+
+
+KICK_DRIFT_ERRORS = [
+    (dict(positions=lambda d: torch.zeros(4, 3, dtype=torch.float16, device=d)), "positions must be float32 or float64"),
+    (dict(positions=lambda d: torch.zeros(4, 2, dtype=torch.float64, device=d)), "positions must be [N, 3]"),
+    (dict(positions=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "positions must be contiguous"),
+    (dict(velocities=lambda d: torch.zeros(4, 3, dtype=torch.float32, device=d)), "velocities must have positions' dtype"),
+    (dict(velocities=lambda d: torch.zeros(5, 3, dtype=torch.float64, device=d)), "velocities must have shape [N, 3]"),
+    (dict(velocities=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "velocities must be contiguous"),
+    (dict(forces=lambda d: torch.zeros(4, 3, dtype=torch.float32, device=d)), "forces must have positions' dtype"),
+    (dict(forces=lambda d: torch.zeros(4, dtype=torch.float64, device=d)), "forces must have shape [N, 3]"),
+    (dict(inverse_masses=lambda d: torch.ones(4, 3, dtype=torch.float64, device=d)),
+     "inverse_masses must be [N] or [N, 1] with N = 4"),
+    (dict(inverse_masses=lambda d: torch.ones(4, dtype=torch.float32, device=d)), "inverse_masses must have positions' dtype"),
+    (dict(dtype=torch.float16), "dtype must be float32 or float64"),
+]
+
+FORCES_KICK_ERRORS = [
+    (dict(velocities=lambda d: torch.zeros(4, 3, dtype=torch.int64, device=d)), "velocities must be float32 or float64"),
+    (dict(forces=lambda d: torch.zeros(4, 3, dtype=torch.float32, device=d)), "forces must have velocities' dtype"),
+    (dict(forces=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "forces must be contiguous"),
+    (dict(energy=lambda d: torch.zeros(1, dtype=torch.float64, device=d)), "energy must have shape []"),
+    (dict(energy=lambda d: torch.zeros((), dtype=torch.float32, device=d)), "energy must have velocities' dtype"),
+    (dict(grad=lambda d: torch.zeros(4, 3, dtype=torch.float16, device=d)), "grad must be float32 or float64"),
+    (dict(grad=lambda d: torch.zeros(5, 3, device=d)), "grad must have velocities' shape"),
+    (dict(model_energy=lambda d: torch.zeros(2, device=d)), "model_energy must have one element"),
+    (dict(model_energy=lambda d: torch.zeros(1, dtype=torch.int64, device=d)), "model_energy must be floating point"),
+    (dict(inverse_masses=lambda d: torch.ones(5, 1, dtype=torch.float64, device=d)),
+     "inverse_masses must be [N] or [N, 1] with N = 4"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changes,message", KICK_DRIFT_ERRORS)
+def test_kick_drift_bad_input(device, changes, message):
+    assert_error(kick_drift_call(**changes), device, "mirage::verlet_kick_drift: " + message)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changes,message", FORCES_KICK_ERRORS)
+def test_forces_kick_bad_input(device, changes, message):
+    assert_error(forces_kick_call(**changes), device, "mirage::verlet_forces_kick: " + message)
+
+
+@pytest.mark.cuda
+def test_inputs_on_another_device_are_refused():
+    assert_error(kick_drift_call(forces=lambda d: torch.zeros(4, 3, dtype=torch.float64)), "cuda",
+                 "mirage::verlet_kick_drift: forces must be on positions' device")
+    assert_error(kick_drift_call(inverse_masses=lambda d: torch.ones(4, dtype=torch.float64)), "cuda",
+                 "mirage::verlet_kick_drift: inverse_masses must be on positions' device")
+    assert_error(forces_kick_call(grad=lambda d: torch.zeros(4, 3)), "cuda",
+                 "mirage::verlet_forces_kick: grad must be on velocities' device")
+    assert_error(forces_kick_call(model_energy=lambda d: torch.zeros(1)), "cuda",
+                 "mirage::verlet_forces_kick: model_energy must be on velocities' device")
