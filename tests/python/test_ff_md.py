@@ -365,6 +365,9 @@ def test_bad_atoms():
         md.VelocityVerlet(small(SchNet), box, DT)
     with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: model must be callable"):
         md.VelocityVerlet(lambda positions: positions.sum(), benzene_atoms(), DT)
+    with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: the model's parameters are torch.float16; "
+                                         "it runs float32 or float64 models"):
+        md.VelocityVerlet(Springs().half(), benzene_atoms(), DT)
 
 
 @pytest.mark.parametrize("temperature, friction, message", [
