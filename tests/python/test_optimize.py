@@ -1,6 +1,7 @@
 """mirage.optimize on tiny diffusers models (CPU, float32 unless said) and the SD-1.5 U-Net (GPU)."""
 
 import copy
+import gc
 import subprocess
 import sys
 from collections import Counter
@@ -565,11 +566,15 @@ def test_sd15_unet_float16_graphs_match_float32_eager():
         # 1,000 replays with changing inputs: the graphs' memory is their pool, nothing grows.
         inputs = half(sd15_inputs(2))
         optimized(*inputs)
+        # Collected first and last: CUDA tensors held by cyclic garbage (of earlier tests in this
+        # process, say) would otherwise be freed whenever the collector happens to run.
+        gc.collect()
         torch.cuda.synchronize()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         for _ in range(1000):
             inputs[0].normal_()
             optimized(*inputs)
+        gc.collect()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == allocated and torch.cuda.memory_reserved() == reserved
     stats = mirage.report(optimized).graphs
