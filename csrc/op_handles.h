@@ -76,16 +76,16 @@ using PainnUpdateSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, con
                                                           const at::Tensor&);
 using PainnUpdateBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using VerletKickDriftSig = at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                                      at::ScalarType);
+using VerletForcesKickSig = void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, double);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-using VerletKickDriftSig = at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
-                                      at::ScalarType);
-using VerletForcesKickSig = void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, double);
 // One lookup per op; a handle stays valid while the library is loaded.
 #define MIRAGE_OP_HANDLE(NAME, SIG)                                  \
   inline const c10::TypedOperatorHandle<SIG>& NAME() {               \

@@ -29,13 +29,6 @@ TORCH_LIBRARY(mirage, m) {
   // to each of them as `sender_order` instead of each backward sorting the list again. With
   // num_pairs (neighbor_list's), the padding past it comes last.
   m.def("sender_order(Tensor pairs, int num_nodes, Tensor? num_pairs=None) -> Tensor");
-  // Velocity-Verlet updates of an MD state in place (mirage.ff.md; one kernel each): a kick of the
-  // velocities by the forces and a drift of the positions, returning the positions in `dtype` for
-  // the model; and the model's gradient taken as the state's forces (-grad) and energy, then a kick.
-  m.def("verlet_kick_drift(Tensor(a!) positions, Tensor(b!) velocities, Tensor forces, Tensor inverse_masses, "
-        "float kick, float drift, ScalarType dtype) -> Tensor");
-  m.def("verlet_forces_kick(Tensor(a!) velocities, Tensor(b!) forces, Tensor(c!) energy, Tensor grad, "
-        "Tensor model_energy, Tensor inverse_masses, float kick) -> ()");
   // The pair vectors positions[j] - positions[i] + shifts and their lengths; the backward is an op
   // of its own (a scatter onto the atoms: the forces' last step).
   m.def("pair_vectors(Tensor positions, Tensor pairs, Tensor? shifts=None, Tensor? sender_order=None) -> "
@@ -95,4 +88,11 @@ TORCH_LIBRARY(mirage, m) {
         "(Tensor out, Tensor table)");
   m.def("radial_cfconv_backward(Tensor grad, Tensor x, Tensor distances, Tensor pairs, Tensor table, float cutoff, "
         "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_distances)");
+  // Velocity-Verlet updates of an MD state in place (mirage.ff.md; one kernel each): a kick of the
+  // velocities by the forces and a drift of the positions, returning the positions in `dtype` for
+  // the model; and the model's gradient taken as the state's forces (-grad) and energy, then a kick.
+  m.def("verlet_kick_drift(Tensor(a!) positions, Tensor(b!) velocities, Tensor forces, Tensor inverse_masses, "
+        "float kick, float drift, ScalarType dtype=float) -> Tensor");
+  m.def("verlet_forces_kick(Tensor(a!) velocities, Tensor(b!) forces, Tensor(c!) energy, Tensor grad, "
+        "Tensor model_energy, Tensor inverse_masses, float kick) -> ()");
 }

@@ -1,4 +1,4 @@
-// Velocity-Verlet updates: elementwise over the 3N coordinates. Each replaces three to six
+// Velocity-Verlet updates: elementwise over the 3N coordinates. Each replaces three or four
 // PyTorch kernels of an MD step (a couple of µs each in a CUDA graph, where a small molecule's
 // whole step is under 100 µs), and is launched overlapped with the model's kernels.
 #include <cstdint>
@@ -18,14 +18,15 @@ __global__ void __launch_bounds__(kThreads) verlet_kernel(VerletParams p) {
   start_after_prior_grid();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if constexpr (kStep == Step::kForcesKick) {
-    if (e == 0) *static_cast<State*>(p.energy) = static_cast<State>(*static_cast<const Model*>(p.model_energy));
+    if (e == 0) *static_cast<State*>(p.energy) = *static_cast<const State*>(p.model_energy);
   }
   if (e >= 3 * p.atoms) return;
   State* v = static_cast<State*>(p.velocities);
   State* f = static_cast<State*>(p.forces);
   const State inverse_mass = static_cast<const State*>(p.inverse_masses)[e / 3];
   if constexpr (kStep == Step::kKickDrift) {
-    const State velocity = v[e] + static_cast<State>(p.kick) * f[e] * inverse_mass;
+    // A kick of 0 leaves v alone (no 0 * Inf), as the references do.
+    const State velocity = p.kick != 0.0 ? v[e] + static_cast<State>(p.kick) * f[e] * inverse_mass : v[e];
     State* x = static_cast<State*>(p.positions);
     const State position = x[e] + static_cast<State>(p.drift) * velocity;
     v[e] = velocity;
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kThreads) verlet_kernel(VerletParams p) {
   } else {
     const State force = -static_cast<State>(static_cast<const Model*>(p.grad)[e]);
     f[e] = force;
-    v[e] = v[e] + static_cast<State>(p.kick) * force * inverse_mass;
+    if (p.kick != 0.0) v[e] = v[e] + static_cast<State>(p.kick) * force * inverse_mass;
   }
 }
 

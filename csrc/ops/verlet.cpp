@@ -15,13 +15,18 @@ namespace {
 
 bool is_float32_or_64(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kDouble; }
 
-// A state tensor the op writes: [N, 3] float32/float64, contiguous (the kernels write it in place).
+// A state tensor the op writes in place must be contiguous (the kernels index it flat).
+void check_contiguous(std::string_view op, std::string_view arg, const at::Tensor& t) {
+  MIRAGE_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (it is updated in place), got strides ",
+               t.strides());
+}
+
+// The state tensor the others are measured against: [N, 3] float32/float64, contiguous.
 void check_state(std::string_view op, std::string_view arg, const at::Tensor& t) {
   MIRAGE_CHECK(is_float32_or_64(t.scalar_type()), op, ": ", arg, " must be float32 or float64, got ",
                t.scalar_type());
   MIRAGE_CHECK(t.dim() == 2 && t.size(1) == 3, op, ": ", arg, " must be [N, 3], got ", t.sizes());
-  MIRAGE_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous (it is updated in place), got strides ",
-               t.strides());
+  check_contiguous(op, arg, t);
 }
 
 void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,
@@ -36,11 +41,13 @@ void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses,
   MIRAGE_CHECK(shaped, op, ": inverse_masses must be [N] or [N, 1] with N = ", n, ", got ", inverse_masses.sizes());
 }
 
-// The references: PyTorch ops in the state's dtype, as mirage.ff.md wrote the steps before.
+// The references: PyTorch ops in the state's dtype, as mirage.ff.md wrote the steps before. A kick
+// of 0 leaves the velocities alone (0 * Inf would make them NaN): mirage.ff.md takes its first
+// forces with one.
 at::Tensor verlet_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
                                  const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
   check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
-  velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
+  if (kick != 0.0) velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
   positions.add_(velocities, drift);
   return positions.to(dtype, /*non_blocking=*/false, /*copy=*/true);
 }
@@ -50,7 +57,7 @@ void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tens
   check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
   forces.copy_(grad.neg());
   energy.copy_(model_energy.reshape({}));
-  velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
+  if (kick != 0.0) velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
 }
 
 at::Tensor verlet_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
@@ -71,7 +78,7 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
   constexpr std::string_view op = kVerletKickDrift;
   check_state(op, "positions", positions);
   check_like(op, "velocities", velocities, "positions'", positions, "[N, 3]", positions.sizes());
-  check_state(op, "velocities", velocities);
+  check_contiguous(op, "velocities", velocities);
   check_like(op, "forces", forces, "positions'", positions, "[N, 3]", positions.sizes());
   check_inverse_masses(op, inverse_masses, "positions'", positions);
   MIRAGE_CHECK(is_float32_or_64(dtype), op, ": dtype must be float32 or float64, got ", dtype);
@@ -83,7 +90,7 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   constexpr std::string_view op = kVerletForcesKick;
   check_state(op, "velocities", velocities);
   check_like(op, "forces", forces, "velocities'", velocities, "[N, 3]", velocities.sizes());
-  check_state(op, "forces", forces);
+  check_contiguous(op, "forces", forces);
   check_like(op, "energy", energy, "velocities'", velocities, "[]", {});
   MIRAGE_CHECK(grad.device() == velocities.device(), op, ": grad must be on velocities' device (",
                velocities.device(), "), got ", grad.device());

@@ -36,8 +36,8 @@ void verlet_forces_kick_cuda(at::Tensor& velocities, at::Tensor& forces, at::Ten
                              const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick) {
   check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
   const c10::cuda::CUDAGuard guard(velocities.device());
-  // The kernel reads the energy in grad's dtype (a cast only when the model returned another).
-  const at::Tensor g = grad.contiguous(), e = model_energy.to(grad.scalar_type()).contiguous();
+  // The kernel reads the energy in the state's dtype, cast once as the CPU's copy_ does.
+  const at::Tensor g = grad.contiguous(), e = model_energy.to(energy.scalar_type()).contiguous();
   const at::Tensor inverse = inverse_masses.contiguous();
   cuda::VerletParams params{};
   params.atoms = velocities.size(0);

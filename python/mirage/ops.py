@@ -6,7 +6,8 @@ float32 (float64 on the CPU reference), returns new tensors (but the MD state up
 ``RuntimeError`` naming the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
 (float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` and ``painn_energy``
-take float32 (float64 too on the CPU); ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
+take float32 (float64 too on the CPU), and the MD state updates ``verlet_kick_drift`` and
+``verlet_forces_kick`` take float32 or float64 on every device and compute in the state's dtype; ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
 ``cfconv`` and ``radial_cfconv`` run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
 """
 
@@ -788,7 +789,8 @@ def verlet_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, inv
         velocities += kick * forces * inverse_masses
         positions  += drift * velocities
 
-    (``mirage.ff.md``'s step before the force call: ``kick = dt / 2``, ``drift = dt``.)
+    (``mirage.ff.md``'s step before the force call: ``kick = dt / 2``, ``drift = dt``. A ``kick``
+    of 0 leaves the velocities untouched.)
 
     Args:
         positions, velocities: ``(N, 3)`` float32 or float64, contiguous; updated in place.
@@ -814,13 +816,15 @@ def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad:
         energy      = model_energy
         velocities += kick * forces * inverse_masses
 
-    (``mirage.ff.md``'s step after the force call: ``kick = dt / 2``.)
+    (``mirage.ff.md``'s step after the force call: ``kick = dt / 2``. A ``kick`` of 0 leaves the
+    velocities untouched: ``mirage.ff.md`` takes its first forces that way.)
 
     Args:
         velocities, forces: ``(N, 3)`` float32 or float64, contiguous; updated in place.
         energy: ``()`` in their dtype; written.
         grad: ``(N, 3)`` float32 or float64, the energy's gradient in the positions, and
-            model_energy: one floating-point element (the model's energy), on the state's device.
+            model_energy: one floating-point element (the model's energy), on the state's device;
+            stored rounded once to the state's dtype.
         inverse_masses: ``(N,)`` or ``(N, 1)`` in the state's dtype.
         kick: the time factor.
 

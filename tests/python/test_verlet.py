@@ -55,8 +55,9 @@ def test_kick_drift_matches_pytorch(device, state_dtype, model_dtype, atoms, mas
 @pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("atoms", [1, 7, 769])
-def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms):
-    _, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device)
+@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms, masses_shape):
+    _, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
     grad = randn(atoms, 3, dtype=model_dtype, device=device)
     model_energy = randn(1, dtype=model_dtype, device=device)
     energy = torch.full((), float("nan"), dtype=state_dtype, device=device)
@@ -84,6 +85,35 @@ def test_strided_read_only_inputs(device):
                                   inverse_masses, 0.5)
     assert torch.equal(forces, -grad.double())
     assert_state_close(velocities, want_velocities, torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_energy_is_rounded_once_to_the_state(device):
+    """A float32 model may sum its energy in float64: the state keeps every bit of it."""
+    _, velocities, forces, inverse_masses = make_state(4, torch.float64, device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    model_energy = torch.tensor(1.0 + 1e-12, dtype=torch.float64, device=device)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, randn(4, 3, device=device), model_energy,
+                                  inverse_masses, 0.5)
+    assert energy.item() == 1.0 + 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kick_of_zero_leaves_the_velocities(device):
+    """mirage.ff.md takes its first forces with a kick of 0: infinite forces must not turn the
+    velocities into NaN (0 * Inf)."""
+    positions, velocities, forces, inverse_masses = make_state(3, torch.float64, device)
+    forces[1, 2] = float("inf")
+    before = velocities.clone()
+    want_positions = positions + 0.5 * before
+    mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.0, 0.5)
+    assert torch.equal(velocities, before)
+    torch.testing.assert_close(positions, want_positions, **tolerance(torch.float64))
+    grad = randn(3, 3, device=device)
+    grad[0, 0] = float("-inf")
+    mirage.ops.verlet_forces_kick(velocities, forces, torch.zeros((), dtype=torch.float64, device=device), grad,
+                                  randn(1, device=device), inverse_masses, 0.0)
+    assert torch.equal(velocities, before) and forces[0, 0] == float("inf")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,20 +147,25 @@ def test_nan_propagates(device):
     assert torch.isfinite(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2, [0, 2]]).all()
     grad = randn(5, 3, device=device)
     grad[4, 0] = float("inf")
-    mirage.ops.verlet_forces_kick(velocities, forces, torch.zeros((), dtype=torch.float64, device=device), grad,
-                                  torch.tensor(float("nan"), device=device), inverse_masses, 0.5)
-    assert forces[4, 0] == float("-inf") and torch.isinf(velocities[4, 0])
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, grad, torch.tensor(float("nan"), device=device),
+                                  inverse_masses, 0.5)
+    assert forces[4, 0] == float("-inf") and torch.isinf(velocities[4, 0]) and torch.isnan(energy)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    positions, velocities, forces, inverse_masses = make_state(7, torch.float64, device)
+@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+def test_opcheck(device, state_dtype, model_dtype, masses_shape):
+    """Every sample as given (the ops write their state in place, so not with requires_grad)."""
+    positions, velocities, forces, inverse_masses = make_state(7, state_dtype, device, masses_shape)
     torch.library.opcheck(torch.ops.mirage.verlet_kick_drift,
-                          (positions, velocities, forces, inverse_masses, 0.5, 1.0, torch.float32))
-    energy = torch.zeros((), dtype=torch.float64, device=device)
+                          (positions, velocities, forces, inverse_masses, 0.5, 1.0, model_dtype))
+    energy = torch.zeros((), dtype=state_dtype, device=device)
     torch.library.opcheck(torch.ops.mirage.verlet_forces_kick,
-                          (velocities, forces, energy, randn(7, 3, device=device), randn(1, device=device),
-                           inverse_masses, 0.5))
+                          (velocities, forces, energy, randn(7, 3, dtype=model_dtype, device=device),
+                           randn(1, dtype=model_dtype, device=device), inverse_masses, 0.5))
 
 
 def md_steps(positions, velocities, forces, energy, inverse_masses, steps):
@@ -207,6 +242,11 @@ KICK_DRIFT_ERRORS = [
 
 FORCES_KICK_ERRORS = [
     (dict(velocities=lambda d: torch.zeros(4, 3, dtype=torch.int64, device=d)), "velocities must be float32 or float64"),
+    (dict(velocities=lambda d: torch.zeros(4, 2, dtype=torch.float64, device=d)), "velocities must be [N, 3]"),
+    (dict(velocities=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "velocities must be contiguous"),
+    (dict(forces=lambda d: torch.zeros(4, 1, dtype=torch.float64, device=d)), "forces must have shape [N, 3]"),
+    (dict(inverse_masses=lambda d: torch.ones(4, dtype=torch.float32, device=d)),
+     "inverse_masses must have velocities' dtype"),
     (dict(forces=lambda d: torch.zeros(4, 3, dtype=torch.float32, device=d)), "forces must have velocities' dtype"),
     (dict(forces=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "forces must be contiguous"),
     (dict(energy=lambda d: torch.zeros(1, dtype=torch.float64, device=d)), "energy must have shape []"),
@@ -234,6 +274,8 @@ def test_forces_kick_bad_input(device, changes, message):
 
 @pytest.mark.cuda
 def test_inputs_on_another_device_are_refused():
+    assert_error(kick_drift_call(velocities=lambda d: torch.zeros(4, 3, dtype=torch.float64)), "cuda",
+                 "mirage::verlet_kick_drift: velocities must be on positions' device")
     assert_error(kick_drift_call(forces=lambda d: torch.zeros(4, 3, dtype=torch.float64)), "cuda",
                  "mirage::verlet_kick_drift: forces must be on positions' device")
     assert_error(kick_drift_call(inverse_masses=lambda d: torch.ones(4, dtype=torch.float64)), "cuda",
@@ -242,3 +284,7 @@ def test_inputs_on_another_device_are_refused():
                  "mirage::verlet_forces_kick: grad must be on velocities' device")
     assert_error(forces_kick_call(model_energy=lambda d: torch.zeros(1)), "cuda",
                  "mirage::verlet_forces_kick: model_energy must be on velocities' device")
+    assert_error(forces_kick_call(energy=lambda d: torch.zeros((), dtype=torch.float64)), "cuda",
+                 "mirage::verlet_forces_kick: energy must be on velocities' device")
+    assert_error(forces_kick_call(inverse_masses=lambda d: torch.ones(4, dtype=torch.float64)), "cuda",
+                 "mirage::verlet_forces_kick: inverse_masses must be on velocities' device")

@@ -151,10 +151,12 @@ std::tuple<at::Tensor, at::Tensor> painn_update(const at::Tensor& s, const at::T
 
 // Velocity-Verlet updates of an MD state in place (what mirage.ff.md runs, one kernel each).
 // positions, velocities [N, 3] float32/float64, contiguous; forces [N, 3] and inverse_masses [N]
-// or [N, 1] in their dtype. verlet_kick_drift: velocities += kick * forces * inverse_masses, then
-// positions += drift * velocities; returns the new positions in `dtype` (float32 or float64).
+// or [N, 1] in their dtype. verlet_kick_drift: velocities += kick * forces * inverse_masses (not
+// when kick is 0), then positions += drift * velocities; returns the new positions in `dtype`
+// (float32 or float64).
 at::Tensor verlet_kick_drift(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
-                             const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype);
+                             const at::Tensor& inverse_masses, double kick, double drift,
+                             at::ScalarType dtype = at::kFloat);
 
 // forces = -grad and energy = model_energy (grad [N, 3] float32 or float64, model_energy one
 // floating-point element: the model's), then velocities += kick * forces * inverse_masses; energy

@@ -111,9 +111,9 @@ def evaluate(
 def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                          pbc: Optional[Tensor] = None, *, stress: bool = False, precision: str = "fp32",
                          who: str = "mirage.ff.Calculator") -> Tuple[Tensor, List[Tensor]]:
-    """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the model's
-    dtype) and its gradients in the positions and, with ``stress``, the strain (never None), as
-    autograd returns them."""
+    """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the dtype the
+    model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
+    positions and, with ``stress``, the strain (never None), as autograd returns them."""
     with torch.enable_grad():
         positions = positions.detach().requires_grad_(True)
         wrt = [positions]

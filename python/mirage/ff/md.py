@@ -223,9 +223,9 @@ class VelocityVerlet:
     def _advance(self, state: Dict[str, Tensor], steps: int) -> Dict[str, Tensor]:
         """``steps`` steps in place on ``state`` (what one graph records); returns ``state``.
 
-        Each step is a half kick and a drift (one kernel), the forces, and a half kick (one
-        kernel with taking the forces in); with the thermostat, BAOAB: the drift is split in two
-        around the O step."""
+        Each step is a half kick and a drift (one kernel), the forces, then the forces taken in and
+        a half kick (one kernel); with the thermostat, BAOAB: the drift is split in two around the
+        O step (three kernels of ours)."""
         for name in ("positions", "velocities", "forces", "energy"):
             state["saved_" + name].copy_(state[name])
         if self._counting:
