@@ -258,6 +258,8 @@ BAD = [
     (dict(pairs=lambda p: p.int()), "pairs must be an int64 tensor of shape [2, P]"),
     (dict(atomic_numbers=lambda z: z.float()), "atomic_numbers must be a 1-D int64 tensor"),
     (dict(embedding=lambda e: e.to(torch.int32)), "embedding must be float32"),
+    (dict(embedding=lambda e: e[:, :0]), "embedding must have shape [Z, F] with Z, F >= 1, got [10, 0]"),
+    (dict(num_rbf=lambda r: 0), "num_rbf must be >= 1, got 0"),
 ]
 
 

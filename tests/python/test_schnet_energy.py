@@ -261,6 +261,7 @@ BAD = [
     (dict(atomic_numbers=lambda z: z.float()), "atomic_numbers must be a 1-D int64 tensor"),
     (dict(atomic_numbers=lambda z: z[:0]), "atomic_numbers is empty (N=0) but pairs has 41 pairs"),
     (dict(embedding=lambda e: e.to(torch.int32)), "embedding must be float32"),
+    (dict(embedding=lambda e: e[:, :0]), "embedding must have shape [Z, F] with Z, F >= 1, got [10, 0]"),
 ]
 
 
