@@ -19,6 +19,7 @@ way: a reference for what a pass over that many bytes costs with start-up and ta
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -210,12 +211,9 @@ def main(argv=None) -> int:
     print(f"{facts['gpu']}, torch {facts['torch']}, CUDA {facts['cuda']}, {facts['date']}")
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
 
-    copy_us_by_bytes = {}
-
+    @functools.cache  # ops of one size share it
     def same_size_copy_us(nbytes: int) -> float:
-        if nbytes not in copy_us_by_bytes:
-            copy_us_by_bytes[nbytes] = copy_us(nbytes, rotation_count(nbytes))
-        return copy_us_by_bytes[nbytes]
+        return copy_us(nbytes, rotation_count(nbytes))
 
     rows = []
     for op, label, layout, make, eager_fn, mirage_fn, nbytes in all_cases:

@@ -72,13 +72,13 @@ def time_in_graph(fn, input_sets, calls: int = 100, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def copy_us(nbytes: int, input_sets: int = 1) -> float:
+def copy_us(nbytes: int, input_sets: int = 1, calls: int = 100, repeats: int = 15) -> float:
     """µs of a device-to-device copy moving nbytes (half read, half written): the faster of a copy
     kernel (an elementwise add of zero) and the copy engine (copy_), each timed by time_in_graph
-    over input_sets source/destination pairs (rotation_count's, to keep each call out of L2)."""
+    (calls, repeats) over input_sets source/destination pairs (rotation_count's, to keep each call
+    out of L2)."""
     pairs = [(torch.empty(nbytes // 4, dtype=torch.float16, device="cuda").normal_(),
               torch.empty(nbytes // 4, dtype=torch.float16, device="cuda")) for _ in range(input_sets)]
-    calls, repeats = (10, 10) if input_sets == 1 else (100, 15)
     kernel_us = time_in_graph(lambda src, dst: torch.add(src, 0.0, out=dst), pairs, calls=calls, repeats=repeats)
     engine_us = time_in_graph(lambda src, dst: dst.copy_(src), pairs, calls=calls, repeats=repeats)
     del pairs
@@ -87,7 +87,7 @@ def copy_us(nbytes: int, input_sets: int = 1) -> float:
 
 def copy_bandwidth_gbs(size_bytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth of 1 GiB, counting bytes read plus bytes written."""
-    return 2 * size_bytes / (copy_us(2 * size_bytes) * 1e-6) / 1e9
+    return 2 * size_bytes / (copy_us(2 * size_bytes, calls=10, repeats=10) * 1e-6) / 1e9
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
