@@ -739,13 +739,18 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 namespace {
 
 // (vectors, distances) and the gradient of the pair vectors they imply, g = grad_vectors +
-// grad_distances * vectors / distances (0 where d = 0, as PyTorch's vector_norm), as PyTorch ops.
+// grad_distances * vectors / distances (0 where d = 0, as PyTorch's vector_norm), as PyTorch ops;
+// an undefined gradient is zero.
 at::Tensor pair_vector_gradient(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                 const at::Tensor& vectors) {
-  const at::Tensor d = at::linalg_vector_norm(vectors, 2, {-1});
-  const at::Tensor nonzero = d != 0;  // NaN too: it passes NaN on, as PyTorch's norm
-  const at::Tensor radial = at::where(nonzero, grad_distances / at::where(nonzero, d, at::ones_like(d)), 0);
-  return grad_vectors + radial.unsqueeze(-1) * vectors;
+  at::Tensor radial = at::zeros_like(vectors.select(-1, 0));
+  if (grad_distances.defined()) {
+    const at::Tensor d = at::linalg_vector_norm(vectors, 2, {-1});
+    const at::Tensor nonzero = d != 0;  // NaN too: it passes NaN on, as PyTorch's norm
+    radial = at::where(nonzero, grad_distances / at::where(nonzero, d, at::ones_like(d)), 0);
+  }
+  const at::Tensor g = radial.unsqueeze(-1) * vectors;  // as the kernels: NaN vectors pass NaN on
+  return grad_vectors.defined() ? grad_vectors + g : g;
 }
 
 at::Tensor pair_vectors_composite(const at::Tensor& positions, const at::Tensor& pairs, const at::Tensor& shifts) {
@@ -753,7 +758,8 @@ at::Tensor pair_vectors_composite(const at::Tensor& positions, const at::Tensor&
   return shifts.defined() ? v + shifts : v;
 }
 
-// in = (grad_vectors, grad_distances, positions, pairs, shifts, sender_order).
+// in = (grad_vectors, grad_distances, positions, pairs, shifts, sender_order); either gradient may
+// be undefined (zero).
 variable_list pair_vectors_backward_composite(const variable_list& in) {
   const at::Tensor& pairs = in[3];
   const at::Tensor g = pair_vector_gradient(in[0], in[1], pair_vectors_composite(in[2], pairs, in[4]));
@@ -761,11 +767,12 @@ variable_list pair_vectors_backward_composite(const variable_list& in) {
 }
 
 struct PairVectorsBackwardFunction : torch::autograd::Function<PairVectorsBackwardFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
-                            const at::Tensor& positions, const at::Tensor& pairs,
-                            const std::optional<at::Tensor>& shifts, const std::optional<at::Tensor>& sender_order) {
-    save_inputs(ctx, {grad_vectors, grad_distances, positions, pairs, value_or_undefined(shifts),
-                      value_or_undefined(sender_order)});
+  static at::Tensor forward(AutogradContext* ctx, const std::optional<at::Tensor>& grad_vectors,
+                            const std::optional<at::Tensor>& grad_distances, const at::Tensor& positions,
+                            const at::Tensor& pairs, const std::optional<at::Tensor>& shifts,
+                            const std::optional<at::Tensor>& sender_order) {
+    save_inputs(ctx, {value_or_undefined(grad_vectors), value_or_undefined(grad_distances), positions, pairs,
+                      value_or_undefined(shifts), value_or_undefined(sender_order)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::pair_vectors_backward().call(grad_vectors, grad_distances, positions, pairs, shifts,
                                                  sender_order);
@@ -783,20 +790,24 @@ struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
                                const std::optional<at::Tensor>& shifts,
                                const std::optional<at::Tensor>& sender_order) {
     ctx->save_for_backward({positions, pairs, value_or_undefined(shifts), value_or_undefined(sender_order)});
+    // An output the energy does not use (the distances, for a model that reads only the vectors)
+    // has an undefined gradient, which the fused op takes as zero: no tensor of zeros is filled.
+    ctx->set_materialize_grads(false);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [vectors, distances] = handles::pair_vectors().call(positions, pairs, shifts, sender_order);
     return {vectors, distances};
   }
 
-  // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    if (!grad_outputs[0].defined() && !grad_outputs[1].defined()) return variable_list(4);
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &positions = saved[0], &pairs = saved[1], &shifts = saved[2];
     at::Tensor grad_positions, grad_shifts;
     if (ctx->needs_input_grad(0)) {
       // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
       // backward.
-      grad_positions = handles::pair_vectors_backward().call(grad_outputs[0], grad_outputs[1], positions, pairs,
+      grad_positions = handles::pair_vectors_backward().call(defined_or_none(grad_outputs[0]),
+                                                             defined_or_none(grad_outputs[1]), positions, pairs,
                                                              defined_or_none(shifts), defined_or_none(saved[3]));
     }
     if (shifts.defined() && ctx->needs_input_grad(2)) {
@@ -814,7 +825,8 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_autograd(const at::Tensor& posit
   return {out[0], out[1]};
 }
 
-at::Tensor pair_vectors_backward_autograd(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+at::Tensor pair_vectors_backward_autograd(const std::optional<at::Tensor>& grad_vectors,
+                                          const std::optional<at::Tensor>& grad_distances,
                                           const at::Tensor& positions, const at::Tensor& pairs,
                                           const std::optional<at::Tensor>& shifts,
                                           const std::optional<at::Tensor>& sender_order) {

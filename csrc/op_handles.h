@@ -68,8 +68,9 @@ using RadialCfconvBackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Ten
                                                                    const at::Tensor&, double, SenderOrderArg);
 using PairVectorsSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                           const std::optional<at::Tensor>&, SenderOrderArg);
-using PairVectorsBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const at::Tensor&, const std::optional<at::Tensor>&, SenderOrderArg);
+using PairVectorsBackwardSig = at::Tensor(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                          const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                          SenderOrderArg);
 using PainnUpdateInputSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using PainnUpdateSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&, const at::Tensor&,

@@ -33,7 +33,7 @@ TORCH_LIBRARY(mirage, m) {
   // of its own (a scatter onto the atoms: the forces' last step).
   m.def("pair_vectors(Tensor positions, Tensor pairs, Tensor? shifts=None, Tensor? sender_order=None) -> "
         "(Tensor vectors, Tensor distances)");
-  m.def("pair_vectors_backward(Tensor grad_vectors, Tensor grad_distances, Tensor positions, Tensor pairs, "
+  m.def("pair_vectors_backward(Tensor? grad_vectors, Tensor? grad_distances, Tensor positions, Tensor pairs, "
         "Tensor? shifts=None, Tensor? sender_order=None) -> Tensor");
   m.def("radial_basis(Tensor distances, str kind, int num, float cutoff, str cutoff_fn) -> Tensor");
   // radial_basis' gradient in distances, fused (forces); differentiable in turn.

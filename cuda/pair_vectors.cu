@@ -70,9 +70,9 @@ __device__ __forceinline__ void pair_gradient(const PairVectorsBackwardParams& p
   const float d = sqrtf(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
   // The distance's gradient is taken as 0 at d = 0, as PyTorch's vector_norm does (only there: a
   // NaN distance passes NaN on).
-  const float radial = d != 0.0f ? p.grad_distances[k] / d : 0.0f;
+  const float radial = p.grad_distances != nullptr && d != 0.0f ? p.grad_distances[k] / d : 0.0f;
 #pragma unroll
-  for (int c = 0; c < 3; ++c) g[c] = p.grad_vectors[3 * k + c] + radial * v[c];
+  for (int c = 0; c < 3; ++c) g[c] = (p.grad_vectors != nullptr ? p.grad_vectors[3 * k + c] : 0.0f) + radial * v[c];
 }
 
 // add(atom, sum, sign) once for each run of equal atoms among the warp's lanes (atom -1: nothing),

@@ -27,8 +27,8 @@ struct PairVectorsParams {
 };
 
 struct PairVectorsBackwardParams {
-  const float* grad_vectors;    // [P, 3] contiguous
-  const float* grad_distances;  // [P] contiguous
+  const float* grad_vectors;    // [P, 3] contiguous, or null: zero
+  const float* grad_distances;  // [P] contiguous, or null: zero
   const float* positions;       // [N, 3]
   const int64_t* pairs;         // [2, P]
   const float* shifts;          // [P, 3] or null

@@ -30,14 +30,17 @@ PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& posit
   return shape;
 }
 
-PairVectorsShape check_pair_vectors_backward(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+PairVectorsShape check_pair_vectors_backward(const std::optional<at::Tensor>& grad_vectors,
+                                             const std::optional<at::Tensor>& grad_distances,
                                              const at::Tensor& positions, const at::Tensor& pairs,
                                              const std::optional<at::Tensor>& shifts,
                                              const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kPairVectorsBackward;
   const PairVectorsShape shape = check_pair_vectors(op, positions, pairs, shifts, sender_order);
-  check_like(op, "grad_vectors", grad_vectors, "positions'", positions, "[P, 3]", {shape.pairs, 3});
-  check_like(op, "grad_distances", grad_distances, "positions'", positions, "[P]", {shape.pairs});
+  if (grad_vectors.has_value())
+    check_like(op, "grad_vectors", *grad_vectors, "positions'", positions, "[P, 3]", {shape.pairs, 3});
+  if (grad_distances.has_value())
+    check_like(op, "grad_distances", *grad_distances, "positions'", positions, "[P]", {shape.pairs});
   return shape;
 }
 
@@ -80,7 +83,8 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& positions,
   return {vectors.to(positions.scalar_type()), distances.to(positions.scalar_type())};
 }
 
-at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+at::Tensor pair_vectors_backward_cpu(const std::optional<at::Tensor>& grad_vectors,
+                                     const std::optional<at::Tensor>& grad_distances,
                                      const at::Tensor& positions, const at::Tensor& pairs,
                                      const std::optional<at::Tensor>& shifts,
                                      const std::optional<at::Tensor>& sender_order) {
@@ -88,21 +92,24 @@ at::Tensor pair_vectors_backward_cpu(const at::Tensor& grad_vectors, const at::T
                                                   sender_order);
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kPairVectorsBackward, idx, N);
-  const at::Tensor pos64 = as_double(positions), gv64 = as_double(grad_vectors), gd64 = as_double(grad_distances);
+  const at::Tensor pos64 = as_double(positions);
+  const at::Tensor gv64 = grad_vectors.has_value() ? as_double(*grad_vectors) : at::Tensor();
+  const at::Tensor gd64 = grad_distances.has_value() ? as_double(*grad_distances) : at::Tensor();
   const at::Tensor shifts64 = shifts.has_value() ? as_double(*shifts) : at::Tensor();
   const Geometry geometry{pos64.const_data_ptr<double>(), idx.const_data_ptr<int64_t>(),
                           shifts64.defined() ? shifts64.const_data_ptr<double>() : nullptr, P};
   at::Tensor grad = at::zeros({N, 3}, pos64.options());
   double* out = grad.mutable_data_ptr<double>();
-  const double *gv = gv64.const_data_ptr<double>(), *gd = gd64.const_data_ptr<double>();
+  const double* gv = gv64.defined() ? gv64.const_data_ptr<double>() : nullptr;
+  const double* gd = gd64.defined() ? gd64.const_data_ptr<double>() : nullptr;
   const int64_t* ij = idx.const_data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) {
     double v[3];
     geometry.vector(p, v);
     const double d = std::sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
-    const double radial = d != 0 ? gd[p] / d : 0.0;
+    const double radial = gd != nullptr && d != 0 ? gd[p] / d : 0.0;
     for (int c = 0; c < 3; ++c) {
-      const double g = gv[3 * p + c] + radial * v[c];
+      const double g = (gv != nullptr ? gv[3 * p + c] : 0.0) + radial * v[c];
       out[3 * ij[P + p] + c] += g;
       out[3 * ij[p] + c] -= g;
     }
@@ -117,7 +124,8 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_meta(const at::Tensor& positions
   return {at::empty({P, 3}, positions.options()), at::empty({P}, positions.options())};
 }
 
-at::Tensor pair_vectors_backward_meta(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+at::Tensor pair_vectors_backward_meta(const std::optional<at::Tensor>& grad_vectors,
+                                      const std::optional<at::Tensor>& grad_distances,
                                       const at::Tensor& positions, const at::Tensor& pairs,
                                       const std::optional<at::Tensor>& shifts,
                                       const std::optional<at::Tensor>& sender_order) {

@@ -24,8 +24,10 @@ PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& posit
                                     const std::optional<at::Tensor>& shifts,
                                     const std::optional<at::Tensor>& sender_order);
 
-// The above plus grad_vectors [P, 3] and grad_distances [P] in positions' dtype and device.
-PairVectorsShape check_pair_vectors_backward(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+// The above plus grad_vectors [P, 3] and grad_distances [P] in positions' dtype and device, each
+// None where the energy does not depend on it (zero).
+PairVectorsShape check_pair_vectors_backward(const std::optional<at::Tensor>& grad_vectors,
+                                             const std::optional<at::Tensor>& grad_distances,
                                              const at::Tensor& positions, const at::Tensor& pairs,
                                              const std::optional<at::Tensor>& shifts,
                                              const std::optional<at::Tensor>& sender_order);

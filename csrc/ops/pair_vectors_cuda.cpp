@@ -31,19 +31,23 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cuda(const at::Tensor& positions
   return {vectors, distances};
 }
 
-at::Tensor pair_vectors_backward_cuda(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
+at::Tensor pair_vectors_backward_cuda(const std::optional<at::Tensor>& grad_vectors,
+                                      const std::optional<at::Tensor>& grad_distances,
                                       const at::Tensor& positions, const at::Tensor& pairs,
                                       const std::optional<at::Tensor>& shifts,
                                       const std::optional<at::Tensor>& sender_order) {
   const auto [N, P] =
       check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts, sender_order);
   const c10::cuda::CUDAGuard guard(positions.device());
-  const at::Tensor gv = grad_vectors.contiguous(), gd = grad_distances.contiguous(), pos = positions.contiguous(),
-                   idx = pairs.contiguous(), sh = contiguous_shifts(shifts), order = given_sender_order(sender_order);
+  const at::Tensor gv = grad_vectors.has_value() ? grad_vectors->contiguous() : at::Tensor();
+  const at::Tensor gd = grad_distances.has_value() ? grad_distances->contiguous() : at::Tensor();
+  const at::Tensor pos = positions.contiguous(), idx = pairs.contiguous(), sh = contiguous_shifts(shifts),
+                   order = given_sender_order(sender_order);
   at::Tensor grad = at::empty({N, 3}, positions.options());
   const at::Tensor workspace =
       workspace_for(cuda::pair_vectors_backward_workspace_bytes(N, P, order.defined()), positions);
-  const cuda::PairVectorsBackwardParams params{gv.const_data_ptr<float>(), gd.const_data_ptr<float>(),
+  const cuda::PairVectorsBackwardParams params{static_cast<const float*>(data_or_null(gv)),
+                                               static_cast<const float*>(data_or_null(gd)),
                                                pos.const_data_ptr<float>(), idx.const_data_ptr<int64_t>(),
                                                sh.defined() ? sh.const_data_ptr<float>() : nullptr,
                                                grad.mutable_data_ptr<float>(),

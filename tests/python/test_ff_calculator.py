@@ -27,6 +27,7 @@ from mirage.ff.calculator import CapacityWatch  # noqa: E402
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 sys.path.insert(0, EXAMPLES)
 
+from common import ZERO_FILLS, OpCounter  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 
@@ -852,6 +853,56 @@ def test_fused_model_graph_matches_reference(periodic):
             np.testing.assert_allclose(graphed.results["stress"], reference.results["stress"],
                                        atol=1e-3 * np.abs(reference.results["stress"]).max(), rtol=0)
     assert graphed.graph_stats().misses == 2
+
+
+def structure(atoms, device="cuda"):
+    """(numbers, float32 positions, cell, pbc) tensors of an ase.Atoms, as evaluate takes them."""
+    numbers = torch.tensor(atoms.numbers, device=device)
+    positions = torch.tensor(atoms.positions, dtype=torch.float32, device=device)
+    if not atoms.pbc.any():
+        return numbers, positions, None, None
+    return (numbers, positions, torch.tensor(atoms.cell[:], dtype=torch.float32, device=device),
+            torch.tensor(atoms.pbc, device=device))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls, op", [(SchNet, "mirage.schnet_energy"), (PaiNN, "mirage.painn_energy")])
+@pytest.mark.parametrize("periodic", [False, True])
+def test_whole_model_energy_and_gradient_without_autograd(cls, op, periodic):
+    # A fused model that runs as one op gives its energy and gradient without autograd (its op forms
+    # the gradient in the pair vectors with the energy): what forward and torch.autograd.grad give,
+    # without autograd's fill of the energy's gradient and product with it. evaluate (the
+    # Calculator's and mirage.ff.md's force call) takes that path.
+    torch.manual_seed(0)
+    fast = mirage.ff.optimize(cls(cutoff=4.0).cuda().eval())
+    numbers, positions, cell, pbc = structure(periodic_atoms(n=12) if periodic else benzene_atoms())
+    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None  # no capacity chosen yet
+    leaf = positions.clone().requires_grad_(True)
+    energy = fast(numbers, leaf, cell, pbc)
+    (grad,) = torch.autograd.grad(energy, leaf)
+    with OpCounter() as counter:
+        direct = fast.energy_and_gradient(numbers, positions, cell, pbc)
+    assert op in counter.calls and counter.calls.count("mirage.pair_vectors_backward") == 1
+    assert "aten.mul" not in counter.calls and not ZERO_FILLS & set(counter.calls), counter.calls
+    torch.testing.assert_close(direct[0], energy.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(direct[1], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
+    with OpCounter() as counter:
+        got_energy, forces, _ = mirage.ff.calculator.evaluate(fast, numbers, positions, cell, pbc)
+    assert "aten.mul" not in counter.calls and op in counter.calls
+    torch.testing.assert_close(forces, -grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
+    # Where the op does not run: training mode, a capacity over its limit.
+    fast.train()
+    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
+    fast.eval()
+    fast.max_pairs = fast.whole_model_max_pairs + 1
+    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
+
+
+def test_energy_and_gradient_is_none_on_the_cpu():
+    fast = mirage.ff.optimize(small(SchNet, torch.float32))
+    numbers, positions, cell, pbc = structure(benzene_atoms(), "cpu")
+    fast(numbers, positions)
+    assert fast.max_pairs is not None and fast.energy_and_gradient(numbers, positions, cell, pbc) is None
 
 
 def test_works_under_inference_mode():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import mirage
-from common import DEVICES, OpCounter, assert_close_to, assert_error, capture_graph, opcheck, randn, strided
+from common import (DEVICES, ZERO_FILLS, OpCounter, assert_close_to, assert_error, capture_graph, opcheck, randn,
+                    strided)
 from tolerances import tolerance
 
 BACKWARD_OP = torch.ops.mirage.pair_vectors_backward
@@ -124,6 +125,9 @@ def test_backward_op_gradcheck():
     grad_vectors, grad_distances = randn(9, 3, dtype=torch.float64), randn(9, dtype=torch.float64)
     leaves = [t.requires_grad_() for t in (grad_vectors, grad_distances, positions, shifts)]
     assert torch.autograd.gradcheck(lambda g, h, p, s: BACKWARD_OP(g, h, p, pairs, s), leaves)
+    # Either gradient missing (zero): the double backward's composite takes it so too.
+    assert torch.autograd.gradcheck(lambda h, p, s: BACKWARD_OP(None, h, p, pairs, s), leaves[1:])
+    assert torch.autograd.gradcheck(lambda g, p, s: BACKWARD_OP(g, None, p, pairs, s), [leaves[0], *leaves[2:]])
 
 
 def test_backward_uses_the_fused_op_and_forms_no_shift_gradient():
@@ -143,8 +147,49 @@ def test_opcheck(device, atoms, count):
     positions, pairs, shifts = make_inputs(atoms, count, torch.float32, device)
     opcheck(torch.ops.mirage.pair_vectors.default, (positions, pairs, shifts))
     opcheck(torch.ops.mirage.pair_vectors.default, (positions, pairs, None))
-    grads = (randn(count, 3, device=device), randn(count, device=device))
-    opcheck(BACKWARD_OP.default, (*grads, positions, pairs, shifts))
+    grad_vectors, grad_distances = randn(count, 3, device=device), randn(count, device=device)
+    for grads in [(grad_vectors, grad_distances), (None, grad_distances), (grad_vectors, None), (None, None)]:
+        opcheck(BACKWARD_OP.default, (*grads, positions, pairs, shifts))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atoms,count", [(12, 132), (300, 9000)])  # one block and a grid on CUDA
+@pytest.mark.parametrize("given", ["vectors", "distances", "neither"])
+def test_backward_op_takes_a_missing_gradient_as_zero(device, atoms, count, given):
+    positions, pairs, shifts = make_inputs(atoms, count, torch.float32, device)
+    grad_vectors, grad_distances = randn(count, 3, device=device), randn(count, device=device)
+    zeros = torch.zeros_like(grad_vectors), torch.zeros_like(grad_distances)
+    args = (grad_vectors if given == "vectors" else None, grad_distances if given == "distances" else None)
+    dense = tuple(zero if g is None else g for g, zero in zip(args, zeros))
+    got = BACKWARD_OP(*args, positions, pairs, shifts)
+    want = gradients(composite, as_double(positions), pairs.cpu(), as_double(shifts), *map(as_double, dense))[0]
+    per_pair = dense[0].abs().double().cpu() + dense[1].abs().double().cpu().unsqueeze(-1)
+    magnitude = torch.zeros_like(want).index_add(0, pairs[0].cpu(), per_pair).index_add(0, pairs[1].cpu(), per_pair)
+    assert_close_to(got, want, torch.float32, magnitude)
+    if given == "neither":
+        assert not got.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("used", ["vectors", "distances"])
+def test_an_unused_output_fills_no_zeros_in_the_backward(device, used):
+    # A model that reads only the vectors (the whole-model ops) or only the distances leaves the
+    # other output's gradient undefined; the fused backward takes it as zero instead of autograd
+    # filling a tensor of zeros for it.
+    positions, pairs, shifts = make_inputs(9, 40, torch.float32, device)
+
+    def gradient(fn, positions, pairs, shifts):
+        leaf = positions.detach().requires_grad_()
+        vectors, distances = fn(leaf, pairs, shifts)
+        energy = (vectors * vectors).sum() if used == "vectors" else torch.exp(-distances).sum()
+        return torch.autograd.grad(energy, leaf)[0]
+
+    with OpCounter() as counter:
+        got = gradient(mirage.ops.pair_vectors, positions, pairs, shifts)
+    assert counter.calls.count("mirage.pair_vectors_backward") == 1
+    assert not ZERO_FILLS & set(counter.calls)
+    want = gradient(composite, as_double(positions), pairs.cpu(), as_double(shifts))
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("device", DEVICES)

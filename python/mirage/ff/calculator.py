@@ -24,6 +24,7 @@ from ase.calculators.calculator import all_changes
 
 from .. import graphs
 from . import capacity
+from .fused import _FusedModel
 from .precision import PRECISIONS, check_precision, matmul_precision  # noqa: F401 (re-exported)
 
 __all__ = ["Calculator", "PRECISIONS", "evaluate"]
@@ -113,7 +114,15 @@ def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell:
                          who: str = "mirage.ff.Calculator") -> Tuple[Tensor, List[Tensor]]:
     """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the dtype the
     model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
-    positions and, with ``stress``, the strain (never None), as autograd returns them."""
+    positions and, with ``stress``, the strain (never None), as autograd returns them. mirage's
+    fused models that run as one op give the same without autograd
+    (:meth:`~mirage.ff.SchNet.energy_and_gradient`)."""
+    if not stress and isinstance(model, _FusedModel):
+        with _autocast(precision, positions.device.type):
+            direct = model.energy_and_gradient(atomic_numbers, positions.detach(), cell, pbc)
+        if direct is not None:
+            energy, grad = direct
+            return energy.reshape(()), [grad]
     with torch.enable_grad():
         positions = positions.detach().requires_grad_(True)
         wrt = [positions]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,15 @@ class _Block(nn.Module):
             self.add_module(name, module)
 
 
+class _Neighbors(NamedTuple):
+    pairs: Tensor
+    shifts: Tensor
+    num_pairs: Tensor
+    order: Optional[Tensor]
+    vectors: Tensor
+    distances: Tensor
+
+
 class _FusedModel(nn.Module):
     """The neighbor search and the capacity protocol, shared by SchNet and PaiNN."""
 
@@ -236,9 +245,9 @@ class _FusedModel(nn.Module):
         capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
         return min(capacity, all_pairs) if cell is None else capacity
 
-    def _neighbors(self, positions: Tensor, cell, pbc) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
-        """(pairs [2, P], their true count, their sender order, vectors r_j - r_i + shift [P, 3],
-        distances [P]) with P = max_pairs. The order (CUDA only; mirage::sender_order, the padding
+    def _neighbors(self, positions: Tensor, cell, pbc) -> "_Neighbors":
+        """The pairs [2, P], their shifts [P, 3], their true count, their sender order, the vectors
+        r_j - r_i + shift [P, 3] and distances [P], with P = max_pairs. The order (CUDA only; mirage::sender_order, the padding
         past the count last) is formed once for the backwards of every op over the pairs, which
         would otherwise each sort them again (three to four times a call at 3,000 atoms, ~18 us
         each on an H200)."""
@@ -255,7 +264,7 @@ class _FusedModel(nn.Module):
             shifts = shifts.detach()
         order = ops.sender_order(pairs, positions.shape[0], num_pairs) if pairs.is_cuda else None
         vectors, distances = ops.pair_vectors(positions, pairs, shifts, sender_order=order)
-        return pairs, num_pairs, order, vectors, distances
+        return _Neighbors(pairs, shifts, num_pairs, order, vectors, distances)
 
     @classmethod
     def _assemble(cls, model: nn.Module, cutoff: float, max_pairs: Optional[int], num_rbf: int,
@@ -301,6 +310,24 @@ class _FusedModel(nn.Module):
         return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
                 and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
                 and self._whole_model_structure())
+
+    def energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
+                            pbc: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
+        """(energy ``[]``, its gradient in ``positions`` ``[N, 3]``) without autograd, when this call
+        runs as the model's whole-model op (see :meth:`forward`); None otherwise, and before the
+        first forward has chosen the capacity. The kernels that ``forward`` and
+        ``torch.autograd.grad`` run, less autograd's own work: a fill of the energy's gradient, the
+        product of the op's pair-vector gradient with it, and the host's bookkeeping
+        (mirage.ff.Calculator and mirage.ff.md call this; a few µs of a small molecule's step)."""
+        if self._max_pairs is None or not self._whole_model_kernel(atomic_numbers, positions):
+            return None
+        with torch.no_grad():
+            found = self._neighbors(positions, cell, pbc)
+            energy, grad_vectors = self._whole_model_op(atomic_numbers, found.pairs, found.vectors)
+            # The distances' gradient None: the op reads only the vectors.
+            grad = torch.ops.mirage.pair_vectors_backward(grad_vectors, None, positions, found.pairs, found.shifts,
+                                                          found.order)
+        return energy, grad
 
     def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
         """Each Linear's weight and bias, the parameters themselves (shared, never copied), an
@@ -544,10 +571,9 @@ class SchNet(_FusedModel):
         the filter network) or ``mirage::cfconv`` (filter network, cutoff and message passing
         fused; :attr:`fused_interactions`, :attr:`radial_interactions`). Training mode takes the
         layer-by-layer path, which has both."""
-        pairs, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
+        pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
-            return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
-                                     self._kernel_weights(), self._kernel_activations())[0]
+            return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
         interactions = self._interaction_op(positions)
         if interactions == "radial_cfconv":
             def messages(t: int, block: nn.Module, h: Tensor) -> Tensor:
@@ -615,6 +641,11 @@ class SchNet(_FusedModel):
 
     def _whole_model_structure(self) -> bool:
         return len(self.interactions) <= 8
+
+    def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
+        """mirage::schnet_energy: (energy, its gradient in the pair vectors)."""
+        return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
+                                 self._kernel_weights(), self._kernel_activations())
 
     def _kernel_weights(self) -> List[Tensor]:
         """mirage::schnet_energy's ``weights``."""
@@ -787,10 +818,9 @@ class PaiNN(_FusedModel):
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both."""
-        pairs, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
+        pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
-            return ops.painn_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
-                                    self._kernel_weights(), self._kernel_activations(), self.norm_eps)[0]
+            return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
         directions = vectors / distances.unsqueeze(-1)
         rbf = ops.radial_basis(distances, "bessel", self.num_rbf, self.cutoff, "none")
         messages, updates = list(self.messages), list(self.updates)
@@ -834,6 +864,11 @@ class PaiNN(_FusedModel):
 
     def _whole_model_structure(self) -> bool:
         return len(self.messages) <= 8 and all(u.U.bias is None and u.V.bias is None for u in self.updates)
+
+    def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
+        """mirage::painn_energy: (energy, its gradient in the pair vectors)."""
+        return ops.painn_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
+                                self._kernel_weights(), self._kernel_activations(), self.norm_eps)
 
     def _kernel_weights(self) -> List[Tensor]:
         """mirage::painn_energy's ``weights`` (U and V without a bias slot)."""
