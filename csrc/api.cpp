@@ -164,8 +164,11 @@ at::Tensor verlet_kick_drift(at::Tensor& positions, at::Tensor& velocities, cons
 }
 
 void verlet_forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
-                        const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick) {
-  handles::verlet_forces_kick().call(velocities, forces, energy, grad, model_energy, inverse_masses, kick);
+                        const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
+                        const std::optional<at::Tensor>& pair_count,
+                        const std::optional<at::Tensor>& pair_count_range) {
+  handles::verlet_forces_kick().call(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count,
+                                     pair_count_range);
 }
 
 }  // namespace mirage

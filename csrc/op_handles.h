@@ -80,7 +80,8 @@ using PainnUpdateBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 using VerletKickDriftSig = at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
                                       at::ScalarType);
 using VerletForcesKickSig = void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, double);
+                                 const at::Tensor&, double, const std::optional<at::Tensor>&,
+                                 const std::optional<at::Tensor>&);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {

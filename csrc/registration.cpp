@@ -90,9 +90,11 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor? sender_order=None) -> (Tensor grad_x, Tensor grad_distances)");
   // Velocity-Verlet updates of an MD state in place (mirage.ff.md; one kernel each): a kick of the
   // velocities by the forces and a drift of the positions, returning the positions in `dtype` for
-  // the model; and the model's gradient taken as the state's forces (-grad) and energy, then a kick.
+  // the model; and the model's gradient taken as the state's forces (-grad) and energy, then a kick
+  // (and the model's neighbor-pair count folded into its running [max, min]).
   m.def("verlet_kick_drift(Tensor(a!) positions, Tensor(b!) velocities, Tensor forces, Tensor inverse_masses, "
         "float kick, float drift, ScalarType dtype=float) -> Tensor");
   m.def("verlet_forces_kick(Tensor(a!) velocities, Tensor(b!) forces, Tensor(c!) energy, Tensor grad, "
-        "Tensor model_energy, Tensor inverse_masses, float kick) -> ()");
+        "Tensor model_energy, Tensor inverse_masses, float kick, Tensor? pair_count=None, "
+        "Tensor(d!)? pair_count_range=None) -> ()");
 }

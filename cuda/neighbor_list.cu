@@ -570,8 +570,10 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(NeighborListParams p,
 
 // The direct search of a small system in one block, every step above with its buffers in shared
 // memory: one launch instead of two memsets and six kernels, each of which costs a CUDA graph
-// 1-2 us however little it does (benzene's whole neighbor list was ~9 us on an H200).
+// 1-2 us however little it does (benzene's whole neighbor list was ~9 us on an H200). Launched
+// overlapped: in an MD step it follows the kernel that moved the positions.
 __global__ void __launch_bounds__(kOneBlockThreads) one_block_direct_kernel(NeighborListParams p) {
+  start_after_prior_grid();
   __shared__ AtomFrame frames[kOneBlockMaxAtoms];
   __shared__ int64_t offsets[kOneBlockMaxAtoms + 1];  // offsets[i + 1]: atom i's count, then scanned
   __shared__ int invalid;
@@ -691,8 +693,7 @@ cudaError_t launch_neighbor_list(const NeighborListParams& p, void* workspace, c
   if (search == NeighborSearch::kCellList && p.batch != nullptr) return cudaErrorInvalidValue;
   const int64_t n = p.num_atoms;
   if (runs_in_one_block(p)) {
-    one_block_direct_kernel<<<1, kOneBlockThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_overlapped(one_block_direct_kernel, dim3(1), dim3(kOneBlockThreads), 0, stream, false, p);
   }
   Workspace w = plan_workspace(p, static_cast<char*>(workspace));
   cudaError_t status = cudaMemsetAsync(w.invalid, 0, sizeof(int), stream);

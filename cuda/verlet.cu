@@ -18,7 +18,17 @@ __global__ void __launch_bounds__(kThreads) verlet_kernel(VerletParams p) {
   start_after_prior_grid();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if constexpr (kStep == Step::kForcesKick) {
-    if (e == 0) *static_cast<State*>(p.energy) = *static_cast<const State*>(p.model_energy);
+    if (e == 0) {
+      // Rounded once to the state's dtype (exact from float32 into float64), as the CPU's copy_.
+      const double energy = p.model_energy_float64 ? *static_cast<const double*>(p.model_energy)
+                                                   : *static_cast<const float*>(p.model_energy);
+      *static_cast<State*>(p.energy) = static_cast<State>(energy);
+      if (p.pair_count != nullptr) {
+        const int64_t count = *p.pair_count;
+        p.pair_count_range[0] = max(p.pair_count_range[0], count);
+        p.pair_count_range[1] = min(p.pair_count_range[1], count);
+      }
+    }
   }
   if (e >= 3 * p.atoms) return;
   State* v = static_cast<State*>(p.velocities);

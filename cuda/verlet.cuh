@@ -1,6 +1,7 @@
 // Velocity-Verlet updates of an MD state in place (mirage.ff.md), one thread per coordinate:
 //   kick_drift:   v += kick * f * inverse_mass; x += drift * v; out = x in the model's dtype
-//   forces_kick:  f = -grad; energy = model_energy; v += kick * f * inverse_mass
+//   forces_kick:  f = -grad; energy = model_energy; v += kick * f * inverse_mass;
+//                 pair_count_range = [max(range[0], pair_count), min(range[1], pair_count)]
 // (a kick of 0 leaves v alone). The state (x, v, f, inverse masses, energy) is float32 or float64
 // (`State`); the model's positions and gradient are float32 or float64 (`Model`).
 #pragma once
@@ -22,7 +23,12 @@ struct VerletParams {
   void* model_positions;        // [atoms, 3] Model, written by kick_drift
   void* energy;                 // [] State, written by forces_kick
   const void* grad;             // [atoms, 3] Model: dE/dx, read by forces_kick
-  const void* model_energy;     // [] State (cast by the caller), read by forces_kick
+  const void* model_energy;     // one element, float64 if model_energy_float64 else float32: forces_kick
+  bool model_energy_float64 = false;
+  // forces_kick, or null: the model's neighbor-pair count folded into a running [max, min]
+  // (mirage.ff.md's capacity check, which would otherwise take two PyTorch kernels a step).
+  const int64_t* pair_count = nullptr;   // [1]
+  int64_t* pair_count_range = nullptr;   // [2]
 };
 
 cudaError_t launch_verlet_kick_drift(const VerletParams& params, cudaStream_t stream);

@@ -4,6 +4,8 @@
 // the same steps in PyTorch ops take three to six.
 #include "verlet.h"
 
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -53,11 +55,20 @@ at::Tensor verlet_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, 
 }
 
 void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
-                            const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
+                            const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
+                            const std::optional<at::Tensor>& pair_count,
+                            const std::optional<at::Tensor>& pair_count_range) {
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+                           pair_count_range);
   forces.copy_(grad.neg());
   energy.copy_(model_energy.reshape({}));
   if (kick != 0.0) velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
+  if (pair_count.has_value()) {
+    const at::Tensor count = pair_count->reshape({1});
+    at::Tensor high = pair_count_range->narrow(0, 0, 1), low = pair_count_range->narrow(0, 1, 1);
+    high.copy_(at::maximum(high, count));
+    low.copy_(at::minimum(low, count));
+  }
 }
 
 at::Tensor verlet_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
@@ -67,8 +78,11 @@ at::Tensor verlet_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities,
 }
 
 void verlet_forces_kick_meta(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
-                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
+                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double,
+                             const std::optional<at::Tensor>& pair_count,
+                             const std::optional<at::Tensor>& pair_count_range) {
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+                           pair_count_range);
 }
 
 }  // namespace
@@ -86,7 +100,8 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
 
 void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
                               const at::Tensor& grad, const at::Tensor& model_energy,
-                              const at::Tensor& inverse_masses) {
+                              const at::Tensor& inverse_masses, const std::optional<at::Tensor>& pair_count,
+                              const std::optional<at::Tensor>& pair_count_range) {
   constexpr std::string_view op = kVerletForcesKick;
   check_state(op, "velocities", velocities);
   check_like(op, "forces", forces, "velocities'", velocities, "[N, 3]", velocities.sizes());
@@ -105,6 +120,19 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   MIRAGE_CHECK(model_energy.numel() == 1, op, ": model_energy must have one element, got shape ",
                model_energy.sizes());
   check_inverse_masses(op, inverse_masses, "velocities'", velocities);
+  MIRAGE_CHECK(pair_count.has_value() == pair_count_range.has_value(), op,
+               ": pair_count and pair_count_range must both be given or both be None");
+  if (!pair_count.has_value()) return;
+  for (const auto& [arg, t] :
+       {std::pair{"pair_count", *pair_count}, std::pair{"pair_count_range", *pair_count_range}}) {
+    MIRAGE_CHECK(t.device() == velocities.device(), op, ": ", arg, " must be on velocities' device (",
+                 velocities.device(), "), got ", t.device());
+    MIRAGE_CHECK(t.scalar_type() == at::kLong, op, ": ", arg, " must be int64, got ", t.scalar_type());
+  }
+  MIRAGE_CHECK(pair_count->numel() == 1, op, ": pair_count must have one element, got shape ", pair_count->sizes());
+  MIRAGE_CHECK(pair_count_range->dim() == 1 && pair_count_range->size(0) == 2, op,
+               ": pair_count_range must be [2] ([max, min], updated in place), got ", pair_count_range->sizes());
+  check_contiguous(op, "pair_count_range", *pair_count_range);
 }
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {

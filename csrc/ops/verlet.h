@@ -20,9 +20,11 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
 // velocities and forces: the state, [N, 3] float32/float64, contiguous (updated in place);
 // energy: [] in their dtype (written); grad: [N, 3] float32 or float64 and model_energy: one
 // floating-point element (bfloat16 under autocast, say), on the state's device; inverse_masses
-// as above.
+// as above; pair_count (one int64) and pair_count_range ([2] int64, contiguous, updated in place)
+// both None or both on the state's device.
 void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
                               const at::Tensor& grad, const at::Tensor& model_energy,
-                              const at::Tensor& inverse_masses);
+                              const at::Tensor& inverse_masses, const std::optional<at::Tensor>& pair_count,
+                              const std::optional<at::Tensor>& pair_count_range);
 
 }  // namespace mirage::ops

@@ -33,11 +33,17 @@ at::Tensor verlet_kick_drift_cuda(at::Tensor& positions, at::Tensor& velocities,
 }
 
 void verlet_forces_kick_cuda(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
-                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses);
+                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
+                             const std::optional<at::Tensor>& pair_count,
+                             const std::optional<at::Tensor>& pair_count_range) {
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+                           pair_count_range);
   const c10::cuda::CUDAGuard guard(velocities.device());
-  // The kernel reads the energy in the state's dtype, cast once as the CPU's copy_ does.
-  const at::Tensor g = grad.contiguous(), e = model_energy.to(energy.scalar_type()).contiguous();
+  // The kernel reads a float32 or float64 energy as it is (a cast would be a kernel of its own, a
+  // couple of µs of a small molecule's MD step); others (bfloat16 under autocast) are cast first to
+  // the state's dtype, once, as the CPU's copy_ rounds them.
+  const bool as_is = model_energy.scalar_type() == at::kFloat || model_energy.scalar_type() == at::kDouble;
+  const at::Tensor g = grad.contiguous(), e = as_is ? model_energy : model_energy.to(energy.scalar_type());
   const at::Tensor inverse = inverse_masses.contiguous();
   cuda::VerletParams params{};
   params.atoms = velocities.size(0);
@@ -50,6 +56,11 @@ void verlet_forces_kick_cuda(at::Tensor& velocities, at::Tensor& forces, at::Ten
   params.energy = energy.mutable_data_ptr();
   params.grad = g.const_data_ptr();
   params.model_energy = e.const_data_ptr();
+  params.model_energy_float64 = e.scalar_type() == at::kDouble;
+  if (pair_count.has_value()) {  // one element, any strides; the range checked contiguous
+    params.pair_count = pair_count->const_data_ptr<int64_t>();
+    params.pair_count_range = pair_count_range->mutable_data_ptr<int64_t>();
+  }
   check_launch(kVerletForcesKick, cuda::launch_verlet_forces_kick(params, c10::cuda::getCurrentCUDAStream()));
 }
 

@@ -808,16 +808,19 @@ def verlet_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, inv
 
 
 def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad: Tensor, model_energy: Tensor,
-                       inverse_masses: Tensor, kick: float) -> None:
+                       inverse_masses: Tensor, kick: float, pair_count: Optional[Tensor] = None,
+                       pair_count_range: Optional[Tensor] = None) -> None:
     """A force call's result taken into an MD state, then a velocity-Verlet kick, in place, in one
     kernel::
 
         forces      = -grad
         energy      = model_energy
         velocities += kick * forces * inverse_masses
+        pair_count_range = [max(pair_count_range[0], pair_count), min(pair_count_range[1], pair_count)]
 
     (``mirage.ff.md``'s step after the force call: ``kick = dt / 2``. A ``kick`` of 0 leaves the
-    velocities untouched: ``mirage.ff.md`` takes its first forces that way.)
+    velocities untouched: ``mirage.ff.md`` takes its first forces that way. The range is its
+    check of the model's neighbor capacity over a replay's steps, ``model.num_pairs`` folded in.)
 
     Args:
         velocities, forces: ``(N, 3)`` float32 or float64, contiguous; updated in place.
@@ -827,10 +830,13 @@ def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad:
             stored rounded once to the state's dtype.
         inverse_masses: ``(N,)`` or ``(N, 1)`` in the state's dtype.
         kick: the time factor.
+        pair_count, pair_count_range: both None, or one int64 element and an int64 ``(2,)``
+            (contiguous, updated in place), on the state's device.
 
     Not differentiable; returns nothing.
     """
-    torch.ops.mirage.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick)
+    torch.ops.mirage.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick,
+                                        pair_count, pair_count_range)
 
 
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at

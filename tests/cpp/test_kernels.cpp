@@ -1304,6 +1304,10 @@ TEST_CASE("launch_verlet_kick_drift and launch_verlet_forces_kick match the host
     p.energy = denergy.ptr;
     p.grad = dgrad.ptr;
     p.model_energy = de.ptr;
+    std::vector<float> count = {57.0f}, range = {60.0f, 100.0f};  // [max, min] so far
+    Device<int64_t> dcount(count), drange(range);
+    p.pair_count = dcount.ptr;
+    p.pair_count_range = drange.ptr;
     REQUIRE(mc::launch_verlet_forces_kick(p, nullptr) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     for (int64_t k = 0; k < 3 * atoms; ++k) {
@@ -1313,6 +1317,7 @@ TEST_CASE("launch_verlet_kick_drift and launch_verlet_forces_kick match the host
     require_close(df.read(), want_f, 0, 0);
     require_close(dv.read(), want_v, 1e-6, 1e-6);
     require_close(denergy.read(), {e[0]}, 0, 0);
+    require_close(drange.read(), {60.0, 57.0}, 0, 0);
   }
 }
 

@@ -59,8 +59,15 @@ def _image(*shape, channels_last=True):
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
+def _neighbor_list_op(x):
+    """The one-block neighbor search (up to 128 atoms), reading positions a PyTorch kernel wrote."""
+    found = mirage.ops.neighbor_list(x, 3.0, max_pairs=132)
+    return x + 1e-3 * found.distances[: x.shape[0]].unsqueeze(-1)
+
+
 # name: (input, the ops of one round, rounds)
 _CHAINS = {
+    "neighbor_list": (lambda: randn(12, 3, device="cuda", std=2.0), lambda: [_neighbor_list_op], 40),
     "norms": (lambda: _image(2, 640, 32, 32), lambda: _norms_ops(2, 640, 32, 32), 40),
     "group_norm_fused": (lambda: _image(2, 1280, 8, 8), lambda: [_group_norm_op(1280, 32)], 40),
     "group_norm_nhwc": (lambda: _image(2, 300, 45, 45), lambda: [_group_norm_op(300, 30)], 20),  # C % 8 != 0

@@ -154,6 +154,29 @@ def test_nan_propagates(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_forces_kick_folds_the_pair_count_into_its_range(device):
+    # mirage.ff.md's capacity check: the running [max, min] of the model's pair count over a replay.
+    _, velocities, forces, inverse_masses = make_state(5, torch.float64, device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    count_range = torch.tensor([0, 2**62], device=device)
+    seen = []
+    for count in [130, 132, 7, 131, -1, 2**40]:
+        # The count as the model keeps it: a [1] buffer, here a strided view of one.
+        pair_count = torch.tensor([0, count], device=device)[1:]
+        mirage.ops.verlet_forces_kick(velocities, forces, energy, randn(5, 3, device=device), randn(1, device=device),
+                                      inverse_masses, 0.5, pair_count, count_range)
+        seen.append(count)
+        assert count_range.tolist() == [max(seen), min(seen)]
+    # Without them the range is left alone and the state steps as before.
+    grad = randn(5, 3, device=device)
+    want_forces, want_velocities = forces_kick_reference(velocities, grad, inverse_masses, 0.5)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, grad, randn(1, device=device), inverse_masses, 0.5)
+    assert count_range.tolist() == [2**40, -1]
+    assert_state_close(velocities, want_velocities, torch.float64)
+    assert_state_close(forces, want_forces, torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("masses_shape", ["column", "flat"])
@@ -166,6 +189,10 @@ def test_opcheck(device, state_dtype, model_dtype, masses_shape):
     torch.library.opcheck(torch.ops.mirage.verlet_forces_kick,
                           (velocities, forces, energy, randn(7, 3, dtype=model_dtype, device=device),
                            randn(1, dtype=model_dtype, device=device), inverse_masses, 0.5))
+    torch.library.opcheck(torch.ops.mirage.verlet_forces_kick,
+                          (velocities, forces, energy, randn(7, 3, dtype=model_dtype, device=device),
+                           randn(1, dtype=model_dtype, device=device), inverse_masses, 0.5,
+                           torch.tensor([42], device=device), torch.tensor([0, 2**62], device=device)))
 
 
 def md_steps(positions, velocities, forces, energy, inverse_masses, steps):
@@ -257,6 +284,20 @@ FORCES_KICK_ERRORS = [
     (dict(model_energy=lambda d: torch.zeros(1, dtype=torch.int64, device=d)), "model_energy must be floating point"),
     (dict(inverse_masses=lambda d: torch.ones(5, 1, dtype=torch.float64, device=d)),
      "inverse_masses must be [N] or [N, 1] with N = 4"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d)),
+     "pair_count and pair_count_range must both be given or both be None"),
+    (dict(pair_count_range=lambda d: torch.tensor([0, 9], device=d)),
+     "pair_count and pair_count_range must both be given or both be None"),
+    (dict(pair_count=lambda d: torch.tensor([3], dtype=torch.int32, device=d),
+          pair_count_range=lambda d: torch.tensor([0, 9], device=d)), "pair_count must be int64"),
+    (dict(pair_count=lambda d: torch.tensor([3, 4], device=d), pair_count_range=lambda d: torch.tensor([0, 9], device=d)),
+     "pair_count must have one element"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d), pair_count_range=lambda d: torch.tensor([0.0, 9.0], device=d)),
+     "pair_count_range must be int64"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d), pair_count_range=lambda d: torch.tensor([0, 9, 1], device=d)),
+     "pair_count_range must be [2]"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d),
+          pair_count_range=lambda d: torch.tensor([0, 5, 9, 6], device=d)[::2]), "pair_count_range must be contiguous"),
 ]
 
 
@@ -288,3 +329,9 @@ def test_inputs_on_another_device_are_refused():
                  "mirage::verlet_forces_kick: energy must be on velocities' device")
     assert_error(forces_kick_call(inverse_masses=lambda d: torch.ones(4, dtype=torch.float64)), "cuda",
                  "mirage::verlet_forces_kick: inverse_masses must be on velocities' device")
+    assert_error(forces_kick_call(pair_count=lambda d: torch.tensor([3]),
+                                  pair_count_range=lambda d: torch.tensor([0, 9], device=d)), "cuda",
+                 "mirage::verlet_forces_kick: pair_count must be on velocities' device")
+    assert_error(forces_kick_call(pair_count=lambda d: torch.tensor([3], device=d),
+                                  pair_count_range=lambda d: torch.tensor([0, 9])), "cuda",
+                 "mirage::verlet_forces_kick: pair_count_range must be on velocities' device")

@@ -213,12 +213,9 @@ class VelocityVerlet:
         the velocities by ``kick`` (a time); folds the pair count into its range."""
         energy, (grad,) = energy_and_gradients(self.model, state["numbers"], model_positions, state.get("cell"),
                                                state.get("pbc"), precision=self.precision, who=_WHO)
+        counting = (self.model.num_pairs, state["pair_counts"]) if self._counting else (None, None)
         ops.verlet_forces_kick(state["velocities"], state["forces"], state["energy"], grad, energy,
-                               state["inverse_masses"], kick)
-        if self._counting:
-            counts, found = state["pair_counts"], self.model.num_pairs
-            torch.maximum(counts[:1], found, out=counts[:1])
-            torch.minimum(counts[1:], found, out=counts[1:])
+                               state["inverse_masses"], kick, *counting)
 
     def _advance(self, state: Dict[str, Tensor], steps: int) -> Dict[str, Tensor]:
         """``steps`` steps in place on ``state`` (what one graph records); returns ``state``.
