@@ -102,9 +102,13 @@ def test_overlapped_launches_keep_stream_order(chain):
     make_input, make_ops, rounds = _CHAINS[chain]
     x, ops = make_input(), make_ops()
     expected = _run_chain(x, ops, rounds, sync_each_op=True)
-    torch.testing.assert_close(_run_chain(x, ops, rounds, sync_each_op=False), expected, atol=0, rtol=0)
+    # NaN where both have it: each geglu output multiplies two of its input's values, so after seven
+    # an element is a product of 128 of the random input's and overflows float16 now and then
+    # (inf * gelu(-inf) is NaN; 12 of 200 random inputs on an H200, 2026-11-29).
+    exact = dict(atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(_run_chain(x, ops, rounds, sync_each_op=False), expected, **exact)
     graph, output = capture_graph(lambda: _run_chain(x, ops, rounds, sync_each_op=False))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(output, expected, atol=0, rtol=0)
+    torch.testing.assert_close(output, expected, **exact)
