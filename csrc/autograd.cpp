@@ -739,17 +739,15 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 namespace {
 
 // (vectors, distances) and the gradient of the pair vectors they imply, g = grad_vectors +
-// grad_distances * vectors / distances (0 where d = 0, as PyTorch's vector_norm), as PyTorch ops;
-// an undefined gradient is zero.
+// grad_distances * vectors / distances (0 where d = 0, as PyTorch's vector_norm), as PyTorch ops.
+// An undefined gradient adds nothing (as in PyTorch, where it never reaches the norm).
 at::Tensor pair_vector_gradient(const at::Tensor& grad_vectors, const at::Tensor& grad_distances,
                                 const at::Tensor& vectors) {
-  at::Tensor radial = at::zeros_like(vectors.select(-1, 0));
-  if (grad_distances.defined()) {
-    const at::Tensor d = at::linalg_vector_norm(vectors, 2, {-1});
-    const at::Tensor nonzero = d != 0;  // NaN too: it passes NaN on, as PyTorch's norm
-    radial = at::where(nonzero, grad_distances / at::where(nonzero, d, at::ones_like(d)), 0);
-  }
-  const at::Tensor g = radial.unsqueeze(-1) * vectors;  // as the kernels: NaN vectors pass NaN on
+  if (!grad_distances.defined()) return grad_vectors.defined() ? grad_vectors : at::zeros_like(vectors);
+  const at::Tensor d = at::linalg_vector_norm(vectors, 2, {-1});
+  const at::Tensor nonzero = d != 0;  // NaN too: it passes NaN on, as PyTorch's norm
+  const at::Tensor radial = at::where(nonzero, grad_distances / at::where(nonzero, d, at::ones_like(d)), 0);
+  const at::Tensor g = radial.unsqueeze(-1) * vectors;
   return grad_vectors.defined() ? grad_vectors + g : g;
 }
 
@@ -810,9 +808,10 @@ struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
                                                              defined_or_none(grad_outputs[1]), positions, pairs,
                                                              defined_or_none(shifts), defined_or_none(saved[3]));
     }
-    if (shifts.defined() && ctx->needs_input_grad(2)) {
-      grad_shifts = pair_vector_gradient(grad_outputs[0], grad_outputs[1],
-                                         pair_vectors_composite(positions, pairs, shifts));
+    if (shifts.defined() && ctx->needs_input_grad(2)) {  // the vectors are formed again only if needed
+      grad_shifts = grad_outputs[1].defined() ? pair_vector_gradient(grad_outputs[0], grad_outputs[1],
+                                                                     pair_vectors_composite(positions, pairs, shifts))
+                                              : grad_outputs[0];
     }
     return {grad_positions, at::Tensor(), grad_shifts, at::Tensor()};
   }

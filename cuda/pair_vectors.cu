@@ -72,7 +72,9 @@ __device__ __forceinline__ void pair_gradient(const PairVectorsBackwardParams& p
   // NaN distance passes NaN on).
   const float radial = p.grad_distances != nullptr && d != 0.0f ? p.grad_distances[k] / d : 0.0f;
 #pragma unroll
-  for (int c = 0; c < 3; ++c) g[c] = (p.grad_vectors != nullptr ? p.grad_vectors[3 * k + c] : 0.0f) + radial * v[c];
+  for (int c = 0; c < 3; ++c)  // a missing gradient adds nothing (no 0 * NaN), as the CPU reference
+    g[c] = (p.grad_vectors != nullptr ? p.grad_vectors[3 * k + c] : 0.0f) +
+           (p.grad_distances != nullptr ? radial * v[c] : 0.0f);
 }
 
 // add(atom, sum, sign) once for each run of equal atoms among the warp's lanes (atom -1: nothing),

@@ -109,7 +109,8 @@ at::Tensor pair_vectors_backward_cpu(const std::optional<at::Tensor>& grad_vecto
     const double d = std::sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
     const double radial = gd != nullptr && d != 0 ? gd[p] / d : 0.0;
     for (int c = 0; c < 3; ++c) {
-      const double g = (gv != nullptr ? gv[3 * p + c] : 0.0) + radial * v[c];
+      // A missing gradient adds nothing (NaN vectors pass NaN on only through the distances').
+      const double g = (gv != nullptr ? gv[3 * p + c] : 0.0) + (gd != nullptr ? radial * v[c] : 0.0);
       out[3 * ij[P + p] + c] += g;
       out[3 * ij[p] + c] -= g;
     }

@@ -106,6 +106,27 @@ def test_nan_and_inf_positions_propagate_as_in_pytorch(device, bad):
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_positions_with_only_the_vectors_gradient_as_in_pytorch(device):
+    # An energy of the vectors alone: PyTorch never differentiates the norm, so a NaN position
+    # gives its pairs' gradients as they are (not NaN); the fused backward, handed no distances'
+    # gradient, must too.
+    positions, pairs, shifts = make_inputs(6, 30, torch.float32, device)
+    positions[2, 1] = float("nan")
+    pairs[0, :3] = 2
+    weights = randn(30, 3, device=device)
+
+    def gradient(fn, positions, pairs, shifts, weights):
+        leaf = positions.detach().requires_grad_()
+        vectors, _ = fn(leaf, pairs, shifts)
+        return torch.autograd.grad((vectors * weights).sum(), leaf)[0]
+
+    got = gradient(mirage.ops.pair_vectors, positions, pairs, shifts, weights)
+    want = gradient(composite, as_double(positions), pairs.cpu(), as_double(shifts), as_double(weights))
+    assert not want.isnan().any()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 # ---- autograd, opcheck, compile, autocast -----------------------------------------------------
 
 def test_gradcheck_and_gradgradcheck():

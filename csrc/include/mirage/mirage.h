@@ -161,7 +161,8 @@ at::Tensor verlet_kick_drift(at::Tensor& positions, at::Tensor& velocities, cons
 // forces = -grad and energy = model_energy (grad [N, 3] float32 or float64, model_energy one
 // floating-point element: the model's), then velocities += kick * forces * inverse_masses; energy
 // is [] in the state's dtype. With pair_count (one int64: the model's neighbor-pair count) and
-// pair_count_range ([2] int64, contiguous), also range = [max(range[0], count), min(range[1], count)].
+// pair_count_range ([2] int64, contiguous), both or neither, on the state's device, also
+// range = [max(range[0], count), min(range[1], count)].
 void verlet_forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
                         const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
                         const std::optional<at::Tensor>& pair_count = std::nullopt,
