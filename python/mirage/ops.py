@@ -484,9 +484,11 @@ def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = No
     Returns:
         ``(vectors, distances)``: ``(P, 3)`` and ``(P,)``. Differentiable in ``positions`` and
         ``shifts`` to second order; the positions' first-order gradient is a fused op of its own
-        (``torch.ops.mirage.pair_vectors_backward``, a scatter with float32 atomics on CUDA, so
-        its low bits vary from run to run). The distances' gradient is 0 where a distance is 0,
-        as ``torch.linalg.vector_norm``'s. Under autocast it runs in float32.
+        (``torch.ops.mirage.pair_vectors_backward(grad_vectors, grad_distances, positions, pairs,
+        shifts, sender_order)``, either gradient None where the energy does not use that output; a
+        scatter with float32 atomics on CUDA, so its low bits vary from run to run). The
+        distances' gradient is 0 where a distance is 0, as ``torch.linalg.vector_norm``'s. Under
+        autocast it runs in float32.
 
     An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads indices
     on the host, writes NaN to that pair's vector and distance, and the backward writes NaN to

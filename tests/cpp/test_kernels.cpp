@@ -1318,6 +1318,21 @@ TEST_CASE("launch_verlet_kick_drift and launch_verlet_forces_kick match the host
     require_close(dv.read(), want_v, 1e-6, 1e-6);
     require_close(denergy.read(), {e[0]}, 0, 0);
     require_close(drange.read(), {60.0, 57.0}, 0, 0);
+
+    // Again with a count above the maximum and a float64 model energy (read as it is, rounded once).
+    std::vector<float> more = {75.0f};
+    Device<int64_t> dmore(more);
+    Device<double> de64(e);
+    p.pair_count = dmore.ptr;
+    p.model_energy = de64.ptr;
+    p.model_energy_float64 = true;
+    p.kick = 0.0;  // the velocities stay
+    v = dv.read();
+    REQUIRE(mc::launch_verlet_forces_kick(p, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    require_close(drange.read(), {75.0, 57.0}, 0, 0);
+    require_close(denergy.read(), {e[0]}, 0, 0);
+    require_close(dv.read(), std::vector<double>(v.begin(), v.end()), 0, 0);
   }
 }
 

@@ -186,6 +186,16 @@ def direct(model, atoms, dtype=torch.float64):
     return energy.item(), -grad.numpy()
 
 
+def structure(atoms, device="cuda"):
+    """(numbers, float32 positions, cell, pbc) tensors of an ase.Atoms, as evaluate takes them."""
+    numbers = torch.tensor(atoms.numbers, device=device)
+    positions = torch.tensor(atoms.positions, dtype=torch.float32, device=device)
+    if not atoms.pbc.any():
+        return numbers, positions, None, None
+    return (numbers, positions, torch.tensor(atoms.cell[:], dtype=torch.float32, device=device),
+            torch.tensor(atoms.pbc, device=device))
+
+
 # --------------------------------------------------------------------- against ASE's numerics
 @pytest.mark.parametrize("cls", [SchNet, PaiNN, CapacityModel])
 def test_forces_match_finite_differences_open(cls):
@@ -855,16 +865,6 @@ def test_fused_model_graph_matches_reference(periodic):
     assert graphed.graph_stats().misses == 2
 
 
-def structure(atoms, device="cuda"):
-    """(numbers, float32 positions, cell, pbc) tensors of an ase.Atoms, as evaluate takes them."""
-    numbers = torch.tensor(atoms.numbers, device=device)
-    positions = torch.tensor(atoms.positions, dtype=torch.float32, device=device)
-    if not atoms.pbc.any():
-        return numbers, positions, None, None
-    return (numbers, positions, torch.tensor(atoms.cell[:], dtype=torch.float32, device=device),
-            torch.tensor(atoms.pbc, device=device))
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("cls, op", [(SchNet, "mirage.schnet_energy"), (PaiNN, "mirage.painn_energy")])
 @pytest.mark.parametrize("periodic", [False, True])
@@ -876,13 +876,13 @@ def test_whole_model_energy_and_gradient_without_autograd(cls, op, periodic):
     torch.manual_seed(0)
     fast = mirage.ff.optimize(cls(cutoff=4.0).cuda().eval())
     numbers, positions, cell, pbc = structure(periodic_atoms(n=12) if periodic else benzene_atoms())
-    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None  # no capacity chosen yet
+    with OpCounter() as counter:
+        direct = fast.energy_and_gradient(numbers, positions, cell, pbc)  # chooses the capacity, as forward does
+    assert direct is not None and fast.max_pairs is not None
+    assert op in counter.calls and counter.calls.count("mirage.pair_vectors_backward") == 1
     leaf = positions.clone().requires_grad_(True)
     energy = fast(numbers, leaf, cell, pbc)
     (grad,) = torch.autograd.grad(energy, leaf)
-    with OpCounter() as counter:
-        direct = fast.energy_and_gradient(numbers, positions, cell, pbc)
-    assert op in counter.calls and counter.calls.count("mirage.pair_vectors_backward") == 1
     assert "aten.mul" not in counter.calls and not ZERO_FILLS & set(counter.calls), counter.calls
     torch.testing.assert_close(direct[0], energy.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(direct[1], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
@@ -890,6 +890,20 @@ def test_whole_model_energy_and_gradient_without_autograd(cls, op, periodic):
         got_energy, forces, _ = mirage.ff.calculator.evaluate(fast, numbers, positions, cell, pbc)
     assert "aten.mul" not in counter.calls and op in counter.calls
     torch.testing.assert_close(forces, -grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
+    # Where calling the model runs more than its forward: a forward hook, a subclass's forward.
+    handle = fast.register_forward_hook(lambda module, args, out: out + 1.0)
+    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
+    assert mirage.ff.calculator.evaluate(fast, numbers, positions, cell, pbc)[0] == pytest.approx(
+        energy.item() + 1.0, rel=1e-6)
+    handle.remove()
+
+    class Shifted(type(fast)):
+        def forward(self, *args):
+            return super().forward(*args) + 1.0
+
+    fast.__class__ = Shifted
+    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
+    fast.__class__ = Shifted.__mro__[1]
     # Where the op does not run: training mode, a capacity over its limit.
     fast.train()
     assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
@@ -900,9 +914,7 @@ def test_whole_model_energy_and_gradient_without_autograd(cls, op, periodic):
 
 def test_energy_and_gradient_is_none_on_the_cpu():
     fast = mirage.ff.optimize(small(SchNet, torch.float32))
-    numbers, positions, cell, pbc = structure(benzene_atoms(), "cpu")
-    fast(numbers, positions)
-    assert fast.max_pairs is not None and fast.energy_and_gradient(numbers, positions, cell, pbc) is None
+    assert fast.energy_and_gradient(*structure(benzene_atoms(), "cpu")) is None
 
 
 def test_works_under_inference_mode():

@@ -368,6 +368,12 @@ def test_bad_atoms():
     with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: the model's parameters are torch.float16; "
                                          "it runs float32 or float64 models"):
         md.VelocityVerlet(Springs().half(), benzene_atoms(), DT)
+    counting = CapacityModel(max_pairs=1000).double()
+    counting.num_pairs = counting.num_pairs.int()
+    with pytest.raises(ValueError, match=r"mirage.ff.md.VelocityVerlet: the model's num_pairs must be an int64 "
+                                         r"tensor on cpu \(the neighbor-capacity protocol, mirage.ff.capacity\), "
+                                         "got torch.int32 on cpu"):
+        md.VelocityVerlet(counting, benzene_atoms(), DT, device="cpu")
 
 
 @pytest.mark.parametrize("temperature, friction, message", [

@@ -161,7 +161,7 @@ def test_forces_kick_folds_the_pair_count_into_its_range(device):
     count_range = torch.tensor([0, 2**62], device=device)
     seen = []
     for count in [130, 132, 7, 131, -1, 2**40]:
-        # The count as the model keeps it: a [1] buffer, here a strided view of one.
+        # The count as the model keeps it: a [1] buffer, here a view of one at an offset.
         pair_count = torch.tensor([0, count], device=device)[1:]
         mirage.ops.verlet_forces_kick(velocities, forces, energy, randn(5, 3, device=device), randn(1, device=device),
                                       inverse_masses, 0.5, pair_count, count_range)
@@ -290,12 +290,12 @@ FORCES_KICK_ERRORS = [
      "pair_count and pair_count_range must both be given or both be None"),
     (dict(pair_count=lambda d: torch.tensor([3], dtype=torch.int32, device=d),
           pair_count_range=lambda d: torch.tensor([0, 9], device=d)), "pair_count must be int64"),
-    (dict(pair_count=lambda d: torch.tensor([3, 4], device=d), pair_count_range=lambda d: torch.tensor([0, 9], device=d)),
-     "pair_count must have one element"),
-    (dict(pair_count=lambda d: torch.tensor([3], device=d), pair_count_range=lambda d: torch.tensor([0.0, 9.0], device=d)),
-     "pair_count_range must be int64"),
-    (dict(pair_count=lambda d: torch.tensor([3], device=d), pair_count_range=lambda d: torch.tensor([0, 9, 1], device=d)),
-     "pair_count_range must be [2]"),
+    (dict(pair_count=lambda d: torch.tensor([3, 4], device=d),
+          pair_count_range=lambda d: torch.tensor([0, 9], device=d)), "pair_count must have one element"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d),
+          pair_count_range=lambda d: torch.tensor([0.0, 9.0], device=d)), "pair_count_range must be int64"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d),
+          pair_count_range=lambda d: torch.tensor([0, 9, 1], device=d)), "pair_count_range must be [2]"),
     (dict(pair_count=lambda d: torch.tensor([3], device=d),
           pair_count_range=lambda d: torch.tensor([0, 5, 9, 6], device=d)[::2]), "pair_count_range must be contiguous"),
 ]

@@ -2,7 +2,8 @@
 
 The model is any callable ``energy = model(atomic_numbers, positions, cell, pbc)`` (the reference
 SchNet/PaiNN of examples/forcefield, or what :func:`mirage.ff.optimize` makes of them). Forces
-are ``-dE/dpositions`` by autograd; for periodic systems the stress comes from the strain
+are ``-dE/dpositions`` by autograd (for mirage's fused models that run as one op, from the op's own
+gradient: ``energy_and_gradient``); for periodic systems the stress comes from the strain
 derivative. On a GPU the whole evaluation (forward and backward) is one CUDA-graph replay.
 """
 
@@ -83,7 +84,8 @@ def evaluate(
     precision: str = "fp32",
     who: str = "mirage.ff.Calculator",
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """Energy, forces and (optionally) stress of one structure, by autograd. Graph-safe.
+    """Energy, forces and (optionally) stress of one structure, by autograd (see
+    :func:`energy_and_gradients`). Graph-safe.
 
     Args:
         model: ``energy = model(atomic_numbers, positions, cell, pbc)``.
@@ -116,7 +118,7 @@ def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell:
     model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
     positions and, with ``stress``, the strain (never None), as autograd returns them. mirage's
     fused models that run as one op give the same without autograd
-    (:meth:`~mirage.ff.SchNet.energy_and_gradient`)."""
+    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`)."""
     if not stress and isinstance(model, _FusedModel):
         with _autocast(precision, positions.device.type):
             direct = model.energy_and_gradient(atomic_numbers, positions.detach(), cell, pbc)

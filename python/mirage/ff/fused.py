@@ -245,10 +245,10 @@ class _FusedModel(nn.Module):
         capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
         return min(capacity, all_pairs) if cell is None else capacity
 
-    def _neighbors(self, positions: Tensor, cell, pbc) -> "_Neighbors":
+    def _neighbors(self, positions: Tensor, cell, pbc) -> _Neighbors:
         """The pairs [2, P], their shifts [P, 3], their true count, their sender order, the vectors
-        r_j - r_i + shift [P, 3] and distances [P], with P = max_pairs. The order (CUDA only; mirage::sender_order, the padding
-        past the count last) is formed once for the backwards of every op over the pairs, which
+        r_j - r_i + shift [P, 3] and distances [P], with P = max_pairs. The order (CUDA only;
+        mirage::sender_order, the padding past the count last) is formed once for the backwards of every op over the pairs, which
         would otherwise each sort them again (three to four times a call at 3,000 atoms, ~18 us
         each on an H200)."""
         cell, pbc = self._boundaries(positions, cell, pbc)
@@ -313,13 +313,20 @@ class _FusedModel(nn.Module):
 
     def energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                             pbc: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
-        """(energy ``[]``, its gradient in ``positions`` ``[N, 3]``) without autograd, when this call
-        runs as the model's whole-model op (see :meth:`forward`); None otherwise, and before the
-        first forward has chosen the capacity. The kernels that ``forward`` and
+        """(energy ``[]``, its gradient in ``positions`` ``[N, 3]``) without autograd, when
+        ``forward`` would run as the model's whole-model op (see :meth:`forward`: eval mode, CUDA,
+        float32, int64 atomic numbers, the capacity and atom limits, the structure the op takes);
+        None otherwise, and when ``forward`` is not this class's own (a subclass overrides it) or
+        forward hooks are registered, which this path would skip. The kernels that ``forward`` and
         ``torch.autograd.grad`` run, less autograd's own work: a fill of the energy's gradient, the
         product of the op's pair-vector gradient with it, and the host's bookkeeping
-        (mirage.ff.Calculator and mirage.ff.md call this; a few µs of a small molecule's step)."""
-        if self._max_pairs is None or not self._whole_model_kernel(atomic_numbers, positions):
+        (mirage.ff.Calculator and mirage.ff.md call this; a few µs of a small molecule's step). The
+        first call chooses the neighbor capacity, as the first forward does."""
+        if not self._eval_kernels(positions) or not self._forward_is_plain():
+            return None
+        if self._max_pairs is None:
+            self._max_pairs = self._initial_capacity(positions, *self._boundaries(positions, cell, pbc))
+        if not self._whole_model_kernel(atomic_numbers, positions):
             return None
         with torch.no_grad():
             found = self._neighbors(positions, cell, pbc)
@@ -328,6 +335,13 @@ class _FusedModel(nn.Module):
             grad = torch.ops.mirage.pair_vectors_backward(grad_vectors, None, positions, found.pairs, found.shifts,
                                                           found.order)
         return energy, grad
+
+    def _forward_is_plain(self) -> bool:
+        """Whether calling the model runs SchNet's or PaiNN's forward as written here: no subclass
+        overriding it, no forward hooks (energy_and_gradient would skip either)."""
+        hooks = (self._forward_hooks, self._forward_pre_hooks, nn.modules.module._global_forward_hooks,
+                 nn.modules.module._global_forward_pre_hooks)
+        return type(self).forward in (SchNet.forward, PaiNN.forward) and not any(hooks)
 
     def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
         """Each Linear's weight and bias, the parameters themselves (shared, never copied), an

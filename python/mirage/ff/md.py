@@ -171,6 +171,10 @@ class VelocityVerlet:
         if not np.isfinite(atoms.positions).all():
             raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
         self._counting = capacity.has_capacity(model)
+        if self._counting and (model.num_pairs.dtype != torch.int64 or model.num_pairs.device != self.device):
+            raise ValueError(f"{_WHO}: the model's num_pairs must be an int64 tensor on {self.device} (the "
+                             f"neighbor-capacity protocol, mirage.ff.capacity), got {model.num_pairs.dtype} on "
+                             f"{model.num_pairs.device}")
         self._state = self._initial_state(atoms)
         # Three graph sizes at most in practice: K, and the shorter chunks before a write or the end.
         self._graphs = graphs.GraphCache(self._advance, 4, copy_outputs=False) if self.cuda_graph else None
