@@ -248,9 +248,9 @@ class _FusedModel(nn.Module):
     def _neighbors(self, positions: Tensor, cell, pbc) -> _Neighbors:
         """The pairs [2, P], their shifts [P, 3], their true count, their sender order, the vectors
         r_j - r_i + shift [P, 3] and distances [P], with P = max_pairs. The order (CUDA only;
-        mirage::sender_order, the padding past the count last) is formed once for the backwards of every op over the pairs, which
-        would otherwise each sort them again (three to four times a call at 3,000 atoms, ~18 us
-        each on an H200)."""
+        mirage::sender_order, the padding past the count last) is formed once for the backwards of
+        every op over the pairs, which would otherwise each sort them again (three to four times a
+        call at 3,000 atoms, ~18 us each on an H200)."""
         cell, pbc = self._boundaries(positions, cell, pbc)
         if self._max_pairs is None:
             self._max_pairs = self._initial_capacity(positions, cell, pbc)
