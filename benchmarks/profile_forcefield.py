@@ -6,6 +6,11 @@ why the kernel count matters as much as their time for small molecules).
 
     python benchmarks/profile_forcefield.py [--top 15] [--systems benzene,box3k] [--models schnet,painn]
     python benchmarks/profile_forcefield.py --parts | --whole-model | --fused-interactions
+    python benchmarks/profile_forcefield.py --md [--models schnet,painn]
+
+--md lists the kernels of a mirage.ff.md replay on benzene as the CUDA graph runs them (the profiler
+sees a graph's kernels): each kernel's start, duration and the gap before it, and the time a step.
+There the launches between kernels count, which a profile with graphs off cannot show.
 """
 
 from __future__ import annotations
@@ -167,6 +172,43 @@ def time_whole_model(name: str, sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
     del fused.whole_model_max_pairs, fused.whole_model_max_atoms
 
 
+def md_timeline(model_name: str, steps: int = 10, listed: int = 40, device: str = "cuda") -> None:
+    """One replay of `steps` steps of mirage.ff.md (benzene, the trained student) under
+    torch.profiler: the first `listed` device events (the replay's state copies, then its steps),
+    and the time a step: the spacing of a kernel that runs once a step."""
+    import ase.units
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_forcefield import ase_atoms, md_weights, sync, thermalize
+    from mirage.ff.md import VelocityVerlet
+
+    device = torch.device(device)
+    system = make_system("benzene", False, device)
+    torch.manual_seed(0)
+    model, weights = md_weights(model_name, MODELS[model_name](**MODEL_CONFIG).to(device).eval(), system)
+    dynamics = VelocityVerlet(mirage.ff.optimize(model), thermalize(ase_atoms(system)), 0.5 * ase.units.fs,
+                              steps_per_replay=steps, device=str(device), progress_every=None)
+    dynamics.run(2 * steps)  # capture, and the clock up
+    sync(device)
+    # (On the CPU, where this only checks that the replay runs, the profiler needs an activity of its own.)
+    with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        dynamics.run(steps)
+        sync(device)
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    print(f"\n{model_name} benzene ({weights} weights), mirage.ff.md, one replay of {steps} steps: "
+          f"{len(events)} device events")
+    last_end = None
+    for e in events[:listed]:
+        gap = 0.0 if last_end is None else e.time_range.start - last_end
+        print(f"  t={e.time_range.start - events[0].time_range.start:9.2f} µs  {e.time_range.elapsed_us():7.2f} µs  "
+              f"gap {gap:6.2f}  {e.name[:90]}")
+        last_end = e.time_range.end
+    once = [name for name in dict.fromkeys(e.name for e in events) if sum(e.name == name for e in events) == steps]
+    if once and steps > 1:
+        starts = [e.time_range.start for e in events if e.name == once[0]]
+        print(f"  a step: {(starts[-1] - starts[0]) / (steps - 1):.1f} µs ({once[0][:60]} to the next)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top", type=int, default=15)
@@ -179,10 +221,16 @@ def main() -> None:
                              "and layers, TF32 off and on")
     parser.add_argument("--whole-model", action="store_true",
                         help="only time each model's one-op path against its layers over molecule sizes")
+    parser.add_argument("--md", action="store_true",
+                        help="only list the kernels of a mirage.ff.md replay on benzene, as its CUDA graph runs them")
     opts = parser.parse_args()
     opts.systems = parse_list(opts.systems, SYSTEMS, "systems", parser)  # as bench_forcefield.py takes them
     opts.models = parse_list(opts.models, MODELS, "models", parser)
     device = torch.device("cuda")
+    if opts.md:
+        for name in opts.models:
+            md_timeline(name)
+        return
     if opts.whole_model:
         for name in opts.models:
             time_whole_model(name)

@@ -257,3 +257,12 @@ def test_profile_categories(name, expected):
     import profile_forcefield
 
     assert profile_forcefield.category(name) == expected
+
+
+def test_profile_md_timeline_runs(capsys):
+    """profile_forcefield.py --md on the CPU: the replay runs and is reported (no device events there)."""
+    import profile_forcefield
+
+    profile_forcefield.md_timeline("schnet", steps=2, device="cpu")
+    out = capsys.readouterr().out
+    assert "schnet benzene (trained student weights), mirage.ff.md, one replay of 2 steps: 0 device events" in out
