@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -203,7 +204,7 @@ def md_timeline(model_name: str, steps: int = 10, listed: int = 40, device: str 
         print(f"  t={e.time_range.start - events[0].time_range.start:9.2f} µs  {e.time_range.elapsed_us():7.2f} µs  "
               f"gap {gap:6.2f}  {e.name[:90]}")
         last_end = e.time_range.end
-    once = [name for name in dict.fromkeys(e.name for e in events) if sum(e.name == name for e in events) == steps]
+    once = [name for name, count in Counter(e.name for e in events).items() if count == steps]  # in order of first run
     if once and steps > 1:
         starts = [e.time_range.start for e in events if e.name == once[0]]
         print(f"  a step: {(starts[-1] - starts[0]) / (steps - 1):.1f} µs ({once[0][:60]} to the next)")

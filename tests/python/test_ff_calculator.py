@@ -174,26 +174,24 @@ def away_from_cutoff(atoms, cutoff, band=2e-3):
     raise AssertionError("could not place the atoms away from the cutoff")
 
 
+def structure(atoms, device="cuda", dtype=torch.float32):
+    """(numbers, positions, cell, pbc) tensors of an ase.Atoms, as a model and evaluate take them
+    (cell and pbc None for open boundaries)."""
+    numbers = torch.as_tensor(atoms.numbers, dtype=torch.int64, device=device)
+    positions = torch.tensor(atoms.positions, dtype=dtype, device=device)
+    if not atoms.pbc.any():
+        return numbers, positions, None, None
+    return (numbers, positions, torch.tensor(atoms.cell[:], dtype=dtype, device=device),
+            torch.tensor(atoms.pbc, device=device))
+
+
 def direct(model, atoms, dtype=torch.float64):
     """Energy and forces by calling the model directly (the reference)."""
-    z = torch.as_tensor(atoms.numbers, dtype=torch.int64)
-    pos = torch.tensor(atoms.positions, dtype=dtype, requires_grad=True)
-    periodic = any(atoms.pbc)
-    cell = torch.tensor(atoms.cell[:], dtype=dtype) if periodic else None
-    pbc = torch.as_tensor(atoms.pbc) if periodic else None
+    z, pos, cell, pbc = structure(atoms, "cpu", dtype)
+    pos.requires_grad_(True)
     energy = model(z, pos, cell, pbc)
     (grad,) = torch.autograd.grad(energy, pos)
     return energy.item(), -grad.numpy()
-
-
-def structure(atoms, device="cuda"):
-    """(numbers, float32 positions, cell, pbc) tensors of an ase.Atoms, as evaluate takes them."""
-    numbers = torch.tensor(atoms.numbers, device=device)
-    positions = torch.tensor(atoms.positions, dtype=torch.float32, device=device)
-    if not atoms.pbc.any():
-        return numbers, positions, None, None
-    return (numbers, positions, torch.tensor(atoms.cell[:], dtype=torch.float32, device=device),
-            torch.tensor(atoms.pbc, device=device))
 
 
 # --------------------------------------------------------------------- against ASE's numerics
