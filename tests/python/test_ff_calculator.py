@@ -891,7 +891,7 @@ def test_whole_model_energy_and_gradient_without_autograd(cls, op, periodic):
     # Where calling the model runs more than its forward: a forward hook, a subclass's forward.
     handle = fast.register_forward_hook(lambda module, args, out: out + 1.0)
     assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
-    assert mirage.ff.calculator.evaluate(fast, numbers, positions, cell, pbc)[0] == pytest.approx(
+    assert mirage.ff.calculator.evaluate(fast, numbers, positions, cell, pbc)[0].item() == pytest.approx(
         energy.item() + 1.0, rel=1e-6)
     handle.remove()
 
