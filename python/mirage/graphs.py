@@ -57,24 +57,28 @@ def _flatten(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], Li
     """Leaves of ``(args, kwargs)``, their names (``args[0]``, ``kwargs['x'][1]``) and the spec.
 
     kwargs are sorted by name so that the same arguments in another order share a signature.
+    The names cost more than the flattening (their paths): a call that replays a graph takes
+    :func:`_tree`, and names are worked out only for a message.
     """
-    leaves, names, spec = _leaves((tuple(args), dict(sorted(kwargs.items()))), "")
+    leaves, names, spec = _leaves(_arguments(args, kwargs), "")
     names = [name.replace("[0]", "args", 1) if name.startswith("[0]") else name.replace("[1]", "kwargs", 1)
              for name in names]
     return leaves, names, spec
 
 
-def _leaf_key(leaf: Any, name: str, who: str) -> Hashable:
+def _arguments(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    return tuple(args), dict(sorted(kwargs.items()))
+
+
+def _tree(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], pytree.TreeSpec]:
+    """:func:`_flatten` without the names: the leaves and spec every replayed call needs."""
+    return pytree.tree_flatten(_arguments(args, kwargs))
+
+
+def _leaf_key(leaf: Any) -> Hashable:
     if isinstance(leaf, Tensor):
         return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device)
-    try:
-        hash(leaf)
-    except TypeError:
-        raise ValueError(
-            f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor hashable; "
-            "a graph is chosen by its inputs' shapes and by the values of its other arguments, so pass "
-            "it as a tensor or as a hashable value"
-        ) from None
+    hash(leaf)  # an unhashable value raises TypeError here (_signature_of names it)
     # The type separates values that compare equal (1, 1.0 and True).
     return ("value", type(leaf), leaf)
 
@@ -90,6 +94,24 @@ class _Signature(tuple):
 
     def __hash__(self) -> int:
         return self._hash
+
+
+def _signature_of(leaves: Sequence[Any], spec: pytree.TreeSpec, args: Sequence[Any], kwargs: Dict[str, Any],
+                  who: str) -> Hashable:
+    try:
+        return _Signature((spec, tuple(_leaf_key(leaf) for leaf in leaves)))
+    except TypeError as error:
+        failure = error
+    for leaf, name in zip(leaves, _flatten(args, kwargs)[1]):  # which argument: names for the message
+        try:
+            hash(leaf)
+        except TypeError:
+            raise ValueError(
+                f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor hashable; "
+                "a graph is chosen by its inputs' shapes and by the values of its other arguments, so pass "
+                "it as a tensor or as a hashable value"
+            ) from None
+    raise failure
 
 
 def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.graphs") -> Hashable:
@@ -108,8 +130,17 @@ def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.gr
     Raises:
         ValueError: an argument is neither a tensor nor hashable.
     """
-    leaves, names, spec = _flatten(args, kwargs)
-    return _Signature((spec, tuple(_leaf_key(leaf, name, who) for leaf, name in zip(leaves, names))))
+    return _signature_of(*_tree(args, kwargs), args, kwargs, who)
+
+
+def _keyed(args: Sequence[Any], kwargs: Dict[str, Any], who: str) -> Tuple[List[Any], Hashable]:
+    """The call's leaves and :func:`signature` from one flattening, refusing inputs that require
+    grad (:func:`_refuse_grad`): what each call of a graph or a cache does first."""
+    leaves, spec = _tree(args, kwargs)
+    key = _signature_of(leaves, spec, args, kwargs, who)
+    if torch.is_grad_enabled() and any(isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves):
+        _refuse_grad(*_flatten(args, kwargs)[:2], who)
+    return leaves, key
 
 
 def _describe(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
@@ -203,6 +234,7 @@ class CapturedGraph:
             buffer.copy_(leaves[slot])
             static_leaves[slot] = buffer
         static_args, static_kwargs = pytree.tree_unflatten(static_leaves, spec)
+        self._static_arguments = (static_args, static_kwargs)
 
         start = time.perf_counter()
         with torch.cuda.device(device), torch.no_grad():
@@ -250,9 +282,8 @@ class CapturedGraph:
         if self._graph is None:
             raise RuntimeError("mirage.graphs: this CapturedGraph was reset (evicted) and cannot replay; capture again")
         who = "mirage.graphs.CapturedGraph"
-        leaves, names, _ = _flatten(args, kwargs)
-        _refuse_grad(leaves, names, who)
-        if signature(args, kwargs, who) != self.signature:
+        leaves, key = _keyed(args, kwargs, who)
+        if key != self.signature:
             raise ValueError(
                 f"{who}: called with {_describe(args, kwargs)}, which differs from the captured signature "
                 "(tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
@@ -270,6 +301,14 @@ class CapturedGraph:
     def static_inputs(self) -> Tuple[Tensor, ...]:
         """The static input buffers, one per tensor argument in call order (see :meth:`replay`)."""
         return tuple(self._static_inputs)
+
+    @property
+    def static_arguments(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """``(args, kwargs)`` as the graph reads them: the captured call's structure with the static
+        input buffers in place of its tensors (:attr:`static_inputs`, by name). For a caller whose
+        data lives in those buffers, updated in place by each replay, and who finds them there
+        rather than by their order (mirage.ff.md's state dict)."""
+        return self._static_arguments
 
     def replay(self) -> Any:
         """Replays on what the static input buffers hold now; returns ``fn``'s outputs as a call does.
@@ -292,6 +331,7 @@ class CapturedGraph:
         self._graph = None
         self._static_inputs = []
         self._static_outputs = []
+        self._static_arguments = ((), {})
 
 
 def capture(

@@ -153,6 +153,11 @@ def test_signature_hash_is_the_tuples():
     assert key == plain and hash(key) == hash(plain) and {plain: 1}[key] == 1
 
 
+def test_signature_names_an_unhashable_argument():
+    with pytest.raises(ValueError, match=r"argument kwargs\['z'\]\[1\] is a set, which is neither a tensor nor hashable"):
+        graphs.signature((randn(2),), {"z": (1, {2})})
+
+
 def test_prepare_and_replay_count_like_calls_and_follow_evictions():
     cache, _ = fake_cache(lambda x: x * 2, 1)
     x = randn(3)
@@ -245,6 +250,28 @@ def test_replay_reads_what_was_written_into_the_static_inputs():
     graph.reset()
     with pytest.raises(RuntimeError, match="was reset"):
         graph.replay()
+
+
+@pytest.mark.cuda
+def test_static_arguments_name_the_buffers_of_an_in_place_state():
+    # A state dict updated in place (as mirage.ff.md's): the graph's own copy of it, found by name.
+    def advance(state, steps):
+        for _ in range(steps):
+            state["x"].add_(state["v"])
+        return state
+
+    state = {"x": torch.zeros(4, device="cuda"), "v": torch.arange(4.0, device="cuda")}
+    graph = graphs.capture(advance, state, 3, copy_outputs=False)
+    (buffers, steps), kwargs = graph.static_arguments
+    assert steps == 3 and kwargs == {} and set(buffers) == {"x", "v"}
+    assert all(any(buffers[name] is t for t in graph.static_inputs) for name in buffers)
+    assert buffers["x"] is not state["x"]
+    buffers["x"].zero_()
+    out = graph.replay()
+    assert out["x"] is buffers["x"]
+    torch.testing.assert_close(buffers["x"], 3 * state["v"])
+    graph.reset()
+    assert graph.static_arguments == ((), {})
 
 
 @pytest.mark.cuda
