@@ -100,6 +100,10 @@ class StandIn:
     def static_inputs(self):
         return tuple(leaf for leaf in self.static if isinstance(leaf, torch.Tensor))
 
+    @property
+    def static_arguments(self):
+        return pytree.tree_unflatten(self.static, self.spec)
+
     def replay(self):
         assert self.static is not None, "replayed after reset"
         assert getattr(self.model, "max_pairs", None) == self.max_pairs, "capacity changed under a captured graph"

@@ -17,6 +17,7 @@ from ase.constraints import FixAtoms  # noqa: E402
 from ase.md.verlet import VelocityVerlet as AseVelocityVerlet  # noqa: E402
 
 import mirage.ff  # noqa: E402
+from mirage import graphs  # noqa: E402
 from mirage.ff import md  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -244,11 +245,16 @@ def test_overflow_restores_grows_and_redoes():
     np.testing.assert_allclose(run.atoms.positions, expected.atoms.positions, atol=1e-12, rtol=0)
 
 
-def test_graph_path_on_cpu():
+def test_graph_path_on_cpu(monkeypatch):
     # The graph path's control flow (state in the graphs' static buffers, a second graph for the
     # shorter replays before a write, overflow: restore, grow, recapture, redo) with StandIn
     # graphs (test_ff_calculator.py); the GPU tests below run the real ones. NVE only: the warm-up
     # before a capture draws random numbers, so Langevin runs differ from eager ones (on a GPU too).
+    # A replay works out no signature of the state (host time the GPU would wait through): only
+    # a capture does.
+    signatures = []
+    real_signature = graphs.signature
+    monkeypatch.setattr(graphs, "signature", lambda *args: signatures.append(1) or real_signature(*args))
     atoms = thermalized(periodic_atoms(n=12), 300.0)
     model = CapacityModel(max_pairs=10_000).double()
     runs = []
@@ -271,6 +277,7 @@ def test_graph_path_on_cpu():
     assert model.max_pairs > 5
     stats = graphed.graph_stats()
     assert stats.misses >= 3 and stats.hits >= 1  # K = 4 and 2 (6 = 4 + 2), then recaptures after growing
+    assert len(signatures) == stats.misses
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float64),
