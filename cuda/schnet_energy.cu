@@ -28,6 +28,11 @@
 // Nsight Compute counted 14.6k instructions a warp (3.7M in all) at 11 cycles a warp per issued
 // instruction. The per-column products, the stores to 16 blocks and the index arithmetic of a
 // phase cost more instructions than the row-split kernel's phases spend waiting for weights.
+// Written again from scratch (2026-11-29, same tests passing): eight lanes an output, a product
+// 1.2-2.2 us and its barrier 0.4-1.0 us, yet 76 us in all (weights staged by cp.async; 12 us of
+// it issuing their 4-byte copies, 9 us each interaction's message backward); a probe of the bare
+// phase had promised 1.3 us. Near 48 us at best: docs/perf/forcefield.md, "A column-split cluster
+// kernel".
 #include "atom_products.cuh"
 #include "radial_functions.cuh"
 #include "schnet_energy.cuh"
