@@ -94,6 +94,92 @@ def assert_energy_op_cuda_index_nans(call):
         assert torch.isnan(energy) and torch.isnan(grad).all()
 
 
+def _in_float64(args):
+    """A whole-model op's arguments with every floating tensor (the weights' too) in float64."""
+    def one(a):
+        if isinstance(a, list):
+            return [one(x) for x in a]
+        return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+    return [one(a) for a in args]
+
+
+def assert_energy_op_matches_composite(op, composite, args, name):
+    """A whole-model op's (energy, d energy / d vectors) on ``args`` (atomic_numbers, embedding,
+    pairs, vectors, cutoff, ...) against ``composite`` in float64: within float64's tolerance when
+    the op ran in float64; in float32, bounded by PyTorch's own float32 error on the same inputs
+    (a whole network's worth of rounding). Pairs at or beyond the cutoff get a zero gradient."""
+    energy, grad = op(*args)
+    dtype, vectors, cutoff = args[1].dtype, args[3], args[4]
+    assert energy.shape == () and grad.shape == vectors.shape
+    assert energy.dtype == grad.dtype == dtype
+    beyond = vectors.double().norm(dim=1) > cutoff * (1 + 1e-6)  # clear of float32 rounding
+    assert (grad[beyond] == 0).all() and (grad[vectors[:, 0] == cutoff] == 0).all()  # padding included
+    ref_energy, ref_grad = composite(*_in_float64(args))
+    if dtype == torch.float64:
+        torch.testing.assert_close(energy, ref_energy, **tolerance(dtype))
+        torch.testing.assert_close(grad, ref_grad, **tolerance(dtype))
+        return
+    torch_energy, torch_grad = composite(*args)
+    for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad)):
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
+        theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
+        assert ours_error <= REDUCTION_ERROR_FACTOR * theirs_error + tolerance(dtype)["atol"] * max(scale, 1.0), \
+            (name, ours_error, theirs_error, scale)
+
+
+def energy_op_opcheck(op, args):
+    """torch.library.opcheck of a whole-model op (``op`` an OpOverload) with its vectors requiring
+    grad and its activations as the schema's comma-separated string."""
+    args = list(args)
+    args[3] = args[3].detach().requires_grad_(True)
+    args[7] = ",".join(args[7])
+    torch.library.opcheck(op, tuple(args))
+
+
+def assert_energy_op_pairs_beyond_the_cutoff_add_nothing(op, args):
+    """Every pair moved past the cutoff: the energy of the atoms alone, a zero gradient."""
+    args = list(args)
+    cutoff = args[4]
+    args[3] = F.normalize(args[3], dim=1) * (1.2 * cutoff)
+    energy, grad = op(*args)
+    alone, _ = op(args[0], args[1], args[2][:, :0], args[3][:0], *args[4:])
+    torch.testing.assert_close(energy, alone, rtol=1e-6, atol=1e-6)
+    assert (grad == 0).all()
+
+
+def assert_energy_op_replays_new_vectors(op, args, grad_atol):
+    """A whole-model op captured in a CUDA graph, replayed on new vectors, against eager calls on
+    them. Not bitwise: float atomics add the messages and the senders' gradients in whatever order
+    the blocks reach them (two eager calls differ by up to ~4e-7 relative, H200); a replay that
+    read stale inputs would be off by far more. grad_atol(want_grad): the gradient's atol."""
+    args = list(args)
+    static = args[3].clone()
+    graph, (energy, grad) = capture_graph(lambda: op(*args[:3], static, *args[4:]))
+    for _ in range(3):
+        static.copy_(args[3] * (1 + 0.05 * torch.rand(args[3].shape[0], 1, device="cuda")))
+        graph.replay()
+        want_energy, want_grad = op(*args[:3], static, *args[4:])
+        torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
+
+
+def assert_energy_op_takes_unaligned_weights(op, args, indices, grad_atol):
+    """The weights at ``indices`` moved to storage 4 bytes off a 16-byte boundary (the kernels'
+    scalar loads): the same outputs as from aligned weights. grad_atol as above."""
+    args = list(args)
+    want_energy, want_grad = op(*args)
+    weights = list(args[6])
+    for index in indices:
+        w = weights[index]
+        shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
+        assert shifted.data_ptr() % 16 != 0
+        weights[index] = shifted
+    energy, grad = op(*args[:6], weights, *args[7:])
+    torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
+
+
 def cast(value, dtype):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.detach().to(dtype)

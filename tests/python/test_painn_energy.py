@@ -9,8 +9,9 @@ import torch.nn.functional as F
 import mirage
 import mirage.ff
 from common import (DEVICES, FF_ACTIVATIONS, assert_energy_op_cpu_index_errors, assert_energy_op_cuda_index_nans,
-                    assert_error, assert_first_order_only, capture_graph, energy_forces_and_ops, replace_item)
-from tolerances import REDUCTION_ERROR_FACTOR, tolerance
+                    assert_energy_op_matches_composite, assert_energy_op_pairs_beyond_the_cutoff_add_nothing,
+                    assert_energy_op_replays_new_vectors, assert_energy_op_takes_unaligned_weights, assert_error,
+                    assert_first_order_only, capture_graph, energy_forces_and_ops, energy_op_opcheck, replace_item)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -107,28 +108,8 @@ def painn_composite(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_painn_energy_matches_composite(device, name):
-    dtype = torch.float32 if device == "cuda" else torch.float64
-    args = make_inputs(name, device, dtype)
-    energy, grad = mirage.ops.painn_energy(*args)
-    assert energy.shape == () and grad.shape == args[3].shape
-    assert energy.dtype == grad.dtype == dtype
-    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, norm_eps = args
-    beyond = vectors.double().norm(dim=1) > cutoff * (1 + 1e-6)  # clear of float32 rounding
-    assert (grad[beyond] == 0).all() and (grad[vectors[:, 0] == cutoff] == 0).all()  # padding included
-    ref_energy, ref_grad = painn_composite(atomic_numbers, embedding.double(), pairs, vectors.double(), cutoff,
-                                           num_rbf, [w.double() for w in weights], activations, norm_eps)
-    if dtype == torch.float64:
-        torch.testing.assert_close(energy, ref_energy, **tolerance(dtype))
-        torch.testing.assert_close(grad, ref_grad, **tolerance(dtype))
-        return
-    # float32 through a whole network: bounded by PyTorch's own float32 error on the same inputs.
-    torch_energy, torch_grad = painn_composite(*args)
-    for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad)):
-        scale = ref.abs().max().item() if ref.numel() else 0.0
-        ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
-        theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
-        assert ours_error <= REDUCTION_ERROR_FACTOR * theirs_error + tolerance(dtype)["atol"] * max(scale, 1.0), \
-            (name, ours_error, theirs_error, scale)
+    args = make_inputs(name, device, torch.float32 if device == "cuda" else torch.float64)
+    assert_energy_op_matches_composite(mirage.ops.painn_energy, painn_composite, args, name)
 
 
 def test_painn_energy_gradcheck():
@@ -139,26 +120,14 @@ def test_painn_energy_gradcheck():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_painn_energy_opcheck(device):
-    dtype = torch.float32 if device == "cuda" else torch.float64
-    args = list(make_inputs("odd", device, dtype))
-    args[3].requires_grad_(True)
-    args[7] = ",".join(args[7])
-    torch.library.opcheck(torch.ops.mirage.painn_energy.default, tuple(args))
+    energy_op_opcheck(torch.ops.mirage.painn_energy.default,
+                      make_inputs("odd", device, torch.float32 if device == "cuda" else torch.float64))
 
 
 @pytest.mark.cuda
 def test_painn_energy_cuda_graph_replays_new_vectors():
-    args = list(make_inputs("benzene", "cuda", torch.float32))
-    static = args[3].clone()
-    graph, (energy, grad) = capture_graph(lambda: mirage.ops.painn_energy(*args[:3], static, *args[4:]))
-    for _ in range(3):
-        static.copy_(args[3] * (1 + 0.05 * torch.rand(args[3].shape[0], 1, device="cuda")))
-        graph.replay()
-        want_energy, want_grad = mirage.ops.painn_energy(*args[:3], static, *args[4:])
-        # Not bitwise: float atomics add the messages and the senders' gradients in whatever order
-        # the blocks reach them; a replay that read stale inputs would be off by far more.
-        torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
-        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
+    assert_energy_op_replays_new_vectors(mirage.ops.painn_energy, make_inputs("benzene", "cuda", torch.float32),
+                                         lambda want_grad: 1e-5 * want_grad.abs().max().item())
 
 
 @pytest.mark.cuda
@@ -182,13 +151,8 @@ def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_painn_energy_pairs_beyond_the_cutoff_add_nothing(device):
-    dtype = torch.float32 if device == "cuda" else torch.float64
-    args = list(make_inputs("benzene", device, dtype))
-    args[3] = F.normalize(args[3], dim=1) * (1.2 * CUTOFF)  # every pair outside
-    energy, grad = mirage.ops.painn_energy(*args)
-    alone, _ = mirage.ops.painn_energy(args[0], args[1], args[2][:, :0], args[3][:0], *args[4:])
-    torch.testing.assert_close(energy, alone, rtol=1e-6, atol=1e-6)
-    assert (grad == 0).all()
+    assert_energy_op_pairs_beyond_the_cutoff_add_nothing(
+        mirage.ops.painn_energy, make_inputs("benzene", device, torch.float32 if device == "cuda" else torch.float64))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -203,18 +167,9 @@ def test_painn_energy_nan_vector_gives_nan(device):
 
 @pytest.mark.cuda
 def test_painn_energy_cuda_unaligned_weights():
-    """Weights whose storage starts 4 bytes off a 16-byte boundary take the scalar loads."""
-    args = list(make_inputs("benzene", "cuda", torch.float32))
-    want_energy, want_grad = mirage.ops.painn_energy(*args)
-    weights = list(args[6])
-    for index in (0, 2, 4, 6, 8):  # phi's two weights, the filter, U, the MLP's first
-        w = weights[index]
-        shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
-        assert shifted.data_ptr() % 16 != 0
-        weights[index] = shifted
-    energy, grad = mirage.ops.painn_energy(*args[:6], weights, *args[7:])
-    torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
-    torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
+    """phi's two weights, the filter, U, the update MLP's first."""
+    assert_energy_op_takes_unaligned_weights(mirage.ops.painn_energy, make_inputs("benzene", "cuda", torch.float32),
+                                             (0, 2, 4, 6, 8), lambda want_grad: 1e-5 * want_grad.abs().max().item())
 
 
 # ---- gradients it does not give ---------------------------------------------------------------
