@@ -229,9 +229,16 @@ class _FusedModel(nn.Module):
             self._pbc_tensors[key] = torch.tensor(flags, dtype=torch.bool, device=positions.device)
         return cell, self._pbc_tensors[key]
 
-    def _initial_capacity(self, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor]) -> int:
-        """The capacity the first forward chooses: every pair of a small open system, otherwise
-        the pairs counted (one host sync, this once) with headroom, rounded up."""
+    def _capacity(self, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor]) -> int:
+        """The neighbor-list capacity (``cell``, ``pbc`` as :meth:`_boundaries` gives them); when none
+        was set, the first call (a forward or ``energy_and_gradient``) chooses it."""
+        if self._max_pairs is None:
+            self._max_pairs = self._chosen_capacity(positions, cell, pbc)
+        return self._max_pairs
+
+    def _chosen_capacity(self, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor]) -> int:
+        """Every pair of a small open system, otherwise the pairs counted (one host sync, this once)
+        with headroom, rounded up."""
         n = positions.shape[0]
         all_pairs = max(n * (n - 1), 1)
         if cell is None and all_pairs <= _ALL_PAIRS_UP_TO:
@@ -252,9 +259,8 @@ class _FusedModel(nn.Module):
         every op over the pairs, which would otherwise each sort them again (three to four times a
         call at 3,000 atoms, ~18 us each on an H200)."""
         cell, pbc = self._boundaries(positions, cell, pbc)
-        if self._max_pairs is None:
-            self._max_pairs = self._initial_capacity(positions, cell, pbc)
-        pairs, shifts, _, num_pairs = ops.neighbor_list(positions, self.cutoff, cell, pbc, max_pairs=self._max_pairs)
+        pairs, shifts, _, num_pairs = ops.neighbor_list(positions, self.cutoff, cell, pbc,
+                                                        max_pairs=self._capacity(positions, cell, pbc))
         self.num_pairs.copy_(num_pairs)
         # The vectors are formed again by mirage::pair_vectors: its backward is a scatter onto the
         # atoms, cheaper than neighbor_list's (which recomputes its outputs) and than PyTorch's
@@ -324,8 +330,7 @@ class _FusedModel(nn.Module):
         first call chooses the neighbor capacity, as the first forward does."""
         if not self._eval_kernels(positions) or not self._forward_is_plain():
             return None
-        if self._max_pairs is None:
-            self._max_pairs = self._initial_capacity(positions, *self._boundaries(positions, cell, pbc))
+        self._capacity(positions, *self._boundaries(positions, cell, pbc))
         if not self._whole_model_kernel(atomic_numbers, positions):
             return None
         with torch.no_grad():
