@@ -143,6 +143,15 @@ def _keyed(args: Sequence[Any], kwargs: Dict[str, Any], who: str) -> Tuple[List[
     return leaves, key
 
 
+def _load(buffers: Sequence[Tensor], leaves: Sequence[Any]) -> None:
+    """Copies a call's tensors (its leaves, in flattening order) into a graph's static input
+    buffers, one per tensor, skipping any that already is its buffer."""
+    tensors = (leaf for leaf in leaves if isinstance(leaf, Tensor))
+    for buffer, tensor in zip(buffers, tensors):
+        if tensor is not buffer:
+            buffer.copy_(tensor)
+
+
 def _describe(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
     """A short human-readable signature: tensors as ``name: dtype[shape]``."""
     leaves, names, _ = _flatten(args, kwargs)
@@ -222,15 +231,15 @@ class CapturedGraph:
         device = _capture_device(leaves, names, who)
         self.copy_outputs = copy_outputs
         self._fn_name = getattr(fn, "__qualname__", type(fn).__name__)
-        self._tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         # preserve_format keeps the caller's strides for dense inputs; expanded (stride 0) inputs
         # get a dense buffer, which any input of the same shape can be copied into. Normal (not
         # inference) tensors, so that later calls may copy into them outside torch.inference_mode.
         with torch.inference_mode(False):
             self._static_inputs = [torch.empty_like(leaves[i], memory_format=torch.preserve_format)
-                                   for i in self._tensor_slots]
+                                   for i in tensor_slots]
         static_leaves = list(leaves)
-        for slot, buffer in zip(self._tensor_slots, self._static_inputs):
+        for slot, buffer in zip(tensor_slots, self._static_inputs):
             buffer.copy_(leaves[slot])
             static_leaves[slot] = buffer
         static_args, static_kwargs = pytree.tree_unflatten(static_leaves, spec)
@@ -279,8 +288,6 @@ class CapturedGraph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replays the graph on new inputs of the captured signature; returns ``fn``'s outputs."""
-        if self._graph is None:
-            raise RuntimeError("mirage.graphs: this CapturedGraph was reset (evicted) and cannot replay; capture again")
         who = "mirage.graphs.CapturedGraph"
         leaves, key = _keyed(args, kwargs, who)
         if key != self.signature:
@@ -289,13 +296,8 @@ class CapturedGraph:
                 "(tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
                 "capture a new graph, or use mirage.graphs.GraphCache to do so automatically"
             )
-        for slot, buffer in zip(self._tensor_slots, self._static_inputs):
-            if leaves[slot] is not buffer:
-                buffer.copy_(leaves[slot])
-        self._graph.replay()
-        outputs = [leaf.clone() if self.copy_outputs and isinstance(leaf, Tensor) else leaf
-                   for leaf in self._static_outputs]
-        return pytree.tree_unflatten(outputs, self._output_spec)
+        _load(self._static_inputs, leaves)
+        return self.replay()
 
     @property
     def static_inputs(self) -> Tuple[Tensor, ...]:
@@ -406,8 +408,8 @@ class GraphCache:
         warmup: eager calls before each capture.
         verbose: print a progress line on stderr for each capture, with its time.
         capture: builds one graph: ``capture(fn, args, kwargs, pool=, copy_outputs=, warmup=)``
-            returning a callable with ``reset()``. Defaults to :class:`CapturedGraph`; tests pass a
-            CPU stand-in.
+            returning an object with :class:`CapturedGraph`'s ``static_inputs``, ``replay()`` and
+            ``reset()``. Defaults to :class:`CapturedGraph`; tests pass a CPU stand-in.
         new_pool: makes the shared pool on the first capture; defaults to
             ``torch.cuda.graph_pool_handle``.
     """
@@ -440,17 +442,21 @@ class GraphCache:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` by replaying the graph for this signature (captured if new)."""
-        key = signature(args, kwargs, "mirage.graphs.GraphCache")
+        # The arguments are flattened once a call: the graph is replayed through the capture
+        # protocol (static_inputs, replay), not called, which would flatten them again.
+        leaves, key = _keyed(args, kwargs, "mirage.graphs.GraphCache")
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is None:
+            self._fresh = None
+            entry = self._capture_new(key, args, kwargs)
+        else:
             if self._fresh is entry:
                 self._fresh = None
             else:
                 self.hits += 1
             self._entries.move_to_end(key)
-            return entry(*args, **kwargs)
-        self._fresh = None
-        return self._capture_new(key, args, kwargs)(*args, **kwargs)
+        _load(entry.static_inputs, leaves)
+        return entry.replay()
 
     def prepare(self, *args: Any, **kwargs: Any) -> Tuple[Hashable, Any]:
         """The key and the graph for this call's signature, captured from these arguments if new.

@@ -1,11 +1,16 @@
-"""Shared by the op tests: devices, dtypes, input makers and the reference comparison."""
+"""Shared by the tests: devices, dtypes, input makers, the reference comparison, a CPU stand-in
+for a CUDA graph."""
 
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from mirage import graphs
 
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
@@ -274,3 +279,51 @@ def capture_graph(step):
     with torch.cuda.graph(graph):
         outputs = step()
     return graph, outputs
+
+
+class GraphStandIn:
+    """A CPU stand-in for mirage.graphs.CapturedGraph, for GraphCache's ``capture`` argument: the
+    inputs copied into static buffers, ``fn`` run on them ``warmup`` times at capture (changing
+    what it updates in place, as the real warm-up does) and once a replay, the outputs handed back
+    uncopied. It records what the cache did to it: its settings, its replays, its release."""
+
+    live = weakref.WeakSet()  # every stand-in not yet garbage: a released one must go with its last reference
+
+    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
+        self.fn, self.pool, self.copy_outputs, self.warmup = fn, pool, copy_outputs, warmup
+        # Flattened as the cache flattens a call (keyword arguments sorted), so static_inputs line up.
+        leaves, self._spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+        self._static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.replays = 0
+        for _ in range(warmup):
+            self._run()
+        GraphStandIn.live.add(self)
+
+    def _run(self):
+        args, kwargs = self.static_arguments
+        with torch.no_grad():
+            return self.fn(*args, **kwargs)
+
+    @property
+    def signature(self):  # worked out when asked: tests count the signatures a cache's callers compute
+        return graphs.signature(*self.static_arguments)
+
+    @property
+    def released(self):
+        return self._static is None
+
+    @property
+    def static_inputs(self):
+        return tuple(leaf for leaf in self._static if isinstance(leaf, torch.Tensor))
+
+    @property
+    def static_arguments(self):
+        return pytree.tree_unflatten(self._static, self._spec)
+
+    def replay(self):
+        assert not self.released, "replayed after reset"
+        self.replays += 1
+        return self._run()
+
+    def reset(self):
+        self._static = None

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 
 ase = pytest.importorskip("ase")
@@ -27,7 +26,7 @@ from mirage.ff.calculator import CapacityWatch  # noqa: E402
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 sys.path.insert(0, EXAMPLES)
 
-from common import ZERO_FILLS, OpCounter  # noqa: E402
+from common import ZERO_FILLS, GraphStandIn, OpCounter  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 
@@ -75,50 +74,20 @@ class Counting(nn.Module):
         return self.model(atomic_numbers, positions, cell, pbc)
 
 
-class StandIn:
-    """A CPU stand-in for mirage.graphs.CapturedGraph, to drive the calculator's and the MD
-    driver's graph paths here: static input buffers (inputs are copied in unless they are those
-    buffers), ``fn`` run ``warmup`` times on them at capture (changing them, as the real warm-up
-    does), outputs handed back uncopied, and the model's capacity frozen at capture: a replay
-    after it changed fails, as a real graph would silently compute with the old one."""
+class StandIn(GraphStandIn):
+    """GraphStandIn for the calculator's and the MD driver's graph paths, with the model's
+    capacity frozen at capture: a replay after it changed fails, as a real graph would silently
+    compute with the old one."""
 
-    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
-        assert not copy_outputs
-        leaves, self.spec = pytree.tree_flatten((args, kwargs))
-        self.static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.fn, self.model = fn, fn.__self__.model
-        for _ in range(warmup):
-            self._run()
+    def __init__(self, fn, args, kwargs, **settings):
+        assert not settings["copy_outputs"]
+        self.model = fn.__self__.model
+        super().__init__(fn, args, kwargs, **settings)
         self.max_pairs = getattr(self.model, "max_pairs", None)
 
-    def _run(self):
-        args, kwargs = pytree.tree_unflatten(self.static, self.spec)
-        with torch.no_grad():
-            return self.fn(*args, **kwargs)
-
-    @property
-    def static_inputs(self):
-        return tuple(leaf for leaf in self.static if isinstance(leaf, torch.Tensor))
-
-    @property
-    def static_arguments(self):
-        return pytree.tree_unflatten(self.static, self.spec)
-
     def replay(self):
-        assert self.static is not None, "replayed after reset"
         assert getattr(self.model, "max_pairs", None) == self.max_pairs, "capacity changed under a captured graph"
-        return self._run()
-
-    def __call__(self, *args, **kwargs):
-        assert self.static is not None, "replayed after reset"
-        leaves, _ = pytree.tree_flatten((args, kwargs))
-        for buffer, leaf in zip(self.static, leaves):
-            if isinstance(leaf, torch.Tensor) and leaf is not buffer:
-                buffer.copy_(leaf)
-        return self.replay()
-
-    def reset(self):
-        self.static = None
+        return super().replay()
 
 
 def graphed_on_cpu(driver, fn, max_entries):

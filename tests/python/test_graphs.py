@@ -3,7 +3,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import pytest
 import torch
@@ -12,37 +11,7 @@ from torch import nn
 
 import mirage
 from mirage import graphs
-from common import randn
-
-
-class FakeGraph:
-    """A CPU stand-in for CapturedGraph: runs fn eagerly and records what the cache does to it."""
-
-    live = weakref.WeakSet()
-
-    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
-        self.fn, self.pool, self.copy_outputs, self.warmup = fn, pool, copy_outputs, warmup
-        self.signature = graphs.signature(args, kwargs)
-        self.calls = 0
-        self.released = False
-        # Stands for the static buffers a real graph holds: must be freed on eviction.
-        self.buffers = [torch.empty(1024)]
-        FakeGraph.live.add(self)
-
-    def __call__(self, *args, **kwargs):
-        assert not self.released, "replayed after reset"
-        assert graphs.signature(args, kwargs) == self.signature
-        self.calls += 1
-        return self.fn(*args, **kwargs)
-
-    def replay(self):
-        assert not self.released, "replayed after reset"
-        self.replays = getattr(self, "replays", 0) + 1
-        return self.replays
-
-    def reset(self):
-        self.released = True
-        self.buffers = []
+from common import GraphStandIn, randn
 
 
 def fake_cache(fn, max_entries, **kwargs):
@@ -52,7 +21,7 @@ def fake_cache(fn, max_entries, **kwargs):
         pools.append(object())
         return pools[-1]
 
-    cache = graphs.GraphCache(fn, max_entries, capture=FakeGraph, new_pool=new_pool, verbose=False, **kwargs)
+    cache = graphs.GraphCache(fn, max_entries, capture=GraphStandIn, new_pool=new_pool, verbose=False, **kwargs)
     return cache, pools
 
 
@@ -103,7 +72,7 @@ def test_cache_captures_once_per_signature_and_replays():
     cache(randn(5, 3), scale=3.0)
     stats = cache.stats()
     assert (stats.hits, stats.misses, stats.evictions, stats.entries, stats.max_entries) == (3, 3, 0, 3, 4)
-    assert [entry.calls for entry in entries(cache)] == [4, 1, 1]
+    assert [entry.replays for entry in entries(cache)] == [4, 1, 1]
     # One pool, made on the first capture and shared by every graph.
     assert len(pools) == 1 and all(entry.pool is pools[0] for entry in entries(cache))
 
@@ -127,19 +96,19 @@ def test_cache_bound_is_honoured_with_lru_eviction():
 
 
 def test_evicted_graphs_are_released_and_not_kept():
-    FakeGraph.live.clear()
+    GraphStandIn.live.clear()
     cache, _ = fake_cache(lambda x: x * 2, 3)
     for n in range(1, 40):
         cache(randn(n))
         # No gc.collect(): released entries must go with their last reference, not with a cycle.
-        assert len(FakeGraph.live) <= 3
+        assert len(GraphStandIn.live) <= 3
     assert cache.stats().evictions == 36
     cache.clear()
-    assert len(cache) == 0 and len(FakeGraph.live) == 0
+    assert len(cache) == 0 and len(GraphStandIn.live) == 0
 
 
 def test_cache_forwards_its_settings_and_prints_progress(capsys):
-    cache = graphs.GraphCache(lambda x: x, 1, copy_outputs=False, warmup=5, capture=FakeGraph,
+    cache = graphs.GraphCache(lambda x: x, 1, copy_outputs=False, warmup=5, capture=GraphStandIn,
                               new_pool=object)
     cache(randn(2, 3, dtype=torch.float16))
     entry = entries(cache)[0]
@@ -164,12 +133,15 @@ def test_prepare_and_replay_count_like_calls_and_follow_evictions():
     key, entry = cache.prepare(x)
     assert key == graphs.signature((x,), {}) and cache.holds(key, entry)
     assert cache.prepare(randn(3)) == (key, entry)  # same signature: no second capture
-    assert cache.replay(key, entry) == 1 and cache.replay(key, entry) == 2
+    torch.testing.assert_close(cache.replay(key, entry), x * 2)
+    entry.static_inputs[0].fill_(5.0)  # what a hot-path caller does: write the buffers, then replay
+    torch.testing.assert_close(cache.replay(key, entry), torch.full((3,), 10.0))
     # As for a call: the capture is a miss, the first replay after it part of that call.
     stats = cache.stats()
     assert (stats.misses, stats.hits) == (1, 1)
-    cache(randn(3))
-    assert cache.stats().hits == 2 and entry.calls == 1
+    y = randn(3)
+    torch.testing.assert_close(cache(y), y * 2)
+    assert cache.stats().hits == 2 and entry.replays == 3
     cache(randn(4))  # a new signature evicts the only graph
     assert not cache.holds(key, entry) and entry.released
     with pytest.raises(RuntimeError, match="GraphCache.replay: this graph was evicted or cleared"):

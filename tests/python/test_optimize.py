@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirage
 from mirage import graphs
-from common import OpCounter, randn
+from common import GraphStandIn, randn
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKL, UNet2DConditionModel, UNet2DModel  # noqa: E402
@@ -469,26 +469,12 @@ def test_bad_arguments():
 # OptimizedModule
 
 
-class FakeGraph:
-    """A CPU stand-in for a CUDA graph (the cache logic itself is tested in test_graphs.py)."""
-
-    def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
-        self.fn = fn
-        self.released = False
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def reset(self):
-        self.released = True
-
-
 def test_optimized_module_runs_forward_through_its_graph_cache():
     optimized, original = optimized_and_original(tiny_unet2d_condition(), cuda_graph=False)
     assert optimized.graphs is None
     seen = []
     optimized.module.conv_in.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-    optimized.graphs = graphs.GraphCache(optimized._run, 2, capture=FakeGraph, new_pool=object, verbose=False)
+    optimized.graphs = graphs.GraphCache(optimized._run, 2, capture=GraphStandIn, new_pool=object, verbose=False)
     with torch.no_grad():
         for batch in (2, 2, 1):
             sample, timestep, context = unet2d_condition_inputs(batch)
