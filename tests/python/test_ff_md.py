@@ -280,6 +280,51 @@ def test_graph_path_on_cpu(monkeypatch):
     assert len(signatures) == stats.misses
 
 
+class CrowdingModel(CapacityModel):
+    """CapacityModel that reports 1,000 pairs more than it found once atom 0's x has passed
+    ``threshold`` in the direction ``sign``: an overflow that depends on the state alone (as a real
+    one), without changing the energy."""
+
+    def __init__(self, threshold, sign, **kwargs):
+        super().__init__(**kwargs)
+        self.threshold, self.sign = threshold, sign
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        energy = super().forward(atomic_numbers, positions, cell, pbc)
+        self.num_pairs.add_(1000 * (self.sign * (positions[0, 0] - self.threshold) > 0))
+        return energy
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_overflow_behind_a_queued_replay(graphed, capfd):
+    # Replays are queued one ahead of the host's check of their pair counts (_advance_to). Here a
+    # replay in the middle of a write interval overflows while the next one is queued: the state
+    # must go back to the start of the replay that overflowed, not of the queued one.
+    atoms = thermalized(periodic_atoms(n=12), 300.0)
+    reference = CapacityModel(max_pairs=10_000).double()
+    expected = md.VelocityVerlet(reference, atoms, DT, steps_per_replay=2, progress_every=None)
+    x0 = []
+    for _ in range(8):
+        expected.run(2, write_every=8)
+        x0.append(expected.atoms.positions[0, 0])
+    # Atom 0 passes the threshold during step 6 (the replay of steps 5 and 6, after step 4).
+    sign = 1.0 if x0[2] > x0[1] else -1.0
+    model = CrowdingModel(threshold=0.5 * (x0[2] + x0[1]), sign=sign, max_pairs=500).double()
+    model.load_state_dict(reference.state_dict())
+    run = md.VelocityVerlet(model, atoms, DT, steps_per_replay=2, progress_every=None)
+    if graphed:
+        graphed_on_cpu(run, run._advance, 4)
+    run.run(16, write_every=8)
+    assert "pairs exceed the model's capacity of 500 after step 4;" in capfd.readouterr().err
+    assert model.max_pairs > 1000
+    written = [r for r in expected.records if r["step"] % 8 == 0]
+    assert [r["step"] for r in run.records] == [r["step"] for r in written] == [0, 8, 16]
+    for a, b in zip(run.records, written):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(run.atoms.positions, expected.atoms.positions, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(run.atoms.get_momenta(), expected.atoms.get_momenta(), atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float64),
                                            pytest.param("cuda", torch.float32, marks=pytest.mark.cuda)])
 def test_invalid_structure_mid_run(device, dtype):
