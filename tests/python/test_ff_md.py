@@ -281,17 +281,17 @@ def test_graph_path_on_cpu(monkeypatch):
 
 
 class CrowdingModel(CapacityModel):
-    """CapacityModel that reports 1,000 pairs more than it found once atom 0's x has passed
-    ``threshold`` in the direction ``sign``: an overflow that depends on the state alone (as a real
-    one), without changing the energy."""
+    """CapacityModel that reports 1,000 pairs more than it found once the x of atom ``atom`` has
+    passed ``threshold`` in the direction ``sign``: an overflow that depends on the state alone
+    (as a real one does), without changing the energy."""
 
-    def __init__(self, threshold, sign, **kwargs):
+    def __init__(self, atom, threshold, sign, **kwargs):
         super().__init__(**kwargs)
-        self.threshold, self.sign = threshold, sign
+        self.atom, self.threshold, self.sign = atom, threshold, sign
 
     def forward(self, atomic_numbers, positions, cell=None, pbc=None):
         energy = super().forward(atomic_numbers, positions, cell, pbc)
-        self.num_pairs.add_(1000 * (self.sign * (positions[0, 0] - self.threshold) > 0))
+        self.num_pairs.add_(1000 * (self.sign * (positions[self.atom, 0] - self.threshold) > 0))
         return energy
 
 
@@ -303,13 +303,17 @@ def test_overflow_behind_a_queued_replay(graphed, capfd):
     atoms = thermalized(periodic_atoms(n=12), 300.0)
     reference = CapacityModel(max_pairs=10_000).double()
     expected = md.VelocityVerlet(reference, atoms, DT, steps_per_replay=2, progress_every=None)
-    x0 = []
-    for _ in range(8):
-        expected.run(2, write_every=8)
-        x0.append(expected.atoms.positions[0, 0])
-    # Atom 0 passes the threshold during step 6 (the replay of steps 5 and 6, after step 4).
-    sign = 1.0 if x0[2] > x0[1] else -1.0
-    model = CrowdingModel(threshold=0.5 * (x0[2] + x0[1]), sign=sign, max_pairs=500).double()
+    x = [expected.atoms.positions[:, 0]]
+    for _ in range(16):
+        expected.run(1, write_every=8)
+        x.append(expected.atoms.positions[:, 0])
+    x = np.array(x)  # [step, atom]
+    # An atom whose x passes a threshold first at step 6 (in the replay of steps 5 and 6, queued
+    # behind the one of steps 3 and 4, with the one of steps 7 and 8 queued behind it).
+    sign = np.sign(x[6] - x[4])
+    threshold = 0.5 * (x[6] + x[5])
+    atom = int(np.flatnonzero((sign * (x[:6] - threshold) < 0).all(0) & (sign * (x[6] - threshold) > 0))[0])
+    model = CrowdingModel(atom, threshold[atom], sign[atom], max_pairs=500).double()
     model.load_state_dict(reference.state_dict())
     run = md.VelocityVerlet(model, atoms, DT, steps_per_replay=2, progress_every=None)
     if graphed:

@@ -133,7 +133,6 @@ def test_energy_and_forces_match_the_original(name, dtype, kind):
     assert_same_energy_forces(fused, model, z, pos, cell, pbc)
     # A second system of another size on the same fused model (its capacity grown if needed).
     z2, pos2, cell2, pbc2 = system("benzene" if kind != "benzene" else "cluster", dtype)
-    fused.max_pairs = None
     assert_same_energy_forces(fused, model, z2, pos2, cell2, pbc2)
 
 
@@ -415,12 +414,29 @@ def test_report_counts_what_was_swapped(name, kind):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_direct_call_on_a_larger_system_grows_the_capacity(name, capfd):
+    # The first call chooses max_pairs for a small molecule (all of its 6 pairs); a direct call on
+    # benzene (~132 pairs) must not return the energy of a pair list cut at 6.
+    reference = make_reference(name)
+    fused = swapped(reference)
+    water = torch.tensor([[0.0, 0.0, 0.12], [0.0, 0.76, -0.47], [0.0, -0.76, -0.47]], dtype=torch.float64)
+    assert_same_energy_forces(fused, reference, torch.tensor([8, 1, 1]), water)
+    assert fused.max_pairs == 6
+    z, pos, _, _ = system("benzene")
+    assert_same_energy_forces(fused, reference, z, pos)
+    found = int(fused.num_pairs)
+    assert 6 < found <= fused.max_pairs  # 132 less the H-H pairs the jitter took past the cutoff
+    assert f"{found} neighbor pairs exceed the capacity of 6 (max_pairs); growing it to" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_forward_calls_mirage_ops_and_never_syncs(name):
     fused = swapped(make_reference(name))
     z, pos, cell, pbc = system("triclinic")
     fused(z, pos, cell, pbc)  # chooses max_pairs (one host read, this once)
+    # What a CUDA graph of the forward records: _energy, the forward less its capacity check.
     with OpCounter() as forward:
-        energy = fused(z, pos.requires_grad_(True), cell, pbc)
+        energy = fused._energy(z, pos.requires_grad_(True), cell, pbc)
     with OpCounter() as backward:
         torch.autograd.grad(energy, pos)
     calls = forward.calls
@@ -429,6 +445,12 @@ def test_forward_calls_mirage_ops_and_never_syncs(name):
     assert backward.calls.count("mirage.radial_basis_backward") == 2
     # .item() (a host sync) and nonzero (data-dependent shape) cannot be captured in a graph.
     assert not {"aten._local_scalar_dense", "aten.nonzero"} & set(calls + backward.calls)
+    # A call outside a capture reads the pair count back once (the capacity check), no more.
+    with OpCounter() as checked:
+        again = fused(z, pos, cell, pbc)
+    torch.testing.assert_close(again, energy, rtol=0, atol=0)
+    assert sorted(set(checked.calls) - set(calls)) == ["aten._local_scalar_dense"]
+    assert checked.calls.count("aten._local_scalar_dense") == 1
     assert calls.count("mirage.message_passing" if name == "SchNet" else "mirage.vector_message_passing") == 3
     # Every Linear runs through mirage::linear (3 interactions: SchNet's in2f and f2out, 3 each;
     # PaiNN's phi, U, V and update MLP, 6 each; 2 in the readout). The backward computes x's
@@ -685,13 +707,13 @@ def test_capacity_protocol(name):
     count = int(fused.num_pairs)
     assert count == reference.radius_graph(pos, CUTOFF, cell, pbc)[0].numel()
     assert count < fused.max_pairs <= 2 * count + 64
-    # Too small: num_pairs says so (the result is not valid), growing fixes it.
+    # Too small: the forward a CUDA graph records (_energy) reports it in num_pairs (the result
+    # is not valid; the caller checks); a direct call grows the capacity and computes again.
     fused.max_pairs = count // 2
-    fused(z, pos, cell, pbc)
+    fused._energy(z, pos, cell, pbc)
     assert int(fused.num_pairs) == count > fused.max_pairs
-    fused.max_pairs = count
     assert_same(fused(z, pos, cell, pbc), expected, torch.float64)
-    assert int(fused.num_pairs) == count
+    assert int(fused.num_pairs) == count <= fused.max_pairs
     # The capacity given to optimize is the one used.
     assert swapped(model, max_pairs=count + 5).max_pairs == count + 5
 

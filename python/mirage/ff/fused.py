@@ -20,20 +20,24 @@ other's parameters.
 
 The neighbor-capacity protocol (see :mod:`mirage.ff`): ``max_pairs`` (None until the first
 forward chooses it from the system) and the ``[1]`` int64 buffer ``num_pairs``, written with
-``copy_`` on every forward (graph-safe).
+``copy_`` on every forward (graph-safe). A call outside a CUDA-graph capture and outside
+torch.compile also reads the count back (one host sync) and, when the pairs overflowed the
+capacity, grows it and computes again: a direct call never returns the energy of a truncated
+pair list. Under a capture the caller checks (mirage.ff.Calculator and mirage.ff.md do).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops
+from .. import graphs, ops
+from . import capacity
 
 __all__ = ["ACTIVATIONS", "Activation", "PaiNN", "SchNet", "identify_activation"]
 
@@ -204,6 +208,32 @@ class _FusedModel(nn.Module):
             raise ValueError(f"mirage.ff.{type(self).__name__}: max_pairs must be None or an int >= 1, got {value!r}")
         self._max_pairs = value
 
+    def _grown(self, positions: Tensor) -> bool:
+        """After a call that ran the neighbor search: whether its pairs overflowed the capacity,
+        which is then grown for the call to be made again. Only outside a CUDA-graph capture and
+        torch.compile, where reading the count back (one host sync) is allowed; there the caller
+        checks ``num_pairs`` (the capacity protocol)."""
+        if torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        found = int(self.num_pairs)
+        needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag
+        if needed is None:
+            return False
+        graphs.progress(f"mirage.ff.{type(self).__name__}: {found} neighbor pairs exceed the capacity of "
+                        f"{self._max_pairs} (max_pairs); growing it to {needed} and computing again")
+        self.max_pairs = needed
+        return True
+
+    def _checked(self, compute: Callable[[], Any], positions: Tensor) -> Any:
+        """``compute()`` (a forward; None when it ran no neighbor search), computed again with a
+        grown capacity for as long as its neighbor list overflows (:meth:`_grown`)."""
+        for _ in range(capacity.MAX_GROWS):
+            result = compute()
+            if result is None or not self._grown(positions):
+                return result
+        raise RuntimeError(f"mirage.ff.{type(self).__name__}: the neighbor list still overflows after "
+                           f"{capacity.MAX_GROWS} grows of max_pairs")
+
     def _boundaries(self, positions: Tensor, cell, pbc) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """(cell, pbc) as mirage::neighbor_list takes them, read like the reference models: no pbc
         means open boundaries whatever the cell; pbc needs a cell."""
@@ -327,9 +357,15 @@ class _FusedModel(nn.Module):
         ``torch.autograd.grad`` run, less autograd's own work: a fill of the energy's gradient, the
         product of the op's pair-vector gradient with it, and the host's bookkeeping
         (mirage.ff.Calculator and mirage.ff.md call this; a few µs of a small molecule's step). The
-        first call chooses the neighbor capacity, as the first forward does."""
+        first call chooses the neighbor capacity, as the first forward does; an overflow outside a
+        capture grows it, as in a forward."""
         if not self._eval_kernels(positions) or not self._forward_is_plain():
             return None
+        return self._checked(lambda: self._whole_model_energy_and_gradient(atomic_numbers, positions, cell, pbc),
+                             positions)
+
+    def _whole_model_energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
+                                         pbc: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
         self._capacity(positions, *self._boundaries(positions, cell, pbc))
         if not self._whole_model_kernel(atomic_numbers, positions):
             return None
@@ -589,7 +625,15 @@ class SchNet(_FusedModel):
         interaction as one ``mirage::radial_cfconv`` (the filters from a float64-built table of
         the filter network) or ``mirage::cfconv`` (filter network, cutoff and message passing
         fused; :attr:`fused_interactions`, :attr:`radial_interactions`). Training mode takes the
-        layer-by-layer path, which has both."""
+        layer-by-layer path, which has both.
+
+        Outside a CUDA-graph capture, an overflow of the neighbor capacity grows it and the
+        energy is computed again (one host sync a call; see the module's docstring)."""
+        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), positions)
+
+    def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
+                pbc: Optional[Tensor]) -> Tensor:
+        """The forward without the capacity check: what a CUDA graph of it records."""
         pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
@@ -836,7 +880,12 @@ class PaiNN(_FusedModel):
         :attr:`whole_model_max_atoms` atoms whose ``U`` and ``V`` have no bias run as one op,
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
-        both."""
+        both. Neighbor capacity: as :meth:`SchNet.forward`."""
+        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), positions)
+
+    def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
+                pbc: Optional[Tensor]) -> Tensor:
+        """The forward without the capacity check: what a CUDA graph of it records."""
         pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
