@@ -7,6 +7,8 @@ reported with the reason (:func:`report`).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import time
 import weakref
@@ -215,6 +217,8 @@ class OptimizeReport:
         dtype: the weights' dtype set by optimize, or None when they were kept.
         autocast_dtype: the dtype the forward autocasts to, or None.
         channels_last: 4-D weights and inputs converted to channels_last.
+        channels_last_note: why channels_last was turned off after optimize (the forward failed
+            with channels-last tensors), or "".
         cuda_graph: forwards run through CUDA graphs.
         cuda_graph_note: why graphs are off, when they are.
         max_graphs: graphs held at most.
@@ -228,6 +232,7 @@ class OptimizeReport:
     dtype: Optional[torch.dtype] = None
     autocast_dtype: Optional[torch.dtype] = None
     channels_last: bool = False
+    channels_last_note: str = ""
     cuda_graph: bool = False
     cuda_graph_note: str = ""
     max_graphs: int = 0
@@ -262,7 +267,8 @@ class OptimizeReport:
         else:
             precision = f"weights kept, forward under torch.autocast({_dtype_name(self.autocast_dtype)})"
         lines.append(f"  precision: {precision} (mirage norms keep float32 statistics)")
-        lines.append(f"  channels_last: {'4-D weights and 4-D inputs' if self.channels_last else 'off'}")
+        layout = "4-D weights and 4-D inputs" if self.channels_last else "off"
+        lines.append(f"  channels_last: {layout}" + (f" ({self.channels_last_note})" if self.channels_last_note else ""))
         if self.cuda_graph:
             lines.append(f"  CUDA graphs: on, at most {self.max_graphs}"
                          + (f"; {self.graphs}" if self.graphs is not None else ""))
@@ -317,6 +323,10 @@ def report(model: nn.Module) -> OptimizeReport:
 # The wrapper
 
 
+# The message of a .view that the tensor's strides do not allow (torch's, since at least 1.x).
+_VIEW_ERROR = "view size is not compatible with input tensor's size and stride"
+
+
 def _channels_last_4d(tensor: Tensor) -> Tensor:
     return tensor.contiguous(memory_format=torch.channels_last) if tensor.dim() == 4 else tensor
 
@@ -341,6 +351,7 @@ class OptimizedModule(nn.Module):
         self.module = module
         self.autocast_dtype = autocast_dtype
         self.channels_last = channels_last
+        self._layout_proven = False  # whether a call has gone through with channels-last tensors
         self.graphs: Optional[GraphCache] = GraphCache(self._run, max_graphs, verbose=verbose) if max_graphs else None
         # Modules holding weights derived from others (mirage.nn.Upsample2D's folded kernels):
         # a graph replay skips their forward, so they check for changed weights here.
@@ -357,11 +368,49 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():  # compiled, the modules fold inside the graph
             self.refresh_derived_weights()
-        if self.channels_last:
-            args, kwargs = pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs))
+        if not self.channels_last:
+            return self._call(args, kwargs)
+        # Until a call has gone through, what the forward writes to stderr is held back: a model
+        # traced by mirage.patterns is a torch.fx GraphModule, which prints the traceback of a
+        # failing call before it raises, and the failure below is handled.
+        held = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(held) if not self._layout_proven else contextlib.nullcontext():
+                out = self._call(*pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs)))
+        except RuntimeError as error:
+            # A .view of an activation (x.view(N, -1) before a classifier, say) needs contiguous
+            # memory, which channels-last tensors do not have; the model runs as it was written.
+            if _VIEW_ERROR not in str(error):
+                sys.stderr.write(held.getvalue())
+                raise
+            self._leave_channels_last(error)
+            return self._call(args, kwargs)
+        sys.stderr.write(held.getvalue())
+        self._layout_proven = True
+        return out
+
+    def _call(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if self.graphs is not None:
             return self.graphs(*args, **kwargs)
         return self._run(*args, **kwargs)
+
+    def _leave_channels_last(self, error: RuntimeError) -> None:
+        """Turns channels_last off for good: 4-D weights back to contiguous memory, no input
+        conversion, graphs captured again; the report and a progress line say so."""
+        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            if tensor.dim() == 4:
+                tensor.data = tensor.data.contiguous()
+        self.refresh_derived_weights(force=True)
+        self.channels_last = False
+        if self.graphs is not None:
+            self.graphs.clear()
+        note = ("turned off at the first call: the model's forward failed with channels-last tensors "
+                f"({str(error).splitlines()[0]}); pass channels_last=False to skip the attempt, or use "
+                ".reshape or .flatten for that view")
+        result = _REPORTS.get(self)
+        if result is not None:
+            result.channels_last, result.channels_last_note = False, note
+        progress(f"optimize: channels_last {note}")
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast_dtype is None:

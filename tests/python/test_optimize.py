@@ -8,12 +8,13 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirage
 from mirage import graphs
-from common import GraphStandIn, randn
+from common import DEVICES, GraphStandIn, randn
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKL, UNet2DConditionModel, UNet2DModel  # noqa: E402
@@ -467,6 +468,39 @@ def test_bad_arguments():
 
 # ----------------------------------------------------------------------------------------------
 # OptimizedModule
+
+
+class FlattensByView(nn.Module):
+    """Conv-BN-ReLU, pooling, then ``x.view(N, -1)`` into a classifier: a view that channels-last
+    memory does not allow (PyTorch raises), written as many classifiers are."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.view(x.size(0), -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_channels_last_is_turned_off_when_the_forward_views_an_activation(device, capfd):
+    model = FlattensByView().eval().to(device)
+    x = randn(2, 3, 8, 8, device=device)
+    with torch.no_grad():
+        expected = model(x)
+        optimized = mirage.optimize(copy.deepcopy(model), dtype=torch.float32)
+        assert mirage.report(optimized).channels_last
+        outputs = [optimized(x), optimized(x)]
+    for got in outputs:
+        torch.testing.assert_close(got, expected, **MODEL_TOLERANCE)
+    result = mirage.report(optimized)
+    assert not result.channels_last and "view size is not compatible" in result.channels_last_note
+    assert "channels_last: off (turned off at the first call" in str(result)
+    assert all(p.is_contiguous() for p in optimized.parameters())
+    err = capfd.readouterr().err
+    # One line says what happened; torch.fx's printout of the handled failure is not shown.
+    assert "mirage: optimize: channels_last turned off at the first call" in err and "Traceback" not in err
 
 
 def test_optimized_module_runs_forward_through_its_graph_cache():
