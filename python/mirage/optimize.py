@@ -192,6 +192,20 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
     return visit(root, "")
 
 
+def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
+    """diffusers' UNet2DConditionModel ends in ``conv_norm_out`` then ``conv_act``, called one
+    right after the other on nothing else, in a forward the pattern pass cannot trace (its optional
+    arguments). With a SiLU the pair becomes one ``mirage.nn.GroupNorm(activation="silu")`` (sharing
+    the norm's parameters) and an ``nn.Identity``, in place."""
+    unet = getattr(sys.modules.get("diffusers.models.unets.unet_2d_condition"), "UNet2DConditionModel", None)
+    for name, module in model.named_modules():
+        if (unet is not None and type(module) is unet and type(module.conv_norm_out) is nn.GroupNorm
+                and type(module.conv_act) is nn.SiLU):
+            module.conv_norm_out = GroupNorm.from_torch(module.conv_norm_out, activation="silu")
+            module.conv_act = nn.Identity()
+            result.swaps.append(("group_norm_silu", _qualified(name, "conv_norm_out")))
+
+
 def _fuse_patterns(model: nn.Module, result: "OptimizeReport") -> nn.Module:
     """Stage 2: plain-PyTorch patterns (conv+BN(+act), GroupNorm→SiLU, q/k/v attention) via FX."""
     from .patterns import fuse
@@ -519,6 +533,7 @@ def optimize(
     training = {module: module.training for module in model.modules()}
     model.eval()
     model = _apply_swaps(model, BLOCK_SWAPS, result)
+    _fuse_output_norm(model, result)
     model = _fuse_patterns(model, result)
     model = _apply_swaps(model, NORM_SWAPS, result)
     model.eval()  # modules built by the swaps start in training mode

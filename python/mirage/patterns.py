@@ -15,7 +15,9 @@
 A rewrite applies only where the intermediates it removes have no other users; candidates left
 alone are reported with the reason. Modules whose ``forward`` cannot be traced (data-dependent
 control flow, optional arguments, ``*args``) are not rewritten themselves: their children are
-traced instead. Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
+traced instead, and where those children look like a pattern (a Conv2d beside a BatchNorm2d, a
+GroupNorm beside a SiLU, three Linears of one input width) the module is reported as left alone
+with the reason it could not be traced. Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
 torch.fx capture does, and batch-norm folding fixes the running statistics: the result is for
 inference.
 """
@@ -23,6 +25,7 @@ inference.
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
@@ -70,8 +73,13 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
     tracer = _Tracer()
     if tracer.is_leaf_module(module, prefix):
         return result
-    graph_module = _trace(tracer, module)
+    graph_module, untraced = _trace(tracer, module)
     if graph_module is None:
+        hidden = _hidden_patterns(module)
+        if hidden:
+            result.skipped.append((prefix, f"{type(module).__name__}'s forward is not traceable by torch.fx "
+                                           f"({untraced}), so {' and '.join(hidden)} among its children cannot be "
+                                           "fused"))
         for name, child in list(module.named_children()):
             child_result = fuse(child, _join(prefix, name))
             result.swaps += child_result.swaps
@@ -102,22 +110,40 @@ class _Tracer(fx.Tracer):
         return type(m).__module__.startswith("mirage.") or super().is_leaf_module(m, module_qualified_name)
 
 
-def _trace(tracer: _Tracer, module: nn.Module) -> Optional[fx.GraphModule]:
-    """``module``'s GraphModule, or None when its forward cannot be captured faithfully."""
+def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule], str]:
+    """(``module``'s GraphModule, "") or (None, why its forward cannot be captured faithfully)."""
     try:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
-        return None
+        return None, "its signature cannot be read"
     for parameter in parameters:
         # An optional argument becomes a proxy that `is None` never matches, so tracing would
         # silently take the branch for "given"; *args/**kwargs have no faithful placeholders.
-        if parameter.default is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            return None
+        if parameter.default is None:
+            return None, f"the optional argument {parameter.name}=None"
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            return None, f"the variadic argument {parameter}"
     try:
         graph = tracer.trace(module)
-    except Exception:  # noqa: BLE001 - any failure means "not traceable": fall back to the children
-        return None
-    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+    except Exception as error:  # noqa: BLE001 - any failure means "not traceable": fall back to the children
+        return None, f"tracing failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return fx.GraphModule(tracer.root, graph, type(module).__name__), ""
+
+
+def _hidden_patterns(module: nn.Module) -> List[str]:
+    """The patterns the direct children of an untraced ``module`` look like (the fusions need
+    its graph to see them): what the report names."""
+    children = list(module.children())
+    has = lambda kind: any(type(child) is kind for child in children)  # noqa: E731 - exact types, as the rewrites
+    found = []
+    if has(nn.Conv2d) and has(nn.BatchNorm2d):
+        found.append("a Conv2d and a BatchNorm2d")
+    if has(nn.GroupNorm) and has(nn.SiLU):
+        found.append("a GroupNorm and a SiLU")
+    widths = [child.in_features for child in children if type(child) is nn.Linear]
+    if any(widths.count(width) >= 3 for width in widths):
+        found.append("three Linears of one input width (q, k, v?)")
+    return found
 
 
 def _join(prefix: str, name: str) -> str:
@@ -132,7 +158,8 @@ _MATMULS = (operator.matmul, torch.matmul, torch.bmm)
 _MULS = (operator.mul, torch.mul)
 _DIVS = (operator.truediv, torch.div)
 _SOFTMAXES = (F.softmax, torch.softmax)
-_SCALAR_ARITHMETIC = (operator.pow, operator.mul, operator.truediv, operator.floordiv, operator.add, operator.sub)
+_SCALAR_ARITHMETIC = (operator.pow, operator.mul, operator.truediv, operator.floordiv, operator.add, operator.sub,
+                      math.sqrt)
 # Ops that only rearrange a tensor (their first argument): the head split and merge.
 _LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "unflatten", "flatten", "unsqueeze"}
 _LAYOUT_FUNCTIONS = (torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.unflatten, torch.unsqueeze)
@@ -569,7 +596,9 @@ class _AttentionMatch:
     def _dropout_probability(self, node: fx.Node, source: fx.Node) -> Optional[float]:
         module = self.rewriter._module(node)
         if type(module) is nn.Dropout:
-            return module.p
+            # In eval mode (optimize's) it passes its input through; the result is for inference,
+            # as F.dropout's traced `training=False` and the batch-norm folding make it.
+            return module.p if module.training else 0.0
         if _is_function(node, (F.dropout,)) and node.args[:1] == (source,):
             return 0.0 if _argument(node, 2, "training", True) is False else _argument(node, 1, "p", 0.5)
         return None
@@ -621,9 +650,10 @@ class _AttentionMatch:
         return None
 
     def _is_inverse_sqrt_head_dim(self, factor: fx.Node, divides: bool) -> bool:
-        """``factor`` is ``d ** -0.5`` (multiplied) or ``d ** 0.5`` (divided by), with d the last
-        size of q or k as SDPA reads them."""
-        if not (_is_function(factor, (operator.pow,)) and factor.args[1] == (0.5 if divides else -0.5)):
+        """``factor`` is ``d ** -0.5`` (multiplied) or ``d ** 0.5`` or ``math.sqrt(d)`` (divided
+        by), with d the last size of q or k as SDPA reads them."""
+        power = _is_function(factor, (operator.pow,)) and factor.args[1] == (0.5 if divides else -0.5)
+        if not (power or divides and _is_function(factor, (math.sqrt,))):
             return False
         size = factor.args[0]
         if _is_method(size, "size") and len(size.args) == 2:

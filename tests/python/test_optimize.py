@@ -58,6 +58,9 @@ def expected_counts(model):
             counts["Upsample2D"] += 1
         elif type(module) in (UpBlock2D, CrossAttnUpBlock2D):
             counts[type(module).__name__] += 1
+        elif type(module) is UNet2DConditionModel and type(module.conv_act) is nn.SiLU:
+            counts["group_norm_silu"] += 1  # conv_norm_out and conv_act
+            consumed.add(id(module.conv_norm_out))
     for module in model.modules():
         if id(module) not in consumed and type(module) in (nn.GroupNorm, nn.LayerNorm):
             counts[type(module).__name__] += 1
@@ -449,6 +452,7 @@ def test_report_string_and_settings(capsys):
     assert "8  ResnetBlock2D -> mirage.nn.ResnetBlock2D (GroupNorm+SiLU fused)" in text
     assert "4  BasicTransformerBlock -> mirage.nn.BasicTransformerBlock (residual add+LayerNorm fused)" in text
     assert "1  Upsample2D -> mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)" in text
+    assert "1  group_norm_silu -> mirage.nn.GroupNorm(activation='silu')" in text  # conv_norm_out + conv_act
     assert "precision: float16 weights and buffers" in text
     assert "channels_last: 4-D weights and 4-D inputs" in text
     assert "CUDA graphs: off (skipped: the model is on cpu" in text

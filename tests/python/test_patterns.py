@@ -215,6 +215,7 @@ class ManualAttention(nn.Module):
         self.v = nn.Linear(context_dim or dim, dim)
         self.out = nn.Linear(dim, dim)
         self.drop = nn.Dropout(0.0)
+        self.attn_drop = nn.Dropout(0.1)  # what eval mode turns off
 
     def split(self, t, B, N):
         return t.view(B, N, self.heads, -1).transpose(1, 2)
@@ -261,6 +262,14 @@ class ManualAttention(nn.Module):
             q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
             probs = (q @ k.mT * q.shape[-1] ** -0.5).softmax(-1)
             out = (probs @ v).transpose(1, 2).flatten(2)
+        elif form == "runtime_sqrt_scale":
+            q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
+            probs = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).softmax(-1)
+            out = (probs @ v).transpose(1, 2).flatten(2)
+        elif form == "dropout_module":
+            q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
+            probs = self.attn_drop((q @ k.transpose(-2, -1) * self.scale).softmax(-1))
+            out = (probs @ v).transpose(1, 2).flatten(2)
         elif form == "single_head":
             probs = torch.softmax(torch.bmm(self.q(x), self.k(x).transpose(1, 2)) * self.scale, -1)
             out = torch.bmm(probs, self.v(x))
@@ -268,7 +277,7 @@ class ManualAttention(nn.Module):
 
 
 ATTENTION_FORMS = ["matmul", "divide_q_scaled", "bmm", "einsum", "einsum_heads_first", "runtime_scale",
-                   "single_head"]
+                   "runtime_sqrt_scale", "dropout_module", "single_head"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -298,6 +307,13 @@ def test_attention_left_alone_with_reason(form, reason):
     result = fuse(model, prefix="blocks.0")
     assert result.module is model and not result.swaps
     assert result.skipped == [("blocks.0", reason)]
+
+
+def test_attention_dropout_module_in_training_mode_is_left_alone():
+    model = prepared(ManualAttention("dropout_module")).train()
+    result = fuse(model)
+    assert not result.swaps
+    assert result.skipped == [("ManualAttention", "dropout (p=0.1) on the attention probabilities is not fused")]
 
 
 def test_softmax_that_is_not_attention_is_no_candidate():
@@ -343,6 +359,31 @@ class OptionalArgument(nn.Module):
     def forward(self, x, shift=None):
         y = self.block(x)
         return y if shift is None else y + shift
+
+
+class OptionalArgumentAroundLayers(nn.Module):
+    """Not traced (an optional argument), its conv, batch norm and SiLU direct children: the
+    pattern between them is in its graph alone, so it is reported as left alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU()
+
+    def forward(self, x, scale=None):
+        y = self.act(self.bn(self.conv(x)))
+        return y if scale is None else y * scale
+
+
+def test_untraceable_module_hiding_a_pattern_is_reported():
+    model = prepared(OptionalArgumentAroundLayers())
+    result = fuse(model, prefix="stem")
+    assert result.module is model and not result.swaps
+    assert result.skipped == [("stem", "OptionalArgumentAroundLayers's forward is not traceable by torch.fx (the "
+                                       "optional argument scale=None), so a Conv2d and a BatchNorm2d among its "
+                                       "children cannot be fused")]
+    if hasattr(mirage, "optimize"):
+        with pytest.raises(ValueError, match=r"strict=True\): 1 candidate\(s\) of OptionalArgumentAroundLayers"):
+            mirage.optimize(prepared(OptionalArgumentAroundLayers(), torch.float32), strict=True)
 
 
 def test_untraceable_module_has_its_children_fused_in_place():
