@@ -20,6 +20,11 @@ import torch
 from torch import Tensor
 
 
+def _names(names: Union[str, Sequence[str]]) -> str:
+    """A list of names as the operators take it: one comma-separated string."""
+    return names if isinstance(names, str) else ",".join(names)
+
+
 def group_norm(
     x: Tensor,
     num_groups: int,
@@ -554,7 +559,7 @@ def schnet_energy(
     cutoff: float,
     num_rbf: int,
     weights: Sequence[Tensor],
-    activations: Sequence[str],
+    activations: Union[str, Sequence[str]],
 ) -> Tuple[Tensor, Tensor]:
     """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels).
 
@@ -587,8 +592,9 @@ def schnet_energy(
             f2out.0.bias [K], f2out.2.weight [F, K], f2out.2.bias [F]`` (a bias may be empty,
             ``[0]`` for a Linear without one), then ``readout.0.weight [Kr, F], readout.0.bias
             [Kr], readout.2.weight [1, Kr], readout.2.bias [1]``; 1 to 8 interactions.
-        activations: ``interactions + 2`` names from ``shifted_softplus, softplus, silu, tanh,
-            gelu, relu``: the filters', each interaction's ``f2out``, the readout's.
+        activations: ``interactions + 2`` names (a sequence, or one comma-separated string) from
+            ``shifted_softplus, softplus, silu, tanh, gelu, relu``: the filters', each
+            interaction's ``f2out``, the readout's.
 
     Returns:
         ``(energy, grad_vectors)``: a 0-dim tensor and ``d energy / d vectors`` ``(P, 3)``, in
@@ -598,7 +604,7 @@ def schnet_energy(
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
     return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
-                                          list(weights), ",".join(activations))
+                                          list(weights), _names(activations))
 
 
 def painn_energy(
@@ -609,7 +615,7 @@ def painn_energy(
     cutoff: float,
     num_rbf: int,
     weights: Sequence[Tensor],
-    activations: Sequence[str],
+    activations: Union[str, Sequence[str]],
     norm_eps: float = 1e-8,
 ) -> Tuple[Tensor, Tensor]:
     """A whole PaiNN energy and its gradient in the pair vectors, in one op (two CUDA kernels).
@@ -648,9 +654,9 @@ def painn_energy(
             [F, F], mlp.0.weight [K, 2F], mlp.0.bias [K], mlp.2.weight [3F, K], mlp.2.bias [3F]`` (a
             bias may be empty, ``[0]``), then ``readout.0.weight [Kr, F], readout.0.bias [Kr],
             readout.2.weight [1, Kr], readout.2.bias [1]``; 1 to 8 interactions.
-        activations: ``2 * interactions + 1`` names from ``shifted_softplus, softplus, silu, tanh,
-            gelu, relu``: each interaction's ``phi``, then each interaction's ``mlp``, then the
-            readout's.
+        activations: ``2 * interactions + 1`` names (a sequence, or one comma-separated string)
+            from ``shifted_softplus, softplus, silu, tanh, gelu, relu``: each interaction's
+            ``phi``, then each interaction's ``mlp``, then the readout's.
         norm_eps: added under the square root of ``|V v|``, > 0.
 
     Returns:
@@ -661,7 +667,7 @@ def painn_energy(
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
     return torch.ops.mirage.painn_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
-                                         list(weights), ",".join(activations), float(norm_eps))
+                                         list(weights), _names(activations), float(norm_eps))
 
 
 def cfconv(

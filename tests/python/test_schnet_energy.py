@@ -110,6 +110,14 @@ def test_schnet_energy_matches_composite(device, name):
         torch.library.opcheck(torch.ops.mirage.schnet_energy.default, (*args[:7], ",".join(args[7])))
 
 
+def test_schnet_energy_takes_activations_as_names_or_one_string():
+    args = make_inputs("benzene")
+    as_names = mirage.ops.schnet_energy(*args)
+    as_string = mirage.ops.schnet_energy(*args[:-1], ",".join(args[-1]))
+    for a, b in zip(as_names, as_string):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_schnet_energy_gradcheck():
     atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = make_inputs("odd")
     vectors.requires_grad_(True)
