@@ -14,10 +14,27 @@ take float32 (float64 too on the CPU), and the MD state updates ``verlet_kick_dr
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+import inspect
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+
+def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A wrapper whose None in place of a required tensor argument (annotated ``Tensor``) raises an
+    error naming the op and the argument; the dispatcher says only "tensor does not have a device"."""
+    parameters = list(inspect.signature(fn).parameters.values())
+    required = [(index, p.name) for index, p in enumerate(parameters) if p.annotation == "Tensor"]
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for index, name in required:
+            if (args[index] if index < len(args) else kwargs.get(name, ...)) is None:
+                raise RuntimeError(f"mirage::{fn.__name__}: {name} must be a tensor, got None")
+        return fn(*args, **kwargs)
+
+    return checked
 
 
 def _names(names: Union[str, Sequence[str]]) -> str:
@@ -25,6 +42,7 @@ def _names(names: Union[str, Sequence[str]]) -> str:
     return names if isinstance(names, str) else ",".join(names)
 
 
+@_tensors_required
 def group_norm(
     x: Tensor,
     num_groups: int,
@@ -49,6 +67,7 @@ def group_norm(
     return torch.ops.mirage.group_norm(x, num_groups, weight, bias, eps, activation)
 
 
+@_tensors_required
 def layer_norm(
     x: Tensor,
     weight: Optional[Tensor] = None,
@@ -74,6 +93,7 @@ def layer_norm(
     return torch.ops.mirage.add_layer_norm(x, residual, weight, bias, eps)
 
 
+@_tensors_required
 def geglu(x: Tensor, approximate: str = "none") -> Tensor:
     """The GEGLU gate of diffusers' feed-forward: ``a * F.gelu(b, approximate)``.
 
@@ -87,6 +107,7 @@ def geglu(x: Tensor, approximate: str = "none") -> Tensor:
     return torch.ops.mirage.geglu(x, approximate)
 
 
+@_tensors_required
 def bias_act(
     x: Tensor,
     bias: Optional[Tensor] = None,
@@ -114,6 +135,7 @@ def bias_act(
     return torch.ops.mirage.bias_act(x, bias, residual, activation, scale)
 
 
+@_tensors_required
 def linear(
     x: Tensor,
     weight: Tensor,
@@ -162,6 +184,7 @@ class NeighborList(NamedTuple):
     num_pairs: Tensor  #: ``(1,)`` int64: the true count, which may exceed ``P``
 
 
+@_tensors_required
 def subpixel_weight(weight: Tensor) -> Tensor:
     """A 3x3 convolution kernel that follows nearest 2x upsampling, as four 2x2 kernels on the
     small image, one per output parity: the ``weight`` of :func:`subpixel_shuffle`'s convolution.
@@ -195,6 +218,7 @@ def subpixel_weight(weight: Tensor) -> Tensor:
     return folded
 
 
+@_tensors_required
 def subpixel_shuffle(x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """Nearest 2x upsampling followed by a 3x3 convolution, without the upsampled image: given
     ``x = conv2d(image, subpixel_weight(w), padding=1)``, returns ``conv2d(interpolate(image,
@@ -216,6 +240,7 @@ def subpixel_shuffle(x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return torch.ops.mirage.subpixel_shuffle(x, bias)
 
 
+@_tensors_required
 def neighbor_list(
     positions: Tensor,
     cutoff: float,
@@ -276,6 +301,7 @@ def neighbor_list(
         positions, cutoff, cell, pbc, batch, max_pairs, half, method))
 
 
+@_tensors_required
 def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_fn: str) -> Tensor:
     """A radial basis times a cutoff envelope, in one pass: ``basis_k(d) * f(d)``.
 
@@ -308,6 +334,7 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
     return torch.ops.mirage.radial_basis(distances, kind, num, cutoff, cutoff_fn)
 
 
+@_tensors_required
 def message_passing(x: Tensor, filter: Tensor, pairs: Tensor) -> Tensor:
     """Sums filtered neighbor features into each receiver: SchNet's continuous-filter convolution.
 
@@ -332,6 +359,7 @@ def message_passing(x: Tensor, filter: Tensor, pairs: Tensor) -> Tensor:
     return torch.ops.mirage.message_passing(x, filter, pairs)
 
 
+@_tensors_required
 def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
     """The product of the two ends' features for every pair: ``a[pairs[0]] * b[pairs[1]]``.
 
@@ -351,6 +379,7 @@ def pair_product(a: Tensor, b: Tensor, pairs: Tensor) -> Tensor:
     return torch.ops.mirage.pair_product(a, b, pairs)
 
 
+@_tensors_required
 def sender_order(pairs: Tensor, num_nodes: int, num_pairs: Optional[Tensor] = None) -> Tensor:
     """The pairs' indices grouped by sender, for the backwards that scatter onto the senders.
 
@@ -387,6 +416,7 @@ def sender_order(pairs: Tensor, num_nodes: int, num_pairs: Optional[Tensor] = No
     return torch.ops.mirage.sender_order(pairs, int(num_nodes), num_pairs)
 
 
+@_tensors_required
 def vector_message_passing(
     x: Tensor,
     filter: Tensor,
@@ -467,6 +497,7 @@ def _fused_filter_supported_on(features: int, basis: int, device: str) -> bool:
     return bool(_C.fused_filter_supported(features, basis, device))
 
 
+@_tensors_required
 def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = None,
                  sender_order: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The pair geometry of a force field, fused: for ``p = (i, j) = (pairs[0, p], pairs[1, p])``::
@@ -502,6 +533,7 @@ def pair_vectors(positions: Tensor, pairs: Tensor, shifts: Optional[Tensor] = No
     return torch.ops.mirage.pair_vectors(positions, pairs, shifts, sender_order)
 
 
+@_tensors_required
 def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
     """The input of PaiNN's update MLP, fused: ``[s, sqrt(sum_c vv[:, c]**2 + eps)]``.
 
@@ -523,6 +555,7 @@ def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
     return torch.ops.mirage.painn_update_input(s, vv, eps)
 
 
+@_tensors_required
 def painn_update(s: Tensor, v: Tensor, uv: Tensor, vv: Tensor, a: Tensor) -> Tuple[Tensor, Tensor]:
     """PaiNN's gated update after its MLP, fused. With ``a`` split into ``(a_vv, a_sv, a_ss)``,
     each ``F`` wide::
@@ -551,6 +584,7 @@ def painn_update(s: Tensor, v: Tensor, uv: Tensor, vv: Tensor, a: Tensor) -> Tup
     return torch.ops.mirage.painn_update(s, v, uv, vv, a)
 
 
+@_tensors_required
 def schnet_energy(
     atomic_numbers: Tensor,
     embedding: Tensor,
@@ -607,6 +641,7 @@ def schnet_energy(
                                           list(weights), _names(activations))
 
 
+@_tensors_required
 def painn_energy(
     atomic_numbers: Tensor,
     embedding: Tensor,
@@ -670,6 +705,7 @@ def painn_energy(
                                          list(weights), _names(activations), float(norm_eps))
 
 
+@_tensors_required
 def cfconv(
     x: Tensor,
     basis: Tensor,
@@ -740,6 +776,7 @@ def cfconv(
                                    sender_order, num_pairs)[0]
 
 
+@_tensors_required
 def radial_cfconv(
     x: Tensor,
     distances: Tensor,
@@ -790,6 +827,7 @@ def radial_cfconv(
                                           float(cutoff), envelope, sender_order)[0]
 
 
+@_tensors_required
 def verlet_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, inverse_masses: Tensor, kick: float,
                       drift: float, dtype: torch.dtype = torch.float32) -> Tensor:
     """A velocity-Verlet kick and drift of an MD state, in place, in one kernel::
@@ -815,6 +853,7 @@ def verlet_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, inv
     return torch.ops.mirage.verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype)
 
 
+@_tensors_required
 def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad: Tensor, model_energy: Tensor,
                        inverse_masses: Tensor, kick: float, pair_count: Optional[Tensor] = None,
                        pair_count_range: Optional[Tensor] = None) -> None:

@@ -445,12 +445,13 @@ def test_forward_calls_mirage_ops_and_never_syncs(name):
     assert backward.calls.count("mirage.radial_basis_backward") == 2
     # .item() (a host sync) and nonzero (data-dependent shape) cannot be captured in a graph.
     assert not {"aten._local_scalar_dense", "aten.nonzero"} & set(calls + backward.calls)
-    # A call outside a capture reads the pair count back once (the capacity check), no more.
+    # A call outside a capture reads the atomic numbers' range and the pair count back (the
+    # input and capacity checks), no more.
     with OpCounter() as checked:
         again = fused(z, pos, cell, pbc)
     torch.testing.assert_close(again, energy, rtol=0, atol=0)
-    assert sorted(set(checked.calls) - set(calls)) == ["aten._local_scalar_dense"]
-    assert checked.calls.count("aten._local_scalar_dense") == 1
+    assert sorted(set(checked.calls) - set(calls)) == ["aten._local_scalar_dense", "aten.aminmax"]
+    assert checked.calls.count("aten.aminmax") == 1
     assert calls.count("mirage.message_passing" if name == "SchNet" else "mirage.vector_message_passing") == 3
     # Every Linear runs through mirage::linear (3 interactions: SchNet's in2f and f2out, 3 each;
     # PaiNN's phi, U, V and update MLP, 6 each; 2 in the readout). The backward computes x's
@@ -662,8 +663,14 @@ def test_bad_arguments():
         fused(z, pos, None, pbc)
     with pytest.raises(ValueError, match="mirage.ff.SchNet: pbc must have 3 flags, got 2"):
         fused(z, pos, cell, torch.tensor([True, True]))
-    with pytest.raises(RuntimeError, match="mirage::neighbor_list: positions"):
+    with pytest.raises(ValueError, match=r"mirage.ff.SchNet: positions must be \[N, 3\], got \[27, 2\]"):
         fused(z, pos[:, :2])
+    with pytest.raises(ValueError, match=r"atomic_numbers must be \[N\] for positions \[N, 3\] \(N = 27\), got \[26\]"):
+        fused(z[1:], pos)
+    for bad in (-1, 100):
+        with pytest.raises(ValueError, match=rf"atomic numbers must be in \[0, 100\) \(the embedding's rows, max_z\), "
+                                             rf"got {min(bad, int(z.min()))} to {max(bad, int(z.max()))}"):
+            fused(torch.cat([z[:-1], torch.tensor([bad])]), pos)
     with pytest.raises(ValueError, match="mirage.ff.fused.Activation: name must be one of"):
         ff_fused.Activation("swish")
 

@@ -1,3 +1,4 @@
+import inspect
 import os
 import re
 import subprocess
@@ -73,3 +74,23 @@ def test_demo_runs_on_cpu():
     assert "swapped 8 modules" in out
     error = float(out.split("max abs error vs the original: ")[1].split()[0])
     assert error < 1e-4
+
+
+def _op_wrappers():
+    """mirage.ops's functions that take a required tensor (annotated ``Tensor``), with its names."""
+    for name, fn in sorted(vars(mirage.ops).items()):
+        if inspect.isfunction(fn) and fn.__module__ == "mirage.ops" and not name.startswith("_"):
+            parameters = inspect.signature(fn).parameters.values()
+            tensors = [p.name for p in parameters if p.annotation == "Tensor"]
+            if tensors:
+                yield name, fn, tensors
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in _op_wrappers()])
+def test_every_wrapper_names_a_missing_tensor(name):
+    # None where a tensor is required: the dispatcher's own message ("tensor does not have a
+    # device") names neither the op nor the argument.
+    _, fn, tensors = next(entry for entry in _op_wrappers() if entry[0] == name)
+    for missing in tensors:
+        with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got None$"):
+            fn(**{tensor: None if tensor == missing else torch.zeros(1) for tensor in tensors})

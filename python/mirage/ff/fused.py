@@ -208,12 +208,18 @@ class _FusedModel(nn.Module):
             raise ValueError(f"mirage.ff.{type(self).__name__}: max_pairs must be None or an int >= 1, got {value!r}")
         self._max_pairs = value
 
+    @staticmethod
+    def _may_sync(positions: Tensor) -> bool:
+        """Whether this call may read device values on the host: not under a CUDA-graph capture
+        nor torch.compile."""
+        return not (torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing()))
+
     def _grown(self, positions: Tensor) -> bool:
         """After a call that ran the neighbor search: whether its pairs overflowed the capacity,
         which is then grown for the call to be made again. Only outside a CUDA-graph capture and
         torch.compile, where reading the count back (one host sync) is allowed; there the caller
         checks ``num_pairs`` (the capacity protocol)."""
-        if torch.compiler.is_compiling() or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not self._may_sync(positions):
             return False
         found = int(self.num_pairs)
         needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag
@@ -224,9 +230,23 @@ class _FusedModel(nn.Module):
         self.max_pairs = needed
         return True
 
-    def _checked(self, compute: Callable[[], Any], positions: Tensor) -> Any:
-        """``compute()`` (a forward; None when it ran no neighbor search), computed again with a
-        grown capacity for as long as its neighbor list overflows (:meth:`_grown`)."""
+    def _checked(self, compute: Callable[[], Any], atomic_numbers: Tensor, positions: Tensor) -> Any:
+        """``compute()`` (a forward; None when it ran no neighbor search) on checked inputs,
+        computed again with a grown capacity for as long as its neighbor list overflows
+        (:meth:`_grown`). The atomic numbers' range is read (a host sync) where the count is."""
+        name = f"mirage.ff.{type(self).__name__}"
+        if positions.dim() != 2 or positions.shape[-1] != 3:
+            raise ValueError(f"{name}: positions must be [N, 3], got {list(positions.shape)}")
+        if atomic_numbers.shape != positions.shape[:1]:
+            raise ValueError(f"{name}: atomic_numbers must be [N] for positions [N, 3] (N = {positions.shape[0]}), "
+                             f"got {list(atomic_numbers.shape)}")
+        if self._may_sync(positions) and atomic_numbers.numel():
+            # Before the embedding reads them: on CUDA an index past its rows is a device-side assert.
+            low, high = torch.stack(torch.aminmax(atomic_numbers)).tolist()
+            species = self.embedding.num_embeddings
+            if low < 0 or high >= species:
+                raise ValueError(f"{name}: atomic numbers must be in [0, {species}) (the embedding's rows, max_z), "
+                                 f"got {low} to {high}")
         for _ in range(capacity.MAX_GROWS):
             result = compute()
             if result is None or not self._grown(positions):
@@ -362,7 +382,7 @@ class _FusedModel(nn.Module):
         if not self._eval_kernels(positions) or not self._forward_is_plain():
             return None
         return self._checked(lambda: self._whole_model_energy_and_gradient(atomic_numbers, positions, cell, pbc),
-                             positions)
+                             atomic_numbers, positions)
 
     def _whole_model_energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                                          pbc: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
@@ -629,7 +649,7 @@ class SchNet(_FusedModel):
 
         Outside a CUDA-graph capture, an overflow of the neighbor capacity grows it and the
         energy is computed again (one host sync a call; see the module's docstring)."""
-        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), positions)
+        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions)
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
@@ -881,7 +901,7 @@ class PaiNN(_FusedModel):
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both. Neighbor capacity: as :meth:`SchNet.forward`."""
-        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), positions)
+        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions)
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
