@@ -646,6 +646,17 @@ def test_model_that_fails_on_the_probe_is_left_alone():
     assert "hydrogen only" in str(mirage.ff.report(model))
 
 
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_models_are_left_alone_with_the_way_out(name, dtype):
+    model = make_reference(name, dtype)
+    assert mirage.ff.optimize(model) is model
+    reason = f"its parameters are {str(dtype).replace('torch.', '')}: mirage's fused models run float32 or float64"
+    assert reason in str(mirage.ff.report(model)) and "precision='bf16-mixed'" in str(mirage.ff.report(model))
+    with pytest.raises(ValueError, match=reason):
+        mirage.ff.optimize(model, strict=True)
+
+
 def test_bad_arguments():
     model = make_reference("SchNet")
     with pytest.raises(TypeError, match="mirage.ff.optimize: model must be an nn.Module"):

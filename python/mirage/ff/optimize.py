@@ -162,8 +162,6 @@ def report(model: nn.Module) -> FFOptimizeReport:
 PROBE_TOLERANCE = {
     torch.float64: 1e-9,
     torch.float32: 1e-4,
-    torch.float16: 5e-2,
-    torch.bfloat16: 5e-2,
 }
 
 # Atomic numbers of the probe atoms (H, C, N, O), where the embedding has them.
@@ -222,7 +220,7 @@ def _verify(original: nn.Module, fused: nn.Module) -> List[str]:
     dtype, device = reference.dtype, reference.device
     # A basis buffer rounded to float32 (accepted by the recognizers) moves the original's
     # results by about ten times its rounding, whatever the dtype.
-    tolerance = max(PROBE_TOLERANCE.get(dtype, 5e-2), 100 * fused.basis_rounding)
+    tolerance = max(PROBE_TOLERANCE[dtype], 100 * fused.basis_rounding)
     lines = []
     for name, z, positions, cell, pbc in _probe_systems(fused.cutoff, fused.embedding.num_embeddings, dtype, device):
         try:
@@ -287,6 +285,14 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     if recognizer is None:
         return _untouched(model, result, strict, start)
     result.style = recognizer.name
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.float64):
+        # Positions need float32 at least (the neighbor search takes no less); the products in
+        # 16 bits are what precision="bf16-mixed" (autocast over a float32 model) gives.
+        result.left_alone.append(("(model)", f"its parameters are {str(dtype).replace('torch.', '')}: mirage's fused "
+                                  "models run float32 or float64 (positions need float32 at least); convert it with "
+                                  "model.float() and use precision='bf16-mixed' for 16-bit products"))
+        return _untouched(model, result, strict, start)
     try:
         fused = recognizer.build(model, max_pairs)
         # The probe compares in the model's dtype at full precision: under the caller's autocast
