@@ -738,12 +738,22 @@ def test_capacity_protocol(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fused_model_from_sizes_loads_a_reference_state_dict(name):
+    # Checkpoints go both ways, strictly: the fused model computes the reference's basis buffer
+    # (centers or frequencies) and carries it in its state dict, checked on load.
     model = make_reference(name, hidden=8, num_interactions=2, num_rbf=6)
     cls = getattr(ff_fused, name)
     fused = cls(hidden=8, num_interactions=2, num_rbf=6, cutoff=CUTOFF).double()
-    parameters = {k: v for k, v in model.state_dict().items() if k not in ("centers", "frequencies")}
-    fused.load_state_dict(parameters)
+    fused.load_state_dict(model.state_dict())
     assert_same_energy_forces(fused, model, *system("cluster"))
+    saved = fused.state_dict()
+    assert saved.keys() == model.state_dict().keys() and saved[fused.basis_key].dtype == torch.float64
+    again = make_reference(name, hidden=8, num_interactions=2, num_rbf=6)
+    again.load_state_dict(saved)
+    assert_same_energy_forces(fused, again, *system("cluster"))
+    other = make_reference(name, hidden=8, num_interactions=2, num_rbf=7).state_dict()
+    other = {k: v for k, v in other.items() if k == fused.basis_key or v.shape == saved[k].shape}
+    with pytest.raises(RuntimeError, match=rf"{fused.basis_key}: the checkpoint's basis \(7 values"):
+        fused.load_state_dict(other, strict=False)
 
 
 # ------------------------------------------------------------------------------------------------

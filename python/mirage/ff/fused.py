@@ -15,8 +15,9 @@ Gastegger 2021) with mirage's ops, with the same call::
 
 Padding pairs of the neighbor list (``distances == cutoff``) get a cutoff weight of exactly zero,
 value and gradient, so they add nothing without a mask. The parameters' names are those of the
-reference models (``interactions.0.filter.0.weight``, ...), so their state dicts load into each
-other's parameters.
+reference models (``interactions.0.filter.0.weight``, ...), and their state dicts carry the
+reference's basis buffer (``centers`` or ``frequencies``, computed, and checked when loaded), so
+checkpoints load both ways, strictly.
 
 The neighbor-capacity protocol (see :mod:`mirage.ff`): ``max_pairs`` (None until the first
 forward chooses it from the system) and the ``[1]`` int64 buffer ``num_pairs``, written with
@@ -253,6 +254,35 @@ class _FusedModel(nn.Module):
                 return result
         raise RuntimeError(f"mirage.ff.{type(self).__name__}: the neighbor list still overflows after "
                            f"{capacity.MAX_GROWS} grows of max_pairs")
+
+    # The reference models keep their radial basis as a buffer, which the fused ones compute
+    # instead (mirage::radial_basis): its state-dict key and its float64 values, so that state
+    # dicts load both ways and a checkpoint of another basis is refused rather than ignored.
+    basis_key: str
+
+    def basis_values(self) -> Tensor:
+        raise NotImplementedError  # SchNet's and PaiNN's
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        weight = self.embedding.weight
+        destination[prefix + self.basis_key] = self.basis_values().to(weight.device, weight.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + self.basis_key
+        if key not in state_dict:
+            return
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        values, expected = state_dict[key].detach().to("cpu", torch.float64).reshape(-1), self.basis_values()
+        scale = float(expected.abs().max())
+        if values.shape != expected.shape or not torch.allclose(values, expected, rtol=1e-6, atol=1e-6 * scale):
+            error_msgs.append(f"{key}: the checkpoint's basis ({values.numel()} values from {float(values[0]):.6g} "
+                              f"to {float(values[-1]):.6g}) is not the one this model computes "
+                              f"({expected.numel()} from {float(expected[0]):.6g} to {float(expected[-1]):.6g})")
 
     def _boundaries(self, positions: Tensor, cell, pbc) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """(cell, pbc) as mirage::neighbor_list takes them, read like the reference models: no pbc
@@ -494,6 +524,16 @@ def _check_tensors(model: nn.Module) -> None:
         raise ValueError(f"the parameters and buffers are on several devices: {sorted(map(str, devices))}")
 
 
+def _gaussian_centers(cutoff: float, num_rbf: int) -> Tensor:
+    """SchNet's basis: Gaussians centered evenly over [0, cutoff] (float64)."""
+    return torch.linspace(0.0, cutoff, num_rbf, dtype=torch.float64)
+
+
+def _bessel_frequencies(cutoff: float, num_rbf: int) -> Tensor:
+    """PaiNN's basis: sin(n pi d / cutoff) / d, n = 1..num_rbf (float64)."""
+    return torch.arange(1, num_rbf + 1, dtype=torch.float64) * (math.pi / cutoff)
+
+
 def _buffer(model: nn.Module, name: str, expected: Tensor, what: str) -> float:
     """The model's RBF buffer equals what mirage::radial_basis computes, to float32 rounding;
     returns the largest difference relative to the largest value."""
@@ -537,6 +577,11 @@ class SchNet(_FusedModel):
     # both limits. Measured on Hopper only: before sm_90 the op runs in one block.
     whole_model_max_pairs = 2560
     whole_model_max_atoms = 64
+    basis_key = "centers"
+
+    def basis_values(self) -> Tensor:
+        """The Gaussian centers (float64): the reference model's ``centers`` buffer."""
+        return _gaussian_centers(self.cutoff, self.num_rbf)
     #: Larger systems in eval mode on CUDA run each interaction as one mirage::cfconv (filter
     #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
     #: the batched filter GEMMs (for comparisons).
@@ -609,8 +654,8 @@ class SchNet(_FusedModel):
             raise ValueError("the filter networks have different widths (they run as one batched GEMM)")
         _, readout_activation, _ = _sequential_mlp(model, "readout", "", features, 1)
         spacing = cutoff / (num_rbf - 1) if num_rbf > 1 else cutoff
-        basis_rounding = _buffer(model, "centers", torch.linspace(0.0, cutoff, num_rbf, dtype=torch.float64),
-                f"{num_rbf} Gaussian centers evenly over [0, {cutoff}]")
+        basis_rounding = _buffer(model, "centers", _gaussian_centers(cutoff, num_rbf),
+                                 f"{num_rbf} Gaussian centers evenly over [0, {cutoff}]")
         width = getattr(model, "width", None)
         width = width.item() if isinstance(width, Tensor) and width.numel() == 1 else width
         if not isinstance(width, (int, float)) or not math.isclose(width, spacing, rel_tol=1e-6):
@@ -798,6 +843,11 @@ class PaiNN(_FusedModel):
     # Hopper only: before sm_90 the op runs in one block.
     whole_model_max_pairs = 640
     whole_model_max_atoms = 32
+    basis_key = "frequencies"
+
+    def basis_values(self) -> Tensor:
+        """The Bessel frequencies (float64): the reference model's ``frequencies`` buffer."""
+        return _bessel_frequencies(self.cutoff, self.num_rbf)
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "silu", max_pairs: Optional[int] = None,
@@ -866,9 +916,8 @@ class PaiNN(_FusedModel):
             message_blocks.append(_Block(phi=_shared_mlp(message.phi, phi_activation), filter=filter_linear))
             update_blocks.append(_Block(U=u, V=v, mlp=_shared_mlp(update.mlp, update_activation)))
         _, readout_activation, _ = _sequential_mlp(model, "readout", "", features, 1)
-        basis_rounding = _buffer(model, "frequencies",
-                torch.arange(1, num_rbf + 1, dtype=torch.float64) * (math.pi / cutoff),
-                f"frequencies n pi / {cutoff}, n = 1..{num_rbf}")
+        basis_rounding = _buffer(model, "frequencies", _bessel_frequencies(cutoff, num_rbf),
+                                 f"frequencies n pi / {cutoff}, n = 1..{num_rbf}")
 
         return cls._assemble(model, cutoff, max_pairs, num_rbf, basis_rounding, readout_activation,
                              hidden=features, messages=nn.ModuleList(message_blocks),
