@@ -17,8 +17,13 @@ def main(argv=None) -> int:
     if args.command == "info":
         print(mirage.info())
     else:
+        import torch
+
         from mirage.demo import run_demo
 
+        if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA GPU is available to this torch "
+                         f"({torch.__version__}); run the demo on the CPU (--device cpu, the default here)")
         run_demo(args.device)
     return 0
 

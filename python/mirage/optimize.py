@@ -522,6 +522,11 @@ def optimize(
         raise ValueError(f"mirage.optimize: dtype must be None or one of {DTYPES}, got {dtype}")
     if not isinstance(max_graphs, int) or max_graphs < 1:
         raise ValueError(f"mirage.optimize: max_graphs must be an int >= 1, got {max_graphs!r}")
+    if isinstance(model, OptimizedModule):
+        # Its swaps are made: searching again finds nothing, and would replace its report.
+        if verbose:
+            progress("optimize: the model is already optimized (an OptimizedModule); returned as it is")
+        return model
     start = time.perf_counter()
     name = type(model).__name__
     if verbose:

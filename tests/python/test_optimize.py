@@ -445,6 +445,14 @@ def test_report_refuses_models_optimize_did_not_return():
         mirage.report(nn.Linear(2, 2))
 
 
+def test_optimizing_an_optimized_model_returns_it_and_keeps_its_report(capsys):
+    optimized, _ = optimized_and_original(tiny_unet2d_condition())
+    before = str(mirage.report(optimized))
+    assert mirage.optimize(optimized) is optimized
+    assert str(mirage.report(optimized)) == before
+    assert "the model is already optimized (an OptimizedModule); returned as it is" in capsys.readouterr().err
+
+
 def test_report_string_and_settings(capsys):
     optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float16, cuda_graph=True)
     text = str(mirage.report(optimized))

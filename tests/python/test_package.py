@@ -76,6 +76,13 @@ def test_demo_runs_on_cpu():
     assert error < 1e-4
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without a GPU")
+def test_demo_on_cuda_without_a_gpu_says_so():
+    run = subprocess.run([sys.executable, "-m", "mirage", "demo", "--device", "cuda"], capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "--device cuda: no CUDA GPU is available to this torch" in run.stderr
+
+
 def _op_wrappers():
     """mirage.ops's functions that take a required tensor (annotated ``Tensor``), with its names."""
     for name, fn in sorted(vars(mirage.ops).items()):
