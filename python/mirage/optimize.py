@@ -391,14 +391,13 @@ class OptimizedModule(nn.Module):
         try:
             with contextlib.redirect_stderr(held) if not self._layout_proven else contextlib.nullcontext():
                 out = self._call(*pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs)))
-        except RuntimeError as error:
+        except BaseException as error:
             # A .view of an activation (x.view(N, -1) before a classifier, say) needs contiguous
             # memory, which channels-last tensors do not have; the model runs as it was written.
-            if _VIEW_ERROR not in str(error):
+            if not (isinstance(error, RuntimeError) and _VIEW_ERROR in str(error)):
                 sys.stderr.write(held.getvalue())
                 raise
-            self._leave_channels_last(error)
-            return self._call(args, kwargs)
+            return self._without_channels_last(args, kwargs, error)
         sys.stderr.write(held.getvalue())
         self._layout_proven = True
         return out
@@ -408,16 +407,17 @@ class OptimizedModule(nn.Module):
             return self.graphs(*args, **kwargs)
         return self._run(*args, **kwargs)
 
-    def _leave_channels_last(self, error: RuntimeError) -> None:
-        """Turns channels_last off for good: 4-D weights back to contiguous memory, no input
-        conversion, graphs captured again; the report and a progress line say so."""
-        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-            if tensor.dim() == 4:
-                tensor.data = tensor.data.contiguous()
-        self.refresh_derived_weights(force=True)
-        self.channels_last = False
-        if self.graphs is not None:
-            self.graphs.clear()
+    def _without_channels_last(self, args: Sequence[Any], kwargs: Dict[str, Any], error: RuntimeError) -> Any:
+        """The call again as the model was written (4-D weights in contiguous memory, inputs as
+        they come, graphs captured again). If it goes through, channels_last stays off and the
+        report and a progress line say why; if not, the layout was not the fault: channels_last
+        comes back and the call's error is raised."""
+        self._set_channels_last(False)
+        try:
+            out = self._call(args, kwargs)
+        except BaseException:
+            self._set_channels_last(True)
+            raise
         note = ("turned off at the first call: the model's forward failed with channels-last tensors "
                 f"({str(error).splitlines()[0]}); pass channels_last=False to skip the attempt, or use "
                 ".reshape or .flatten for that view")
@@ -425,6 +425,14 @@ class OptimizedModule(nn.Module):
         if result is not None:
             result.channels_last, result.channels_last_note = False, note
         progress(f"optimize: channels_last {note}")
+        return out
+
+    def _set_channels_last(self, on: bool) -> None:
+        _conv_weights_to(self.module, torch.channels_last if on else torch.contiguous_format)
+        self.refresh_derived_weights(force=True)
+        self.channels_last = on
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast_dtype is None:
@@ -464,12 +472,12 @@ def _devices(model: nn.Module) -> set:
     return {t.device for t in list(model.parameters()) + list(model.buffers())}
 
 
-def _conv_weights_channels_last(model: nn.Module) -> None:
+def _conv_weights_to(model: nn.Module, memory_format: torch.memory_format) -> None:
     # 4-D parameters and buffers are convolution kernels; channels_last lets cuDNN run NHWC end
     # to end (nn.Module.to(memory_format=) would also reach 5-D tensors and fail on them).
     for tensor in list(model.parameters()) + list(model.buffers()):
         if tensor.dim() == 4:
-            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
+            tensor.data = tensor.data.contiguous(memory_format=memory_format)
 
 
 # Called under torch.inference_mode, the converted and fused weights would be inference tensors,
@@ -510,6 +518,8 @@ def optimize(
     Returns:
         An :class:`OptimizedModule` wrapping the swapped model, or ``model`` itself, untouched
         (training mode included), when nothing in it is recognised. :func:`report` tells what was done.
+        An :class:`OptimizedModule` passed in comes back as it is, whatever the options (its swaps
+        are made; to change dtype, layout or graphs, optimize the original model again).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -567,7 +577,7 @@ def optimize(
     else:
         result.autocast_dtype = torch.float16
     if channels_last:
-        _conv_weights_channels_last(model)
+        _conv_weights_to(model, torch.channels_last)
         result.channels_last = True
 
     devices = _devices(model)

@@ -428,6 +428,36 @@ def test_overflow_grows_and_recomputes(capfd):
     assert "neighbor pairs exceed the model's capacity of 3" in err and "growing it to" in err
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_fused_model_leaves_its_capacity_to_the_calculator(graphed, capfd):
+    # A fused model grows its own capacity in a direct call, but not inside a driver
+    # (capacity.checked_by_caller): graphs captured earlier hold the old capacity, and only the
+    # driver drops them all when it grows it.
+    reference = small(SchNet)
+    fused = mirage.ff.optimize(reference)
+    atoms = periodic_atoms(n=12)
+    expected = mirage.ff.Calculator(reference)
+    atoms.calc = expected
+    want = atoms.get_potential_energy(), atoms.get_forces()
+    with capacity.checked_by_caller():
+        fused.max_pairs = 6
+        z, pos = torch.tensor(atoms.numbers), torch.tensor(atoms.positions)
+        fused(z, pos, torch.tensor(atoms.cell[:]), torch.tensor(atoms.pbc))
+        assert fused.max_pairs == 6 and int(fused.num_pairs) > 6  # reported, not grown
+    capfd.readouterr()
+    calc = mirage.ff.Calculator(fused)
+    if graphed:
+        graphed_on_cpu(calc, calc._packed, 4)
+    atoms.calc = calc
+    got = atoms.get_potential_energy(), atoms.get_forces()
+    err = capfd.readouterr().err
+    assert "mirage.ff.Calculator:" in err and "exceed the model's capacity of 6" in err
+    assert "mirage.ff.SchNet:" not in err
+    # The reference's basis buffer is float32-rounded: ~1e-8 apart, where a cut pair list is far off.
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)
+
+
 def test_capacity_picked_by_first_forward_then_grown():
     model = CapacityModel().double()  # max_pairs None: the first forward picks 2 N
     atoms = periodic_atoms(n=27)

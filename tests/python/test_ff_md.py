@@ -338,8 +338,13 @@ def test_invalid_structure_mid_run(device, dtype):
     # The CPU neighbor search raises; CUDA reports num_pairs = -1 (inside the graphs' replays),
     # which mirage.ff.capacity turns into an error.
     message = "positions must be finite" if device == "cpu" else "num_pairs = -1: invalid input"
+    start = {name: run._state[name].clone() for name in ("positions", "velocities", "forces", "energy")}
     with pytest.raises((ValueError, RuntimeError), match=message):
         run.run(10, write_every=5)
+    # The replays the error stopped are undone: the state is that of the step the driver reports.
+    assert run.step == 0
+    for name, value in start.items():
+        torch.testing.assert_close(run._state[name], value, rtol=0, atol=0, equal_nan=True)
 
 
 def test_periodic_nve_with_capacity_model():

@@ -515,6 +515,36 @@ def test_channels_last_is_turned_off_when_the_forward_views_an_activation(device
     assert "mirage: optimize: channels_last turned off at the first call" in err and "Traceback" not in err
 
 
+class ViewsATransposedActivation(FlattensByView):
+    """A .view that fails in any layout (of a transposed activation): not channels-last's fault."""
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.transpose(2, 3).view(x.size(0), -1))
+
+
+def test_channels_last_stays_when_the_forward_fails_in_any_layout(capfd):
+    optimized = mirage.optimize(ViewsATransposedActivation().eval(), dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="view size is not compatible"), torch.no_grad():
+        optimized(randn(2, 3, 8, 8))
+    result = mirage.report(optimized)
+    assert result.channels_last and result.channels_last_note == "" and optimized.channels_last
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in optimized.parameters() if p.dim() == 4)
+    assert "channels_last turned off" not in capfd.readouterr().err
+
+
+def test_stderr_of_a_failing_first_call_is_not_lost(capfd):
+    class Noisy(FlattensByView):
+        def forward(self, x):
+            print("the model's own warning", file=sys.stderr)
+            raise ValueError("the model's own error")
+
+    optimized = mirage.optimize(Noisy().eval(), dtype=torch.float32, verbose=False)
+    with pytest.raises(ValueError, match="the model's own error"):
+        optimized(randn(2, 3, 8, 8))
+    assert "the model's own warning" in capfd.readouterr().err
+
+
 def test_optimized_module_runs_forward_through_its_graph_cache():
     optimized, original = optimized_and_original(tiny_unet2d_condition(), cuda_graph=False)
     assert optimized.graphs is None

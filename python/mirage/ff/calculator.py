@@ -118,7 +118,14 @@ def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell:
     model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
     positions and, with ``stress``, the strain (never None), as autograd returns them. mirage's
     fused models that run as one op give the same without autograd
-    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`)."""
+    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). The caller checks the neighbor capacity
+    (:func:`mirage.ff.capacity.checked_by_caller`: a fused model does not grow its own here)."""
+    with capacity.checked_by_caller():
+        return _energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress, precision, who)
+
+
+def _energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
+                          pbc: Optional[Tensor], stress: bool, precision: str, who: str) -> Tuple[Tensor, List[Tensor]]:
     if not stress and isinstance(model, _FusedModel):
         with _autocast(precision, positions.device.type):
             direct = model.energy_and_gradient(atomic_numbers, positions.detach(), cell, pbc)

@@ -11,12 +11,14 @@ the result is invalid, and the caller sets ``model.max_pairs`` to that number, d
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Union
+import threading
+from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["GROWTH", "MARGIN", "MAX_GROWS", "has_capacity", "needed_pairs"]
+__all__ = ["GROWTH", "MARGIN", "MAX_GROWS", "caller_checks", "checked_by_caller", "has_capacity", "needed_pairs"]
 
 #: An overflowing capacity grows at least by this factor, so that a slowly densifying system
 #: (a compressed box, a cluster forming) recaptures a logarithmic number of times.
@@ -26,6 +28,29 @@ MARGIN = 1.2
 #: Grows a caller tries for one evaluation before it gives up (a model whose num_pairs does not
 #: follow max_pairs would otherwise loop for ever).
 MAX_GROWS = 16
+
+
+_callers = threading.local()
+
+
+@contextlib.contextmanager
+def checked_by_caller() -> Iterator[None]:
+    """Within it, a model that would grow its own capacity on an overflow (mirage's fused models
+    do in a call outside a CUDA-graph capture) leaves that to the caller. The Calculator and the MD
+    driver evaluate their models inside it: their graphs hold the capacity they were captured with,
+    so a capacity grown in the warm-up before a capture would leave the graphs captured earlier
+    replaying with the old one, their overflows judged against the new one. They check
+    ``num_pairs`` after every evaluation instead and recapture all their graphs."""
+    _callers.depth = getattr(_callers, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _callers.depth -= 1
+
+
+def caller_checks() -> bool:
+    """Whether the current call is inside :func:`checked_by_caller` (on this thread)."""
+    return getattr(_callers, "depth", 0) > 0
 
 
 def has_capacity(model) -> bool:

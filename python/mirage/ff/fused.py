@@ -218,9 +218,10 @@ class _FusedModel(nn.Module):
     def _grown(self, positions: Tensor) -> bool:
         """After a call that ran the neighbor search: whether its pairs overflowed the capacity,
         which is then grown for the call to be made again. Only outside a CUDA-graph capture and
-        torch.compile, where reading the count back (one host sync) is allowed; there the caller
-        checks ``num_pairs`` (the capacity protocol)."""
-        if not self._may_sync(positions):
+        torch.compile, where reading the count back (one host sync) is allowed, and outside
+        :func:`mirage.ff.capacity.checked_by_caller`; there the caller checks ``num_pairs`` (the
+        capacity protocol)."""
+        if not self._may_sync(positions) or capacity.caller_checks():
             return False
         found = int(self.num_pairs)
         needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag

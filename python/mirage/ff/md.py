@@ -101,8 +101,11 @@ class _CountReadback:
         self._event = torch.cuda.Event() if cuda else None
 
     def start(self, counts: Tensor) -> None:
-        self._host.copy_(counts, non_blocking=self._event is not None)
-        if self._event is not None:
+        if self._event is None:
+            self._host.copy_(counts)
+            return
+        with torch.cuda.device(counts.device):  # the copy and the event on the counts' stream
+            self._host.copy_(counts, non_blocking=True)
             self._event.record()
 
     def read(self) -> Tensor:
@@ -311,28 +314,41 @@ class VelocityVerlet:
         K = 50 (H200, 2026-11-29; docs/perf/forcefield.md, "MD replays queued ahead").
         An overflow takes the state back to the start of the replay that overflowed (the one queued
         behind it is dropped), grows the capacity and goes on from there."""
-        queued: List[Tuple[int, int]] = []  # (steps, slot) of the replays launched and not checked
+        queued: List[Tuple[int, int]] = []  # (steps, slot) of the replays launched and not yet accepted
         planned, grows = self.step, 0
-        while self.step < target:
-            while planned < target and len(queued) < 2:
-                steps = min(self.steps_per_replay, target - planned)
-                slot = self._launches % 2
-                self._launches += 1
-                self._launch(steps, slot)
-                queued.append((steps, slot))
-                planned += steps
-            steps, slot = queued.pop(0)
-            if not self._counting or not self._grow_if_needed(self._counts[slot].read()):
-                self.step += steps
-                grows = 0
-                continue
-            grows += 1
-            if grows == capacity.MAX_GROWS:
-                raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows")
-            for name, saved in self._starts[slot].items():
-                self._state[name].copy_(saved)
-            queued.clear()
-            planned = self.step
+        try:
+            while self.step < target:
+                while planned < target and len(queued) < 2:
+                    steps = min(self.steps_per_replay, target - planned)
+                    slot = self._launches % 2
+                    self._launches += 1
+                    queued.append((steps, slot))
+                    self._launch(steps, slot)
+                    planned += steps
+                steps, slot = queued[0]
+                if not self._counting or not self._grow_if_needed(self._counts[slot].read()):
+                    queued.pop(0)
+                    self.step += steps
+                    grows = 0
+                    continue
+                grows += 1
+                if grows == capacity.MAX_GROWS:
+                    raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after "
+                                       f"{capacity.MAX_GROWS} grows")
+                self._rewind(slot)
+                queued.clear()
+                planned = self.step
+        except BaseException:
+            # An error (or an interrupt) leaves the state where self.step says: the replays not
+            # accepted are undone.
+            if queued:
+                self._rewind(queued[0][1])
+            raise
+
+    def _rewind(self, slot: int) -> None:
+        """The state back to where the replay of ``slot`` started (stream-ordered after it)."""
+        for name, saved in self._starts[slot].items():
+            self._state[name].copy_(saved)
 
     def _launch(self, steps: int, slot: int) -> None:
         """Queues one replay of ``steps`` steps (eager steps without graphs), after a copy of the
