@@ -458,6 +458,20 @@ def test_a_fused_model_leaves_its_capacity_to_the_calculator(graphed, capfd):
     np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)
 
 
+def test_reset_reads_the_models_dtype_again():
+    # docs/ff.md: after changing the model, call reset(). model.double() changes its dtype, which
+    # the positions must follow (the fused model refuses positions of another dtype).
+    fused = mirage.ff.optimize(small(SchNet, torch.float32))
+    atoms = benzene_atoms()
+    atoms.calc = calc = mirage.ff.Calculator(fused)
+    atoms.get_potential_energy()
+    fused.double()
+    calc.reset()
+    assert calc.dtype == torch.float64
+    fresh = mirage.ff.Calculator(fused)
+    assert atoms.get_potential_energy() == fresh.get_potential_energy(atoms)
+
+
 def test_capacity_picked_by_first_forward_then_grown():
     model = CapacityModel().double()  # max_pairs None: the first forward picks 2 N
     atoms = periodic_atoms(n=27)

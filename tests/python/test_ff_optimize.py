@@ -674,6 +674,8 @@ def test_bad_arguments():
         fused(z, pos, None, pbc)
     with pytest.raises(ValueError, match="mirage.ff.SchNet: pbc must have 3 flags, got 2"):
         fused(z, pos, cell, torch.tensor([True, True]))
+    with pytest.raises(ValueError, match="positions are float32 but the model's parameters are float64; pass"):
+        fused(z, pos.float())
     with pytest.raises(ValueError, match=r"mirage.ff.SchNet: positions must be \[N, 3\], got \[27, 2\]"):
         fused(z, pos[:, :2])
     with pytest.raises(ValueError, match=r"atomic_numbers must be \[N\] for positions \[N, 3\] \(N = 27\), got \[26\]"):

@@ -7,8 +7,8 @@ import mirage
 from common import DEVICES, randn
 
 
-class DiffusersStyleGEGLU(nn.Module):
-    """The shape of diffusers' GEGLU (diffusers is not needed to test the swap)."""
+class GEGLU(nn.Module):
+    """diffusers' GEGLU written again (diffusers is not needed to test the swap)."""
 
     def __init__(self, dim_in, dim_out):
         super().__init__()
@@ -47,7 +47,7 @@ def test_layer_norm_from_torch(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_geglu_from_torch(device):
-    module = DiffusersStyleGEGLU(8, 6).to(device)
+    module = GEGLU(8, 6).to(device)
     fused = mirage.nn.GEGLU.from_torch(module)
     assert fused.proj is module.proj
     x = randn(2, 5, 8, device=device)
@@ -64,10 +64,29 @@ def test_fresh_modules_match_torch_defaults():
 def test_from_torch_refuses_what_it_cannot_replace():
     with pytest.raises(ValueError, match="only normalization over the last dimension"):
         mirage.nn.LayerNorm.from_torch(nn.LayerNorm((4, 5)))
-    with pytest.raises(TypeError, match="expected nn.GroupNorm, got LayerNorm"):
+    with pytest.raises(TypeError, match="expected nn.GroupNorm itself, got LayerNorm"):
         mirage.nn.GroupNorm.from_torch(nn.LayerNorm(4))
-    with pytest.raises(TypeError, match="whose `proj` is an nn.Linear"):
+    with pytest.raises(TypeError, match="expected a GEGLU module"):
         mirage.nn.GEGLU.from_torch(nn.Linear(4, 4))
+
+    class SwiGLU(GEGLU):  # a `proj` Linear too, gated a * silu(b)
+        def forward(self, x):
+            a, gate = self.proj(x).chunk(2, dim=-1)
+            return a * F.silu(gate)
+
+    with pytest.raises(TypeError, match="expected a GEGLU module .* got SwiGLU"):
+        mirage.nn.GEGLU.from_torch(SwiGLU(4, 4))
+
+    class ScaledLayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(TypeError, match="expected nn.LayerNorm itself, got ScaledLayerNorm"):
+        mirage.nn.LayerNorm.from_torch(ScaledLayerNorm(4))
+    with pytest.raises(TypeError, match="expected nn.GroupNorm itself, got"):
+        mirage.nn.GroupNorm.from_torch(type("Shifted", (nn.GroupNorm,), {})(2, 4))
+    with pytest.raises(ValueError, match=r"mirage.nn.LayerNorm: only normalization over the last dimension"):
+        mirage.nn.LayerNorm((3, 4))
     with pytest.raises(ValueError, match="num_channels \\(10\\) must be divisible by num_groups \\(4\\)"):
         mirage.nn.GroupNorm(4, 10)
     with pytest.raises(ValueError, match="activation must be one of"):

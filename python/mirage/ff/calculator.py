@@ -307,8 +307,16 @@ class Calculator(_AseCalculator):
     def reset(self) -> None:
         """ASE's reset (the results are dropped) and every captured graph and staging buffer with
         it. The graphs hold the model as it was captured (its parameters' addresses, cutoff,
-        training mode) and this calculator's precision: call reset() after changing any of them."""
+        training mode) and this calculator's precision: call reset() after changing any of them.
+        The model's dtype is read again (after ``model.double()``, say); a model moved to another
+        kind of device needs a new calculator."""
         super().reset()
+        if getattr(self, "model", None) is not None:  # ASE's __init__ resets before ours has run
+            device, self.dtype = model_device_dtype(self.model, None, self.who)
+            if device.type != self.device.type:
+                raise ValueError(f"{self.who}: the model moved from {self.device} to {device} since this calculator "
+                                 "was made; make a new mirage.ff.Calculator for it")
+            self.device = device
         if getattr(self, "_graphs", None) is not None:  # ASE's __init__ resets before ours has run
             self._graphs.clear()
         if getattr(self, "_buffers", None) is not None:

@@ -239,6 +239,10 @@ class _FusedModel(nn.Module):
         name = f"mirage.ff.{type(self).__name__}"
         if positions.dim() != 2 or positions.shape[-1] != 3:
             raise ValueError(f"{name}: positions must be [N, 3], got {list(positions.shape)}")
+        if positions.dtype != self.embedding.weight.dtype:
+            raise ValueError(f"{name}: positions are {str(positions.dtype).replace('torch.', '')} but the model's "
+                             f"parameters are {str(self.embedding.weight.dtype).replace('torch.', '')}; pass positions "
+                             "(and cell) in the model's dtype")
         if atomic_numbers.shape != positions.shape[:1]:
             raise ValueError(f"{name}: atomic_numbers must be [N] for positions [N, 3] (N = {positions.shape[0]}), "
                              f"got {list(atomic_numbers.shape)}")

@@ -21,13 +21,15 @@ class GEGLU(nn.Module):
 
     @classmethod
     def from_torch(cls, module: nn.Module, approximate: str = "none") -> "GEGLU":
-        """The fused module for a GEGLU-shaped ``module``: one with an ``nn.Linear`` ``proj``
-        whose output is split in halves (diffusers' ``GEGLU``); shares its projection."""
+        """The fused module for diffusers' ``GEGLU`` (or a class of that name written like it: an
+        ``nn.Linear`` ``proj`` whose output's halves ``a, b`` give ``a * gelu(b)``); shares its
+        projection. Its forward cannot be inspected, so the name stands for the function: diffusers'
+        ``SwiGLU``, ``GELU`` and ``ApproximateGELU`` have a ``proj`` too and compute something else."""
         proj = getattr(module, "proj", None)
-        if not isinstance(proj, nn.Linear) or proj.out_features % 2 != 0:
+        if type(module).__name__ != "GEGLU" or not isinstance(proj, nn.Linear) or proj.out_features % 2 != 0:
             raise TypeError(
-                "mirage.nn.GEGLU.from_torch: expected a module whose `proj` is an nn.Linear with an "
-                f"even out_features, got {type(module).__name__}"
+                "mirage.nn.GEGLU.from_torch: expected a GEGLU module (diffusers' GEGLU: a `proj` nn.Linear "
+                f"with an even out_features, gated a * gelu(b)), got {type(module).__name__}"
             )
         fused = cls(proj.in_features, proj.out_features // 2, bias=proj.bias is not None,
                     approximate=approximate, device="meta")

@@ -48,8 +48,9 @@ class GroupNorm(nn.Module):
     @classmethod
     def from_torch(cls, module: nn.GroupNorm, activation: str = "none") -> "GroupNorm":
         """The fused module for ``module`` (sharing its parameters), then ``activation``."""
-        if not isinstance(module, nn.GroupNorm):
-            raise TypeError(f"mirage.nn.GroupNorm.from_torch: expected nn.GroupNorm, got {type(module).__name__}")
+        # The exact type: a subclass may compute something else.
+        if type(module) is not nn.GroupNorm:
+            raise TypeError(f"mirage.nn.GroupNorm.from_torch: expected nn.GroupNorm itself, got {type(module).__name__}")
         fused = cls(module.num_groups, module.num_channels, module.eps, affine=False, activation=activation)
         fused.weight, fused.bias = module.weight, module.bias
         return fused

@@ -22,6 +22,11 @@ class LayerNorm(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        if isinstance(normalized_shape, (tuple, list, torch.Size)):
+            if len(normalized_shape) != 1:
+                raise ValueError("mirage.nn.LayerNorm: only normalization over the last dimension is fused, got "
+                                 f"normalized_shape={tuple(normalized_shape)}")
+            normalized_shape = int(normalized_shape[0])
         self.normalized_shape = normalized_shape
         self.eps = eps
         factory = dict(device=device, dtype=dtype)
@@ -35,8 +40,9 @@ class LayerNorm(nn.Module):
     @classmethod
     def from_torch(cls, module: nn.LayerNorm) -> "LayerNorm":
         """The fused module for ``module`` (sharing its parameters)."""
-        if not isinstance(module, nn.LayerNorm):
-            raise TypeError(f"mirage.nn.LayerNorm.from_torch: expected nn.LayerNorm, got {type(module).__name__}")
+        # The exact type: a subclass may compute something else.
+        if type(module) is not nn.LayerNorm:
+            raise TypeError(f"mirage.nn.LayerNorm.from_torch: expected nn.LayerNorm itself, got {type(module).__name__}")
         if len(module.normalized_shape) != 1:
             raise ValueError(
                 "mirage.nn.LayerNorm.from_torch: only normalization over the last dimension is fused, "
