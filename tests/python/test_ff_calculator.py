@@ -20,7 +20,7 @@ from ase.calculators.fd import calculate_numerical_forces, calculate_numerical_s
 import mirage  # noqa: E402
 import mirage.ff  # noqa: E402
 from mirage import graphs  # noqa: E402
-from mirage.ff import capacity  # noqa: E402
+from mirage.ff import capacity, md  # noqa: E402
 from mirage.ff.calculator import CapacityWatch  # noqa: E402
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
@@ -632,6 +632,16 @@ def test_model_failing_under_autocast():
 def test_unknown_precision(precision):
     with pytest.raises(ValueError, match="mirage.ff.Calculator: precision must be one of 'fp32', 'tf32', 'bf16-mixed'"):
         mirage.ff.Calculator(small(SchNet), precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16-mixed"])
+def test_float32_precisions_refused_for_a_float64_model(precision):
+    # Autocast and TF32 leave float64 arithmetic alone: the option would do nothing.
+    message = rf"precision='{precision}' changes float32 arithmetic only, and the model is float64"
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: " + message):
+        mirage.ff.Calculator(small(SchNet, torch.float64), precision=precision)
+    with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: " + message):
+        md.VelocityVerlet(small(SchNet, torch.float64), benzene_atoms(), 0.5, precision=precision)
 
 
 # ------------------------------------------------------------------------------ bad input

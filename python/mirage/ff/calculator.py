@@ -286,13 +286,13 @@ class Calculator(_AseCalculator):
         super().__init__()
         who = self.who
         check_model(model, who)
-        self.precision = check_precision(precision, who)
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"{who}: cuda_graph must be a bool, got {cuda_graph!r}")
         if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
             raise ValueError(f"{who}: max_graphs must be an int >= 1, got {max_graphs!r}")
         self.model = model
         self.device, self.dtype = model_device_dtype(model, device, who)
+        self.precision = check_precision(precision, who, self.dtype)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs = graphs.GraphCache(self._packed, max_graphs, copy_outputs=False) if self.cuda_graph else None
         self._watch = CapacityWatch(model, self._graphs) if self.cuda_graph else None

@@ -177,13 +177,13 @@ class VelocityVerlet:
         self.model = model
         self.thermostat = thermostat
         self.steps_per_replay = steps_per_replay
-        self.precision = check_precision(precision, _WHO)
         self.progress_every = progress_every
         self.device, self.dtype = model_device_dtype(model, device, _WHO)
         if self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"{_WHO}: the model's parameters are {self.dtype}; it runs float32 or float64 models "
                              "(positions need float32's precision at least): convert it with model.float() and "
                              "pass precision='bf16-mixed' for bfloat16 products")
+        self.precision = check_precision(precision, _WHO, self.dtype)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.step = 0
         self.records: List[Dict[str, float]] = []

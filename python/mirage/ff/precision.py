@@ -16,9 +16,14 @@ __all__ = ["PRECISIONS", "check_precision", "matmul_precision"]
 PRECISIONS = ("fp32", "tf32", "bf16-mixed")
 
 
-def check_precision(precision: Any, who: str) -> str:
+def check_precision(precision: Any, who: str, dtype: torch.dtype = torch.float32) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS` and means something for a model of ``dtype``."""
     if precision not in PRECISIONS:
         raise ValueError(f"{who}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if precision != "fp32" and dtype == torch.float64:
+        # TF32 and autocast change float32 arithmetic only: the model would run as in "fp32".
+        raise ValueError(f"{who}: precision={precision!r} changes float32 arithmetic only, and the model is float64; "
+                         "use precision='fp32', or convert the model with model.float()")
     return precision
 
 
