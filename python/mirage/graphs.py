@@ -17,6 +17,7 @@ grad while grad mode is on are refused.
 
 from __future__ import annotations
 
+import enum
 import gc
 import sys
 import time
@@ -32,6 +33,9 @@ __all__ = ["CaptureError", "CapturedGraph", "GraphCache", "GraphCacheStats", "ca
 
 # Output leaves that are plain values: a graph returns them as they were at capture.
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+# Non-tensor input leaves a graph is keyed on by value. Any other object could hold tensors that
+# the graph would read at their captured addresses, with no static buffer of their own.
+_VALUE_TYPES = _CONSTANT_TYPES + (enum.Enum, torch.memory_format, torch.layout)
 
 
 def progress(message: str) -> None:
@@ -78,8 +82,14 @@ def _tree(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], pytre
 def _leaf_key(leaf: Any) -> Hashable:
     if isinstance(leaf, Tensor):
         return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device)
-    hash(leaf)  # an unhashable value raises TypeError here (_signature_of names it)
-    # The type separates values that compare equal (1, 1.0 and True).
+    if not isinstance(leaf, _VALUE_TYPES):
+        raise TypeError(leaf)  # _signature_of names the argument
+    # The type separates values that compare equal (1, 1.0 and True); floats by their bits, so
+    # that NaN is equal to itself and -0.0 differs from 0.0.
+    if isinstance(leaf, float):
+        return ("value", float, leaf.hex())
+    if isinstance(leaf, complex):
+        return ("value", complex, leaf.real.hex(), leaf.imag.hex())
     return ("value", type(leaf), leaf)
 
 
@@ -103,13 +113,13 @@ def _signature_of(leaves: Sequence[Any], spec: pytree.TreeSpec, args: Sequence[A
     except TypeError as error:
         failure = error
     for leaf, name in zip(leaves, _flatten(args, kwargs)[1]):  # which argument: names for the message
-        try:
-            hash(leaf)
-        except TypeError:
+        if not isinstance(leaf, (Tensor,) + _VALUE_TYPES):
             raise ValueError(
-                f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor hashable; "
-                "a graph is chosen by its inputs' shapes and by the values of its other arguments, so pass "
-                "it as a tensor or as a hashable value"
+                f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor a plain value "
+                "(a number, a string, a bool, None, a dtype, a device, an enum); a graph is chosen by its inputs' "
+                "shapes and by the values of its other arguments, and would read tensors held inside an object at "
+                "their captured addresses, so pass tensors as arguments (or in tuples, lists, dicts) and settings "
+                "as plain values"
             ) from None
     raise failure
 
@@ -150,6 +160,29 @@ def _load(buffers: Sequence[Tensor], leaves: Sequence[Any]) -> None:
     for buffer, tensor in zip(buffers, tensors):
         if tensor is not buffer:
             buffer.copy_(tensor)
+
+
+def _difference(captured: Hashable, given: Hashable, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+    """The first argument in which two signatures differ, both ways, for an error message."""
+    (captured_spec, captured_keys), (given_spec, given_keys) = captured, given
+    if captured_spec != given_spec:
+        return f"called with ({_describe(args, kwargs)}), whose structure (containers, keyword names) is not the captured one's"
+
+    def shown(key: Tuple[Any, ...]) -> str:
+        if key[0] == "tensor":
+            _, shape, stride, dtype, device = key
+            return f"a {str(dtype).replace('torch.', '')}{list(shape)} tensor on {device} with strides {stride}"
+        if key[1] is float:
+            value = float.fromhex(key[2])
+        elif key[1] is complex:
+            value = complex(float.fromhex(key[2]), float.fromhex(key[3]))
+        else:
+            value = key[2]
+        return f"{key[1].__name__} {value!r}"
+
+    names = _flatten(args, kwargs)[1]
+    index = next(i for i, (a, b) in enumerate(zip(captured_keys, given_keys)) if a != b)
+    return f"argument {names[index]} is {shown(given_keys[index])}, captured as {shown(captured_keys[index])}"
 
 
 def _describe(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
@@ -292,8 +325,8 @@ class CapturedGraph:
         leaves, key = _keyed(args, kwargs, who)
         if key != self.signature:
             raise ValueError(
-                f"{who}: called with {_describe(args, kwargs)}, which differs from the captured signature "
-                "(tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
+                f"{who}: {_difference(self.signature, key, args, kwargs)}, which differs from the captured "
+                "signature (tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
                 "capture a new graph, or use mirage.graphs.GraphCache to do so automatically"
             )
         _load(self._static_inputs, leaves)
@@ -489,7 +522,7 @@ class GraphCache:
             self._fresh = None
         else:
             self.hits += 1
-            self._entries.move_to_end(key)
+        self._entries.move_to_end(key)
         return entry.replay()
 
     def _capture_new(self, key: Hashable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:

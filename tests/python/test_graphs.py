@@ -1,3 +1,4 @@
+import enum
 import gc
 import re
 import subprocess
@@ -51,6 +52,31 @@ def test_signature_refuses_unhashable_arguments():
 
     with pytest.raises(ValueError, match=r"mirage.graphs: argument kwargs\['option'\] is a Unhashable"):
         graphs.signature((randn(2),), {"option": Unhashable()})
+
+
+def test_signature_refuses_objects_that_may_hold_tensors():
+    class Conditioning:  # hashable by identity, and a graph would read .emb at its captured address
+        def __init__(self, emb):
+            self.emb = emb
+
+    with pytest.raises(ValueError, match=r"argument args\[1\] is a Conditioning, which is neither a tensor nor a "
+                                         r"plain value .* so pass tensors as arguments"):
+        graphs.signature((randn(2), Conditioning(randn(3))), {})
+
+
+def test_signature_keys_floats_by_their_bits_and_takes_enums():
+    x = randn(2)
+    nan = float("nan")
+    assert graphs.signature((x,), {"s": nan}) == graphs.signature((x,), {"s": float("nan")})
+    assert graphs.signature((x,), {"s": -0.0}) != graphs.signature((x,), {"s": 0.0})  # x / s differ
+    assert graphs.signature((x,), {"s": complex(1.0, -0.0)}) != graphs.signature((x,), {"s": complex(1.0, 0.0)})
+
+    class Mode(enum.Enum):
+        FAST = 1
+        EXACT = 2
+
+    assert graphs.signature((x, Mode.FAST), {}) != graphs.signature((x, Mode.EXACT), {})
+    assert graphs.signature((x, torch.channels_last), {}) == graphs.signature((x, torch.channels_last), {})
 
 
 def test_cache_captures_once_per_signature_and_replays():
@@ -123,7 +149,7 @@ def test_signature_hash_is_the_tuples():
 
 
 def test_signature_names_an_unhashable_argument():
-    with pytest.raises(ValueError, match=r"argument kwargs\['z'\]\[1\] is a set, which is neither a tensor nor hashable"):
+    with pytest.raises(ValueError, match=r"argument kwargs\['z'\]\[1\] is a set, which is neither a tensor nor a plain"):
         graphs.signature((randn(2),), {"z": (1, {2})})
 
 
@@ -149,6 +175,32 @@ def test_prepare_and_replay_count_like_calls_and_follow_evictions():
     key4, entry4 = cache.prepare(randn(4))
     cache.clear()
     assert not cache.holds(key4, entry4)
+
+
+def test_replay_of_a_freshly_prepared_graph_makes_it_the_most_recent():
+    cache, _ = fake_cache(lambda x: x * 2, 2)
+    b = randn(2)
+    cache(b)
+    key, entry = cache.prepare(randn(3))  # captured, not yet replayed
+    cache(b)
+    cache.replay(key, entry)  # now the most recently used: b goes first
+    cache(randn(4))
+    assert cache.holds(key, entry) and graphs.signature((b,), {}) not in cache._entries
+
+
+def test_a_signature_mismatch_names_the_argument_and_both_sides():
+    # What CapturedGraph's error says (a CUDA graph is not needed to word it).
+    x = randn(4, 6)
+    captured = graphs.signature((x,), {"mode": 1})
+    cases = [((x.t().contiguous().t(),), {"mode": 1},
+              r"argument args\[0\] is a float32\[4, 6\] tensor on cpu with strides \(1, 4\), captured as a "
+              r"float32\[4, 6\] tensor on cpu with strides \(6, 1\)"),
+             ((x,), {"mode": 2}, r"argument kwargs\['mode'\] is int 2, captured as int 1"),
+             ((x,), {"mode": 1.0}, r"argument kwargs\['mode'\] is float 1.0, captured as int 1"),
+             ((x,), {"other": 1}, r"called with \(args\[0\]: float32\[4, 6\]\), whose structure \(containers, "
+                                  r"keyword names\) is not the captured one's")]
+    for args, kwargs, message in cases:
+        assert re.fullmatch(message, graphs._difference(captured, graphs.signature(args, kwargs), args, kwargs))
 
 
 def test_cache_refuses_bad_max_entries():
