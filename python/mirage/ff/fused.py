@@ -257,8 +257,7 @@ class _FusedModel(nn.Module):
             result = compute()
             if result is None or not self._grown(positions):
                 return result
-        raise RuntimeError(f"mirage.ff.{type(self).__name__}: the neighbor list still overflows after "
-                           f"{capacity.MAX_GROWS} grows of max_pairs")
+        raise RuntimeError(f"{name}: the neighbor list still overflows after {capacity.MAX_GROWS} grows of max_pairs")
 
     # The reference models keep their radial basis as a buffer, which the fused ones compute
     # instead (mirage::radial_basis): its state-dict key and its float64 values, so that state
