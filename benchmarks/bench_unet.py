@@ -27,7 +27,7 @@ import time
 import torch
 
 import mirage
-from harness import capture_graph, device_facts, print_table, write_json
+from harness import capture_graph, device_facts, full_float32, print_table, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
@@ -164,7 +164,7 @@ def run_model(name: str, batch: int, peers, iters: int):
     reference = build()
     params = sum(p.numel() for p in reference.parameters())
     args32, kwargs32 = make_inputs(batch, torch.float32)
-    with torch.inference_mode():
+    with torch.inference_mode(), full_float32():
         ref_out = first_tensor(reference(*args32, **kwargs32)).float()
     fp16 = copy.deepcopy(reference).half().to(memory_format=torch.channels_last)
     args, kwargs = make_inputs(batch, torch.float16)

@@ -3,6 +3,7 @@ and the table/JSON report. Every subject runs its peers side by side through the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -23,6 +24,18 @@ def device_facts() -> dict:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+@contextlib.contextmanager
+def full_float32():
+    """float32 references without TF32: cuDNN's convolutions and cuBLAS' matmuls take TF32 by
+    default on Ampere and later (cudnn.allow_tf32 is True), whose 10-bit mantissa is float16's."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def rotation_count(bytes_per_set: int) -> int:
@@ -47,15 +60,19 @@ def capture_graph(record, warmup):
 
 
 def time_in_graph(fn, input_sets, calls: int = 100, repeats: int = 15) -> float:
-    """Median microseconds per call of fn(*inputs), measured as `calls` back-to-back calls
-    (cycling through input_sets) captured in one CUDA graph, timed with CUDA events."""
+    """Median microseconds per call of fn(*inputs), measured as back-to-back calls captured in one
+    CUDA graph (at least `calls`, and every one of input_sets once: fewer would leave the inputs
+    used in L2 across replays), timed with CUDA events. The calls' outputs are kept for the
+    capture, so each writes to memory of its own, as the copy reference (copy_us) writes to
+    rotated destinations: freed at once, every output would reuse one block, kept in L2."""
+    calls = max(calls, len(input_sets))
+
     def warmup():
         for inputs in input_sets[:3]:
             fn(*inputs)
 
     def record():
-        for i in range(calls):
-            fn(*input_sets[i % len(input_sets)])
+        return [fn(*input_sets[i % len(input_sets)]) for i in range(calls)]
 
     graph, _ = capture_graph(record, warmup)
     graph.replay()
