@@ -384,13 +384,16 @@ class OptimizedModule(nn.Module):
             self.refresh_derived_weights()
         if not self.channels_last:
             return self._call(args, kwargs)
-        # Until a call has gone through, what the forward writes to stderr is held back: a model
-        # traced by mirage.patterns is a torch.fx GraphModule, which prints the traceback of a
-        # failing call before it raises, and the failure below is handled.
+        converted = pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs))
+        if self._layout_proven or torch.compiler.is_compiling():
+            return self._call(*converted)
+        # The first call: what the forward writes to stderr is held back until it has gone
+        # through, since a model traced by mirage.patterns is a torch.fx GraphModule, which prints
+        # the traceback of a failing call before it raises, and the failure below is handled.
         held = io.StringIO()
         try:
-            with contextlib.redirect_stderr(held) if not self._layout_proven else contextlib.nullcontext():
-                out = self._call(*pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs)))
+            with contextlib.redirect_stderr(held):
+                out = self._call(*converted)
         except BaseException as error:
             # A .view of an activation (x.view(N, -1) before a classifier, say) needs contiguous
             # memory, which channels-last tensors do not have; the model runs as it was written.
