@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/script.h>
 
 #include "catch_compat.h"
@@ -145,6 +146,20 @@ TEST_CASE("bad input raises c10::Error naming the op and the argument", "[api]")
           std::string::npos);
   REQUIRE(error_of([&] { mirage::bias_act(x, at::randn({29})); }).find(
               "mirage::bias_act: bias must have shape [30] or [2, 30]") != std::string::npos);
+  // An undefined tensor: the dispatcher alone would say "tensor does not have a device".
+  REQUIRE(error_of([&] { mirage::linear(at::randn({2, 3}), at::Tensor()); }).find(
+              "mirage::linear: weight must be a defined tensor, got an undefined one") != std::string::npos);
+  REQUIRE(error_of([&] { mirage::sender_order(at::Tensor(), 3); }).find(
+              "mirage::sender_order: pairs must be a defined tensor") != std::string::npos);
+}
+
+TEST_CASE("the capability queries answer no, not an error, for CUDA without a GPU", "[api]") {
+  if (torch::cuda::is_available()) return;  // what they answer on a GPU is tested from Python
+  const c10::Device cuda("cuda:0");
+  REQUIRE_FALSE(mirage::cfconv_supported(20, 128, 128, cuda));
+  REQUIRE_FALSE(mirage::radial_cfconv_supported(20, 128, 128, cuda));
+  REQUIRE_FALSE(mirage::fused_filter_supported(128, 20, cuda));
+  REQUIRE_FALSE(mirage::overlapped_launches(cuda));
 }
 
 TEST_CASE("a scripted module calling torch.ops.mirage runs from C++", "[torchscript]") {
