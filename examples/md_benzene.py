@@ -53,7 +53,10 @@ def parse_args():
     parser.add_argument("--langevin", type=float, default=None, metavar="FRICTION_PER_FS",
                         help="NVT at --temperature with this friction (1/fs, e.g. 0.01) instead of NVE")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA GPU is available to this torch; use --device cpu")
+    return args
 
 
 def drift(totals):
