@@ -109,7 +109,8 @@ def main():
     dynamics.run(args.steps_per_replay, write_every=args.steps_per_replay)  # captures the graph, untimed
     dynamics.run(args.steps, trajectory=args.trajectory, write_every=args.write_every, log=sys.stdout)
     totals = [r["total"] for r in dynamics.records]
-    print(f"mirage.ff.md.VelocityVerlet (K={args.steps_per_replay}): {args.steps} steps, "
+    print(f"mirage.ff.md.VelocityVerlet (K={args.steps_per_replay}): {args.steps} timed steps (the log's step "
+          f"numbers count the {args.steps_per_replay} of the untimed first replay too), "
           f"{dynamics.steps_per_second:.0f} steps/s, total-energy drift {drift(totals):.2e} eV"
           + (f", trajectory in {args.trajectory}" if args.trajectory else ""))
 

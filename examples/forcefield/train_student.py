@@ -14,11 +14,11 @@ training took and its force error. For SchNet, half the steps leave a force erro
 of ~10%. PaiNN's student is trained with norm_eps = 1e-2 (the customary 1e-8 gave a student whose
 energy is too rough for NVE at 0.5 fs: docs/perf/forcefield.md):
 
-    python examples/forcefield/train_student.py --model painn --norm-eps 1e-2
+    python examples/forcefield/train_student.py --model painn --norm-eps 1e-2 --overwrite
 
 The result is written with the force error on held-out configurations in its metadata:
 
-    python examples/forcefield/train_student.py [--model schnet|painn] [--norm-eps EPS] [--out PATH]
+    python examples/forcefield/train_student.py [--model schnet|painn] [--norm-eps EPS] [--out PATH] [--overwrite]
 
 Load it with :func:`load_student`.
 """
@@ -237,6 +237,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="schnet")
     parser.add_argument("--out", type=Path, default=None, help="default: the model's committed student file")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing file (the committed student)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--interactions", type=int, default=3)
     parser.add_argument("--norm-eps", type=float, default=None,
@@ -250,7 +251,11 @@ def main(argv=None):
         student_config(args.model, norm_eps=args.norm_eps)
     except ValueError as error:
         parser.error(str(error))
-    train(args.out or STUDENT_PATHS[args.model], model=args.model, hidden=args.hidden,
+    out = args.out or STUDENT_PATHS[args.model]
+    if out.exists() and not args.overwrite:
+        parser.error(f"{out} exists (the committed student, by default); pass --overwrite to replace it, or --out "
+                     "for another file (the committed PaiNN student was trained with --norm-eps 1e-2)")
+    train(out, model=args.model, hidden=args.hidden,
           num_interactions=args.interactions, norm_eps=args.norm_eps, steps=args.steps, batch=args.batch,
           lr=args.lr, seed=args.seed)
 
