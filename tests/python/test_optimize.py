@@ -515,6 +515,39 @@ def test_channels_last_is_turned_off_when_the_forward_views_an_activation(device
     assert "mirage: optimize: channels_last turned off at the first call" in err and "Traceback" not in err
 
 
+class ViewsABlocksOutput(nn.Module):
+    """A diffusers block, then a .view of its output (which diffusers returns NCHW-contiguous)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.fc = block, nn.Linear(8 * 6 * 10, 4)
+
+    def forward(self, x, *args):
+        h = self.block(x, *args)
+        h = h.sample if hasattr(h, "sample") else h  # both blocks give [2, 8, 6, 10] here
+        return self.fc(h.view(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("which", ["transformer", "upsample"])
+def test_nchw_input_gives_nchw_output_as_diffusers(which):
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel as DiffusersTransformer
+    from diffusers.models.upsampling import Upsample2D as DiffusersUpsample
+
+    if which == "transformer":
+        block = DiffusersTransformer(num_attention_heads=2, attention_head_dim=4, in_channels=8, norm_num_groups=4,
+                                     cross_attention_dim=6)
+        args = (randn(2, 8, 6, 10), randn(2, 3, 6))
+    else:
+        block = DiffusersUpsample(8, use_conv=True)
+        args = (randn(2, 8, 3, 5),)
+    model = ViewsABlocksOutput(block).eval()
+    with torch.no_grad():
+        expected = model(*args)
+        optimized = mirage.optimize(copy.deepcopy(model), dtype=torch.float32, channels_last=False, verbose=False)
+        assert mirage.report(optimized).swaps
+        torch.testing.assert_close(optimized(*args), expected, **MODEL_TOLERANCE)
+
+
 class ViewsATransposedActivation(FlattensByView):
     """A .view that fails in any layout (of a transposed activation): not channels-last's fault."""
 

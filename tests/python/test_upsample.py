@@ -2,6 +2,7 @@
 followed by a 3x3 convolution, computed as 2x2 convolutions of the small image."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -290,6 +291,19 @@ def test_upsample2d_refolds_after_in_place_and_replacing_changes():
         torch.testing.assert_close(fused(x.float()), block(x.float()), **tolerance(torch.float32))
     copy.deepcopy(fused)  # the folded kernels are a plain tensor, no autograd graph
     assert not fused._folded.requires_grad
+
+
+def test_upsample2d_pickles_after_a_call():
+    # torch.save of a model: the folded kernels' weakref cannot be pickled; they are folded again.
+    fused = mirage.nn.Upsample2D.from_diffusers(diffusers_block())
+    x = randn(2, 8, 5, 7, dtype=torch.float64)
+    with torch.no_grad():
+        expected = fused(x)  # folds the kernels
+        buffer = io.BytesIO()
+        torch.save(fused, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
 
 
 def test_upsample2d_with_a_replaced_convolution_runs_it():

@@ -210,7 +210,8 @@ class Transformer2DModel(nn.Module):
     channels-last weights) copies back and the residual add mixes layouts (profiled on an H200:
     these were most of the 63 copy kernels of an optimized SD-1.5 forward). Here the permuted
     view itself is used: the same values, channels-last, no copy. The output's memory layout
-    therefore is channels-last where diffusers' is NCHW; every downstream op reads either.
+    therefore is channels-last where diffusers' is NCHW, for channels-last input (what
+    ``mirage.optimize`` passes by default); NCHW input gets NCHW output, as from diffusers.
 
     Built with :meth:`from_diffusers`, sharing the model's ``norm``, ``proj_in``,
     ``transformer_blocks`` and ``proj_out`` (state-dict keys unchanged); optimize swaps inside it.
@@ -262,6 +263,10 @@ class Transformer2DModel(nn.Module):
                                   cross_attention_kwargs=cross_attention_kwargs, class_labels=class_labels)
 
         output = _project_out(self.proj_out, hidden_states, residual, self.use_linear_projection, height, width)
+        if not residual.is_contiguous(memory_format=torch.channels_last):
+            # NCHW input gets NCHW output, as from diffusers (user code may .view it); only
+            # channels-last input, mirage.optimize's, skips the copy.
+            output = output.contiguous()
         if not return_dict:
             return (output,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput

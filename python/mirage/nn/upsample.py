@@ -120,6 +120,13 @@ class Upsample2D(nn.Module):
                 self._folded = folded
         self._folded_key, self._folded_from = key, weakref.ref(weight)
 
+    def __getstate__(self):
+        # The folded kernels are derived, and their weakref cannot be pickled (torch.save of the
+        # model): they are folded again at the next call.
+        state = self.__dict__.copy()
+        state["_folded"] = state["_folded_key"] = state["_folded_from"] = None
+        return state
+
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cpu(), .half(): the folded kernels would stay where they were until the next
         # call; they are folded again from the converted weight instead.
@@ -154,7 +161,9 @@ class Upsample2D(nn.Module):
         bias = conv.bias
         if bias is not None and bias.dtype not in (parities.dtype, torch.float32):
             bias = bias.float()  # e.g. a float16 bias under a bfloat16 autocast
-        return ops.subpixel_shuffle(parities, bias)
+        out = ops.subpixel_shuffle(parities, bias)  # channels-last
+        # NCHW input gets NCHW output, as from diffusers (user code may .view it).
+        return out if hidden_states.is_contiguous(memory_format=torch.channels_last) else out.contiguous()
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, out_channels={self.out_channels}"
