@@ -453,6 +453,16 @@ def test_optimizing_an_optimized_model_returns_it_and_keeps_its_report(capsys):
     assert "the model is already optimized (an OptimizedModule); returned as it is" in capsys.readouterr().err
 
 
+def test_attention_processors_set_after_optimize_are_refused():
+    # diffusers' set_attn_processor reaches every attention module's set_processor: the fused
+    # attention must refuse, not keep computing the default attention without a word.
+    from diffusers.models.attention_processor import AttnProcessor
+
+    optimized, _ = optimized_and_original(tiny_unet2d_condition())
+    with pytest.raises(ValueError, match="mirage's fused attention .* cannot take the processor AttnProcessor"):
+        optimized.set_attn_processor(AttnProcessor())
+
+
 def test_report_string_and_settings(capsys):
     optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float16, cuda_graph=True)
     text = str(mirage.report(optimized))

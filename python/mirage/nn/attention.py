@@ -99,6 +99,15 @@ class FusedAttention(nn.Module):
         self.residual_connection = residual_connection
         self.rescale_output_factor = rescale_output_factor
 
+    def set_processor(self, processor: object) -> None:
+        """Refuses an attention processor: diffusers' ``set_attn_processor`` (and
+        ``set_default_attn_processor``) call this on every attention module, and keeping the fused
+        computation in place of the processor asked for would change the results without a word."""
+        raise ValueError(
+            f"mirage's fused attention (from mirage.optimize) cannot take the processor {type(processor).__name__}: "
+            "it computes diffusers' default attention; set processors on the model before mirage.optimize "
+            "(an Attention with another processor is left alone, and the report says so)")
+
     def forward(
         self,
         hidden_states: Tensor,
