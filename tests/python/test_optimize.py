@@ -463,6 +463,21 @@ def test_attention_processors_set_after_optimize_are_refused():
         optimized.set_attn_processor(AttnProcessor())
 
 
+def test_checkpoints_keep_diffusers_keys(tmp_path):
+    # save_pretrained reaches the inner model: its fused attention projections must be written, and
+    # read back, under diffusers' to_q / to_k / to_v keys.
+    optimized, original = optimized_and_original(tiny_unet2d_condition())
+    assert sorted(optimized.module.state_dict()) == sorted(original.state_dict())
+    optimized.save_pretrained(tmp_path)
+    reloaded = UNet2DConditionModel.from_pretrained(tmp_path).eval()
+    other = tiny_unet2d_condition().eval()  # other weights, loaded into the optimized model
+    optimized.module.load_state_dict(other.state_dict())
+    args = unet2d_condition_inputs(2)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(*args).sample, original(*args).sample, rtol=0, atol=0)
+        torch.testing.assert_close(optimized(*args).sample, other(*args).sample, **MODEL_TOLERANCE)
+
+
 def test_report_string_and_settings(capsys):
     optimized = mirage.optimize(tiny_unet2d_condition(), dtype=torch.float16, cuda_graph=True)
     text = str(mirage.report(optimized))

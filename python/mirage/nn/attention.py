@@ -47,6 +47,30 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def _fused_projections(module: "FusedAttention") -> Tuple[str, Tuple[str, ...]]:
+    """The fused projection's name and diffusers' names of its parts, in order (equal widths)."""
+    return ("to_kv", ("to_k", "to_v")) if module.is_cross_attention else ("to_qkv", ("to_q", "to_k", "to_v"))
+
+
+def _split_projections(module: "FusedAttention", state_dict, prefix: str, local_metadata) -> None:
+    fused, parts = _fused_projections(module)
+    for kind in ("weight", "bias"):
+        key = f"{prefix}{fused}.{kind}"
+        if key in state_dict:
+            # Copies: safetensors (save_pretrained) refuses tensors that share memory.
+            for name, part in zip(parts, state_dict.pop(key).chunk(len(parts))):
+                state_dict[f"{prefix}{name}.{kind}"] = part.clone()
+
+
+def _join_projections(module: "FusedAttention", state_dict, prefix: str, local_metadata, strict, missing_keys,
+                      unexpected_keys, error_msgs) -> None:
+    fused, parts = _fused_projections(module)
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{kind}" for name in parts]
+        if f"{prefix}{fused}.{kind}" not in state_dict and all(key in state_dict for key in keys):
+            state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])
+
+
 class FusedAttention(nn.Module):
     """diffusers-style attention: optional norms, fused projections, SDPA, output projection.
 
@@ -98,6 +122,11 @@ class FusedAttention(nn.Module):
         self.norm_k = norm_k
         self.residual_connection = residual_connection
         self.rescale_output_factor = rescale_output_factor
+        # State dicts in diffusers' keys (to_q, to_k, to_v), as save_pretrained writes them and
+        # from_pretrained or load_state_dict reads them: the fused projections are split on saving
+        # and joined on loading.
+        self.register_state_dict_post_hook(_split_projections)
+        self.register_load_state_dict_pre_hook(_join_projections)
 
     def set_processor(self, processor: object) -> None:
         """Refuses an attention processor: diffusers' ``set_attn_processor`` (and
