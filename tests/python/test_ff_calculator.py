@@ -642,6 +642,11 @@ def test_float32_precisions_refused_for_a_float64_model(precision):
         mirage.ff.Calculator(small(SchNet, torch.float64), precision=precision)
     with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: " + message):
         md.VelocityVerlet(small(SchNet, torch.float64), benzene_atoms(), 0.5, precision=precision)
+    model = small(SchNet, torch.float32)
+    calc = mirage.ff.Calculator(model, precision=precision)
+    model.double()  # then calc.reset(), as after any change of the model
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: " + message):
+        calc.reset()
 
 
 # ------------------------------------------------------------------------------ bad input

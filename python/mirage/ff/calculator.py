@@ -317,6 +317,7 @@ class Calculator(_AseCalculator):
                 raise ValueError(f"{self.who}: the model moved from {self.device} to {device} since this calculator "
                                  "was made; make a new mirage.ff.Calculator for it")
             self.device = device
+            check_precision(self.precision, self.who, self.dtype)  # "tf32" means nothing for a float64 model
         if getattr(self, "_graphs", None) is not None:  # ASE's __init__ resets before ours has run
             self._graphs.clear()
         if getattr(self, "_buffers", None) is not None:
