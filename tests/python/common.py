@@ -291,8 +291,8 @@ class GraphStandIn:
 
     def __init__(self, fn, args, kwargs, *, pool, copy_outputs, warmup):
         self.fn, self.pool, self.copy_outputs, self.warmup = fn, pool, copy_outputs, warmup
-        # Flattened as the cache flattens a call (keyword arguments sorted), so static_inputs line up.
-        leaves, self._spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+        # Flattened as the cache flattens a call, so that static_inputs line up.
+        leaves, self._spec = graphs._tree(args, kwargs)
         self._static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.replays = 0
         for _ in range(warmup):

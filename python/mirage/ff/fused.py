@@ -581,11 +581,6 @@ class SchNet(_FusedModel):
     # both limits. Measured on Hopper only: before sm_90 the op runs in one block.
     whole_model_max_pairs = 2560
     whole_model_max_atoms = 64
-    basis_key = "centers"
-
-    def basis_values(self) -> Tensor:
-        """The Gaussian centers (float64): the reference model's ``centers`` buffer."""
-        return _gaussian_centers(self.cutoff, self.num_rbf)
     #: Larger systems in eval mode on CUDA run each interaction as one mirage::cfconv (filter
     #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
     #: the batched filter GEMMs (for comparisons).
@@ -596,6 +591,11 @@ class SchNet(_FusedModel):
     #: passes over the pairs without products. H200, 2026-11-27: SchNet's 3,000-atom box 0.755 ms
     #: per energy+forces against 1.134 with cfconv (docs/perf/forcefield.md). False keeps cfconv.
     radial_interactions = True
+    basis_key = "centers"
+
+    def basis_values(self) -> Tensor:
+        """The Gaussian centers (float64): the reference model's ``centers`` buffer."""
+        return _gaussian_centers(self.cutoff, self.num_rbf)
 
     def __init__(self, hidden: int = 128, num_interactions: int = 3, num_rbf: int = 20, cutoff: float = 5.0,
                  max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:

@@ -43,12 +43,8 @@ class LayerNorm(nn.Module):
         # The exact type: a subclass may compute something else.
         if type(module) is not nn.LayerNorm:
             raise TypeError(f"mirage.nn.LayerNorm.from_torch: expected nn.LayerNorm itself, got {type(module).__name__}")
-        if len(module.normalized_shape) != 1:
-            raise ValueError(
-                "mirage.nn.LayerNorm.from_torch: only normalization over the last dimension is fused, "
-                f"got normalized_shape={tuple(module.normalized_shape)}"
-            )
-        fused = cls(module.normalized_shape[0], module.eps, elementwise_affine=False)
+        # The constructor refuses a normalized_shape over more than the last dimension.
+        fused = cls(module.normalized_shape, module.eps, elementwise_affine=False)
         fused.weight, fused.bias = module.weight, module.bias
         return fused
 
