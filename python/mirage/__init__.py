@@ -30,7 +30,12 @@ _check_torch_version(_build_info.TORCH_VERSION, torch.__version__)
 from . import _C  # noqa: E402  (loads libmirage: registers torch.ops.mirage)
 from . import nn, ops  # noqa: E402
 from .info import build_info, info  # noqa: E402
+from .info import cmake_prefix_path as _cmake_prefix_path  # noqa: E402
 from .optimize import OptimizedModule, OptimizeReport, optimize, report  # noqa: E402  (also loads mirage.graphs)
 
-__all__ = ["OptimizeReport", "OptimizedModule", "build_info", "graphs", "info", "nn", "ops", "optimize", "report",
-           "__version__"]
+#: The directory to add to CMake's ``CMAKE_PREFIX_PATH`` for ``find_package(mirage)`` in a LibTorch
+#: program (target ``mirage::mirage``; README, "From C++").
+cmake_prefix_path = _cmake_prefix_path()
+
+__all__ = ["OptimizeReport", "OptimizedModule", "build_info", "cmake_prefix_path", "graphs", "info", "nn", "ops",
+           "optimize", "report", "__version__"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _C
@@ -10,6 +12,12 @@ from . import _C
 def build_info() -> dict:
     """The compiled library's facts: version, torch and CUDA versions, GPU architectures."""
     return dict(_C.build_info())
+
+
+def cmake_prefix_path() -> str:
+    """The directory to add to ``CMAKE_PREFIX_PATH`` for ``find_package(mirage)``: beside the compiled
+    library (which an editable install keeps apart from the Python sources)."""
+    return os.path.join(os.path.dirname(_C.__file__), "share", "cmake")
 
 
 def registered_ops() -> list[str]:
@@ -35,6 +43,7 @@ def info() -> str:
         f"compiled GPU architectures: {', '.join('sm_' + a for a in built['cuda_archs']) or 'none'}",
         f"GPU: {gpu}",
         f"kernel launches: {launches}",
+        f"C++ (CMake): find_package(mirage) with CMAKE_PREFIX_PATH={cmake_prefix_path()}",
         "ops:",
     ]
     lines += [f"  {name}" for name in registered_ops()]

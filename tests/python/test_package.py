@@ -38,7 +38,8 @@ def test_info_lists_build_and_ops():
     else:
         assert lines[4] == "GPU: none"
         assert lines[5] == "kernel launches: plain (no GPU)"
-    assert lines[6] == "ops:" and lines[7:] == [f"  mirage::{op}" for op in OPS]
+    assert lines[6] == f"C++ (CMake): find_package(mirage) with CMAKE_PREFIX_PATH={mirage.cmake_prefix_path}"
+    assert lines[7] == "ops:" and lines[8:] == [f"  mirage::{op}" for op in OPS]
 
 
 def test_build_info_matches_running_torch():

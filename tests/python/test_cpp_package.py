@@ -1,0 +1,149 @@
+"""find_package(mirage) from a LibTorch program, as a user builds one against the installed package.
+
+Configures, builds and runs a small CMake project outside the repository: one program calls the
+C++ API (mirage::group_norm on CPU tensors, checked against ATen's composite), another only loads
+a TorchScript module that calls torch.ops.mirage.group_norm (it uses no mirage symbol, so it
+needs the --no-as-needed link that mirage::mirage carries). Also: a torch beside mirage other than
+the one it was built against is refused at configure time.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mirage
+from common import randn
+
+CMAKE_LISTS = """
+cmake_minimum_required(VERSION 3.24)
+project(mirage_consumer CXX)
+find_package(mirage 0.1 REQUIRED)
+add_executable(call_api call_api.cpp)
+target_link_libraries(call_api PRIVATE mirage::mirage)
+add_executable(load_script load_script.cpp)
+# As toolchains that link --as-needed by default do (Ubuntu's): mirage::mirage must undo it.
+target_link_options(load_script PRIVATE LINKER:--as-needed)
+target_link_libraries(load_script PRIVATE mirage::mirage)
+"""
+
+CALL_API = r"""
+#include <cstdio>
+#include <ATen/ATen.h>
+#include <mirage/mirage.h>
+
+int main() {
+  const at::Tensor x = at::randn({2, 12, 5, 7}), weight = at::randn({12}), bias = at::randn({12});
+  const at::Tensor fused = mirage::group_norm(x, 3, weight, bias, 1e-5, "silu");
+  const at::Tensor reference = at::silu(at::group_norm(x, 3, weight, bias, 1e-5));
+  const double error = (fused - reference).abs().max().item<double>();
+  std::printf("mirage %s, max error %.3g\n", mirage::build_info().version.c_str(), error);
+  return error < 1e-5 ? 0 : 1;
+}
+"""
+
+LOAD_SCRIPT = r"""
+#include <cstdio>
+#include <torch/script.h>
+
+// Calls no mirage function: only the linked libmirage registers the op the module calls.
+int main(int argc, char** argv) {
+  if (argc != 2) return 2;
+  torch::jit::Module module = torch::jit::load(argv[1]);
+  const at::Tensor weight = module.attr("weight").toTensor(), bias = module.attr("bias").toTensor();
+  const at::Tensor x = at::randn({2, weight.size(0), 4, 3});
+  const at::Tensor y = module.forward({x}).toTensor();
+  const double error = (y - at::silu(at::group_norm(x, 4, weight, bias, 1e-5))).abs().max().item<double>();
+  std::printf("scripted module, max error %.3g\n", error);
+  return error < 1e-5 ? 0 : 1;
+}
+"""
+
+
+class GroupNormSiLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(randn(8))
+        self.bias = nn.Parameter(randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mirage.group_norm(x, 4, self.weight, self.bias, 1e-5, "silu")
+
+
+def _cmake(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["cmake", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+def _configure(source: Path, build: Path, prefix: str) -> subprocess.CompletedProcess:
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    launcher = [f"-DCMAKE_CXX_COMPILER_LAUNCHER={shutil.which('ccache')}"] if shutil.which("ccache") else []
+    return _cmake("-S", str(source), "-B", str(build), *generator, *launcher, f"-DCMAKE_PREFIX_PATH={prefix}",
+                  "-DCMAKE_BUILD_TYPE=Release", cwd=source)
+
+
+def _write(directory: Path, files: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(textwrap.dedent(text))
+
+
+def test_package_files_installed():
+    config = Path(mirage.cmake_prefix_path) / "mirage" / "mirageConfig.cmake"
+    assert config.is_file(), f"{config} missing: rebuild mirage (pip install --no-build-isolation -e .)"
+    assert (config.parent / "mirageConfigVersion.cmake").is_file()
+    header = Path(mirage.cmake_prefix_path).parents[1] / "include" / "mirage" / "mirage.h"
+    assert header.read_text() == (Path(__file__).parents[2] / "csrc" / "include" / "mirage" / "mirage.h").read_text()
+    assert f"CMAKE_PREFIX_PATH={mirage.cmake_prefix_path}" in mirage.info()
+
+
+def test_find_package_builds_and_runs_a_libtorch_program(tmp_path):
+    source = tmp_path / "consumer"
+    _write(source, {"CMakeLists.txt": CMAKE_LISTS, "call_api.cpp": CALL_API, "load_script.cpp": LOAD_SCRIPT})
+    build = tmp_path / "build"
+    configured = _configure(source, build, mirage.cmake_prefix_path)
+    assert configured.returncode == 0, configured.stdout + configured.stderr
+    built = _cmake("--build", str(build), cwd=source)
+    assert built.returncode == 0, built.stdout + built.stderr
+
+    ran = subprocess.run([str(build / "call_api")], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert f"mirage {mirage.__version__}" in ran.stdout
+
+    module = tmp_path / "group_norm_silu.pt"
+    torch.jit.script(GroupNormSiLU()).save(str(module))
+    ran = subprocess.run([str(build / "load_script"), str(module)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+
+
+def test_find_package_refuses_another_torch(tmp_path):
+    # The installed config, in a site-packages whose torch is another version.
+    site = tmp_path / "site-packages"
+    config_dir = site / "mirage" / "share" / "cmake" / "mirage"
+    shutil.copytree(Path(mirage.cmake_prefix_path) / "mirage", config_dir)
+    _write(site / "torch", {"version.py": "__version__ = '1.0.0'\n"})
+    source = tmp_path / "consumer"
+    _write(source, {"CMakeLists.txt": "cmake_minimum_required(VERSION 3.24)\nproject(c CXX)\n"
+                                      "find_package(mirage REQUIRED)\n"})
+    configured = _configure(source, tmp_path / "build", str(site / "mirage" / "share" / "cmake"))
+    assert configured.returncode != 0
+    output = " ".join((configured.stdout + configured.stderr).split())
+    assert f"was built against torch {torch.__version__}" in output
+    assert "is '1.0.0'" in output
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the config names Linux shared libraries")
+def test_library_finds_torch_beside_it():
+    # Loaded outside Python (no torch imported first), libmirage finds torch's libraries through
+    # its run path: pip's layout relative to itself, which survives an isolated build.
+    library = Path(mirage.cmake_prefix_path).parents[1] / "libmirage.so"
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "$ORIGIN/../torch/lib" in dynamic
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    resolved = subprocess.run(["ldd", str(library)], capture_output=True, text=True, env=env).stdout
+    assert "not found" not in resolved, resolved
