@@ -122,10 +122,16 @@ def test_find_package_builds_and_runs_a_libtorch_program(tmp_path):
 
 
 def test_find_package_refuses_another_torch(tmp_path):
-    # The installed config, in a site-packages whose torch is another version.
+    # The installed config in a site-packages whose torch is another version, and the torch it was
+    # built against gone (as after an isolated build): refused, naming both places.
     site = tmp_path / "site-packages"
     config_dir = site / "mirage" / "share" / "cmake" / "mirage"
     shutil.copytree(Path(mirage.cmake_prefix_path) / "mirage", config_dir)
+    config = config_dir / "mirageConfig.cmake"
+    built_torch = os.path.dirname(torch.__file__)
+    text = config.read_text()
+    assert f'"{built_torch}"' in text
+    config.write_text(text.replace(f'"{built_torch}"', f'"{tmp_path / "gone"}"'))
     _write(site / "torch", {"version.py": "__version__ = '1.0.0'\n"})
     source = tmp_path / "consumer"
     _write(source, {"CMakeLists.txt": "cmake_minimum_required(VERSION 3.24)\nproject(c CXX)\n"
@@ -133,8 +139,8 @@ def test_find_package_refuses_another_torch(tmp_path):
     configured = _configure(source, tmp_path / "build", str(site / "mirage" / "share" / "cmake"))
     assert configured.returncode != 0
     output = " ".join((configured.stdout + configured.stderr).split())
-    assert f"was built against torch {torch.__version__}" in output
-    assert "is '1.0.0'" in output
+    assert f"was built against torch {torch.__version__}, which is not where it looked" in output
+    assert f"{site / 'torch'} (1.0.0)" in output and f"{tmp_path / 'gone'} (none)" in output
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the config names Linux shared libraries")
