@@ -8,6 +8,7 @@ reported with the reason (:func:`report`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import sys
 import time
@@ -24,6 +25,7 @@ from .graphs import GraphCache, GraphCacheStats, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
 from .nn.attention import from_diffusers_attention
+from .patterns import fuse, hooked_submodule
 
 __all__ = ["OptimizeReport", "OptimizedModule", "Swap", "optimize", "report"]
 
@@ -167,6 +169,10 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
         swap = by_type.get(type(module))
         if swap is not None and swap.candidate is not None and not swap.candidate(module):
             pass  # not a candidate: nothing to swap, nothing to report
+        elif swap is not None and (hooked := hooked_submodule(module)) is not None:
+            where = (_qualified(name, hooked) if hooked else name) or "(model)"
+            result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement would "
+                                            "not run"))
         elif swap is not None:
             try:
                 replacement = swap.build(module)
@@ -200,7 +206,8 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
     unet = getattr(sys.modules.get("diffusers.models.unets.unet_2d_condition"), "UNet2DConditionModel", None)
     for name, module in model.named_modules():
         if (unet is not None and type(module) is unet and type(module.conv_norm_out) is nn.GroupNorm
-                and type(module.conv_act) is nn.SiLU):
+                and type(module.conv_act) is nn.SiLU and hooked_submodule(module.conv_norm_out) is None
+                and hooked_submodule(module.conv_act) is None):
             module.conv_norm_out = GroupNorm.from_torch(module.conv_norm_out, activation="silu")
             module.conv_act = nn.Identity()
             result.swaps.append(("group_norm_silu", _qualified(name, "conv_norm_out")))
@@ -208,8 +215,6 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
 
 def _fuse_patterns(model: nn.Module, result: "OptimizeReport") -> nn.Module:
     """Stage 2: plain-PyTorch patterns (conv+BN(+act), GroupNorm→SiLU, q/k/v attention) via FX."""
-    from .patterns import fuse
-
     fused = fuse(model)
     result.swaps.extend(fused.swaps)
     result.left_alone.extend(fused.skipped)
@@ -457,12 +462,35 @@ class OptimizedModule(nn.Module):
             self.graphs.clear()
         return super()._apply(fn, *args, **kwargs)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "OptimizedModule":
+        """A copy of the swapped model with the same settings and report, and no graphs yet (they
+        are captured again on its first calls: a graph cannot be copied)."""
+        graphs = self.graphs
+        copied = OptimizedModule(copy.deepcopy(self.module, memo), autocast_dtype=self.autocast_dtype,
+                                 channels_last=self.channels_last, max_graphs=graphs.max_entries if graphs else 0,
+                                 verbose=graphs.verbose if graphs else True)
+        copied._layout_proven = self._layout_proven
+        result = _REPORTS.get(self)
+        if result is not None:
+            _REPORTS[copied] = copy.deepcopy(result)
+        return copied.train(False)
+
+    def train(self, mode: bool = True) -> "OptimizedModule":
+        """``eval()`` only: the swapped model is for inference (batch norms folded with their running
+        statistics, attention dropout dropped, graphs under ``torch.no_grad``)."""
+        if mode:
+            raise RuntimeError("mirage.optimize: the optimized model is for inference only (batch norms are folded "
+                               "and attention dropout is dropped); train the original model and optimize it again")
+        return super().train(False)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
-            if inner is None:
+            # Not Python's protocols (__deepcopy__, __getstate__, ...): the inner model's would act
+            # on it alone, so that copy.deepcopy would return the bare inner model.
+            if inner is None or name.startswith("__") and name.endswith("__"):
                 raise
             return getattr(inner, name)
 
@@ -546,6 +574,7 @@ def optimize(
         progress(f"optimize {name}: swapping modules")
 
     result = OptimizeReport(model=name)
+    original = model
     # The swaps read eval-mode state (BatchNorm folds its running statistics), so the search runs
     # in eval mode; a model with nothing to swap gets its own modes back.
     training = {module: module.training for module in model.modules()}
@@ -560,7 +589,8 @@ def optimize(
         listing = "\n".join(f"  {where or '(model)'}: {reason}" for where, reason in result.left_alone)
         raise ValueError(
             f"mirage.optimize(strict=True): {len(result.left_alone)} candidate(s) of {name} had to be left "
-            f"alone:\n{listing}\nThe swaps already made stay in the model (each computes what it replaced)."
+            f"alone:\n{listing}\nThe model passed in is in eval mode, and swaps made in place stay (each "
+            "computes what it replaced)."
         )
     if result.untouched:
         for module, mode in training.items():
@@ -572,15 +602,21 @@ def optimize(
             progress(f"optimize {name}: nothing recognised; returned untouched")
         return model
 
+    # The model passed in is converted too where the pattern pass made a new root (a traced
+    # forward): its own modules, which the new root no longer calls, would otherwise keep the old
+    # dtype beside the converted ones they share with it.
+    converted = (model,) if model is original else (model, original)
     if dtype is not None:
         # half()/bfloat16()/float() convert floating parameters and buffers like to(dtype), without
         # diffusers' to() override warning about float32 modules that UNets and VAEs do not have.
-        {torch.float16: model.half, torch.bfloat16: model.bfloat16, torch.float32: model.float}[dtype]()
+        for target in converted:
+            {torch.float16: target.half, torch.bfloat16: target.bfloat16, torch.float32: target.float}[dtype]()
         result.dtype = dtype
     else:
         result.autocast_dtype = torch.float16
     if channels_last:
-        _conv_weights_to(model, torch.channels_last)
+        for target in converted:
+            _conv_weights_to(target, torch.channels_last)
         result.channels_last = True
 
     devices = _devices(model)
@@ -597,7 +633,7 @@ def optimize(
         result.max_graphs = max_graphs
 
     wrapper = OptimizedModule(model, autocast_dtype=result.autocast_dtype, channels_last=channels_last,
-                              max_graphs=max_graphs if result.cuda_graph else 0, verbose=verbose)
+                              max_graphs=max_graphs if result.cuda_graph else 0, verbose=verbose).eval()
     result.seconds = time.perf_counter() - start
     _REPORTS[wrapper] = result
     if verbose:

@@ -17,7 +17,9 @@ alone are reported with the reason. Modules whose ``forward`` cannot be traced (
 control flow, optional arguments, ``*args``) are not rewritten themselves: their children are
 traced instead, and where those children look like a pattern (a Conv2d beside a BatchNorm2d, a
 GroupNorm beside a SiLU, three Linears of one input width) the module is reported as left alone
-with the reason it could not be traced. Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
+with the reason it could not be traced. Modules with forward hooks are called as modules (their
+hooks run at every call) and are not fused; a module whose forward changes its own state is not
+traced (its state is put back). Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
 torch.fx capture does, and batch-norm folding fixes the running statistics: the result is for
 inference.
 """
@@ -60,18 +62,20 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
     """Rewrite the fusable patterns of ``module`` (see the module docstring).
 
     Args:
-        module: any ``nn.Module``. When its ``forward`` cannot be traced, its children are
-            fused and replaced in place (``setattr`` on ``module``).
+        module: any ``nn.Module``. When its ``forward`` cannot be traced (or it has forward
+            hooks, which a graph would not run), its children are fused and replaced in place
+            (``setattr`` on ``module``); so are those of a submodule with forward hooks, which
+            the trace keeps whole.
         prefix: ``module``'s qualified name in the enclosing model, prepended to reported names.
 
     Returns:
-        A :class:`PatternResult`. ``module`` itself is left unchanged when it is traced: the
-        result's module is then a new ``GraphModule`` (sharing the untouched submodules), or
-        ``module`` when no pattern was rewritten.
+        A :class:`PatternResult`. When ``module`` is traced, the result's module is a new
+        ``GraphModule`` (sharing the untouched submodules), or ``module`` when no pattern of its
+        own graph was rewritten.
     """
     result = PatternResult(module)
     tracer = _Tracer()
-    if tracer.is_leaf_module(module, prefix):
+    if tracer.plain_leaf(module, prefix):
         return result
     graph_module, untraced = _trace(tracer, module)
     if graph_module is None:
@@ -88,11 +92,23 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
                 setattr(module, name, child_result.module)
         return result
 
+    # Modules kept whole for their hooks: fused inside, as an untraceable module is.
+    kept_whole = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "call_module" and node.target not in kept_whole:
+            sub = graph_module.get_submodule(node.target)
+            if not tracer.plain_leaf(sub, node.target):
+                kept_whole.add(node.target)
+                inner = fuse(sub, _join(prefix, node.target))
+                result.swaps += inner.swaps
+                result.skipped += inner.skipped
+
     rewriter = _Rewriter(graph_module, prefix)
     rewriter.fuse_conv_bn()
     rewriter.fuse_group_norm_silu()
     rewriter.fuse_attention()
-    result.swaps, result.skipped = rewriter.swaps, rewriter.skipped
+    result.swaps += rewriter.swaps
+    result.skipped += rewriter.skipped
     if rewriter.swaps:
         graph_module.graph.lint()
         graph_module.delete_all_unused_submodules()
@@ -103,10 +119,26 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
     return result
 
 
+def hooked_submodule(module: nn.Module) -> Optional[str]:
+    """The name (relative to ``module``, "" for itself) of the first module in ``module``'s tree
+    with forward hooks or forward pre-hooks, or None. A fused replacement would not run them (and
+    hooks such as weight_norm's compute the weights a fusion reads), so such modules are left alone."""
+    for name, sub in module.named_modules():
+        if sub._forward_hooks or sub._forward_pre_hooks:
+            return name
+    return None
+
+
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer with mirage's modules as leaves, next to torch.nn's."""
+    """torch.fx's tracer with mirage's modules as leaves, next to torch.nn's, and every module
+    with forward hooks: called as a module in the graph, it runs its hooks at every call (traced
+    through, they would run once, at trace time)."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self.plain_leaf(m, module_qualified_name) or bool(m._forward_hooks or m._forward_pre_hooks)
+
+    def plain_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """A leaf whatever its hooks: torch.nn's modules and mirage's."""
         return type(m).__module__.startswith("mirage.") or super().is_leaf_module(m, module_qualified_name)
 
 
@@ -123,11 +155,53 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
             return None, f"the optional argument {parameter.name}=None"
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             return None, f"the variadic argument {parameter}"
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None, "it has forward hooks, which a graph of its forward would not run"
+    # The trace runs the real forward on proxies: what it stores on the modules (a cache, a
+    # counter) would be proxies afterwards. Their state is put back, and a forward that changes
+    # it is not traced (a graph would not repeat the change).
+    saved = _module_state(module)
     try:
         graph = tracer.trace(module)
     except Exception as error:  # noqa: BLE001 - any failure means "not traceable": fall back to the children
         return None, f"tracing failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    finally:
+        changed = _restore_module_state(module, saved)
+    if changed:
+        return None, f"its forward changes module state ({changed}), which a graph would not repeat"
     return fx.GraphModule(tracer.root, graph, type(module).__name__), ""
+
+
+_STATE_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+def _module_state(module: nn.Module) -> List[Tuple[nn.Module, dict, dict]]:
+    """Shallow copies of every module's attributes, and of its parameter, buffer and child dicts."""
+    return [(sub, dict(vars(sub)), {key: dict(vars(sub)[key]) for key in _STATE_DICTS}) for sub in module.modules()]
+
+
+def _restore_module_state(module: nn.Module, saved) -> str:
+    """Puts back what :func:`_module_state` saved; returns the first attribute that had changed
+    ("" when none), as ``Class.attribute``."""
+    changed = ""
+    for sub, attributes, dicts in saved:
+        current = vars(sub)
+        for key in set(current) | set(attributes):
+            if key in _STATE_DICTS:
+                inner = attributes[key]
+                for inner_key in set(inner) | set(dicts[key]):
+                    if inner.get(inner_key, _MISSING) is not dicts[key].get(inner_key, _MISSING):
+                        changed = changed or f"{type(sub).__name__}.{inner_key}"
+                inner.clear()
+                inner.update(dicts[key])
+            if current.get(key, _MISSING) is not attributes.get(key, _MISSING):
+                changed = changed or f"{type(sub).__name__}.{key}"
+        current.clear()
+        current.update(attributes)
+    return changed
+
+
+_MISSING = object()
 
 
 def _hidden_patterns(module: nn.Module) -> List[str]:
@@ -271,6 +345,14 @@ class _Rewriter:
             return name
         return None
 
+    def _hooked(self, *nodes: Optional[fx.Node]) -> Optional[str]:
+        """Why the modules ``nodes`` call cannot be fused (one has forward hooks), or None."""
+        for node in nodes:
+            module = self._module(node) if node is not None else None
+            if module is not None and hooked_submodule(module) is not None:
+                return f"{_join(self.prefix, node.target)} has forward hooks, which the fused module would not run"
+        return None
+
     def _name(self, node: fx.Node) -> str:
         """The qualified name of the module whose forward holds ``node``."""
         stack = node.meta.get("nn_module_stack") or {}
@@ -296,6 +378,10 @@ class _Rewriter:
                 continue
             act_node = _only_user(bn_node)
             activation = self._activation(act_node, bn_node) if act_node is not None else None
+            hooked = self._hooked(conv_node, bn_node, act_node if activation else None)
+            if hooked:
+                self.skipped.append((name, hooked))
+                continue
             try:
                 fused = Conv2dAct.from_conv_bn(conv, self._module(bn_node), activation or "none")
             except ValueError as error:
@@ -323,6 +409,10 @@ class _Rewriter:
             if len(norm_node.users) > 1:
                 self.skipped.append((name, "the group norm's output is also used without the SiLU"))
                 continue
+            hooked = self._hooked(norm_node, silu_nodes[0])
+            if hooked:
+                self.skipped.append((name, hooked))
+                continue
             fused = MirageGroupNorm.from_torch(norm, activation="silu")
             norm_node.target = self._install(norm_node.target, fused, norm_node)
             silu_nodes[0].replace_all_uses_with(norm_node)
@@ -340,8 +430,9 @@ class _Rewriter:
                 continue  # a softmax, but not over products: not an attention candidate
             name = self._name(node)
             match = _AttentionMatch(self, node, softmax)
-            if match.reason is not None:
-                self.skipped.append((name, match.reason))
+            reason = match.reason or self._hooked(*match.linears, *match.removed)
+            if reason is not None:
+                self.skipped.append((name, reason))
                 continue
             match.rewrite()
             self.swaps.append(("attention", name))

@@ -643,6 +643,44 @@ def test_optimized_module_reads_missing_attributes_from_the_model():
         optimized.no_such_thing
 
 
+def test_modules_with_forward_hooks_are_left_alone_and_their_hooks_run():
+    model = PlainNet()
+    calls = []
+    model.norm_out.register_forward_hook(lambda module, inputs, output: calls.append(1) or output * 2)
+    optimized, original = optimized_and_original(model)
+    result = mirage.report(optimized)
+    assert ("norm_out", "GroupNorm: norm_out has forward hooks, which the replacement would not run") in result.left_alone
+    assert "GroupNorm" not in result.counts and result.counts["conv_bn_silu"] == 2
+    image = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(image), original(image), **MODEL_TOLERANCE)
+    assert len(calls) == 2  # the hook runs in the optimized model too
+
+
+def test_the_model_passed_in_is_converted_whole_when_its_forward_is_traced():
+    model = PlainNet()
+    optimized = mirage.optimize(model, dtype=torch.float16, channels_last=True, cuda_graph=False, verbose=False)
+    # The traced forward is a new root; the model passed in keeps its own convolutions and norms,
+    # converted with the rest (not float32 ones beside float16 ones it shares with the new root).
+    assert isinstance(optimized.module, torch.fx.GraphModule) and optimized.module is not model
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4)
+
+
+def test_optimized_module_is_for_inference_and_copies_whole():
+    optimized, original = optimized_and_original(PlainNet())
+    assert not optimized.training
+    optimized.eval()
+    with pytest.raises(RuntimeError, match="mirage.optimize: the optimized model is for inference only"):
+        optimized.train()
+    copied = copy.deepcopy(optimized)
+    assert type(copied) is mirage.OptimizedModule and copied.module is not optimized.module
+    assert mirage.report(copied).counts == mirage.report(optimized).counts and not copied.training
+    image = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(image), optimized(image))
+
+
 # ----------------------------------------------------------------------------------------------
 # On a GPU
 
@@ -711,3 +749,16 @@ def test_tiny_unet_autocast_graphs_on_gpu():
             expected = original(sample, timestep, context).sample
             assert relative_l2(got, expected) < 5e-3
     assert mirage.report(optimized).graphs.misses == 1
+
+
+@pytest.mark.cuda
+def test_a_copy_of_a_graphed_model_captures_its_own_graphs():
+    optimized, original = optimized_and_original(PlainNet().cuda(), dtype=torch.float16, cuda_graph=True)
+    image = randn(2, 3, 8, 8, device="cuda")
+    with torch.no_grad():
+        first = optimized(image.half())
+        copied = copy.deepcopy(optimized)
+        again = copied(image.half())
+    assert copied.graphs is not optimized.graphs and len(copied.graphs) == 1 and len(optimized.graphs) == 1
+    assert next(copied.parameters()).data_ptr() != next(optimized.parameters()).data_ptr()
+    torch.testing.assert_close(again, first)

@@ -407,6 +407,111 @@ def test_untraceable_module_has_its_children_fused_in_place():
     torch.testing.assert_close(got, expected, **tolerance(torch.float64))
 
 
+class CachingForward(nn.Module):
+    """Stores a tensor on itself at its first call, as position tables and feature caches do."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU())
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.linspace(0.0, 1.0, x.shape[-1], dtype=x.dtype)
+        return self.block(x + self.table)
+
+
+def test_forward_that_changes_module_state_is_not_traced_and_keeps_its_state():
+    model = prepared(CachingForward())
+    reference = copy.deepcopy(model)
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    result = fuse(model)
+    # Traced, the cache would hold a torch.fx Proxy; the module's own graph is not rewritten.
+    assert model.table is None and result.module is model
+    assert result.swaps == [("conv_bn_silu", "block.0")]
+    with torch.no_grad():
+        got = model(x)
+        expected = reference(x)
+    assert isinstance(model.table, torch.Tensor)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float64))
+
+
+class Stem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU())
+        self.conv = nn.Conv2d(4, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.norm = nn.GroupNorm(2, 4)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.act(self.norm(self.bn(self.conv(self.block(x)))))
+
+
+def _hooked_and_checked(hook_on, hook, *, pre=False):
+    """fuse(Stem()) with ``hook`` registered on the module at ``hook_on``: asserts the result
+    computes what the hooked model computes; returns the result."""
+    model = prepared(Stem())
+    target = model.get_submodule(hook_on)
+    (target.register_forward_pre_hook if pre else target.register_forward_hook)(hook)
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        result = fuse(model)
+        got = result.module(x)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float64))
+    return result
+
+
+def test_modules_with_forward_hooks_are_not_fused():
+    zero = lambda module, inputs, output: output * 0  # noqa: E731
+    result = _hooked_and_checked("bn", zero)
+    assert ("bn", "bn has forward hooks, which the fused module would not run") not in result.skipped
+    assert ("conv", "bn has forward hooks, which the fused module would not run") in result.skipped
+    assert sorted(kind for kind, _ in result.swaps) == ["conv_bn_silu", "group_norm_silu"]
+
+    result = _hooked_and_checked("act", zero)
+    assert ("norm", "act has forward hooks, which the fused module would not run") in result.skipped
+    result = _hooked_and_checked("conv", lambda module, inputs: (inputs[0] * 2,), pre=True)
+    assert ("conv", "conv has forward hooks, which the fused module would not run") in result.skipped
+
+
+def test_hooks_on_a_container_run_at_every_call_and_its_children_are_fused_in_place():
+    calls = []
+    result = _hooked_and_checked("block", lambda module, inputs, output: calls.append(1))
+    assert ("block", "Sequential's forward is not traceable by torch.fx (it has forward hooks, which a graph of its "
+                     "forward would not run), so a Conv2d and a BatchNorm2d among its children cannot be fused"
+            ) in result.skipped
+    assert ("conv_bn", "conv") in result.swaps and ("group_norm_silu", "norm") in result.swaps
+    calls.clear()
+    with torch.no_grad():
+        for _ in range(2):
+            result.module(randn(1, 4, 3, 3, dtype=torch.float64))
+    assert len(calls) == 2  # at every call (traced through, it ran once: at trace time)
+
+
+def test_hooks_on_the_model_keep_it_untraced():
+    result = _hooked_and_checked("", lambda module, inputs, output: output * 2)
+    model = result.module
+    assert isinstance(model, Stem) and model._forward_hooks
+    assert result.swaps == [("conv_bn_silu", "block.0")]
+
+
+def test_weight_norm_convolution_is_not_folded_with_stale_weights():
+    model = prepared(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+    model[0] = nn.utils.weight_norm(model[0])
+    with torch.no_grad():
+        model[0].weight_g.mul_(3.0)  # conv.weight is recomputed from weight_g at the next call
+    x = randn(2, 3, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        result = fuse(model)
+        got = result.module(x)
+    assert not result.swaps and result.skipped == [("0", "0 has forward hooks, which the fused module would not run")]
+    torch.testing.assert_close(got, expected, **tolerance(torch.float64))
+
+
 def test_nothing_to_fuse_returns_the_same_module():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
     result = fuse(model)
