@@ -712,6 +712,9 @@ class _AttentionMatch:
         if any(node.kwargs for node in linears) or not linears[0].args == linears[1].args == linears[2].args:
             return "q, k and v are projected from different inputs"
         q_chain, k_chain, v_chain = chains
+        # Projections of one input to one width have one shape: sizes read from each are equal.
+        widths = {self.rewriter._module(node).out_features for node in linears}
+        alike = frozenset(linears) if len(widths) == 1 else frozenset()
         q_as_k = q_chain
         if self.k_permute_dims is not None:
             # k^T was one permute of a head view: q's last op must be the permute giving k itself.
@@ -720,7 +723,7 @@ class _AttentionMatch:
             if not q_chain or _as_permutation(q_chain[-1], rank) != wanted:
                 return "q and k are split into heads differently"
             q_as_k = q_chain[:-1]
-        if not (_same_chain(q_as_k, k_chain) and _same_chain(q_chain, v_chain)):
+        if not (_same_chain(q_as_k, k_chain, alike) and _same_chain(q_chain, v_chain, alike)):
             return "q, k and v are split into heads differently"
         self.linears = linears
         return None
@@ -850,26 +853,33 @@ def _views_to_reshapes(node: fx.Node) -> None:
             _views_to_reshapes(user)
 
 
-def _same_chain(a: Sequence[fx.Node], b: Sequence[fx.Node]) -> bool:
-    """Two head-view chains apply the same ops with the same arguments (besides their input)."""
+def _same_chain(a: Sequence[fx.Node], b: Sequence[fx.Node], alike: frozenset = frozenset()) -> bool:
+    """Two head-view chains apply the same ops with the same arguments (besides their input);
+    sizes read from nodes in ``alike`` (tensors of one shape) count as equal."""
     return len(a) == len(b) and all(
-        x.op == y.op and x.target == y.target and _same_value(x.args[1:], y.args[1:])
-        and _same_value(x.kwargs, y.kwargs)
+        x.op == y.op and x.target == y.target and _same_value(x.args[1:], y.args[1:], alike)
+        and _same_value(x.kwargs, y.kwargs, alike)
         for x, y in zip(a, b))
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal arguments: equal constants, the same node, or the same arithmetic on shapes
-    (``C // heads`` written out once per projection)."""
+def _reads_shape(node: Any) -> bool:
+    return _is_scalar_node(node) or _is_method(node, "size") or (
+        _is_function(node, (getattr,)) and node.args[1] == "shape")
+
+
+def _same_value(a: Any, b: Any, alike: frozenset = frozenset()) -> bool:
+    """Equal arguments: equal constants, the same node (or two of ``alike``), or the same
+    arithmetic on shapes (``C // heads`` written out once per projection, or a helper reading
+    each projection's own shape)."""
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
-        if a is b:
+        if a is b or a in alike and b in alike:
             return True
-        return (_is_scalar_node(a) and _is_scalar_node(b) and a.op == b.op and a.target == b.target
-                and _same_value(a.args, b.args) and _same_value(a.kwargs, b.kwargs))
+        return (_reads_shape(a) and _reads_shape(b) and a.op == b.op and a.target == b.target
+                and _same_value(a.args, b.args, alike) and _same_value(a.kwargs, b.kwargs, alike))
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same_value(x, y, alike) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[key], b[key]) for key in a)
+        return a.keys() == b.keys() and all(_same_value(a[key], b[key], alike) for key in a)
     return type(a) is type(b) and a == b
 
 

@@ -270,6 +270,14 @@ class ManualAttention(nn.Module):
             q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
             probs = self.attn_drop((q @ k.transpose(-2, -1) * self.scale).softmax(-1))
             out = (probs @ v).transpose(1, 2).flatten(2)
+        elif form == "split_by_own_shape":  # a helper reading each projection's own shape
+            def heads(t):
+                batch, tokens, channels = t.shape
+                return t.view(batch, tokens, h, channels // h).transpose(1, 2)
+
+            q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+            probs = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
+            out = (probs @ v).transpose(1, 2).reshape(B, N, C)
         elif form == "single_head":
             probs = torch.softmax(torch.bmm(self.q(x), self.k(x).transpose(1, 2)) * self.scale, -1)
             out = torch.bmm(probs, self.v(x))
@@ -277,7 +285,7 @@ class ManualAttention(nn.Module):
 
 
 ATTENTION_FORMS = ["matmul", "divide_q_scaled", "bmm", "einsum", "einsum_heads_first", "runtime_scale",
-                   "runtime_sqrt_scale", "dropout_module", "single_head"]
+                   "runtime_sqrt_scale", "dropout_module", "split_by_own_shape", "single_head"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
