@@ -459,10 +459,13 @@ def _is_add(node: Any) -> bool:
 
 
 def _looks_like_scores(node: Any) -> bool:
-    """A (scaled) matrix product, possibly plus a mask or bias: what attention's softmax reads."""
+    """A (scaled) matrix product, possibly plus a mask or bias, or masked (``masked_fill``): what
+    attention's softmax reads."""
     node = _strip_scales(node, single_use=False)[0]
     if _is_add(node):
         return any(_is_product(_strip_scales(arg, single_use=False)[0]) for arg in node.args)
+    if _is_method(node, "masked_fill") or _is_function(node, (torch.masked_fill,)):
+        return _is_product(_strip_scales(node.args[0], single_use=False)[0])
     return _is_product(node)
 
 
@@ -599,7 +602,8 @@ class _AttentionMatch:
             return "softmax with a dtype argument is not matched"
         product, self.factors, scale_nodes = _strip_scales(scores, single_use=False)
         if not _is_product(product):
-            return "the scores get an additive term (a mask or bias) before the softmax, which is not matched"
+            return ("the scores are masked or get an additive term (a mask or bias) before the softmax, which is "
+                    "not matched")
         if any(len(node.users) != 1 for node in scale_nodes + [product]):
             return "the attention scores are also used outside the softmax"
         self.removed += scale_nodes + [product]

@@ -225,11 +225,13 @@ class ManualAttention(nn.Module):
         h, form = self.heads, self.form
         source = context if form == "different_inputs" else x
         if form in ("matmul", "softmax_dim_-2", "probs_returned", "scores_returned", "dropout", "different_inputs",
-                    "masked"):
+                    "masked", "causal"):
             q, k, v = self.split(self.q(x), B, N), self.split(self.k(source), B, N), self.split(self.v(source), B, N)
             scores = q @ k.transpose(-2, -1) * self.scale
             if form == "masked":
                 scores = scores + context[:, None, :, :N]
+            if form == "causal":
+                scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
             probs = scores.softmax(dim=-2 if form == "softmax_dim_-2" else -1)
             if form == "dropout":
                 probs = F.dropout(probs, p=0.1, training=True)
@@ -308,7 +310,8 @@ def test_attention_forms_are_fused(form, dtype):
     ("scores_returned", "the attention scores are also used outside the softmax"),
     ("dropout", "dropout (p=0.1) on the attention probabilities is not fused"),
     ("different_inputs", "q, k and v are projected from different inputs"),
-    ("masked", "the scores get an additive term (a mask or bias) before the softmax, which is not matched"),
+    ("masked", "the scores are masked or get an additive term (a mask or bias) before the softmax, which is not matched"),
+    ("causal", "the scores are masked or get an additive term (a mask or bias) before the softmax, which is not matched"),
 ])
 def test_attention_left_alone_with_reason(form, reason):
     model = prepared(ManualAttention(form))
