@@ -1,6 +1,7 @@
 // Autocast policy. mirage's norms and GEGLU keep their statistics and arithmetic in float32
 // whatever their I/O dtype, so under autocast they run in the autocast dtype: activations (x,
-// residual) are cast to it, float32 weight and bias are read as they are. This differs from
+// residual) are cast to it, weight and bias in it or in float32 are read as they are (others are
+// read in float32). This differs from
 // PyTorch's policy for its own norms (run in float32), which would double their memory traffic
 // for no accuracy gain here.
 // The force-field ops (neighbor_list, pair_vectors, radial_basis) run in float32 under autocast, as PyTorch's
@@ -26,6 +27,15 @@ namespace {
 
 using at::autocast::cached_cast;
 
+// The norms and bias_act take a weight or bias in x's dtype or float32; another one (say float16
+// under bfloat16 autocast) is read in float32, where PyTorch's composite would promote it.
+std::optional<at::Tensor> weight_for(at::ScalarType dtype, const std::optional<at::Tensor>& weight) {
+  if (weight.has_value() && weight->defined() && weight->is_floating_point() && weight->scalar_type() != dtype &&
+      weight->scalar_type() != at::kFloat)
+    return weight->to(at::kFloat);
+  return weight;
+}
+
 template <c10::DeviceType Device, c10::DispatchKey Key>
 at::Tensor group_norm_autocast(const at::Tensor& x, int64_t num_groups,
                                const std::optional<at::Tensor>& weight,
@@ -33,8 +43,8 @@ at::Tensor group_norm_autocast(const at::Tensor& x, int64_t num_groups,
                                c10::string_view activation) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
-  return handles::group_norm().call(cached_cast(dtype, x, Device), num_groups, weight, bias, eps,
-                                    activation);
+  return handles::group_norm().call(cached_cast(dtype, x, Device), num_groups, weight_for(dtype, weight),
+                                    weight_for(dtype, bias), eps, activation);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -42,7 +52,8 @@ at::Tensor layer_norm_autocast(const at::Tensor& x, const std::optional<at::Tens
                                const std::optional<at::Tensor>& bias, double eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
-  return handles::layer_norm().call(cached_cast(dtype, x, Device), weight, bias, eps);
+  return handles::layer_norm().call(cached_cast(dtype, x, Device), weight_for(dtype, weight), weight_for(dtype, bias),
+                                    eps);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -51,8 +62,8 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_autocast(
     const std::optional<at::Tensor>& bias, double eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
-  return handles::add_layer_norm().call(cached_cast(dtype, x, Device),
-                                        cached_cast(dtype, residual, Device), weight, bias, eps);
+  return handles::add_layer_norm().call(cached_cast(dtype, x, Device), cached_cast(dtype, residual, Device),
+                                        weight_for(dtype, weight), weight_for(dtype, bias), eps);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -71,13 +82,7 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
   const std::optional<at::Tensor> cast_residual =
       residual.has_value() ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
                            : std::nullopt;
-  // The op takes a bias in x's dtype or float32; another one (say float16 under bfloat16
-  // autocast) is read in float32, where PyTorch's composite would promote it.
-  std::optional<at::Tensor> cast_bias = bias;
-  if (bias.has_value() && bias->defined() && bias->is_floating_point() &&
-      bias->scalar_type() != dtype && bias->scalar_type() != at::kFloat)
-    cast_bias = bias->to(at::kFloat);
-  return handles::bias_act().call(cached_cast(dtype, x, Device), cast_bias, cast_residual,
+  return handles::bias_act().call(cached_cast(dtype, x, Device), weight_for(dtype, bias), cast_residual,
                                   activation, scale);
 }
 

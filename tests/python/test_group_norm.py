@@ -251,6 +251,15 @@ def test_autocast_runs_in_the_autocast_dtype():
     assert_matches(y, composite, (xb, 2, w, None, 1e-5, "silu"), torch.bfloat16)
 
 
+def test_autocast_reads_parameters_of_a_third_dtype_in_float32():
+    # float16 parameters under bfloat16 autocast: PyTorch's GroupNorm accepts them; read in float32.
+    x, w, b = randn(2, 8, 4, 4).half(), randn(8).half(), randn(8).half()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.group_norm(x, 2, w, b, 1e-5, "silu")
+    assert y.dtype == torch.bfloat16
+    assert_matches(y, composite, (x.bfloat16(), 2, w.float(), b.float(), 1e-5, "silu"), torch.bfloat16)
+
+
 @pytest.mark.cuda
 def test_cuda_autocast_runs_in_the_autocast_dtype():
     x = randn(2, 64, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)

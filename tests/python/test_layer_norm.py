@@ -152,3 +152,13 @@ def test_autocast_runs_in_the_autocast_dtype():
     expected_total = x.bfloat16() + r.bfloat16()
     torch.testing.assert_close(total, expected_total, atol=0, rtol=0)
     assert_matches(out, add_composite, (expected_total, w, None, 1e-5), torch.bfloat16)
+
+
+def test_autocast_reads_parameters_of_a_third_dtype_in_float32():
+    x, r, w, b = randn(4, 10).half(), randn(4, 10).half(), randn(10).half(), randn(10).half()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.layer_norm(x, w, b)
+        out, total = mirage.ops.layer_norm(x, w, b, residual=r)
+    assert y.dtype == out.dtype == torch.bfloat16
+    assert_matches(y, add_composite, (x.bfloat16(), w.float(), b.float(), 1e-5), torch.bfloat16)
+    assert_matches(out, add_composite, (total, w.float(), b.float(), 1e-5), torch.bfloat16)

@@ -91,6 +91,19 @@ def test_from_torch_refuses_what_it_cannot_replace():
         mirage.nn.GroupNorm(4, 10)
     with pytest.raises(ValueError, match="activation must be one of"):
         mirage.nn.GroupNorm(2, 4, activation="relu")
+    for groups in (0, -2, 2.0):
+        with pytest.raises(ValueError, match=r"mirage.nn.GroupNorm: num_groups must be an int >= 1"):
+            mirage.nn.GroupNorm(groups, 4)
+
+
+def test_layer_norm_without_weights_checks_the_width():
+    for norm in (mirage.nn.LayerNorm(4, elementwise_affine=False),
+                 mirage.nn.LayerNorm.from_torch(nn.LayerNorm(4, elementwise_affine=False))):
+        with pytest.raises(RuntimeError, match=r"mirage.nn.LayerNorm: x's last dimension must be normalized_shape=4, "
+                                               r"got x of shape \(3, 6\)"):
+            norm(randn(3, 6))
+        t = randn(3, 4)
+        torch.testing.assert_close(norm(t), F.layer_norm(t, (4,)), atol=2e-5, rtol=2e-5)
 
 
 def test_conv_bias_act_takes_what_bias_act_cannot_as_pytorch_does():
@@ -104,3 +117,10 @@ def test_conv_bias_act_takes_what_bias_act_cannot_as_pytorch_does():
     want = (conv(x) + shift[:, :, None, None] + residual) * 0.5
     torch.testing.assert_close(mirage.nn.conv_bias_act(conv, x, shift=shift, residual=residual, scale=0.5), want)
     torch.testing.assert_close(mirage.nn.conv_bias_act(conv, x, shift=shift), conv(x) + shift[:, :, None, None])
+    # A shift that PyTorch's add would promote (float64 on a float32 output) runs unfused, promoted.
+    conv32, x32 = conv.float(), x.float()
+    got = mirage.nn.conv_bias_act(conv32, x32, shift=shift)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, conv32(x32) + shift[:, :, None, None])
+    with pytest.raises(ValueError, match="mirage.nn.conv_bias_act: activation must be one of"):
+        mirage.nn.conv_bias_act(conv32, x32[0], activation="tanh")

@@ -203,6 +203,14 @@ def test_resnet_block_without_time_projection_adds_temb_as_diffusers_does():
         torch.testing.assert_close(fused(x, None), block(x, None), atol=1e-12, rtol=1e-12)
 
 
+def test_resnet_block_with_time_projection_needs_temb():
+    block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4).eval()
+    fused = mirage.nn.ResnetBlock2D.from_diffusers(block).eval()
+    with pytest.raises(ValueError, match="mirage.nn.ResnetBlock2D: temb must not be None: the block has a "
+                                         "time_emb_proj"):
+        fused(randn(2, 8, 5, 8), None)
+
+
 @pytest.mark.parametrize("nonlinearity", ["mish", "gelu"])
 def test_resnet_block_refuses_other_nonlinearities(nonlinearity):
     block = ResnetBlock2D(in_channels=8, temb_channels=10, groups=4, non_linearity=nonlinearity)

@@ -128,22 +128,29 @@ def conv_bias_act(
             ``shift`` already).
 
     Where ``bias_act`` cannot take the arguments as they are, the same steps run as separate
-    PyTorch ops with PyTorch's broadcasting and type promotion (exactly the unfused code):
-    unbatched ``(C, H, W)`` input, float64 on CUDA, a residual of another dtype (autocast) or
-    shape, a shift that is neither per channel nor per sample.
+    PyTorch ops with PyTorch's broadcasting and type promotion (exactly the unfused code, the
+    convolution's bias in the convolution's dtype): unbatched ``(C, H, W)`` input, float64 on
+    CUDA, a residual of another dtype (autocast) or shape, a shift that is neither per channel nor
+    per sample, or of a dtype other than the output's or float32 (which would promote it).
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"mirage.nn.conv_bias_act: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     y = conv._conv_forward(x, conv.weight, None)
-    bias = conv.bias if conv_bias else None
-    if shift is not None:
-        bias = shift if bias is None else bias + shift
-    if bias is not None and bias.dim() == 2 and bias.shape[0] == 1 and y.dim() == 4:
-        bias = bias.expand(y.shape[0], -1)  # one time embedding for the whole batch
+    own_bias = conv.bias if conv_bias else None
     fused = (y.dim() == 4 and not (y.is_cuda and y.dtype == torch.float64)
              and (residual is None or (residual.dtype == y.dtype and residual.shape == y.shape))
-             and (bias is None or tuple(bias.shape) in ((y.shape[1],), (y.shape[0], y.shape[1]))))
+             and (shift is None or shift.dtype in (y.dtype, torch.float32)))
+    bias = own_bias
+    if fused and shift is not None:
+        bias = shift if bias is None else bias + shift
+        if bias.dim() == 2 and bias.shape[0] == 1:
+            bias = bias.expand(y.shape[0], -1)  # one time embedding for the whole batch
+        fused = tuple(bias.shape) in ((y.shape[1],), (y.shape[0], y.shape[1]))
     if not fused:
-        if bias is not None:
-            y = y + bias.reshape(bias.shape + (1, 1)).to(y.dtype)
+        if own_bias is not None:
+            y = y + own_bias.reshape(-1, 1, 1).to(y.dtype)
+        if shift is not None:
+            y = y + shift.reshape(shift.shape + (1, 1))
         y = ACTIVATIONS[activation](y)
         if residual is not None:
             y = y + residual

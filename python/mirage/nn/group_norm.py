@@ -27,6 +27,8 @@ class GroupNorm(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        if not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"mirage.nn.GroupNorm: num_groups must be an int >= 1, got {num_groups!r}")
         if num_channels % num_groups != 0:
             raise ValueError(
                 f"mirage.nn.GroupNorm: num_channels ({num_channels}) must be divisible by "

@@ -49,6 +49,10 @@ class LayerNorm(nn.Module):
         return fused
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        # The op checks the width against the weight; without one, only this module knows it.
+        if self.weight is None and x.dim() > 0 and x.shape[-1] != self.normalized_shape:
+            raise RuntimeError(f"mirage.nn.LayerNorm: x's last dimension must be normalized_shape="
+                               f"{self.normalized_shape}, got x of shape {tuple(x.shape)}")
         return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
 
     def extra_repr(self) -> str:

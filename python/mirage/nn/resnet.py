@@ -100,6 +100,9 @@ class ResnetBlock2D(nn.Module):
         fused_conv1 = type(self.conv1) is nn.Conv2d and (projected or not add_temb)
         conv1_bias_in_temb = False
         if projected:
+            if temb is None:  # diffusers fails on it too, deep inside; say what is missing
+                raise ValueError("mirage.nn.ResnetBlock2D: temb must not be None: the block has a time_emb_proj "
+                                 "(temb_channels was set)")
             # The SiLU (from_diffusers checked the nonlinearity) is applied as the projection
             # reads temb, and conv1's bias joins the projection's epilogue as a residual broadcast
             # over the batch: one kernel for a few samples, where diffusers spends three.
