@@ -83,11 +83,32 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
   return {n, num_molecules, max_pairs == -1 ? n * std::max<int64_t>(n - 1, 0) : max_pairs};
 }
 
+namespace {
+
+// make() with an allocation failure (or a size past what a tensor can hold) named: the op and
+// max_pairs, not only the allocator's message.
+template <class Make>
+auto allocate_outputs(int64_t max_pairs, Make&& make) -> decltype(make()) {
+  try {
+    return make();
+  } catch (const c10::Error& error) {
+    const std::string what = error.msg();
+    MIRAGE_CHECK(false, kNeighborList, ": cannot allocate the outputs for max_pairs = ", max_pairs, " (",
+                 what.substr(0, what.find('\n')), ")");
+    throw;
+  }
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_neighbor_list_outputs(
     const at::Tensor& positions, const NeighborListShape& shape) {
   const auto index = positions.options().dtype(at::kLong);
-  return {at::empty({2, shape.max_pairs}, index), at::empty({shape.max_pairs, 3}, positions.options()),
-          at::empty({shape.max_pairs}, positions.options()), at::empty({1}, index)};
+  return allocate_outputs(shape.max_pairs, [&] {
+    return std::make_tuple(at::empty({2, shape.max_pairs}, index),
+                           at::empty({shape.max_pairs, 3}, positions.options()),
+                           at::empty({shape.max_pairs}, positions.options()), at::empty({1}, index));
+  });
 }
 
 namespace {
@@ -145,11 +166,22 @@ bool lexicographically_positive(const int64_t s[3]) {
   return s[0] > 0 || (s[0] == 0 && (s[1] > 0 || (s[1] == 0 && s[2] > 0)));
 }
 
+// The pairs found: the first `capacity` kept, all of them counted (memory bounded by the
+// capacity, as the outputs are, however many pairs there are).
+struct FoundPairs {
+  int64_t capacity;
+  std::vector<Pair> kept;
+  int64_t count = 0;
+  void add(const Pair& pair) {
+    if (count++ < capacity) kept.push_back(pair);
+  }
+};
+
 // Every pair of atoms in [first, end) and every image S of j with |r_j - r_i + S @ cell| < cutoff,
 // in ascending (i, j, S). For each pair the images tried are those within reach + 1 of the one
 // nearest in fractional coordinates: more than the bound |df_k + S_k| < reach_k needs.
 void search_molecule(const double* r, int64_t first, int64_t end, const Lattice& lat,
-                     double cutoff, bool half, std::vector<Pair>& found) {
+                     double cutoff, bool half, FoundPairs& found) {
   for (int64_t i = first; i < end; ++i) {
     for (int64_t j = half ? i : first; j < end; ++j) {
       double delta[3];
@@ -177,7 +209,7 @@ void search_molecule(const double* r, int64_t first, int64_t end, const Lattice&
             double v[3];
             for (int c = 0; c < 3; ++c) v[c] = delta[c] + pair.shift[c];
             pair.distance = std::sqrt(dot3(v, v));
-            if (pair.distance < cutoff) found.push_back(pair);
+            if (pair.distance < cutoff) found.add(pair);
           }
     }
   }
@@ -204,7 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cpu(
   const int64_t* b = has(batch) ? batch_c.const_data_ptr<int64_t>() : nullptr;
   const int64_t pbc_stride = has(pbc) && pbc_c.dim() == 2 ? 3 : 0;
 
-  std::vector<Pair> found;
+  const int64_t capacity = shape.max_pairs;
+  FoundPairs found{capacity};
   for (int64_t first = 0; first < n;) {
     int64_t end = first + 1;
     int64_t molecule = 0;
@@ -231,23 +264,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cpu(
     first = end;
   }
 
-  const int64_t capacity = shape.max_pairs;
-  at::Tensor pairs = at::zeros({2, capacity}, positions.options().dtype(at::kLong));
-  at::Tensor shifts64 = at::zeros({capacity, 3}, r64.options());
-  at::Tensor distances64 = at::full({capacity}, cutoff, r64.options());
+  auto [pairs, shifts64, distances64] = allocate_outputs(capacity, [&] {
+    return std::make_tuple(at::zeros({2, capacity}, positions.options().dtype(at::kLong)),
+                           at::zeros({capacity, 3}, r64.options()), at::full({capacity}, cutoff, r64.options()));
+  });
   shifts64.select(1, 0).fill_(cutoff);  // padding: r_j - r_i + shift = (cutoff, 0, 0)
   int64_t* ps = pairs.mutable_data_ptr<int64_t>();
   double* ss = shifts64.mutable_data_ptr<double>();
   double* ds = distances64.mutable_data_ptr<double>();
-  const int64_t stored = std::min<int64_t>(static_cast<int64_t>(found.size()), capacity);
-  for (int64_t e = 0; e < stored; ++e) {
-    ps[e] = found[e].i;
-    ps[capacity + e] = found[e].j;
-    for (int c = 0; c < 3; ++c) ss[3 * e + c] = found[e].shift[c];
-    ds[e] = found[e].distance;
+  for (int64_t e = 0; e < static_cast<int64_t>(found.kept.size()); ++e) {
+    ps[e] = found.kept[e].i;
+    ps[capacity + e] = found.kept[e].j;
+    for (int c = 0; c < 3; ++c) ss[3 * e + c] = found.kept[e].shift[c];
+    ds[e] = found.kept[e].distance;
   }
-  const at::Tensor num_pairs =
-      at::full({1}, static_cast<int64_t>(found.size()), positions.options().dtype(at::kLong));
+  const at::Tensor num_pairs = at::full({1}, found.count, positions.options().dtype(at::kLong));
   return {pairs, shifts64.to(positions.scalar_type()), distances64.to(positions.scalar_type()),
           num_pairs};
 }

@@ -4,9 +4,12 @@
 // the same steps in PyTorch ops take three to six.
 #include "verlet.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -29,6 +32,22 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
                t.scalar_type());
   MIRAGE_CHECK(t.dim() == 2 && t.size(1) == 3, op, ": ", arg, " must be [N, 3], got ", t.sizes());
   check_contiguous(op, arg, t);
+}
+
+using Named = std::pair<std::string_view, const at::Tensor*>;
+
+// What the op updates in place must share no memory with its other tensors (it would read values
+// half updated, or write one element twice). Where PyTorch cannot tell (strided views), it runs.
+void check_apart(std::string_view op, std::initializer_list<Named> written, std::initializer_list<Named> read) {
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    auto check = [&](const Named& other) {
+      const at::MemOverlapStatus status = at::get_overlap_status(*w->second, *other.second);
+      MIRAGE_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ",
+                   w->first, " (updated in place) must not share memory with ", other.first);
+    };
+    std::for_each(w + 1, written.end(), check);
+    std::for_each(read.begin(), read.end(), check);
+  }
 }
 
 void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,
@@ -96,6 +115,8 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
   check_like(op, "forces", forces, "positions'", positions, "[N, 3]", positions.sizes());
   check_inverse_masses(op, inverse_masses, "positions'", positions);
   MIRAGE_CHECK(is_float32_or_64(dtype), op, ": dtype must be float32 or float64, got ", dtype);
+  check_apart(op, {{"positions", &positions}, {"velocities", &velocities}},
+              {{"forces", &forces}, {"inverse_masses", &inverse_masses}});
 }
 
 void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
@@ -122,6 +143,8 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   check_inverse_masses(op, inverse_masses, "velocities'", velocities);
   MIRAGE_CHECK(pair_count.has_value() == pair_count_range.has_value(), op,
                ": pair_count and pair_count_range must both be given or both be None");
+  check_apart(op, {{"velocities", &velocities}, {"forces", &forces}, {"energy", &energy}},
+              {{"grad", &grad}, {"model_energy", &model_energy}, {"inverse_masses", &inverse_masses}});
   if (!pair_count.has_value()) return;
   for (const auto& [arg, t] :
        {std::pair{"pair_count", *pair_count}, std::pair{"pair_count_range", *pair_count_range}}) {
@@ -133,6 +156,7 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   MIRAGE_CHECK(pair_count_range->dim() == 1 && pair_count_range->size(0) == 2, op,
                ": pair_count_range must be [2] ([max, min], updated in place), got ", pair_count_range->sizes());
   check_contiguous(op, "pair_count_range", *pair_count_range);
+  check_apart(op, {{"pair_count_range", &*pair_count_range}}, {{"pair_count", &*pair_count}});
 }
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {

@@ -1,6 +1,9 @@
 import itertools
 import math
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -213,6 +216,22 @@ def test_overflow_keeps_the_first_pairs_and_counts_them_all():
         assert torch.equal(part.pairs[:, :stored], full.pairs[:, :stored])
         assert torch.equal(part.distances[:stored], full.distances[:stored])
         check_padding(part, 2.5)
+
+
+def test_memory_is_bounded_by_the_capacity_not_the_pairs_found():
+    # ~13 million pairs through the periodic images (730 MB as a list); 1,000 kept, all counted.
+    script = """
+import resource, torch, mirage
+torch.manual_seed(0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+result = mirage.ops.neighbor_list(torch.rand(20, 3, dtype=torch.float64), 20.0, torch.eye(3, dtype=torch.float64),
+                                  max_pairs=1000)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(int(result.num_pairs), grown)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    count, grown_kib = int(out[0]), int(out[1])
+    assert count > 10_000_000 and grown_kib < 100_000, (count, grown_kib)
 
 
 def test_default_capacity_holds_every_ordered_pair():
@@ -484,6 +503,8 @@ def nl(device, n=5, **kwargs):
          "mirage::neighbor_list: batch must have shape [N] = [5], got [4]"),
         (lambda d: nl(d, max_pairs=-2),
          "mirage::neighbor_list: max_pairs must be >= 0, or -1 for N * (N - 1), got -2"),
+        (lambda d: nl(d, max_pairs=2**62),
+         "mirage::neighbor_list: cannot allocate the outputs for max_pairs = 4611686018427387904"),
         (lambda d: nl(d, method="grid"),
          "mirage::neighbor_list: method must be \"auto\", \"direct\" or \"cell_list\", got \"grid\""),
         (lambda d: nl(d, method="cell_list", batch=torch.zeros(5, dtype=torch.long, device=d)),

@@ -313,6 +313,44 @@ def test_forces_kick_bad_input(device, changes, message):
     assert_error(forces_kick_call(**changes), device, "mirage::verlet_forces_kick: " + message)
 
 
+def shared(device):
+    """State rows to take overlapping views of (rows 0-3 and 2-5 share two)."""
+    return torch.zeros(9, 3, dtype=torch.float64, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("call,message", [
+    (lambda d: (lambda b: torch.ops.mirage.verlet_kick_drift(b[:4], b[:4], randn(4, 3, dtype=torch.float64, device=d),
+                                                             torch.ones(4, dtype=torch.float64, device=d), 0.5, 0.1,
+                                                             torch.float32))(shared(d)),
+     "mirage::verlet_kick_drift: positions (updated in place) must not share memory with velocities"),
+    (lambda d: (lambda b: torch.ops.mirage.verlet_kick_drift(b[:4], b[2:6], randn(4, 3, dtype=torch.float64, device=d),
+                                                             torch.ones(4, dtype=torch.float64, device=d), 0.5, 0.1,
+                                                             torch.float32))(shared(d)),
+     "mirage::verlet_kick_drift: positions (updated in place) must not share memory with velocities"),
+    (lambda d: (lambda b: torch.ops.mirage.verlet_kick_drift(b[:4], b[5:9], b[2:6],
+                                                             torch.ones(4, dtype=torch.float64, device=d), 0.5, 0.1,
+                                                             torch.float32))(shared(d)),
+     "mirage::verlet_kick_drift: positions (updated in place) must not share memory with forces"),
+    (lambda d: (lambda b: torch.ops.mirage.verlet_forces_kick(
+        b[:4], b[5:9], torch.zeros((), dtype=torch.float64, device=d), b[2:6].float(), randn(1, device=d),
+        torch.ones(4, dtype=torch.float64, device=d), 0.5))(shared(d)), None),  # grad a copy: runs
+    (lambda d: (lambda b: torch.ops.mirage.verlet_forces_kick(
+        b[:4], b[2:6], torch.zeros((), dtype=torch.float64, device=d), randn(4, 3, device=d), randn(1, device=d),
+        torch.ones(4, dtype=torch.float64, device=d), 0.5))(shared(d)),
+     "mirage::verlet_forces_kick: velocities (updated in place) must not share memory with forces"),
+    (lambda d: (lambda b: torch.ops.mirage.verlet_forces_kick(
+        b[:4], b[5:9], torch.zeros((), dtype=torch.float64, device=d), b[1:5], randn(1, device=d),
+        torch.ones(4, dtype=torch.float64, device=d), 0.5))(shared(d)),
+     "mirage::verlet_forces_kick: velocities (updated in place) must not share memory with grad"),
+])
+def test_state_sharing_memory_is_refused(device, call, message):
+    if message is None:
+        call(device)
+    else:
+        assert_error(call, device, message)
+
+
 @pytest.mark.cuda
 def test_inputs_on_another_device_are_refused():
     assert_error(kick_drift_call(velocities=lambda d: torch.zeros(4, 3, dtype=torch.float64)), "cuda",
