@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -35,6 +36,15 @@ def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return checked
+
+
+def _integer(value: Any, where: str) -> int:
+    """``value`` as an int (ints, NumPy ints, integer 0-dim tensors); a float or anything else
+    raises, naming ``where`` (``"mirage::op: argument"``), where ``int()`` would truncate 4.7 to 4."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 def _names(names: Union[str, Sequence[str]]) -> str:
@@ -413,7 +423,8 @@ def sender_order(pairs: Tensor, num_nodes: int, num_pairs: Optional[Tensor] = No
         within a sender's run on CUDA (stable on the CPU); ``(0,)`` for lists shorter than 8,192
         pairs, which the backwards walk in their own order (passing it is the same as None).
     """
-    return torch.ops.mirage.sender_order(pairs, int(num_nodes), num_pairs)
+    return torch.ops.mirage.sender_order(pairs, _integer(num_nodes, "mirage::sender_order: num_nodes"),
+                                          num_pairs)
 
 
 @_tensors_required
@@ -487,7 +498,9 @@ def fused_filter_supported(features: int, basis: int, device: Union[str, torch.d
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _fused_filter_supported_on(int(features), int(basis), str(device))
+    where = "mirage.ops.fused_filter_supported: "
+    return _fused_filter_supported_on(_integer(features, where + "features"), _integer(basis, where + "basis"),
+                                      str(device))
 
 
 @functools.lru_cache(maxsize=None)  # models ask on every forward
@@ -637,7 +650,8 @@ def schnet_energy(
         ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
-    return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
+    return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff),
+                                          _integer(num_rbf, "mirage::schnet_energy: num_rbf"),
                                           list(weights), _names(activations))
 
 
@@ -701,7 +715,8 @@ def painn_energy(
         ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
-    return torch.ops.mirage.painn_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff), int(num_rbf),
+    return torch.ops.mirage.painn_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff),
+                                         _integer(num_rbf, "mirage::painn_energy: num_rbf"),
                                          list(weights), _names(activations), float(norm_eps))
 
 
@@ -928,7 +943,9 @@ def _supported(check: str, num_rbf: int, hidden: int, width: int, device: Union[
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _supported_on(check, int(num_rbf), int(hidden), int(width), str(device))
+    where = f"mirage.ops.{check}: "
+    return _supported_on(check, *(_integer(value, where + name) for value, name in
+                                  ((num_rbf, "num_rbf"), (hidden, "hidden"), (width, "width"))), str(device))
 
 
 @functools.lru_cache(maxsize=None)  # models ask on every forward

@@ -102,3 +102,14 @@ def test_every_wrapper_names_a_missing_tensor(name):
     for missing in tensors:
         with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got None$"):
             fn(**{tensor: None if tensor == missing else torch.zeros(1) for tensor in tensors})
+
+
+def test_integer_arguments_are_not_truncated():
+    pairs = torch.tensor([[0, 1], [1, 0]])
+    with pytest.raises(TypeError, match=r"^mirage::sender_order: num_nodes must be an int, got float 4.7$"):
+        mirage.ops.sender_order(pairs, 4.7)
+    assert mirage.ops.sender_order(pairs, torch.tensor(2)).shape == (0,)  # an integer tensor is an int
+    with pytest.raises(TypeError, match=r"^mirage.ops.radial_cfconv_supported: hidden must be an int, got float"):
+        mirage.ops.radial_cfconv_supported(20, 64.5, 64, "cpu")
+    with pytest.raises(TypeError, match=r"^mirage.ops.fused_filter_supported: basis must be an int, got str"):
+        mirage.ops.fused_filter_supported(128, "20", "cpu")
