@@ -213,8 +213,11 @@ def subpixel_weight(weight: Tensor) -> Tensor:
         ``(4 * C_out, C_in, 2, 2)``: the kernels of parities (0, 0), (0, 1), (1, 0), (1, 1), in
         ``weight``'s dtype and memory format.
     """
+    # RuntimeError, as the operators raise for bad tensors.
     if weight.dim() != 4 or weight.shape[-2:] != (3, 3):
-        raise ValueError(f"mirage.ops.subpixel_weight: weight must be (C_out, C_in, 3, 3), got {tuple(weight.shape)}")
+        raise RuntimeError(f"mirage.ops.subpixel_weight: weight must be (C_out, C_in, 3, 3), got {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise RuntimeError(f"mirage.ops.subpixel_weight: weight must be floating point, got {weight.dtype}")
     compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
     # taps[parity, small-image offset, kernel tap]: which kernel taps read each 2x2 offset.
     taps = torch.tensor([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], dtype=compute, device=weight.device)

@@ -155,8 +155,10 @@ def test_bias_on_another_device():
 
 
 def test_subpixel_weight_bad_shape():
-    with pytest.raises(ValueError, match=r"mirage.ops.subpixel_weight: weight must be \(C_out, C_in, 3, 3\), got \(4, 2, 2, 2\)"):
+    with pytest.raises(RuntimeError, match=r"mirage.ops.subpixel_weight: weight must be \(C_out, C_in, 3, 3\), got \(4, 2, 2, 2\)"):
         mirage.ops.subpixel_weight(torch.randn(4, 2, 2, 2))
+    with pytest.raises(RuntimeError, match=r"mirage.ops.subpixel_weight: weight must be floating point, got torch.int64"):
+        mirage.ops.subpixel_weight(torch.ones(4, 2, 3, 3, dtype=torch.int64))
 
 
 def test_subpixel_weight_sums_in_float32_under_autocast():
