@@ -37,10 +37,15 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
 using Named = std::pair<std::string_view, const at::Tensor*>;
 
 // What the op updates in place must share no memory with its other tensors (it would read values
-// half updated, or write one element twice). Where PyTorch cannot tell (strided views), it runs.
+// half updated, or write one element twice). Where PyTorch cannot tell (strided views), it runs;
+// tensors without memory (Meta, and the symbolic shapes of torch.compile's tracing) are not checked.
 void check_apart(std::string_view op, std::initializer_list<Named> written, std::initializer_list<Named> read) {
+  const auto has_memory = [](const at::Tensor& t) {
+    return !t.is_meta() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+  };
   for (auto w = written.begin(); w != written.end(); ++w) {
     auto check = [&](const Named& other) {
+      if (!has_memory(*w->second) || !has_memory(*other.second)) return;
       const at::MemOverlapStatus status = at::get_overlap_status(*w->second, *other.second);
       MIRAGE_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ",
                    w->first, " (updated in place) must not share memory with ", other.first);
