@@ -27,8 +27,9 @@ namespace {
 
 using at::autocast::cached_cast;
 
-// The norms and bias_act take a weight or bias in x's dtype or float32; another one (say float16
-// under bfloat16 autocast) is read in float32, where PyTorch's composite would promote it.
+// The norms and bias_act take a weight or bias in x's dtype (after autocast's cast: float64 stays
+// float64) or float32; another one (say float16 under bfloat16 autocast) is read in float32,
+// where PyTorch's composite would promote it.
 std::optional<at::Tensor> weight_for(at::ScalarType dtype, const std::optional<at::Tensor>& weight) {
   if (weight.has_value() && weight->defined() && weight->is_floating_point() && weight->scalar_type() != dtype &&
       weight->scalar_type() != at::kFloat)
@@ -43,8 +44,9 @@ at::Tensor group_norm_autocast(const at::Tensor& x, int64_t num_groups,
                                c10::string_view activation) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
-  return handles::group_norm().call(cached_cast(dtype, x, Device), num_groups, weight_for(dtype, weight),
-                                    weight_for(dtype, bias), eps, activation);
+  const at::Tensor cast_x = cached_cast(dtype, x, Device);  // float64 stays float64
+  return handles::group_norm().call(cast_x, num_groups, weight_for(cast_x.scalar_type(), weight),
+                                    weight_for(cast_x.scalar_type(), bias), eps, activation);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -52,8 +54,9 @@ at::Tensor layer_norm_autocast(const at::Tensor& x, const std::optional<at::Tens
                                const std::optional<at::Tensor>& bias, double eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
-  return handles::layer_norm().call(cached_cast(dtype, x, Device), weight_for(dtype, weight), weight_for(dtype, bias),
-                                    eps);
+  const at::Tensor cast_x = cached_cast(dtype, x, Device);
+  return handles::layer_norm().call(cast_x, weight_for(cast_x.scalar_type(), weight),
+                                    weight_for(cast_x.scalar_type(), bias), eps);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -62,8 +65,10 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_autocast(
     const std::optional<at::Tensor>& bias, double eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
-  return handles::add_layer_norm().call(cached_cast(dtype, x, Device), cached_cast(dtype, residual, Device),
-                                        weight_for(dtype, weight), weight_for(dtype, bias), eps);
+  const at::Tensor cast_x = cached_cast(dtype, x, Device);
+  return handles::add_layer_norm().call(cast_x, cached_cast(dtype, residual, Device),
+                                        weight_for(cast_x.scalar_type(), weight),
+                                        weight_for(cast_x.scalar_type(), bias), eps);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -82,8 +87,8 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
   const std::optional<at::Tensor> cast_residual =
       residual.has_value() ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
                            : std::nullopt;
-  return handles::bias_act().call(cached_cast(dtype, x, Device), weight_for(dtype, bias), cast_residual,
-                                  activation, scale);
+  const at::Tensor cast_x = cached_cast(dtype, x, Device);
+  return handles::bias_act().call(cast_x, weight_for(cast_x.scalar_type(), bias), cast_residual, activation, scale);
 }
 
 // As torch.nn.functional.linear: every operand in the autocast dtype (the sums stay float32).

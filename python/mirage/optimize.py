@@ -8,7 +8,6 @@ reported with the reason (:func:`report`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import sys
 import time
@@ -390,7 +389,9 @@ class OptimizedModule(nn.Module):
         if not self.channels_last:
             return self._call(args, kwargs)
         converted = pytree.tree_map_only(Tensor, _channels_last_4d, (args, kwargs))
-        if self._layout_proven or torch.compiler.is_compiling():
+        # is_compiling() first: read under torch.compile, the flag would become a guard, and the
+        # first eager call after compiling (which sets it) would force a recompile.
+        if torch.compiler.is_compiling() or self._layout_proven:
             return self._call(*converted)
         # The first call: what the forward writes to stderr is held back until it has gone
         # through, since a model traced by mirage.patterns is a torch.fx GraphModule, which prints
@@ -462,18 +463,22 @@ class OptimizedModule(nn.Module):
             self.graphs.clear()
         return super()._apply(fn, *args, **kwargs)
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "OptimizedModule":
-        """A copy of the swapped model with the same settings and report, and no graphs yet (they
-        are captured again on its first calls: a graph cannot be copied)."""
-        graphs = self.graphs
-        copied = OptimizedModule(copy.deepcopy(self.module, memo), autocast_dtype=self.autocast_dtype,
-                                 channels_last=self.channels_last, max_graphs=graphs.max_entries if graphs else 0,
-                                 verbose=graphs.verbose if graphs else True)
-        copied._layout_proven = self._layout_proven
-        result = _REPORTS.get(self)
+    # Pickling and copy.deepcopy: the swapped model, the settings and the report travel; the graphs
+    # do not (a CUDA graph cannot be copied): the copy captures its own at its first calls.
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        graphs = state.pop("graphs")
+        state["_graph_settings"] = (graphs.max_entries, graphs.verbose) if graphs is not None else None
+        state["_report"] = _REPORTS.get(self)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        settings, result = state.pop("_graph_settings"), state.pop("_report")
+        super().__setstate__(state)
+        self.graphs = GraphCache(self._run, settings[0], verbose=settings[1]) if settings else None
         if result is not None:
-            _REPORTS[copied] = copy.deepcopy(result)
-        return copied.train(False)
+            _REPORTS[self] = result
 
     def train(self, mode: bool = True) -> "OptimizedModule":
         """``eval()`` only: the swapped model is for inference (batch norms folded with their running

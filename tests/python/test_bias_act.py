@@ -241,3 +241,11 @@ def test_autocast_reads_a_bias_of_a_third_dtype_in_float32():
         y = mirage.ops.bias_act(x, bias, None, "silu")
     assert y.dtype == torch.bfloat16
     assert_matches(y, composite, (x.bfloat16(), bias.float(), None, "silu", 1.0), torch.bfloat16)
+
+
+def test_autocast_leaves_float64_in_float64():
+    x, bias = randn(2, 8, 4, 4, dtype=torch.float64), randn(8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.bias_act(x, bias, None, "silu")
+    assert y.dtype == torch.float64
+    assert_matches(y, composite, (x, bias, None, "silu", 1.0), torch.float64)

@@ -260,6 +260,15 @@ def test_autocast_reads_parameters_of_a_third_dtype_in_float32():
     assert_matches(y, composite, (x.bfloat16(), 2, w.float(), b.float(), 1e-5, "silu"), torch.bfloat16)
 
 
+def test_autocast_leaves_float64_in_float64():
+    # Autocast does not cast float64 input; its float64 parameters must not be read in float32.
+    x, w, b = randn(2, 8, 4, 4, dtype=torch.float64), randn(8, dtype=torch.float64), randn(8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.group_norm(x, 2, w, b, 1e-5, "silu")
+    assert y.dtype == torch.float64
+    assert_matches(y, composite, (x, 2, w, b, 1e-5, "silu"), torch.float64)
+
+
 @pytest.mark.cuda
 def test_cuda_autocast_runs_in_the_autocast_dtype():
     x = randn(2, 64, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)

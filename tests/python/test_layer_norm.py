@@ -162,3 +162,14 @@ def test_autocast_reads_parameters_of_a_third_dtype_in_float32():
     assert y.dtype == out.dtype == torch.bfloat16
     assert_matches(y, add_composite, (x.bfloat16(), w.float(), b.float(), 1e-5), torch.bfloat16)
     assert_matches(out, add_composite, (total, w.float(), b.float(), 1e-5), torch.bfloat16)
+
+
+def test_autocast_leaves_float64_in_float64():
+    x, r, w, b = randn(4, 10, dtype=torch.float64), randn(4, 10, dtype=torch.float64), \
+        randn(10, dtype=torch.float64), randn(10, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mirage.ops.layer_norm(x, w, b)
+        out, total = mirage.ops.layer_norm(x, w, b, residual=r)
+    assert y.dtype == out.dtype == torch.float64
+    assert_matches(y, add_composite, (x, w, b, 1e-5), torch.float64)
+    assert_matches(out, add_composite, (x + r, w, b, 1e-5), torch.float64)

@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import pickle
 import subprocess
 import sys
 from collections import Counter
@@ -684,9 +685,29 @@ def test_optimized_module_is_for_inference_and_copies_whole():
     copied = copy.deepcopy(optimized)
     assert type(copied) is mirage.OptimizedModule and copied.module is not optimized.module
     assert mirage.report(copied).counts == mirage.report(optimized).counts and not copied.training
+    pickled = pickle.loads(pickle.dumps(optimized))
+    assert type(pickled) is mirage.OptimizedModule and str(mirage.report(pickled)) == str(mirage.report(optimized))
     image = randn(2, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(copied(image), optimized(image))
+        torch.testing.assert_close(pickled(image), optimized(image))
+
+
+def test_compiled_optimized_module_does_not_recompile_after_an_eager_call():
+    optimized, _ = optimized_and_original(PlainNet())
+    compiles = []
+
+    def backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(optimized, backend=backend)
+    image = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(image)
+        optimized(image)  # the first eager call proves the channels-last layout
+        compiled(image)
+    assert len(compiles) == 1
 
 
 # ----------------------------------------------------------------------------------------------
