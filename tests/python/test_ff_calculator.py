@@ -458,6 +458,37 @@ def test_a_fused_model_leaves_its_capacity_to_the_calculator(graphed, capfd):
     np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)
 
 
+class Wrapped(nn.Module):
+    """The user's module around a fused model: the capacity protocol is the inner model's."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        return self.inner(atomic_numbers, positions, cell, pbc)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_wrapped_fused_model_has_its_capacity_checked(graphed, capfd):
+    reference = small(SchNet)
+    atoms = periodic_atoms(n=12)
+    atoms.calc = mirage.ff.Calculator(reference)
+    want = atoms.get_potential_energy(), atoms.get_forces()
+    fused = mirage.ff.optimize(reference)
+    fused.max_pairs = 6  # as chosen by a smaller system before
+    calc = mirage.ff.Calculator(Wrapped(fused))
+    if graphed:
+        graphed_on_cpu(calc, calc._packed, 4)
+    atoms.calc = calc
+    got = atoms.get_potential_energy(), atoms.get_forces()
+    assert "exceed the model's capacity of 6" in capfd.readouterr().err
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)
+    with pytest.raises(ValueError, match="the model holds 2 modules with a neighbor capacity"):
+        mirage.ff.Calculator(nn.ModuleList([fused, mirage.ff.optimize(small(SchNet))]))
+
+
 def test_reset_reads_the_models_dtype_again():
     # docs/ff.md: after changing the model, call reset(). model.double() changes its dtype, which
     # the positions must follow (the fused model refuses positions of another dtype).

@@ -291,11 +291,12 @@ class Calculator(_AseCalculator):
         if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
             raise ValueError(f"{who}: max_graphs must be an int >= 1, got {max_graphs!r}")
         self.model = model
+        self._counted = capacity.holder(model, who)  # what has the neighbor capacity, if anything
         self.device, self.dtype = model_device_dtype(model, device, who)
         self.precision = check_precision(precision, who, self.dtype)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs = graphs.GraphCache(self._packed, max_graphs, copy_outputs=False) if self.cuda_graph else None
-        self._watch = CapacityWatch(model, self._graphs) if self.cuda_graph else None
+        self._watch = CapacityWatch(self._counted, self._graphs) if self.cuda_graph else None
         # Per (atom count, periodic): pinned staging buffers and their graph (_staging), as many as graphs.
         self._buffers: "OrderedDict[Tuple[int, bool], Dict[str, Any]]" = OrderedDict()
         self._max_buffers = max_graphs
@@ -429,8 +430,8 @@ class Calculator(_AseCalculator):
         out = {"energy": energy, "forces": forces}
         if stress is not None:
             out["stress"] = stress
-        if capacity.has_capacity(self.model):
-            out["num_pairs"] = self.model.num_pairs
+        if self._counted is not None:
+            out["num_pairs"] = self._counted.num_pairs
         return out
 
     def _inputs(self, atoms, periodic: bool) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
@@ -449,14 +450,14 @@ class Calculator(_AseCalculator):
                 out = self._evaluate(numbers, positions, cell, pbc, periodic)
             count = out.get("num_pairs")
             count = None if count is None else int(count.reshape(-1)[0].item())
-            needed = capacity.needed_pairs(self.model, count) if count is not None else None
+            needed = capacity.needed_pairs(self._counted, count) if count is not None else None
             if needed is None:
                 stress = out.get("stress")
                 return (float(out["energy"].item()), out["forces"].detach().cpu().double().numpy(),
                         None if stress is None else stress.detach().cpu().double().numpy())
-            _grow(self.model, needed, count, self.who, graphed=False)
+            _grow(self._counted, needed, count, self.who, graphed=False)
         raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows "
-                           f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")
+                           f"(capacity {self._counted.max_pairs}); its num_pairs does not follow max_pairs")
 
     def _packed(self, numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
                 periodic: bool) -> Tensor:
@@ -483,7 +484,7 @@ class Calculator(_AseCalculator):
             inputs.update(cell=torch.zeros(3, 3, dtype=self.dtype), pbc=torch.zeros(3, dtype=torch.bool))
         inputs = {name: t.pin_memory() if pin else t for name, t in inputs.items()}
         size = torch.empty((), dtype=self.dtype).element_size()
-        counted = capacity.has_capacity(self.model)
+        counted = self._counted is not None
         lengths = dict(num_pairs=8 if counted else 0, energy=size, forces=3 * n * size,
                        stress=6 * size if periodic else 0)
         packed = torch.empty(sum(lengths.values()), dtype=torch.uint8)
@@ -548,12 +549,12 @@ class Calculator(_AseCalculator):
                 stage["packed"].copy_(out, non_blocking=True)
                 synchronize(self.device)
             count = int(results["num_pairs"][0]) if "num_pairs" in results else None
-            needed = capacity.needed_pairs(self.model, count) if count is not None else None
+            needed = capacity.needed_pairs(self._counted, count) if count is not None else None
             if needed is None:
                 # Copies: the pinned buffer is overwritten by the next evaluation.
                 return (float(results["energy"][0]), results["forces"].astype(np.float64),
                         results["stress"].astype(np.float64) if periodic else None)
-            _grow(self.model, needed, count, self.who, graphed=True)
+            _grow(self._counted, needed, count, self.who, graphed=True)
             self._graphs.clear()
         raise RuntimeError(f"{self.who}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows "
-                           f"(capacity {self.model.max_pairs}); its num_pairs does not follow max_pairs")
+                           f"(capacity {self._counted.max_pairs}); its num_pairs does not follow max_pairs")

@@ -18,7 +18,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-__all__ = ["GROWTH", "MARGIN", "MAX_GROWS", "caller_checks", "checked_by_caller", "has_capacity", "needed_pairs"]
+__all__ = ["GROWTH", "MARGIN", "MAX_GROWS", "caller_checks", "checked_by_caller", "has_capacity", "holder",
+           "needed_pairs"]
 
 #: An overflowing capacity grows at least by this factor, so that a slowly densifying system
 #: (a compressed box, a cluster forming) recaptures a logarithmic number of times.
@@ -56,6 +57,24 @@ def caller_checks() -> bool:
 def has_capacity(model) -> bool:
     """Whether ``model`` implements the protocol (``max_pairs`` attribute and ``num_pairs`` buffer)."""
     return hasattr(model, "max_pairs") and isinstance(getattr(model, "num_pairs", None), torch.Tensor)
+
+
+def holder(model, who: str) -> Optional[torch.nn.Module]:
+    """What a caller checks in ``model``: the model itself when it implements the protocol, else the
+    one module inside it that does (a fused model inside the user's own module, which inside
+    :func:`checked_by_caller` would otherwise overflow unchecked); None when nothing does.
+
+    Raises:
+        ValueError: several modules inside ``model`` implement it (an ensemble of fused models):
+            one capacity check cannot cover them.
+    """
+    if has_capacity(model):
+        return model
+    found = [module for module in model.modules() if has_capacity(module)] if isinstance(model, torch.nn.Module) else []
+    if len(found) > 1:
+        raise ValueError(f"{who}: the model holds {len(found)} modules with a neighbor capacity (mirage's fused "
+                         "models); one capacity check cannot cover several: give each its own calculator")
+    return found[0] if found else None
 
 
 def needed_pairs(model, num_pairs: Union[None, int, torch.Tensor] = None) -> Optional[int]:

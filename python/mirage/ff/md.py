@@ -196,11 +196,13 @@ class VelocityVerlet:
             raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no volume; set atoms.cell")
         if not np.isfinite(atoms.positions).all():
             raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
-        self._counting = capacity.has_capacity(model)
-        if self._counting and (model.num_pairs.dtype != torch.int64 or model.num_pairs.device != self.device):
+        self._counted = capacity.holder(model, _WHO)  # what has the neighbor capacity, if anything
+        self._counting = self._counted is not None
+        counted = self._counted
+        if self._counting and (counted.num_pairs.dtype != torch.int64 or counted.num_pairs.device != self.device):
             raise ValueError(f"{_WHO}: the model's num_pairs must be an int64 tensor on {self.device} (the "
-                             f"neighbor-capacity protocol, mirage.ff.capacity), got {model.num_pairs.dtype} on "
-                             f"{model.num_pairs.device}")
+                             f"neighbor-capacity protocol, mirage.ff.capacity), got {counted.num_pairs.dtype} on "
+                             f"{counted.num_pairs.device}")
         self._state = self._initial_state(atoms)
         # Two replays in flight at most (_advance_to): each has a copy of the state it started
         # from and, for a model with a capacity, its pair-count range read back to the host.
@@ -210,7 +212,7 @@ class VelocityVerlet:
         # Three graph sizes at most in practice: K, and the shorter chunks before a write or the end.
         self._graphs = graphs.GraphCache(self._advance, 4, copy_outputs=False) if self.cuda_graph else None
         self._prepared: Dict[int, Any] = {}  # steps -> the cache's (key, graph) for them (_replay_graph)
-        self._watch = CapacityWatch(model, self._graphs) if self.cuda_graph else None
+        self._watch = CapacityWatch(self._counted, self._graphs) if self.cuda_graph else None
         self._compute_initial_forces()
 
     # --------------------------------------------------------------------------------- state
@@ -247,7 +249,7 @@ class VelocityVerlet:
         the velocities by ``kick`` (a time); folds the pair count into its range."""
         energy, (grad,) = energy_and_gradients(self.model, state["numbers"], model_positions, state.get("cell"),
                                                state.get("pbc"), precision=self.precision, who=_WHO)
-        counting = (self.model.num_pairs, state["pair_counts"]) if self._counting else (None, None)
+        counting = (self._counted.num_pairs, state["pair_counts"]) if self._counting else (None, None)
         ops.verlet_forces_kick(state["velocities"], state["forces"], state["energy"], grad, energy,
                                state["inverse_masses"], kick, *counting)
 
@@ -283,13 +285,13 @@ class VelocityVerlet:
         """Grows the model's capacity if a replay's pair counts (its [largest, smallest], on the
         host) overflowed it; returns whether it did."""
         peak, low = counts.tolist()
-        needed = capacity.needed_pairs(self.model, -1 if low < 0 else peak)
+        needed = capacity.needed_pairs(self._counted, -1 if low < 0 else peak)
         if needed is None:
             return False
-        graphs.progress(f"{_WHO}: {peak} neighbor pairs exceed the model's capacity of {self.model.max_pairs} "
+        graphs.progress(f"{_WHO}: {peak} neighbor pairs exceed the model's capacity of {self._counted.max_pairs} "
                         f"after step {self.step}; growing it to {needed} and computing again from step {self.step}"
                         + (" (CUDA graphs are captured again)" if self._graphs is not None else ""))
-        self.model.max_pairs = needed
+        self._counted.max_pairs = needed
         if self._graphs is not None:
             self._graphs.clear()
         return True
