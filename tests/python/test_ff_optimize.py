@@ -261,6 +261,60 @@ def test_parameters_are_shared_and_the_original_untouched(name):
     assert_same(fused(z, pos), model(z, pos), torch.float64)
 
 
+def with_atom_reference(name):
+    """A reference model whose energy adds per-element reference energies, zero before training
+    (a subclass, as users extend the models they train)."""
+    base = MODELS[name]
+
+    class WithAtomReference(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.atomref = nn.Embedding(100, 1)
+            nn.init.zeros_(self.atomref.weight)
+
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            return super().forward(atomic_numbers, positions, cell, pbc) + self.atomref(atomic_numbers).sum()
+
+    return WithAtomReference(hidden=16, num_interactions=2, num_rbf=12, cutoff=CUTOFF).double()
+
+
+@pytest.mark.parametrize("name", ["SchNet", "PaiNN"])
+def test_parameters_the_fused_model_would_not_use_leave_it_alone(name):
+    # Zero at the time of optimize, the extra term passes the probe; it must still not be dropped.
+    model = with_atom_reference(name)
+    assert mirage.ff.optimize(model) is model
+    assert "mirage's model would not use atomref.weight" in str(mirage.ff.report(model))
+    # A trainable basis: the fused model computes the basis itself.
+    trainable = make_reference(name, num_interactions=2)
+    basis = "centers" if name == "SchNet" else "frequencies"
+    setattr(trainable, basis, nn.Parameter(getattr(trainable, basis).clone()))
+    assert mirage.ff.optimize(trainable) is trainable
+    assert f"mirage's model would not use {basis}" in str(mirage.ff.report(trainable))
+
+
+@pytest.mark.parametrize("signature", ["extra", "renamed"])
+def test_a_forward_taking_other_arguments_is_left_alone(signature):
+    class Extra(MODELS["SchNet"]):
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None, return_atomic=False):
+            return super().forward(atomic_numbers, positions, cell, pbc)
+
+    class Renamed(MODELS["SchNet"]):
+        def forward(self, numbers, positions, box=None, pbc=None):
+            return super().forward(numbers, positions, box, pbc)
+
+    model = {"extra": Extra, "renamed": Renamed}[signature](hidden=16, num_interactions=2, num_rbf=12, cutoff=CUTOFF)
+    assert mirage.ff.optimize(model) is model
+    assert "mirage's model takes (atomic_numbers, positions, cell, pbc)" in str(mirage.ff.report(model))
+
+
+def test_optimizing_a_fused_model_returns_it_with_its_report(capfd):
+    fused = swapped(make_reference("SchNet", num_interactions=2))
+    before = str(mirage.ff.report(fused))
+    assert mirage.ff.optimize(fused) is fused
+    assert str(mirage.ff.report(fused)) == before
+    assert "already mirage's fused SchNet" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_painn_norm_eps_is_taken_from_the_model(device):
     """A PaiNN whose updates smooth |V v| with another norm_eps (here one-element tensors, one per

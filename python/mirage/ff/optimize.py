@@ -11,6 +11,7 @@ Nothing is patched: the user's model and classes stay as they are.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import weakref
@@ -21,7 +22,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .fused import PaiNN, SchNet
+from .. import graphs
+from .fused import PaiNN, SchNet, _FusedModel
 from .precision import matmul_precision
 
 __all__ = ["FFOptimizeReport", "Recognizer", "RECOGNIZERS", "optimize", "report"]
@@ -279,6 +281,11 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
         raise TypeError(f"mirage.ff.optimize: model must be an nn.Module, got {type(model).__name__}")
     if max_pairs is not None and (isinstance(max_pairs, bool) or not isinstance(max_pairs, int) or max_pairs < 1):
         raise ValueError(f"mirage.ff.optimize: max_pairs must be None or an int >= 1, got {max_pairs!r}")
+    if isinstance(model, _FusedModel):
+        # Its report stays: searching it again would find mirage's own model, not a reference.
+        graphs.progress(f"mirage.ff.optimize: the model is already mirage's fused {type(model).__name__}; "
+                        "returned as it is")
+        return model
     start = time.perf_counter()
     result = FFOptimizeReport(model=type(model).__name__)
     recognizer = next((r for r in RECOGNIZERS if r.matches(model)), None)
@@ -295,6 +302,8 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
         return _untouched(model, result, strict, start)
     try:
         fused = recognizer.build(model, max_pairs)
+        _check_holds_everything(model, fused)
+        _check_signature(model, fused)
         # The probe compares in the model's dtype at full precision: under the caller's autocast
         # or TF32 setting the two would differ by bfloat16's or TF32's rounding (and user code that
         # autocast breaks would be left alone).
@@ -312,6 +321,38 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     result.seconds = time.perf_counter() - start
     _REPORTS[fused] = result
     return fused
+
+
+def _check_holds_everything(model: nn.Module, fused: nn.Module) -> None:
+    """ValueError unless ``fused`` holds every parameter and buffer of ``model`` (shared), but for
+    the basis buffer it computes itself (``centers``/``frequencies``, checked when loaded). The
+    probe compares outputs at the time of optimize: a term that is zero then (an atom-reference
+    energy, a scale or shift before training, a trainable basis) would pass it and be lost."""
+    held = {id(tensor) for tensor in list(fused.parameters()) + list(fused.buffers())}
+    missing = [name for name, tensor in model.named_parameters() if id(tensor) not in held]
+    missing += [name for name, tensor in model.named_buffers()
+                if id(tensor) not in held and name.rpartition(".")[2] != fused.basis_key]
+    if missing:
+        raise ValueError(f"mirage's model would not use {', '.join(missing)} (the recognised {type(fused).__name__} "
+                         "structure holds no such parameter or buffer, or computes it itself: a trainable basis); "
+                         "the two would differ once they change")
+
+
+def _check_signature(model: nn.Module, fused: nn.Module) -> None:
+    """ValueError unless ``model.forward`` takes the fused model's arguments, by the same names: an
+    extra argument (``return_atomic=False``) would be refused by the fused model, or worse, a
+    keyword call by other names would fail."""
+    def arguments(module: nn.Module) -> List[Tuple[str, object]]:
+        return [(p.name, p.kind) for p in inspect.signature(module.forward).parameters.values()]
+
+    try:
+        theirs = arguments(model)
+    except (TypeError, ValueError):
+        raise ValueError("its forward's signature cannot be read") from None
+    if theirs != arguments(fused):
+        raise ValueError(f"its forward takes ({', '.join(name for name, _ in theirs)}), mirage's model takes "
+                         f"({', '.join(name for name, _ in arguments(fused))}): calls that pass other arguments or "
+                         "use other names would fail")
 
 
 def _untouched(model: nn.Module, result: FFOptimizeReport, strict: bool, start: float) -> nn.Module:
