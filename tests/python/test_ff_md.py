@@ -451,13 +451,23 @@ def test_bad_atoms():
 
 
 @pytest.mark.parametrize("temperature, friction, message", [
-    (-1.0, 0.01, "temperature_K must be a finite number > 0, got -1.0"),
+    (-1.0, 0.01, "temperature_K must be a finite number >= 0, got -1.0"),
     (300.0, 0.0, "friction must be a finite number > 0, got 0.0"),
-    ("300", 0.01, "temperature_K must be a finite number > 0"),
+    ("300", 0.01, "temperature_K must be a finite number >= 0"),
 ])
 def test_bad_langevin(temperature, friction, message):
     with pytest.raises(ValueError, match="mirage.ff.md.Langevin: " + message):
         md.Langevin(temperature, friction)
+
+
+def test_numpy_counts_and_a_zero_temperature_are_taken_as_ase_takes_them():
+    atoms = thermalized(benzene_atoms(), 300.0)
+    run = md.VelocityVerlet(Springs(), atoms, DT, thermostat=md.Langevin(0.0, 0.5 / units.fs),
+                            steps_per_replay=np.int64(2), progress_every=None)
+    records = run.run(np.int64(40), write_every=np.int64(20))
+    assert run.step == 40 and [record["step"] for record in records] == [0, 20, 40]
+    # 0 K: friction alone, no noise; energy only leaves (NVE would keep the total within ~1e-3).
+    assert records[2]["total"] < records[1]["total"] - 1.0 < records[0]["total"] - 2.0
 
 
 def test_bad_fix_com():

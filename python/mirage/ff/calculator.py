@@ -368,7 +368,8 @@ class Calculator(_AseCalculator):
             volume = abs(np.linalg.det(cell))
             if not np.isfinite(cell).all() or volume < 1e-9:
                 raise ValueError(f"{who}: atoms.pbc is {atoms.pbc.tolist()} but the cell {cell.tolist()} has no "
-                                 "volume; set atoms.cell (a periodic system needs its lattice vectors)")
+                                 "volume; set atoms.cell (a periodic system needs its lattice vectors, and a "
+                                 "non-periodic axis a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
             self._checked_cell = cell.copy()
         if self.cuda_graph:
             energy, forces, stress = self._run_graph(atoms, periodic)

@@ -54,10 +54,18 @@ STATE_DTYPE = torch.float64
 _DYNAMIC = ("positions", "velocities", "forces", "energy")
 
 
-def _positive(value: Any, name: str, who: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{who}: {name} must be a finite number > 0, got {value!r}")
+def _positive(value: Any, name: str, who: str, zero: bool = False) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
+            or value == 0 and not zero):
+        raise ValueError(f"{who}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
     return float(value)
+
+
+def _count(value: Any, name: str, minimum: int, who: str) -> int:
+    """An int (NumPy's too, as ASE takes them) of at least ``minimum``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ class Langevin:
     fix_com: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self.temperature_K, "temperature_K", "mirage.ff.md.Langevin")
+        # 0 K: friction alone, a quench (as ASE's Langevin allows).
+        _positive(self.temperature_K, "temperature_K", "mirage.ff.md.Langevin", zero=True)
         _positive(self.friction, "friction", "mirage.ff.md.Langevin")
         if not isinstance(self.fix_com, bool):
             raise ValueError(f"mirage.ff.md.Langevin: fix_com must be a bool, got {self.fix_com!r}")
@@ -163,8 +172,7 @@ class VelocityVerlet:
         self.timestep = _positive(timestep, "timestep", _WHO)
         if thermostat is not None and not isinstance(thermostat, Langevin):
             raise ValueError(f"{_WHO}: thermostat must be None or a mirage.ff.md.Langevin, got {thermostat!r}")
-        if not isinstance(steps_per_replay, int) or isinstance(steps_per_replay, bool) or steps_per_replay < 1:
-            raise ValueError(f"{_WHO}: steps_per_replay must be an int >= 1, got {steps_per_replay!r}")
+        steps_per_replay = _count(steps_per_replay, "steps_per_replay", 1, _WHO)
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"{_WHO}: cuda_graph must be a bool, got {cuda_graph!r}")
         if progress_every is not None:
@@ -193,7 +201,8 @@ class VelocityVerlet:
         self._masses = atoms.get_masses().astype(np.float64)
         self._periodic = bool(np.any(atoms.pbc))
         if self._periodic and abs(np.linalg.det(atoms.cell[:])) < 1e-9:
-            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no volume; set atoms.cell")
+            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no volume; set atoms.cell "
+                             "(a non-periodic axis needs a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
         if not np.isfinite(atoms.positions).all():
             raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
         self._counted = capacity.holder(model, _WHO)  # what has the neighbor capacity, if anything
@@ -458,10 +467,8 @@ class VelocityVerlet:
         Returns:
             The records written by this call (also appended to :attr:`records`).
         """
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            raise ValueError(f"{_WHO}.run: steps must be an int >= 0, got {steps!r}")
-        if not isinstance(write_every, int) or isinstance(write_every, bool) or write_every < 1:
-            raise ValueError(f"{_WHO}.run: write_every must be an int >= 1, got {write_every!r}")
+        who = f"{_WHO}.run"
+        steps, write_every = _count(steps, "steps", 0, who), _count(write_every, "write_every", 1, who)
         own_trajectory = isinstance(trajectory, (str, os.PathLike))
         own_log = isinstance(log, (str, os.PathLike))
         if trajectory is not None and not own_trajectory and not hasattr(trajectory, "write"):
