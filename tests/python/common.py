@@ -281,6 +281,18 @@ def capture_graph(step):
     return graph, outputs
 
 
+class WrappedForceField(torch.nn.Module):
+    """The user's own module around a force field (a fused model, say): any neighbor capacity is the
+    inner model's."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        return self.inner(atomic_numbers, positions, cell, pbc)
+
+
 class GraphStandIn:
     """A CPU stand-in for mirage.graphs.CapturedGraph, for GraphCache's ``capture`` argument: the
     inputs copied into static buffers, ``fn`` run on them ``warmup`` times at capture (changing

@@ -26,7 +26,7 @@ from mirage.ff.calculator import CapacityWatch  # noqa: E402
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 sys.path.insert(0, EXAMPLES)
 
-from common import ZERO_FILLS, GraphStandIn, OpCounter  # noqa: E402
+from common import ZERO_FILLS, GraphStandIn, OpCounter, WrappedForceField  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 
@@ -458,17 +458,6 @@ def test_a_fused_model_leaves_its_capacity_to_the_calculator(graphed, capfd):
     np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)
 
 
-class Wrapped(nn.Module):
-    """The user's module around a fused model: the capacity protocol is the inner model's."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
-        return self.inner(atomic_numbers, positions, cell, pbc)
-
-
 @pytest.mark.parametrize("graphed", [False, True])
 def test_a_wrapped_fused_model_has_its_capacity_checked(graphed, capfd):
     reference = small(SchNet)
@@ -477,7 +466,7 @@ def test_a_wrapped_fused_model_has_its_capacity_checked(graphed, capfd):
     want = atoms.get_potential_energy(), atoms.get_forces()
     fused = mirage.ff.optimize(reference)
     fused.max_pairs = 6  # as chosen by a smaller system before
-    calc = mirage.ff.Calculator(Wrapped(fused))
+    calc = mirage.ff.Calculator(WrappedForceField(fused))
     if graphed:
         graphed_on_cpu(calc, calc._packed, 4)
     atoms.calc = calc

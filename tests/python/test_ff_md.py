@@ -22,7 +22,7 @@ from mirage.ff import md  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from common import DEVICES  # noqa: E402
+from common import DEVICES, WrappedForceField  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 from test_ff_calculator import CapacityModel, benzene_atoms, graphed_on_cpu, periodic_atoms, small  # noqa: E402
 
@@ -227,17 +227,6 @@ def test_progress_messages(capfd):
     assert run.steps_per_second > 0
 
 
-class Wrapped(torch.nn.Module):
-    """The user's module around a model with a capacity (the protocol is the inner model's)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
-        return self.inner(atomic_numbers, positions, cell, pbc)
-
-
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_overflow_restores_grows_and_redoes(wrapped):
     atoms = thermalized(periodic_atoms(n=12), 300.0)
@@ -245,7 +234,7 @@ def test_overflow_restores_grows_and_redoes(wrapped):
     expected = md.VelocityVerlet(model, atoms, DT, steps_per_replay=4, progress_every=None)
     expected.run(12, write_every=4)
     model.max_pairs = None  # picks 2 N = 24 on its first forward: too few
-    run = md.VelocityVerlet(Wrapped(model) if wrapped else model, atoms, DT, steps_per_replay=4,
+    run = md.VelocityVerlet(WrappedForceField(model) if wrapped else model, atoms, DT, steps_per_replay=4,
                             progress_every=None)
     grown = model.max_pairs
     assert grown >= int(model.num_pairs) > 24
