@@ -139,7 +139,7 @@ def _is_mirage_module(module: nn.Module) -> bool:
 
 
 def _qualified(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _searched(module: nn.Module) -> bool:
@@ -169,7 +169,7 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
         if swap is not None and swap.candidate is not None and not swap.candidate(module):
             pass  # not a candidate: nothing to swap, nothing to report
         elif swap is not None and (hooked := hooked_submodule(module)) is not None:
-            where = (_qualified(name, hooked) if hooked else name) or "(model)"
+            where = _qualified(name, hooked) or "(model)"
             result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement would "
                                             "not run"))
         elif swap is not None:

@@ -119,14 +119,15 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
     return result
 
 
+def _has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def hooked_submodule(module: nn.Module) -> Optional[str]:
     """The name (relative to ``module``, "" for itself) of the first module in ``module``'s tree
     with forward hooks or forward pre-hooks, or None. A fused replacement would not run them (and
     hooks such as weight_norm's compute the weights a fusion reads), so such modules are left alone."""
-    for name, sub in module.named_modules():
-        if sub._forward_hooks or sub._forward_pre_hooks:
-            return name
-    return None
+    return next((name for name, sub in module.named_modules() if _has_forward_hooks(sub)), None)
 
 
 class _Tracer(fx.Tracer):
@@ -135,7 +136,7 @@ class _Tracer(fx.Tracer):
     through, they would run once, at trace time)."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return self.plain_leaf(m, module_qualified_name) or bool(m._forward_hooks or m._forward_pre_hooks)
+        return self.plain_leaf(m, module_qualified_name) or _has_forward_hooks(m)
 
     def plain_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A leaf whatever its hooks: torch.nn's modules and mirage's."""
@@ -155,7 +156,7 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
             return None, f"the optional argument {parameter.name}=None"
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             return None, f"the variadic argument {parameter}"
-    if module._forward_hooks or module._forward_pre_hooks:
+    if _has_forward_hooks(module):
         return None, "it has forward hooks, which a graph of its forward would not run"
     # The trace runs the real forward on proxies: what it stores on the modules (a cache, a
     # counter) would be proxies afterwards. Their state is put back, and a forward that changes
