@@ -127,7 +127,7 @@ struct GroupNormFunction : torch::autograd::Function<GroupNormFunction> {
 
 at::Tensor layer_norm_composite(const at::Tensor& x, const at::Tensor& weight,
                                 const at::Tensor& bias, double eps) {
-  return at::layer_norm(x, {x.size(-1)}, in_dtype_of(weight, x), in_dtype_of(bias, x), eps);
+  return at::layer_norm_symint(x, {x.sym_size(-1)}, in_dtype_of(weight, x), in_dtype_of(bias, x), eps);
 }
 
 struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {

@@ -11,34 +11,32 @@
 
 namespace mirage::ops {
 
-ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                             const std::optional<at::Tensor>& residual, std::string_view activation,
-                             double scale) {
+void check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                    const std::optional<at::Tensor>& residual, std::string_view activation, double scale) {
   check_activation_dtype(kBiasAct, "x", x);
   MIRAGE_CHECK(x.dim() >= 2, kBiasAct, ": x must have shape (N, C, *), got ", x.dim(),
-              " dimension(s) ", x.sizes());
-  const int64_t batch = x.size(0), channels = x.size(1);
+              " dimension(s) ", x.sym_sizes());
+  const c10::SymInt batch = x.sym_size(0), channels = x.sym_size(1);
   if (bias.has_value() && bias->defined()) {
     check_same_device(kBiasAct, "bias", *bias, x);
-    const bool per_channel = bias->dim() == 1 && bias->size(0) == channels;
-    const bool per_sample = bias->dim() == 2 && bias->size(0) == batch && bias->size(1) == channels;
+    const bool per_channel = bias->dim() == 1 && bias->sym_size(0) == channels;
+    const bool per_sample = bias->dim() == 2 && bias->sym_size(0) == batch && bias->sym_size(1) == channels;
     MIRAGE_CHECK(per_channel || per_sample, kBiasAct, ": bias must have shape [", channels, "] or [",
-                batch, ", ", channels, "] for x of shape ", x.sizes(), ", got ", bias->sizes());
+                batch, ", ", channels, "] for x of shape ", x.sym_sizes(), ", got ", bias->sym_sizes());
     MIRAGE_CHECK(bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat,
                 kBiasAct, ": bias must have x's dtype (", x.scalar_type(), ") or float32, got ",
                 bias->scalar_type());
   }
   if (residual.has_value() && residual->defined()) {
     check_same_device(kBiasAct, "residual", *residual, x);
-    MIRAGE_CHECK(residual->sizes() == x.sizes(), kBiasAct, ": residual must have x's shape ",
-                x.sizes(), ", got ", residual->sizes());
+    MIRAGE_CHECK(residual->sym_sizes() == x.sym_sizes(), kBiasAct, ": residual must have x's shape ",
+                x.sym_sizes(), ", got ", residual->sym_sizes());
     MIRAGE_CHECK(residual->scalar_type() == x.scalar_type(), kBiasAct,
                 ": residual must have x's dtype (", x.scalar_type(), "), got ",
                 residual->scalar_type());
   }
   check_bias_activation(kBiasAct, "activation", activation);
   MIRAGE_CHECK(std::isfinite(scale), kBiasAct, ": scale must be finite, got ", scale);
-  return channels_shape(x);
 }
 
 int bias_activation_index(std::string_view activation) {
@@ -61,10 +59,10 @@ at::Tensor apply_activation(const at::Tensor& x, std::string_view activation) {
 }
 
 at::Tensor broadcastable_bias(const at::Tensor& bias, const at::Tensor& x) {
-  std::vector<int64_t> shape(x.dim(), 1);
-  shape[1] = x.size(1);
-  if (bias.dim() == 2) shape[0] = x.size(0);
-  return bias.reshape(shape);
+  c10::SymDimVector shape(x.dim(), 1);
+  shape[1] = x.sym_size(1);
+  if (bias.dim() == 2) shape[0] = x.sym_size(0);
+  return bias.reshape_symint(shape);
 }
 
 namespace {
@@ -73,7 +71,7 @@ namespace {
 at::Tensor bias_act_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, c10::string_view activation,
                         double scale) {
-  const ChannelsShape shape = check_bias_act(x, bias, residual, activation, scale);
+  check_bias_act(x, bias, residual, activation, scale);
   at::Tensor v = x.to(at::kDouble);
   if (bias.has_value() && bias->defined()) v = v + broadcastable_bias(bias->to(at::kDouble), v);
   if (activation == "silu") v = v / (1.0 + at::exp(-v));
@@ -83,14 +81,14 @@ at::Tensor bias_act_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bi
   if (activation == "relu") v = at::relu(v);
   if (residual.has_value() && residual->defined()) v = v + residual->to(at::kDouble);
   v = v * scale;
-  return v.to(x.scalar_type()).contiguous(shape.layout);
+  return v.to(x.scalar_type()).contiguous(channels_layout(x));
 }
 
 at::Tensor bias_act_meta(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual, c10::string_view activation,
                          double scale) {
-  const ChannelsShape shape = check_bias_act(x, bias, residual, activation, scale);
-  return at::empty(x.sizes(), x.options().memory_format(shape.layout));
+  check_bias_act(x, bias, residual, activation, scale);
+  return empty_in_channels_layout(x);
 }
 
 }  // namespace

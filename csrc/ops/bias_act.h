@@ -25,12 +25,13 @@ void check_bias_activation(std::string_view op, std::string_view argument, std::
 // linear, linear's CPU reference and, on CUDA past its few-rows kernel, a pass of its own.
 at::Tensor apply_activation(const at::Tensor& x, std::string_view activation);
 
-// Checks every argument; x's [N, C, *spatial] shape and the layout of the output.
-ChannelsShape check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                             const std::optional<at::Tensor>& residual, std::string_view activation,
-                             double scale);
+// Checks every argument (symbolic sizes kept: checks.h). The output is x's shape and dtype in
+// channels_layout(x).
+void check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                    const std::optional<at::Tensor>& residual, std::string_view activation, double scale);
 
-// bias ([C] or [N, C]) reshaped to broadcast against x: [1, C, 1, ...] or [N, C, 1, ...].
+// bias ([C] or [N, C]) reshaped to broadcast against x: [1, C, 1, ...] or [N, C, 1, ...] (sizes
+// kept symbolic: the autograd formula runs under torch.compile).
 at::Tensor broadcastable_bias(const at::Tensor& bias, const at::Tensor& x);
 
 }  // namespace mirage::ops

@@ -14,14 +14,15 @@ namespace {
 at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual, c10::string_view activation,
                          double scale) {
-  const ChannelsShape shape = check_bias_act(x, bias, residual, activation, scale);
+  check_bias_act(x, bias, residual, activation, scale);
+  const ChannelsShape shape = channels_shape(x);
   const c10::cuda::CUDAGuard guard(x.device());
   // The kernel reads x and residual in the output's memory order (a copy only when they differ).
   const at::Tensor input = x.contiguous(shape.layout);
   const at::Tensor res = residual.has_value() && residual->defined()
                              ? residual->contiguous(shape.layout) : at::Tensor();
   const at::Tensor b = contiguous_or_undefined(bias);
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(shape.layout));
+  at::Tensor y = empty_in_channels_layout(x);
   cuda::BiasActParams params{};
   params.x = input.const_data_ptr();
   params.bias = data_or_null(b);

@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
@@ -33,11 +34,11 @@ void check_same_device(std::string_view op, std::string_view arg, const at::Tens
 }
 
 void check_param(std::string_view op, std::string_view arg, const std::optional<at::Tensor>& p,
-                 const at::Tensor& x, int64_t size) {
+                 const at::Tensor& x, const c10::SymInt& size) {
   if (!p.has_value() || !p->defined()) return;
   check_same_device(op, arg, *p, x);
-  MIRAGE_CHECK(p->dim() == 1 && p->size(0) == size, op, ": ", arg, " must have shape [", size,
-              "], got ", p->sizes());
+  MIRAGE_CHECK(p->dim() == 1 && p->sym_size(0) == size, op, ": ", arg, " must have shape [", size,
+              "], got ", p->sym_sizes());
   MIRAGE_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat, op, ": ", arg,
               " must have x's dtype (", x.scalar_type(), ") or float32, got ", p->scalar_type());
 }
@@ -56,10 +57,17 @@ at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>&
   return x.scalar_type();
 }
 
+at::MemoryFormat channels_layout(const at::Tensor& x) {
+  return x.dim() == 4 || x.dim() == 5 ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
+}
+
+at::Tensor empty_in_channels_layout(const at::Tensor& x) {
+  return at::empty_symint(x.sym_sizes(), x.options().memory_format(channels_layout(x)));
+}
+
 ChannelsShape channels_shape(const at::Tensor& x) {
-  const bool spatial_4d_5d = x.dim() == 4 || x.dim() == 5;
   return {x.size(0), x.size(1), x.dim() == 2 ? 1 : c10::multiply_integers(x.sizes().slice(2)),
-          spatial_4d_5d ? x.suggest_memory_format() : at::MemoryFormat::Contiguous};
+          channels_layout(x)};
 }
 
 at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p) {

@@ -23,15 +23,27 @@ void check_like(std::string_view op, std::string_view arg, const at::Tensor& t, 
 
 // weight / bias: 1-D of `size` elements on x's device, in x's dtype or float32.
 void check_param(std::string_view op, std::string_view arg, const std::optional<at::Tensor>& p,
-                 const at::Tensor& x, int64_t size);
+                 const at::Tensor& x, const c10::SymInt& size);
 
 // The dtype weight and bias share (x's when both are absent); they must agree.
 at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, const at::Tensor& x);
 
-// x of shape [N, C, *spatial] as the kernels see it: spatial is the product of the trailing
-// dimensions (1 for 2-D x); layout is x's suggested memory format for 4-D/5-D x (channels-last
-// or contiguous), contiguous otherwise. Also the layout of the output.
+// Symbolic sizes: the checks and Meta kernels of the U-Net's ops (group_norm, layer_norm,
+// add_layer_norm, geglu, bias_act, linear, subpixel_shuffle) read sizes as c10::SymInt
+// (sym_size, sym_sizes) and allocate with at::empty_symint, so that under torch.compile's dynamic
+// shapes and torch.export's Dims a size stays a symbol instead of being specialized (size() and
+// sizes() would guard it to its example value). A check then adds a guard only where it compares.
+
+// The memory format of the output of an op over [N, C, *spatial] (group_norm, bias_act): x's
+// suggested one for 4-D/5-D x (channels-last or contiguous), contiguous otherwise.
+at::MemoryFormat channels_layout(const at::Tensor& x);
+
+// An uninitialized tensor of x's shape, dtype and device in channels_layout(x).
+at::Tensor empty_in_channels_layout(const at::Tensor& x);
+
+// x of shape [N, C, *spatial] as the kernels see it (concrete sizes: not for Meta kernels):
+// spatial is the product of the trailing dimensions (1 for 2-D x), layout channels_layout(x).
 struct ChannelsShape {
   int64_t batch, channels, spatial;
   at::MemoryFormat layout;

@@ -11,14 +11,14 @@
 
 namespace mirage::ops {
 
-std::vector<int64_t> check_geglu(const at::Tensor& x, std::string_view approximate) {
+c10::SymDimVector check_geglu(const at::Tensor& x, std::string_view approximate) {
   check_activation_dtype(kGeglu, "x", x);
   MIRAGE_CHECK(x.dim() >= 1, kGeglu, ": x must have at least one dimension, got a scalar");
-  MIRAGE_CHECK(x.size(-1) % 2 == 0, kGeglu, ": x's last dimension must be even, got ", x.size(-1));
+  MIRAGE_CHECK(x.sym_size(-1) % 2 == 0, kGeglu, ": x's last dimension must be even, got ", x.sym_size(-1));
   MIRAGE_CHECK(approximate == "none" || approximate == "tanh", kGeglu,
               ": approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() /= 2;
+  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = shape.back() / 2;
   return shape;
 }
 
@@ -26,10 +26,10 @@ namespace {
 
 // The reference: float64, element by element. Plain on purpose.
 at::Tensor geglu_cpu(const at::Tensor& x, c10::string_view approximate) {
-  const std::vector<int64_t> shape = check_geglu(x, approximate);
+  const c10::SymDimVector shape = check_geglu(x, approximate);
   const at::Tensor x64 = x.to(at::kDouble).contiguous();
-  at::Tensor y64 = at::empty(shape, x64.options());
-  const int64_t half = shape.back();
+  at::Tensor y64 = at::empty_symint(shape, x64.options());
+  const int64_t half = y64.size(-1);
   const int64_t rows = half == 0 ? 0 : y64.numel() / half;
   const double* xs = x64.const_data_ptr<double>();
   double* ys = y64.mutable_data_ptr<double>();
@@ -47,7 +47,7 @@ at::Tensor geglu_cpu(const at::Tensor& x, c10::string_view approximate) {
 }
 
 at::Tensor geglu_meta(const at::Tensor& x, c10::string_view approximate) {
-  return at::empty(check_geglu(x, approximate), x.options());
+  return at::empty_symint(check_geglu(x, approximate), x.options());
 }
 
 }  // namespace

@@ -12,14 +12,14 @@ namespace mirage::ops {
 namespace {
 
 at::Tensor geglu_cuda(const at::Tensor& x, c10::string_view approximate) {
-  const std::vector<int64_t> shape = check_geglu(x, approximate);
+  const c10::SymDimVector shape = check_geglu(x, approximate);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor input = x.contiguous();
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = at::empty_symint(shape, x.options());
   cuda::GegluParams params{};
   params.x = input.const_data_ptr();
   params.y = y.mutable_data_ptr();
-  params.half_dim = shape.back();
+  params.half_dim = y.size(-1);
   params.rows = params.half_dim == 0 ? 0 : y.numel() / params.half_dim;
   params.approximate = approximate == "tanh" ? cuda::GeluApprox::kTanh : cuda::GeluApprox::kNone;
   params.dtype = to_kernel_dtype(x.scalar_type());

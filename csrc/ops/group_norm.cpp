@@ -12,14 +12,12 @@
 
 namespace mirage::ops {
 
-GroupNormShape check_group_norm(const at::Tensor& x, int64_t num_groups,
-                                const std::optional<at::Tensor>& weight,
-                                const std::optional<at::Tensor>& bias, double eps,
-                                std::string_view activation) {
+void check_group_norm(const at::Tensor& x, int64_t num_groups, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, std::string_view activation) {
   check_activation_dtype(kGroupNorm, "x", x);
   MIRAGE_CHECK(x.dim() >= 2, kGroupNorm, ": x must have shape (N, C, *), got ", x.dim(),
-              " dimension(s) ", x.sizes());
-  const int64_t channels = x.size(1);
+              " dimension(s) ", x.sym_sizes());
+  const c10::SymInt channels = x.sym_size(1);
   MIRAGE_CHECK(num_groups > 0, kGroupNorm, ": num_groups must be positive, got ", num_groups);
   MIRAGE_CHECK(channels % num_groups == 0, kGroupNorm,
               ": x must have C divisible by num_groups (C=", channels,
@@ -30,11 +28,6 @@ GroupNormShape check_group_norm(const at::Tensor& x, int64_t num_groups,
   MIRAGE_CHECK(eps >= 0 && std::isfinite(eps), kGroupNorm, ": eps must be finite and >= 0, got ", eps);
   MIRAGE_CHECK(activation == "none" || activation == "silu", kGroupNorm,
               ": activation must be \"none\" or \"silu\", got \"", activation, "\"");
-  return channels_shape(x);
-}
-
-at::Tensor empty_group_norm_output(const at::Tensor& x, const GroupNormShape& shape) {
-  return at::empty(x.sizes(), x.options().memory_format(shape.layout));
 }
 
 namespace {
@@ -44,7 +37,8 @@ at::Tensor group_norm_cpu(const at::Tensor& x, int64_t num_groups,
                           const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps,
                           c10::string_view activation) {
-  const GroupNormShape shape = check_group_norm(x, num_groups, weight, bias, eps, activation);
+  check_group_norm(x, num_groups, weight, bias, eps, activation);
+  const ChannelsShape shape = channels_shape(x);
   const at::Tensor x64 = x.to(at::kDouble).contiguous();
   const at::Tensor w64 = weight.has_value() && weight->defined()
                              ? weight->to(at::kDouble).contiguous()
@@ -77,14 +71,15 @@ at::Tensor group_norm_cpu(const at::Tensor& x, int64_t num_groups,
       }
     }
   }
-  return empty_group_norm_output(x, shape).copy_(y64);
+  return empty_in_channels_layout(x).copy_(y64);
 }
 
 at::Tensor group_norm_meta(const at::Tensor& x, int64_t num_groups,
                            const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, double eps,
                            c10::string_view activation) {
-  return empty_group_norm_output(x, check_group_norm(x, num_groups, weight, bias, eps, activation));
+  check_group_norm(x, num_groups, weight, bias, eps, activation);
+  return empty_in_channels_layout(x);
 }
 
 }  // namespace

@@ -17,12 +17,13 @@ at::Tensor group_norm_cuda(const at::Tensor& x, int64_t num_groups,
                            const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, double eps,
                            c10::string_view activation) {
-  const GroupNormShape shape = check_group_norm(x, num_groups, weight, bias, eps, activation);
+  check_group_norm(x, num_groups, weight, bias, eps, activation);
+  const ChannelsShape shape = channels_shape(x);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor input = x.contiguous(shape.layout);
   const at::Tensor w = contiguous_or_undefined(weight);
   const at::Tensor b = contiguous_or_undefined(bias);
-  at::Tensor y = empty_group_norm_output(x, shape);
+  at::Tensor y = empty_in_channels_layout(x);
 
   cuda::GroupNormParams params{};
   params.x = input.const_data_ptr();

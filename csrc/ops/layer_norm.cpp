@@ -11,30 +11,27 @@
 
 namespace mirage::ops {
 
-int64_t check_layer_norm(std::string_view op, const at::Tensor& x,
-                         const std::optional<at::Tensor>& weight,
-                         const std::optional<at::Tensor>& bias, double eps) {
+void check_layer_norm(std::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps) {
   check_activation_dtype(op, "x", x);
   MIRAGE_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got a scalar");
-  const int64_t dim = x.size(-1);
+  const c10::SymInt dim = x.sym_size(-1);
   check_param(op, "weight", weight, x, dim);
   check_param(op, "bias", bias, x, dim);
   param_dtype(op, weight, bias, x);
   MIRAGE_CHECK(eps >= 0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
-  return dim;
 }
 
-int64_t check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
-                             const std::optional<at::Tensor>& weight,
-                             const std::optional<at::Tensor>& bias, double eps) {
-  const int64_t dim = check_layer_norm(kAddLayerNorm, x, weight, bias, eps);
+void check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                          double eps) {
+  check_layer_norm(kAddLayerNorm, x, weight, bias, eps);
   check_same_device(kAddLayerNorm, "residual", residual, x);
-  MIRAGE_CHECK(residual.sizes() == x.sizes(), kAddLayerNorm,
-              ": residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
+  MIRAGE_CHECK(residual.sym_sizes() == x.sym_sizes(), kAddLayerNorm,
+              ": residual must have x's shape ", x.sym_sizes(), ", got ", residual.sym_sizes());
   MIRAGE_CHECK(residual.scalar_type() == x.scalar_type(), kAddLayerNorm,
               ": residual must have x's dtype (", x.scalar_type(), "), got ",
               residual.scalar_type());
-  return dim;
 }
 
 namespace {
@@ -69,8 +66,8 @@ at::Tensor layer_norm_reference(const at::Tensor& x, const std::optional<at::Ten
 
 at::Tensor layer_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps) {
-  const int64_t dim = check_layer_norm(kLayerNorm, x, weight, bias, eps);
-  return layer_norm_reference(x, weight, bias, eps, dim);
+  check_layer_norm(kLayerNorm, x, weight, bias, eps);
+  return layer_norm_reference(x, weight, bias, eps, x.size(-1));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_layer_norm_cpu(const at::Tensor& x,
@@ -78,16 +75,16 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_cpu(const at::Tensor& x,
                                                       const std::optional<at::Tensor>& weight,
                                                       const std::optional<at::Tensor>& bias,
                                                       double eps) {
-  const int64_t dim = check_add_layer_norm(x, residual, weight, bias, eps);
+  check_add_layer_norm(x, residual, weight, bias, eps);
   // The sum is rounded to x's dtype before it is normalized, as the unfused code does.
   at::Tensor sum = (x.to(at::kDouble) + residual.to(at::kDouble)).to(x.scalar_type()).contiguous();
-  return {layer_norm_reference(sum, weight, bias, eps, dim), sum};
+  return {layer_norm_reference(sum, weight, bias, eps, x.size(-1)), sum};
 }
 
 at::Tensor layer_norm_meta(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, double eps) {
   check_layer_norm(kLayerNorm, x, weight, bias, eps);
-  return at::empty(x.sizes(), x.options());
+  return at::empty_symint(x.sym_sizes(), x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> add_layer_norm_meta(const at::Tensor& x,
@@ -96,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_meta(const at::Tensor& x,
                                                        const std::optional<at::Tensor>& bias,
                                                        double eps) {
   check_add_layer_norm(x, residual, weight, bias, eps);
-  return {at::empty(x.sizes(), x.options()), at::empty(x.sizes(), x.options())};
+  return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(x.sym_sizes(), x.options())};
 }
 
 }  // namespace

@@ -11,14 +11,14 @@ namespace mirage::ops {
 inline constexpr std::string_view kLayerNorm = "mirage::layer_norm";
 inline constexpr std::string_view kAddLayerNorm = "mirage::add_layer_norm";
 
-// Checks x (normalized over its last dimension), the affine and eps; returns that dimension.
-int64_t check_layer_norm(std::string_view op, const at::Tensor& x,
-                         const std::optional<at::Tensor>& weight,
-                         const std::optional<at::Tensor>& bias, double eps);
+// Checks x (normalized over its last dimension), the affine and eps (symbolic sizes kept:
+// checks.h). The outputs are contiguous, of x's shape and dtype.
+void check_layer_norm(std::string_view op, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps);
 
 // check_layer_norm for add_layer_norm, plus: residual must match x in shape, dtype and device.
-int64_t check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
-                             const std::optional<at::Tensor>& weight,
-                             const std::optional<at::Tensor>& bias, double eps);
+void check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                          double eps);
 
 }  // namespace mirage::ops

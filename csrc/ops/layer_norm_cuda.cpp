@@ -40,7 +40,8 @@ void run_layer_norm(std::string_view op, const at::Tensor& x, const at::Tensor& 
 
 at::Tensor layer_norm_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, double eps) {
-  const int64_t dim = check_layer_norm(kLayerNorm, x, weight, bias, eps);
+  check_layer_norm(kLayerNorm, x, weight, bias, eps);
+  const int64_t dim = x.size(-1);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor input = x.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
@@ -54,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_cuda(const at::Tensor& x,
                                                        const std::optional<at::Tensor>& weight,
                                                        const std::optional<at::Tensor>& bias,
                                                        double eps) {
-  const int64_t dim = check_add_layer_norm(x, residual, weight, bias, eps);
+  check_add_layer_norm(x, residual, weight, bias, eps);
+  const int64_t dim = x.size(-1);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor input = x.contiguous();
   const at::Tensor res = residual.contiguous();

@@ -10,35 +10,33 @@
 
 namespace mirage::ops {
 
-std::vector<int64_t> check_linear(const at::Tensor& x, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias,
-                                  const std::optional<at::Tensor>& residual,
-                                  std::string_view input_activation) {
+c10::SymDimVector check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& residual, std::string_view input_activation) {
   check_activation_dtype(kLinear, "x", x);
   check_bias_activation(kLinear, "input_activation", input_activation);
   MIRAGE_CHECK(x.dim() >= 1, kLinear, ": x must have at least one dimension, got a scalar");
   check_same_device(kLinear, "weight", weight, x);
-  const int64_t in_features = x.size(-1);
-  MIRAGE_CHECK(weight.dim() == 2 && weight.size(1) == in_features, kLinear,
+  const c10::SymInt in_features = x.sym_size(-1);
+  MIRAGE_CHECK(weight.dim() == 2 && weight.sym_size(1) == in_features, kLinear,
               ": weight must have shape [out_features, ", in_features, "] for x of shape ",
-              x.sizes(), ", got ", weight.sizes());
+              x.sym_sizes(), ", got ", weight.sym_sizes());
   MIRAGE_CHECK(weight.scalar_type() == x.scalar_type(), kLinear, ": weight must have x's dtype (",
               x.scalar_type(), "), got ", weight.scalar_type());
-  const int64_t out_features = weight.size(0);
+  const c10::SymInt out_features = weight.sym_size(0);
   if (bias.has_value() && bias->defined()) {
     check_same_device(kLinear, "bias", *bias, x);
-    MIRAGE_CHECK(bias->dim() == 1 && bias->size(0) == out_features, kLinear,
-                ": bias must have shape [", out_features, "], got ", bias->sizes());
+    MIRAGE_CHECK(bias->dim() == 1 && bias->sym_size(0) == out_features, kLinear,
+                ": bias must have shape [", out_features, "], got ", bias->sym_sizes());
     MIRAGE_CHECK(bias->scalar_type() == x.scalar_type(), kLinear, ": bias must have x's dtype (",
                 x.scalar_type(), "), got ", bias->scalar_type());
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
   shape.back() = out_features;
   if (residual.has_value() && residual->defined()) {
     check_same_device(kLinear, "residual", *residual, x);
-    MIRAGE_CHECK(residual->sizes() == at::IntArrayRef(shape), kLinear,
-                ": residual must have the output's shape ", at::IntArrayRef(shape), ", got ",
-                residual->sizes());
+    MIRAGE_CHECK(residual->sym_sizes() == c10::SymIntArrayRef(shape), kLinear,
+                ": residual must have the output's shape ", c10::SymIntArrayRef(shape), ", got ",
+                residual->sym_sizes());
     MIRAGE_CHECK(residual->scalar_type() == x.scalar_type(), kLinear,
                 ": residual must have x's dtype (", x.scalar_type(), "), got ",
                 residual->scalar_type());
@@ -67,7 +65,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
-  return at::empty(check_linear(x, weight, bias, residual, input_activation), x.options());
+  return at::empty_symint(check_linear(x, weight, bias, residual, input_activation), x.options());
 }
 
 }  // namespace

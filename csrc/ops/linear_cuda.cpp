@@ -254,9 +254,9 @@ void narrow_linear(const at::Tensor& rows, const at::Tensor& weight, const std::
 at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
-  const std::vector<int64_t> shape = check_linear(x_in, weight, bias, residual, input_activation);
+  const c10::SymDimVector shape = check_linear(x_in, weight, bias, residual, input_activation);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor y = at::empty(shape, x_in.options());
+  at::Tensor y = at::empty_symint(shape, x_in.options());
   const bool has_bias = bias.has_value() && bias->defined();
   const bool has_residual = residual.has_value() && residual->defined();
   const int64_t k = x_in.size(-1), n = weight.size(0);

@@ -30,6 +30,26 @@ inline void append(std::string& out, at::IntArrayRef sizes) {
   }
   out.push_back(']');
 }
+// A size under torch.compile's dynamic shapes may be a symbol: written as its expression and the
+// value it has in the example being traced, "s0=5" (reading the value guards on it, which does no
+// harm here: the message is built only for a check that fails).
+inline void append(std::string& out, const c10::SymInt& v) {
+  if (const auto concrete = v.maybe_as_int()) {
+    out.append(std::to_string(*concrete));
+    return;
+  }
+  c10::SymNodeImpl* node = v.toSymNodeImplUnowned();
+  out.append(node->str());
+  if (node->has_hint()) out.append("=" + std::to_string(node->int_()));
+}
+inline void append(std::string& out, c10::SymIntArrayRef sizes) {
+  out.push_back('[');
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i > 0) out.append(", ");
+    append(out, sizes[i]);
+  }
+  out.push_back(']');
+}
 template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
 void append(std::string& out, T v) {
   out.append(std::to_string(v));

@@ -9,30 +9,31 @@
 
 namespace mirage::ops {
 
-std::vector<int64_t> check_subpixel_shuffle(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+c10::SymDimVector check_subpixel_shuffle(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   check_activation_dtype(kSubpixelShuffle, "x", x);
-  MIRAGE_CHECK(x.dim() == 4, kSubpixelShuffle, ": x must be 4-D [N, 4C, H+1, W+1], got shape ", x.sizes());
-  MIRAGE_CHECK(x.size(1) % 4 == 0, kSubpixelShuffle,
-               ": x's channels must be a multiple of 4 (four parities of C channels), got ", x.size(1));
-  MIRAGE_CHECK(x.size(2) >= 1 && x.size(3) >= 1, kSubpixelShuffle,
-               ": x's height and width must be at least 1 (H+1 and W+1), got shape ", x.sizes());
-  const int64_t channels = x.size(1) / 4;
+  MIRAGE_CHECK(x.dim() == 4, kSubpixelShuffle, ": x must be 4-D [N, 4C, H+1, W+1], got shape ", x.sym_sizes());
+  MIRAGE_CHECK(x.sym_size(1) % 4 == 0, kSubpixelShuffle,
+               ": x's channels must be a multiple of 4 (four parities of C channels), got ", x.sym_size(1));
+  MIRAGE_CHECK(x.sym_size(2) >= 1 && x.sym_size(3) >= 1, kSubpixelShuffle,
+               ": x's height and width must be at least 1 (H+1 and W+1), got shape ", x.sym_sizes());
+  const c10::SymInt channels = x.sym_size(1) / 4;
   check_param(kSubpixelShuffle, "bias", bias, x, channels);
-  return {x.size(0), channels, 2 * (x.size(2) - 1), 2 * (x.size(3) - 1)};
+  return {x.sym_size(0), channels, 2 * (x.sym_size(2) - 1), 2 * (x.sym_size(3) - 1)};
 }
 
 at::Tensor subpixel_shuffle_composite(const at::Tensor& x, const at::Tensor& bias) {
-  const int64_t channels = x.size(1) / 4, height = x.size(2) - 1, width = x.size(3) - 1;
+  const c10::SymInt channels = x.sym_size(1) / 4, height = x.sym_size(2) - 1, width = x.sym_size(3) - 1;
   // parity[p][q] = x's channels of parity (p, q), shifted by (p, q): out[:, :, 2i+p, 2j+q].
   std::vector<at::Tensor> rows;
   for (int64_t p = 0; p < 2; ++p) {
     std::vector<at::Tensor> columns;
     for (int64_t q = 0; q < 2; ++q)
-      columns.push_back(x.narrow(1, (2 * p + q) * channels, channels).narrow(2, p, height).narrow(3, q, width));
+      columns.push_back(
+          x.narrow_symint(1, (2 * p + q) * channels, channels).narrow_symint(2, p, height).narrow_symint(3, q, width));
     rows.push_back(at::stack(columns, -1));  // [N, C, H, W, 2]
   }
-  at::Tensor out = at::stack(rows, 3).reshape({x.size(0), channels, 2 * height, 2 * width});
-  if (bias.defined()) out = out + bias.to(out.scalar_type()).view({channels, 1, 1});
+  at::Tensor out = at::stack(rows, 3).reshape_symint({x.sym_size(0), channels, 2 * height, 2 * width});
+  if (bias.defined()) out = out + bias.to(out.scalar_type()).view_symint({channels, 1, 1});
   return out.contiguous(at::MemoryFormat::ChannelsLast);
 }
 
@@ -45,7 +46,7 @@ at::Tensor subpixel_shuffle_cpu(const at::Tensor& x, const std::optional<at::Ten
 }
 
 at::Tensor subpixel_shuffle_meta(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-  return at::empty(check_subpixel_shuffle(x, bias), x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  return at::empty_symint(check_subpixel_shuffle(x, bias), x.options().memory_format(at::MemoryFormat::ChannelsLast));
 }
 
 }  // namespace

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -33,3 +35,98 @@ def test_compile_fullgraph_matches_eager(device):
         got = compiled(x, r)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         assert not torch.equal(got, torch.zeros_like(got))
+
+
+# The U-Net's ops with sizes that vary between calls (batch, spatial, tokens): each maps an input
+# size n to (the op's call, its inputs). Weights keep fixed sizes, as a model's do.
+def _dynamic_cases(device):
+    def cl(t):
+        return t.contiguous(memory_format=torch.channels_last)
+
+    w8, b8 = randn(8, device=device), randn(8, device=device)
+    w16, b16 = randn(16, device=device), randn(16, device=device)
+    weight, bias4 = randn(4, 16, device=device), randn(4, device=device)
+    ops = torch.ops.mirage
+    return {
+        "group_norm": (lambda x: ops.group_norm(x, 4, w8, b8, 1e-5, "silu"),
+                       lambda n: (cl(randn(n, 8, n + 2, 7, device=device)),)),
+        "layer_norm": (lambda x: ops.layer_norm(x, w16, b16, 1e-5),
+                       lambda n: (randn(n, n + 2, 16, device=device),)),
+        "add_layer_norm": (lambda x, r: ops.add_layer_norm(x, r, w16, b16, 1e-5),
+                           lambda n: (randn(n, 16, device=device), randn(n, 16, device=device))),
+        "geglu": (lambda x: ops.geglu(x, "tanh"), lambda n: (randn(n, n + 2, 16, device=device),)),
+        "bias_act": (lambda x, r: ops.bias_act(x, b8, r, "gelu", 0.5),
+                     lambda n: (cl(randn(n, 8, n + 2, 7, device=device)),
+                                cl(randn(n, 8, n + 2, 7, device=device)))),
+        "linear": (lambda x, r: ops.linear(x, weight, bias4, r, "silu"),
+                   lambda n: (randn(n, 16, device=device), randn(n, 4, device=device))),
+        "subpixel_shuffle": (lambda x: ops.subpixel_shuffle(x, bias4),
+                             lambda n: (cl(randn(n, 16, n + 2, 7, device=device)),)),
+    }
+
+
+DYNAMIC_OPS = sorted(_dynamic_cases("cpu"))
+
+
+def _outputs(result):
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", DYNAMIC_OPS)
+def test_dynamic_shapes_compile_once(name, device):
+    """torch.compile(dynamic=True) traces each op once for every size (symbolic sizes in its Meta
+    kernel and checks; sizes() would specialize them and recompile at each new size), and the
+    compiled forward and backward equal eager's."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    call, make = _dynamic_cases(device)[name]
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(call, backend=counter, dynamic=True, fullgraph=True)
+    for n in (3, 4, 6):
+        inputs = [t.requires_grad_() for t in make(n)]
+        twins = [t.detach().clone().requires_grad_() for t in inputs]
+        got, expected = _outputs(compiled(*inputs)), _outputs(call(*twins))
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape and g.stride() == e.stride()
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        sum(o.sum() for o in got).backward()
+        sum(o.sum() for o in expected).backward()
+        for t, twin in zip(inputs, twins):
+            torch.testing.assert_close(t.grad, twin.grad, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1, f"{name} was compiled {counter.frame_count} times for 3 sizes"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", DYNAMIC_OPS)
+def test_export_with_dynamic_dims(name, device):
+    """torch.export with a Dim on the varying sizes keeps them symbolic (no constraint violation),
+    and the exported program runs at another size."""
+    call, make = _dynamic_cases(device)[name]
+
+    class Op(nn.Module):
+        def forward(self, *inputs):
+            return call(*inputs)
+
+    example = make(3)
+    n = torch.export.Dim("n", min=2, max=64)
+    # The varying dimensions of each input (dims 0 and 2 of the 4-D ones, 0 and 1 of the 3-D ones).
+    spans = {2: {0: n}, 3: {0: n, 1: n + 2}, 4: {0: n, 2: n + 2}}
+    program = torch.export.export(Op(), example, dynamic_shapes=(tuple(spans[t.dim()] for t in example),))
+    inputs = make(6)
+    for g, e in zip(_outputs(program.module()(*inputs)), _outputs(call(*inputs))):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_under_symbolic_sizes_names_op_and_argument():
+    """A check that fails while tracing with symbolic sizes still names the op and the argument,
+    and writes each size as its symbol with the example's value."""
+    torch._dynamo.reset()
+    w = randn(5)
+    compiled = torch.compile(lambda x: torch.ops.mirage.layer_norm(x, w, None, 1e-5), backend="aot_eager",
+                             dynamic=True, fullgraph=True)
+    with pytest.raises(Exception) as error:
+        compiled(randn(3, 16))
+    # The weight, a global of the traced function, is made symbolic too.
+    assert re.search(r"mirage::layer_norm: weight must have shape \[s\d+=16\], got \[(s\d+=)?5\]", str(error.value))

@@ -710,6 +710,25 @@ def test_compiled_optimized_module_does_not_recompile_after_an_eager_call():
     assert len(compiles) == 1
 
 
+def test_compiled_optimized_unet_with_dynamic_shapes_compiles_once():
+    """An optimized U-Net under torch.compile(dynamic=True) is traced once for several batches and
+    resolutions (its mirage ops keep the sizes symbolic) and gives the optimized model's outputs."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    optimized, _ = optimized_and_original(tiny_unet2d_condition(), cuda_graph=False)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(optimized, backend=counter, dynamic=True)
+    # Sizes unlike the model's own (cross_attention_dim 8): equal sizes would be traced as one symbol.
+    traces = []
+    for batch, side in ((2, 12), (3, 16), (4, 20)):
+        inputs = (randn(batch, 4, side, side), torch.tensor(321.0), randn(batch, 5, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs).sample, optimized(*inputs).sample)
+        traces.append(counter.frame_count)
+    assert traces[0] == traces[1] == traces[2], f"traces after each call: {traces}"
+
+
 # ----------------------------------------------------------------------------------------------
 # On a GPU
 
