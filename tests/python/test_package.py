@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mirage
+from mirage.info import registered_ops
 
 
 # Every operator mirage registers (the public ops and the backward ops autograd calls).
@@ -102,6 +103,40 @@ def test_every_wrapper_names_a_missing_tensor(name):
     for missing in tensors:
         with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got None$"):
             fn(**{tensor: None if tensor == missing else torch.zeros(1) for tensor in tensors})
+
+
+# The ops with no Autograd kernel of mirage's own (no gradient formula), called with None for a
+# tensor, raise PyTorch's own error (docs/ops.md).
+_RAW_NONE_EXCEPTIONS = {"sender_order", "verlet_kick_drift", "verlet_forces_kick", "cfconv_backward",
+                        "radial_cfconv_backward"}
+
+
+def _placeholder(argument):
+    """A value of the argument's type for a call that must fail before any kernel reads it."""
+    kind = str(argument.type)
+    if kind.startswith("Optional[") or kind.endswith("?"):
+        return None
+    return {"Tensor": torch.ones(2, 3), "int": 1, "float": 1.0, "bool": False, "str": "none",
+            "ScalarType": torch.float32, "List[Tensor]": []}[kind]
+
+
+@pytest.mark.parametrize("name", [n.split("::")[1] for n in registered_ops()])
+def test_every_raw_op_names_a_missing_tensor(name):
+    """torch.ops.mirage.<op> with None for a `Tensor` argument names the op and the argument (each
+    Autograd kernel checks before torch::autograd::Function rejects the undefined tensor with
+    "tensor does not have a device")."""
+    op = getattr(torch.ops.mirage, name)
+    arguments = op.default._schema.arguments
+    for index, argument in enumerate(arguments):
+        if str(argument.type) != "Tensor":
+            continue
+        values = [None if i == index else _placeholder(a) for i, a in enumerate(arguments)]
+        if name in _RAW_NONE_EXCEPTIONS:
+            with pytest.raises((RuntimeError, NotImplementedError)):
+                op(*values)
+        else:
+            with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {argument.name} must be a tensor, got None$"):
+                op(*values)
 
 
 def test_integer_arguments_are_not_truncated():
