@@ -8,7 +8,6 @@
 // gradients are matmuls (x's a mirage::linear).
 // radial_basis, vector_message_passing, painn_update(_input) and pair_vectors (forces) have a fused backward
 // op of their own; only that op's backward (double backward) recomputes with a composite.
-#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -32,41 +31,32 @@ namespace {
 
 // Python's None for a Tensor argument (not `Tensor?`) reaches an Autograd kernel as an undefined
 // tensor, which torch::autograd::Function rejects before any check of the op runs, with "tensor
-// does not have a device". Every Autograd kernel below is registered (`impl`) behind this check,
-// which names the op and the argument (from its schema) instead.
-template <size_t N>
-struct OpName {
-  char text[N];
-  constexpr OpName(const char (&name)[N]) { std::copy_n(name, N, text); }
-};
-
+// does not have a device". Every Autograd kernel below is registered behind this check
+// (`given<handle, kernel>`), which names the op and the argument (from its schema) instead.
 bool missing(const at::Tensor& t) { return !t.defined(); }
 template <class T>
 bool missing(const T&) {
   return false;
 }
 
-[[noreturn]] void missing_tensor(std::string_view op, size_t index) {
-  const std::string name = "mirage::" + std::string(op);
-  const c10::FunctionSchema& schema = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").schema();
-  TORCH_CHECK(false, ops::message(name, ": ", schema.arguments().at(index).name(), " must be a tensor, got None"));
+[[noreturn]] void missing_tensor(const c10::OperatorHandle& op, size_t index) {
+  const c10::FunctionSchema& schema = op.schema();
+  TORCH_CHECK(false,
+              ops::message(schema.name(), ": ", schema.arguments().at(index).name(), " must be a tensor, got None"));
 }
 
-template <OpName Name, auto Kernel>
+template <auto Handle, auto Kernel>
 struct GivenTensors;
-template <OpName Name, class Ret, class... Args, Ret (*Kernel)(Args...)>
-struct GivenTensors<Name, Kernel> {
+template <auto Handle, class Ret, class... Args, Ret (*Kernel)(Args...)>
+struct GivenTensors<Handle, Kernel> {
   static Ret call(Args... args) {
     size_t index = 0;
-    ((missing(args) ? missing_tensor(Name.text, index) : void(), ++index), ...);
+    ((missing(args) ? missing_tensor(Handle(), index) : void(), ++index), ...);
     return Kernel(args...);
   }
 };
-
-template <OpName Name, auto Kernel>
-void impl(torch::Library& m) {
-  m.impl(Name.text, &GivenTensors<Name, Kernel>::call);
-}
+template <auto Handle, auto Kernel>
+constexpr auto given = &GivenTensors<Handle, Kernel>::call;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -607,18 +597,18 @@ at::Tensor pair_product_autograd(const at::Tensor& a, const at::Tensor& b, const
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
-  impl<"group_norm", &group_norm_autograd>(m);
-  impl<"layer_norm", &layer_norm_autograd>(m);
-  impl<"add_layer_norm", &add_layer_norm_autograd>(m);
-  impl<"geglu", &geglu_autograd>(m);
-  impl<"bias_act", &bias_act_autograd>(m);
-  impl<"linear", &linear_autograd>(m);
-  impl<"subpixel_shuffle", &subpixel_shuffle_autograd>(m);
-  impl<"neighbor_list", &neighbor_list_autograd>(m);
-  impl<"radial_basis", &radial_basis_autograd>(m);
-  impl<"radial_basis_backward", &radial_basis_backward_autograd>(m);
-  impl<"message_passing", &message_passing_autograd>(m);
-  impl<"pair_product", &pair_product_autograd>(m);
+  m.impl("group_norm", given<&handles::group_norm, &group_norm_autograd>);
+  m.impl("layer_norm", given<&handles::layer_norm, &layer_norm_autograd>);
+  m.impl("add_layer_norm", given<&handles::add_layer_norm, &add_layer_norm_autograd>);
+  m.impl("geglu", given<&handles::geglu, &geglu_autograd>);
+  m.impl("bias_act", given<&handles::bias_act, &bias_act_autograd>);
+  m.impl("linear", given<&handles::linear, &linear_autograd>);
+  m.impl("subpixel_shuffle", given<&handles::subpixel_shuffle, &subpixel_shuffle_autograd>);
+  m.impl("neighbor_list", given<&handles::neighbor_list, &neighbor_list_autograd>);
+  m.impl("radial_basis", given<&handles::radial_basis, &radial_basis_autograd>);
+  m.impl("radial_basis_backward", given<&handles::radial_basis_backward, &radial_basis_backward_autograd>);
+  m.impl("message_passing", given<&handles::message_passing, &message_passing_autograd>);
+  m.impl("pair_product", given<&handles::pair_product, &pair_product_autograd>);
 }
 
 // mirage::vector_message_passing. Its backward is a fused op of its own (forces are this
@@ -768,8 +758,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
-  impl<"vector_message_passing", &vector_message_passing_autograd>(m);
-  impl<"vector_message_passing_backward", &vector_message_passing_backward_autograd>(m);
+  m.impl("vector_message_passing", given<&handles::vector_message_passing, &vector_message_passing_autograd>);
+  m.impl("vector_message_passing_backward", given<&handles::vector_message_passing_backward, &vector_message_passing_backward_autograd>);
 }
 
 // mirage::pair_vectors. Its gradient in the positions is a fused op of its own (a scatter onto
@@ -874,8 +864,8 @@ at::Tensor pair_vectors_backward_autograd(const std::optional<at::Tensor>& grad_
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
-  impl<"pair_vectors", &pair_vectors_autograd>(m);
-  impl<"pair_vectors_backward", &pair_vectors_backward_autograd>(m);
+  m.impl("pair_vectors", given<&handles::pair_vectors, &pair_vectors_autograd>);
+  m.impl("pair_vectors_backward", given<&handles::pair_vectors_backward, &pair_vectors_backward_autograd>);
 }
 
 // mirage::painn_update_input and mirage::painn_update. Each one's backward is a fused op of its
@@ -997,10 +987,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> painn_update_backward_autograd(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
-  impl<"painn_update_input", &painn_update_input_autograd>(m);
-  impl<"painn_update_input_backward", &painn_update_input_backward_autograd>(m);
-  impl<"painn_update", &painn_update_autograd>(m);
-  impl<"painn_update_backward", &painn_update_backward_autograd>(m);
+  m.impl("painn_update_input", given<&handles::painn_update_input, &painn_update_input_autograd>);
+  m.impl("painn_update_input_backward", given<&handles::painn_update_input_backward, &painn_update_input_backward_autograd>);
+  m.impl("painn_update", given<&handles::painn_update, &painn_update_autograd>);
+  m.impl("painn_update_backward", given<&handles::painn_update_backward, &painn_update_backward_autograd>);
 }
 
 // mirage::schnet_energy and mirage::painn_energy compute the energy's gradient in the pair vectors
@@ -1070,8 +1060,8 @@ std::tuple<at::Tensor, at::Tensor> painn_energy_autograd(const at::Tensor& atomi
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
-  impl<"schnet_energy", &schnet_energy_autograd>(m);
-  impl<"painn_energy", &painn_energy_autograd>(m);
+  m.impl("schnet_energy", given<&handles::schnet_energy, &schnet_energy_autograd>);
+  m.impl("painn_energy", given<&handles::painn_energy, &painn_energy_autograd>);
 }
 
 // mirage::cfconv: the gradients in x, basis and envelope come from the fused backward op, which
@@ -1215,9 +1205,9 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_autograd(
 
 // The backward ops themselves are not differentiable (see above): a clear error if asked to be.
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
-  impl<"cfconv", &cfconv_autograd>(m);
+  m.impl("cfconv", given<&handles::cfconv, &cfconv_autograd>);
   m.impl("cfconv_backward", torch::autograd::autogradNotImplementedFallback());
-  impl<"radial_cfconv", &radial_cfconv_autograd>(m);
+  m.impl("radial_cfconv", given<&handles::radial_cfconv, &radial_cfconv_autograd>);
   m.impl("radial_cfconv_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
