@@ -759,7 +759,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("vector_message_passing", given<&handles::vector_message_passing, &vector_message_passing_autograd>);
-  m.impl("vector_message_passing_backward", given<&handles::vector_message_passing_backward, &vector_message_passing_backward_autograd>);
+  m.impl("vector_message_passing_backward",
+         given<&handles::vector_message_passing_backward, &vector_message_passing_backward_autograd>);
 }
 
 // mirage::pair_vectors. Its gradient in the positions is a fused op of its own (a scatter onto
@@ -988,7 +989,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> painn_update_backward_autograd(
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("painn_update_input", given<&handles::painn_update_input, &painn_update_input_autograd>);
-  m.impl("painn_update_input_backward", given<&handles::painn_update_input_backward, &painn_update_input_backward_autograd>);
+  m.impl("painn_update_input_backward",
+         given<&handles::painn_update_input_backward, &painn_update_input_backward_autograd>);
   m.impl("painn_update", given<&handles::painn_update, &painn_update_autograd>);
   m.impl("painn_update_backward", given<&handles::painn_update_backward, &painn_update_backward_autograd>);
 }
