@@ -998,7 +998,7 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 // mirage::schnet_energy and mirage::painn_energy compute the energy's gradient in the pair vectors
 // with the energy, so their backward is one product (it serves forces, -dE/dr, and the stress).
 // They have no gradient in the model's parameters and no double backward: training on forces
-// takes the layer-by-layer path (mirage.ff.SchNet and PaiNN in training mode). Asking for either
+// takes the layer-by-layer path (mirage.ff.fused.SchNet and PaiNN in training mode). Asking for either
 // is an error, never a silent zero.
 namespace {
 
@@ -1069,7 +1069,7 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 // mirage::cfconv: the gradients in x, basis and envelope come from the fused backward op, which
 // reads the filters the forward returned. Like schnet_energy it serves forces (and stress) of a
 // model in eval mode: no gradient in the filter network's parameters and no double backward
-// (mirage.ff.SchNet in training mode takes the layer-by-layer path); asking for either raises.
+// (mirage.ff.fused.SchNet in training mode takes the layer-by-layer path); asking for either raises.
 namespace {
 
 // Absent biases travel through the autograd Function as empty tensors (its inputs must be defined);
@@ -1087,12 +1087,12 @@ std::optional<at::Tensor> optional(const at::Tensor& bias) {
 void check_first_order(AutogradContext* ctx, std::string_view op, int first_parameter) {
   MIRAGE_CHECK(!at::GradMode::is_enabled(), op,
                ": double backward (create_graph=True, as training on forces needs) is not available; "
-               "put the model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions "
+               "put the model in training mode (model.train()) or set mirage.ff.fused.SchNet.fused_interactions "
                "= False to take the layer-by-layer path");
   for (int k = first_parameter; k < first_parameter + 4; ++k)
     MIRAGE_CHECK(!ctx->needs_input_grad(k), op,
                  ": no gradient in the filter network's parameters (weight1, bias1, weight2, bias2); put the "
-                 "model in training mode (model.train()) or set mirage.ff.SchNet.fused_interactions = False "
+                 "model in training mode (model.train()) or set mirage.ff.fused.SchNet.fused_interactions = False "
                  "to take the layer-by-layer path");
 }
 

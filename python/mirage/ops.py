@@ -622,7 +622,7 @@ def schnet_energy(
         energy = readout(x).sum()
 
     with ``filter``, ``f2out`` and ``readout`` each ``Linear, activation, Linear``. This is
-    ``mirage.ff.SchNet`` (and ``examples/forcefield/models.py``'s SchNet) end to end. On CUDA it
+    ``mirage.ff.fused.SchNet`` (and ``examples/forcefield/models.py``'s SchNet) end to end. On CUDA it
     is two launches: the filter networks over many blocks, then one thread-block cluster (Hopper;
     one block before it) for the rest of the model, forward and backward; fast for molecules of up
     to a few thousand pairs and slower than the layer-by-layer model beyond that
@@ -686,7 +686,7 @@ def painn_energy(
         energy = readout(s).sum()
 
     with ``phi``, ``mlp`` and ``readout`` each ``Linear, activation, Linear``, ``filter`` a Linear
-    and ``U``, ``V`` Linears without bias. This is ``mirage.ff.PaiNN`` (and
+    and ``U``, ``V`` Linears without bias. This is ``mirage.ff.fused.PaiNN`` (and
     ``examples/forcefield/models.py``'s PaiNN) end to end. On CUDA it is two launches: the
     weights transposed for the backward over many blocks, then one thread-block cluster (Hopper;
     one block before it) for the whole model, forward and backward;

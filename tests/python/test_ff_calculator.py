@@ -452,7 +452,7 @@ def test_a_fused_model_leaves_its_capacity_to_the_calculator(graphed, capfd):
     got = atoms.get_potential_energy(), atoms.get_forces()
     err = capfd.readouterr().err
     assert "mirage.ff.Calculator:" in err and "exceed the model's capacity of 6" in err
-    assert "mirage.ff.SchNet:" not in err
+    assert "mirage.ff.fused.SchNet:" not in err
     # The reference's basis buffer is float32-rounded: ~1e-8 apart, where a cut pair list is far off.
     assert got[0] == pytest.approx(want[0], rel=1e-6)
     np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)

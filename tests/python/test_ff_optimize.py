@@ -344,7 +344,7 @@ def test_painn_norm_eps_is_taken_from_the_model(device):
 def test_painn_norm_eps_from_sizes():
     fused = ff_fused.PaiNN(hidden=16, num_rbf=8, norm_eps=0.01)
     assert fused.norm_eps == 0.01 and not fused.norm_eps_assumed
-    with pytest.raises(ValueError, match=r"mirage.ff.PaiNN: norm_eps must be a finite number > 0, got -1.0"):
+    with pytest.raises(ValueError, match=r"mirage.ff.fused.PaiNN: norm_eps must be a finite number > 0, got -1.0"):
         ff_fused.PaiNN(norm_eps=-1.0)
 
 
@@ -721,16 +721,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="mirage.ff.report: this SchNet was not returned by mirage.ff.optimize"):
         mirage.ff.report(make_reference("SchNet"))
     fused = swapped(model)
-    with pytest.raises(ValueError, match="mirage.ff.SchNet: max_pairs must be None or an int >= 1"):
+    with pytest.raises(ValueError, match="mirage.ff.fused.SchNet: max_pairs must be None or an int >= 1"):
         fused.max_pairs = 0
     z, pos, cell, pbc = system("triclinic")
-    with pytest.raises(ValueError, match="mirage.ff.SchNet: pbc was given without a cell"):
+    with pytest.raises(ValueError, match="mirage.ff.fused.SchNet: pbc was given without a cell"):
         fused(z, pos, None, pbc)
-    with pytest.raises(ValueError, match="mirage.ff.SchNet: pbc must have 3 flags, got 2"):
+    with pytest.raises(ValueError, match="mirage.ff.fused.SchNet: pbc must have 3 flags, got 2"):
         fused(z, pos, cell, torch.tensor([True, True]))
     with pytest.raises(ValueError, match="positions are float32 but the model's parameters are float64; pass"):
         fused(z, pos.float())
-    with pytest.raises(ValueError, match=r"mirage.ff.SchNet: positions must be \[N, 3\], got \[27, 2\]"):
+    with pytest.raises(ValueError, match=r"mirage.ff.fused.SchNet: positions must be \[N, 3\], got \[27, 2\]"):
         fused(z, pos[:, :2])
     with pytest.raises(ValueError, match=r"atomic_numbers must be \[N\] for positions \[N, 3\] \(N = 27\), got \[26\]"):
         fused(z[1:], pos)

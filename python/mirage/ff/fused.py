@@ -186,7 +186,7 @@ class _FusedModel(nn.Module):
         super().__init__()
         cutoff = float(cutoff)
         if not (math.isfinite(cutoff) and cutoff > 0):
-            raise ValueError(f"mirage.ff.{type(self).__name__}: cutoff must be finite and > 0, got {cutoff}")
+            raise ValueError(f"mirage.ff.fused.{type(self).__name__}: cutoff must be finite and > 0, got {cutoff}")
         self.cutoff = cutoff
         self.max_pairs = max_pairs
         # How far the basis of the model this one was built from (its `centers` or `frequencies`)
@@ -206,7 +206,8 @@ class _FusedModel(nn.Module):
     @max_pairs.setter
     def max_pairs(self, value: Optional[int]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"mirage.ff.{type(self).__name__}: max_pairs must be None or an int >= 1, got {value!r}")
+            raise ValueError(f"mirage.ff.fused.{type(self).__name__}: max_pairs must be None or an int >= 1, "
+                             f"got {value!r}")
         self._max_pairs = value
 
     @staticmethod
@@ -227,7 +228,7 @@ class _FusedModel(nn.Module):
         needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag
         if needed is None:
             return False
-        graphs.progress(f"mirage.ff.{type(self).__name__}: {found} neighbor pairs exceed the capacity of "
+        graphs.progress(f"mirage.ff.fused.{type(self).__name__}: {found} neighbor pairs exceed the capacity of "
                         f"{self._max_pairs} (max_pairs); growing it to {needed} and computing again")
         self.max_pairs = needed
         return True
@@ -236,7 +237,7 @@ class _FusedModel(nn.Module):
         """``compute()`` (a forward; None when it ran no neighbor search) on checked inputs,
         computed again with a grown capacity for as long as its neighbor list overflows
         (:meth:`_grown`). The atomic numbers' range is read (a host sync) where the count is."""
-        name = f"mirage.ff.{type(self).__name__}"
+        name = f"mirage.ff.fused.{type(self).__name__}"
         if positions.dim() != 2 or positions.shape[-1] != 3:
             raise ValueError(f"{name}: positions must be [N, 3], got {list(positions.shape)}")
         if positions.dtype != self.embedding.weight.dtype:
@@ -295,7 +296,7 @@ class _FusedModel(nn.Module):
             return None, None
         name = type(self).__name__
         if cell is None:
-            raise ValueError(f"mirage.ff.{name}: pbc was given without a cell; pass the cell too "
+            raise ValueError(f"mirage.ff.fused.{name}: pbc was given without a cell; pass the cell too "
                              "(or pbc=None for open boundaries)")
         cell = torch.as_tensor(cell, dtype=positions.dtype, device=positions.device)
         if isinstance(pbc, Tensor) and pbc.device.type != "cpu":
@@ -303,7 +304,7 @@ class _FusedModel(nn.Module):
             return cell, pbc if pbc.dtype == torch.bool else pbc.bool()
         flags = tuple(bool(flag) for flag in torch.as_tensor(pbc).reshape(-1).tolist())
         if len(flags) != 3:
-            raise ValueError(f"mirage.ff.{name}: pbc must have 3 flags, got {len(flags)}")
+            raise ValueError(f"mirage.ff.fused.{name}: pbc must have 3 flags, got {len(flags)}")
         if not any(flags):
             return None, None  # ASE's molecules carry a zero cell with pbc all False
         if all(flags):
@@ -331,7 +332,7 @@ class _FusedModel(nn.Module):
             count = int(ops.neighbor_list(positions.detach(), self.cutoff, None if cell is None else cell.detach(),
                                           pbc, max_pairs=max(n, 1)).num_pairs)
         if count < 0:
-            raise ValueError(f"mirage.ff.{type(self).__name__}: the neighbor list found invalid input "
+            raise ValueError(f"mirage.ff.fused.{type(self).__name__}: the neighbor list found invalid input "
                              "(non-finite positions or cell, or a singular cell)")
         capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
         return min(capacity, all_pairs) if cell is None else capacity
@@ -601,7 +602,7 @@ class SchNet(_FusedModel):
                  max_z: int = 100, activation: str = "shifted_softplus", max_pairs: Optional[int] = None) -> None:
         super().__init__(cutoff, max_pairs)
         if num_rbf < 1 or hidden < 2 or num_interactions < 1:
-            raise ValueError(f"mirage.ff.SchNet: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
+            raise ValueError(f"mirage.ff.fused.SchNet: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
                              f"{num_rbf}, {hidden}, {num_interactions}")
         self.num_rbf = num_rbf
         self.embedding = nn.Embedding(max_z, hidden)
@@ -858,9 +859,9 @@ class PaiNN(_FusedModel):
                  norm_eps: float = 1e-8) -> None:
         super().__init__(cutoff, max_pairs)
         if num_rbf < 1 or hidden < 2 or num_interactions < 1:
-            raise ValueError(f"mirage.ff.PaiNN: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
+            raise ValueError(f"mirage.ff.fused.PaiNN: need num_rbf >= 1, hidden >= 2, num_interactions >= 1, got "
                              f"{num_rbf}, {hidden}, {num_interactions}")
-        self.norm_eps = _norm_eps(norm_eps, "mirage.ff.PaiNN: norm_eps")
+        self.norm_eps = _norm_eps(norm_eps, "mirage.ff.fused.PaiNN: norm_eps")
         self.num_rbf = num_rbf
         self.hidden = hidden
         self.embedding = nn.Embedding(max_z, hidden)
