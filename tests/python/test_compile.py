@@ -37,6 +37,25 @@ def test_compile_fullgraph_matches_eager(device):
         assert not torch.equal(got, torch.zeros_like(got))
 
 
+
+def test_inductor_with_dynamic_shapes_compiles_the_block_once():
+    """The block of norms and GEGLU under Inductor itself (the default backend) with dynamic
+    shapes: no new graph for a new batch and token count, and eager's values."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    block = Block(16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, backend=counter, dynamic=True, fullgraph=True)
+    traces = []
+    for batch, side in ((3, 5), (6, 7)):
+        x = randn(batch, 16, side, side).contiguous(memory_format=torch.channels_last)
+        r = randn(batch, side * side, 16)
+        torch.testing.assert_close(compiled(x, r), block(x, r), atol=1e-5, rtol=1e-5)
+        traces.append(counter.frame_count)
+    # Dynamo may restart its first trace (the modules' float eps), which counts twice.
+    assert traces[1] == traces[0], f"traces after each call: {traces}"
+
 # The U-Net's ops with sizes that vary between calls (batch, spatial, tokens): each maps an input
 # size n to (the op's call, its inputs). Weights keep fixed sizes, as a model's do.
 def _dynamic_cases(device):
@@ -130,3 +149,24 @@ def test_bad_input_under_symbolic_sizes_names_op_and_argument():
         compiled(randn(3, 16))
     # The weight, a global of the traced function, is made symbolic too.
     assert re.search(r"mirage::layer_norm: weight must have shape \[s\d+=16\], got \[(s\d+=)?5\]", str(error.value))
+
+
+def test_export_conv_bias_act_with_a_batch_dim_spanning_its_channels():
+    """mirage.nn.conv_bias_act (the U-Net's convolutions with a per-sample time-embedding shift)
+    exports with a batch Dim whose range includes the channel count, and runs at that batch (its
+    shape check once compared the batch with the channels: the guard N != C refused the Dim)."""
+    conv = nn.Conv2d(4, 8, 3, padding=1)
+
+    class ConvShift(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x, shift):
+            return mirage.nn.conv_bias_act(self.conv, x, shift=shift, activation="silu")
+
+    batch = torch.export.Dim("batch", max=64)
+    program = torch.export.export(ConvShift(), (randn(2, 4, 6, 7), randn(2, 8)),
+                                  dynamic_shapes=({0: batch}, {0: batch}))
+    x, shift = randn(8, 4, 6, 7), randn(8, 8)
+    torch.testing.assert_close(program.module()(x, shift), ConvShift()(x, shift))

@@ -99,10 +99,13 @@ def _op_wrappers():
 def test_every_wrapper_names_a_missing_tensor(name):
     # None where a tensor is required: the dispatcher's own message ("tensor does not have a
     # device") names neither the op nor the argument.
+    # The wrappers check in Python, so under inference mode too (which skips the Autograd kernels
+    # that check raw torch.ops calls).
     _, fn, tensors = next(entry for entry in _op_wrappers() if entry[0] == name)
     for missing in tensors:
-        with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got None$"):
-            fn(**{tensor: None if tensor == missing else torch.zeros(1) for tensor in tensors})
+        for mode in (torch.enable_grad, torch.inference_mode):
+            with mode(), pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got None$"):
+                fn(**{tensor: None if tensor == missing else torch.zeros(1) for tensor in tensors})
 
 
 # The ops with no Autograd kernel of mirage's own (no gradient formula), called with None for a

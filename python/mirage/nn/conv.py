@@ -145,7 +145,10 @@ def conv_bias_act(
         bias = shift if bias is None else bias + shift
         if bias.dim() == 2 and bias.shape[0] == 1:
             bias = bias.expand(y.shape[0], -1)  # one time embedding for the whole batch
-        fused = tuple(bias.shape) in ((y.shape[1],), (y.shape[0], y.shape[1]))
+        # Dimension by dimension: `tuple(bias.shape) in ((C,), (N, C))` compares (N, C) with (C,)
+        # element-wise, N with C, which under torch.export with a batch Dim adds the guard N != C.
+        fused = (bias.dim() in (1, 2) and bias.shape[-1] == y.shape[1]
+                 and (bias.dim() == 1 or bias.shape[0] == y.shape[0]))
     if not fused:
         if own_bias is not None:
             y = y + own_bias.reshape(-1, 1, 1).to(y.dtype)
