@@ -149,10 +149,12 @@ def _searched(module: nn.Module) -> bool:
     return not _is_mirage_module(module) or getattr(type(module), "children_swappable", False)
 
 
-def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport") -> nn.Module:
+def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport",
+                 sealed: Dict[int, nn.Module]) -> nn.Module:
     """Replaces, in place, every instance of a registered type under ``root``; returns the new
     root (``root`` itself unless it is an instance). Replacements are not searched further, but
-    for those that declare ``children_swappable``."""
+    for those that declare ``children_swappable``. An opaque swap's instance left alone is added
+    to ``sealed``, and sealed modules are not searched, in this pass or the later ones."""
     by_type = {cls: swap for swap in swaps if (cls := swap.resolve()) is not None}
     if not by_type:
         return root
@@ -164,6 +166,8 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
     def visit(module: nn.Module, name: str) -> nn.Module:
         if id(module) in visited:
             return visited[id(module)][1]
+        if id(module) in sealed:
+            return module
         replacement = module
         swap = by_type.get(type(module))
         if swap is not None and swap.candidate is not None and not swap.candidate(module):
@@ -179,7 +183,7 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             except ValueError as reason:
                 result.left_alone.append((name, f"{swap.kind}: {reason}"))
                 if swap.opaque:
-                    visited[id(module)] = (module, module)
+                    sealed[id(module)] = module
                     return module
         else:
             base = next((cls for cls in by_type if isinstance(module, cls)), None)
@@ -212,9 +216,9 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
             result.swaps.append(("group_norm_silu", _qualified(name, "conv_norm_out")))
 
 
-def _fuse_patterns(model: nn.Module, result: "OptimizeReport") -> nn.Module:
+def _fuse_patterns(model: nn.Module, result: "OptimizeReport", sealed: Dict[int, nn.Module]) -> nn.Module:
     """Stage 2: plain-PyTorch patterns (conv+BN(+act), GroupNorm→SiLU, q/k/v attention) via FX."""
-    fused = fuse(model)
+    fused = fuse(model, sealed=sealed)
     result.swaps.extend(fused.swaps)
     result.left_alone.extend(fused.skipped)
     return fused.module
@@ -584,10 +588,13 @@ def optimize(
     # in eval mode; a model with nothing to swap gets its own modes back.
     training = {module: module.training for module in model.modules()}
     model.eval()
-    model = _apply_swaps(model, BLOCK_SWAPS, result)
+    # Modules left alone whole (an Attention's processor tests the exact types of its norms):
+    # no later stage swaps or fuses inside them either. Held here, so their ids stay theirs.
+    sealed: Dict[int, nn.Module] = {}
+    model = _apply_swaps(model, BLOCK_SWAPS, result, sealed)
     _fuse_output_norm(model, result)
-    model = _fuse_patterns(model, result)
-    model = _apply_swaps(model, NORM_SWAPS, result)
+    model = _fuse_patterns(model, result, sealed)
+    model = _apply_swaps(model, NORM_SWAPS, result, sealed)
     model.eval()  # modules built by the swaps start in training mode
 
     if strict and result.left_alone:

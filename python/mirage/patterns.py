@@ -30,7 +30,7 @@ import inspect
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Container, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -58,7 +58,7 @@ class PatternResult:
     skipped: List[Tuple[str, str]] = field(default_factory=list)
 
 
-def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
+def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> PatternResult:
     """Rewrite the fusable patterns of ``module`` (see the module docstring).
 
     Args:
@@ -67,6 +67,8 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
             (``setattr`` on ``module``); so are those of a submodule with forward hooks, which
             the trace keeps whole.
         prefix: ``module``'s qualified name in the enclosing model, prepended to reported names.
+        sealed: ids of modules to keep whole and leave untouched inside (``mirage.optimize``'s
+            left-alone ``Attention``s, whose code tests the exact types of their children).
 
     Returns:
         A :class:`PatternResult`. When ``module`` is traced, the result's module is a new
@@ -74,7 +76,7 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
         own graph was rewritten.
     """
     result = PatternResult(module)
-    tracer = _Tracer()
+    tracer = _Tracer(sealed)
     if tracer.plain_leaf(module, prefix):
         return result
     graph_module, untraced = _trace(tracer, module)
@@ -85,7 +87,7 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
                                            f"({untraced}), so {' and '.join(hidden)} among its children cannot be "
                                            "fused"))
         for name, child in list(module.named_children()):
-            child_result = fuse(child, _join(prefix, name))
+            child_result = fuse(child, _join(prefix, name), sealed)
             result.swaps += child_result.swaps
             result.skipped += child_result.skipped
             if child_result.module is not child:
@@ -99,7 +101,7 @@ def fuse(module: nn.Module, prefix: str = "") -> PatternResult:
             sub = graph_module.get_submodule(node.target)
             if not tracer.plain_leaf(sub, node.target):
                 kept_whole.add(node.target)
-                inner = fuse(sub, _join(prefix, node.target))
+                inner = fuse(sub, _join(prefix, node.target), sealed)
                 result.swaps += inner.swaps
                 result.skipped += inner.skipped
 
@@ -131,16 +133,21 @@ def hooked_submodule(module: nn.Module) -> Optional[str]:
 
 
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer with mirage's modules as leaves, next to torch.nn's, and every module
-    with forward hooks: called as a module in the graph, it runs its hooks at every call (traced
-    through, they would run once, at trace time)."""
+    """torch.fx's tracer with mirage's modules and the sealed ones as leaves, next to torch.nn's,
+    and every module with forward hooks: called as a module in the graph, it runs its hooks at
+    every call (traced through, they would run once, at trace time)."""
+
+    def __init__(self, sealed: Container[int] = ()) -> None:
+        super().__init__()
+        self.sealed = sealed
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.plain_leaf(m, module_qualified_name) or _has_forward_hooks(m)
 
     def plain_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
-        """A leaf whatever its hooks: torch.nn's modules and mirage's."""
-        return type(m).__module__.startswith("mirage.") or super().is_leaf_module(m, module_qualified_name)
+        """A leaf not fused inside, whatever its hooks: torch.nn's modules, mirage's, the sealed."""
+        return (id(m) in self.sealed or type(m).__module__.startswith("mirage.")
+                or super().is_leaf_module(m, module_qualified_name))
 
 
 def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule], str]:

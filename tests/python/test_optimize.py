@@ -78,11 +78,11 @@ def optimized_and_original(model, **options):
 
 
 def tiny_unet2d_condition(**config):
-    config = dict(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, cross_attention_dim=8,
-                  attention_head_dim=2, sample_size=8, in_channels=4, out_channels=4,
-                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), **config)
-    return UNet2DConditionModel(**config)
+    defaults = dict(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, cross_attention_dim=8,
+                    attention_head_dim=2, sample_size=8, in_channels=4, out_channels=4,
+                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    return UNet2DConditionModel(**{**defaults, **config})
 
 
 def unet2d_condition_inputs(batch=2, device="cpu"):
@@ -396,6 +396,43 @@ def test_unsupported_resnet_blocks_are_left_alone_with_the_reason():
     with torch.no_grad():
         torch.testing.assert_close(optimized(sample, timestep, context).sample,
                                    original(sample, timestep, context).sample, **MODEL_TOLERANCE)
+
+
+def test_an_attention_left_alone_keeps_its_norms():
+    # DeepFloyd-IF-like: the mid block's Attention has an added-KV processor (left alone) and a
+    # norm_cross, whose exact type the processor tests; swapping it, as the norm pass once did,
+    # made the forward fail where diffusers' runs.
+    model = tiny_unet2d_condition(block_out_channels=(8, 8), mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+                                  cross_attention_norm="layer_norm")
+    optimized, original = optimized_and_original(model, cuda_graph=False)
+    attention = optimized.module.mid_block.attentions[0]
+    assert type(attention.norm_cross) is type(original.mid_block.attentions[0].norm_cross)
+    assert [where for where, _ in mirage.report(optimized).left_alone] == ["mid_block.attentions.0"]
+    inputs = unet2d_condition_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs).sample, original(*inputs).sample, atol=1e-5, rtol=1e-5)
+
+
+def test_an_attention_left_alone_is_not_searched_by_the_pattern_pass():
+    from diffusers.models.attention_processor import SlicedAttnProcessor
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention(query_dim=8, heads=2, dim_head=4, norm_num_groups=4)
+            self.attn.set_processor(SlicedAttnProcessor(1))
+
+        def forward(self, hidden):
+            return self.attn(hidden)
+
+    optimized, original = optimized_and_original(Wrapper(), cuda_graph=False)
+    # Reported once, for its processor (the pattern pass once reported it again as untraceable),
+    # and its GroupNorm kept.
+    assert [where for where, _ in mirage.report(optimized).left_alone] == ["attn"]
+    assert type(optimized.module.attn.group_norm) is nn.GroupNorm
+    hidden = randn(2, 8, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(hidden), original(hidden))
 
 
 def test_strict_raises_listing_every_candidate_left_alone():
