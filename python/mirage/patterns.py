@@ -435,6 +435,12 @@ class _Rewriter:
             if softmax is None:
                 continue
             if not _looks_like_scores(softmax[0]):
+                # Not over a plain (scaled, masked, biased) product, yet reading one and read by
+                # one, as attention's softmax is: a candidate this pass does not take.
+                if _near_product(softmax[0], upstream=True) and _near_product(node, upstream=False):
+                    self.skipped.append((self._name(node), "the scores go through other operations than a "
+                                         "scale, a mask or an additive term before the softmax (a cast, a "
+                                         "learned temperature, ...), which are not matched"))
                 continue  # a softmax, but not over products: not an attention candidate
             name = self._name(node)
             match = _AttentionMatch(self, node, softmax)
@@ -464,6 +470,17 @@ def _is_product(node: Any) -> bool:
 def _is_add(node: Any) -> bool:
     return isinstance(node, fx.Node) and (
         _is_function(node, (operator.add, operator.sub, torch.add)) or _is_method(node, "add", "sub"))
+
+
+def _near_product(node: Any, upstream: bool, hops: int = 3) -> bool:
+    """A matrix product within ``hops`` steps of ``node`` (``node`` included) through its inputs
+    (``upstream``) or through its users."""
+    if not isinstance(node, fx.Node):
+        return False
+    if _is_product(node):
+        return True
+    neighbours = node.all_input_nodes if upstream else list(node.users)
+    return hops > 0 and any(_near_product(other, upstream, hops - 1) for other in neighbours)
 
 
 def _looks_like_scores(node: Any) -> bool:

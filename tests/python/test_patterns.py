@@ -225,13 +225,17 @@ class ManualAttention(nn.Module):
         h, form = self.heads, self.form
         source = context if form == "different_inputs" else x
         if form in ("matmul", "softmax_dim_-2", "probs_returned", "scores_returned", "dropout", "different_inputs",
-                    "masked", "causal"):
+                    "masked", "causal", "cast", "temperature"):
             q, k, v = self.split(self.q(x), B, N), self.split(self.k(source), B, N), self.split(self.v(source), B, N)
             scores = q @ k.transpose(-2, -1) * self.scale
             if form == "masked":
                 scores = scores + context[:, None, :, :N]
             if form == "causal":
                 scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+            if form == "cast":
+                scores = scores.float()
+            if form == "temperature":  # a learned one
+                scores = scores * self.out.bias[0]
             probs = scores.softmax(dim=-2 if form == "softmax_dim_-2" else -1)
             if form == "dropout":
                 probs = F.dropout(probs, p=0.1, training=True)
@@ -304,6 +308,10 @@ def test_attention_forms_are_fused(form, dtype):
     assert sorted(m.out_features for m in linears) == [24, 72]  # out and the fused qkv
 
 
+_OTHER_OPERATIONS = ("the scores go through other operations than a scale, a mask or an additive term before the "
+                     "softmax (a cast, a learned temperature, ...), which are not matched")
+
+
 @pytest.mark.parametrize("form, reason", [
     ("softmax_dim_-2", "softmax over dim -2, not over the keys (the last of 4 dims)"),
     ("probs_returned", "the attention probabilities are also used elsewhere"),
@@ -312,6 +320,8 @@ def test_attention_forms_are_fused(form, dtype):
     ("different_inputs", "q, k and v are projected from different inputs"),
     ("masked", "the scores are masked or get an additive term (a mask or bias) before the softmax, which is not matched"),
     ("causal", "the scores are masked or get an additive term (a mask or bias) before the softmax, which is not matched"),
+    ("cast", _OTHER_OPERATIONS),
+    ("temperature", _OTHER_OPERATIONS),
 ])
 def test_attention_left_alone_with_reason(form, reason):
     model = prepared(ManualAttention(form))
@@ -337,6 +347,17 @@ def test_softmax_that_is_not_attention_is_no_candidate():
             return self.fc(x).softmax(-1)
 
     result = fuse(Classifier())
+    assert not result.swaps and not result.skipped
+
+    class ProductClassifier(nn.Module):  # a softmax over a product, read by no product
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return torch.softmax(torch.relu(x @ self.weight) * 2.0, -1)
+
+    result = fuse(ProductClassifier())
     assert not result.swaps and not result.skipped
 
 
