@@ -24,7 +24,7 @@ from .graphs import GraphCache, GraphCacheStats, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
 from .nn.attention import from_diffusers_attention
-from .patterns import fuse, hooked_submodule
+from .patterns import fuse, hooked_submodule, qualified_name
 
 __all__ = ["OptimizeReport", "OptimizedModule", "Swap", "optimize", "report"]
 
@@ -138,10 +138,6 @@ def _is_mirage_module(module: nn.Module) -> bool:
     return type(module).__module__.startswith("mirage.")
 
 
-def _qualified(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
 def _searched(module: nn.Module) -> bool:
     """Whether swaps look inside ``module``: any module but mirage's own (they may rely on the
     exact types of their children), except those declaring ``children_swappable`` (their children
@@ -173,7 +169,7 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
         if swap is not None and swap.candidate is not None and not swap.candidate(module):
             pass  # not a candidate: nothing to swap, nothing to report
         elif swap is not None and (hooked := hooked_submodule(module)) is not None:
-            where = _qualified(name, hooked) or "(model)"
+            where = qualified_name(name, hooked) or "(model)"
             result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement would "
                                             "not run"))
         elif swap is not None:
@@ -192,7 +188,7 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
                     (name, f"{type(module).__name__} subclasses {base.__name__} and may compute differently"))
         if _searched(replacement):
             for child_name, child in list(replacement.named_children()):
-                new_child = visit(child, _qualified(name, child_name))
+                new_child = visit(child, qualified_name(name, child_name))
                 if new_child is not child:
                     setattr(replacement, child_name, new_child)
         visited[id(module)] = (module, replacement)
@@ -213,7 +209,7 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
                 and hooked_submodule(module.conv_act) is None):
             module.conv_norm_out = GroupNorm.from_torch(module.conv_norm_out, activation="silu")
             module.conv_act = nn.Identity()
-            result.swaps.append(("group_norm_silu", _qualified(name, "conv_norm_out")))
+            result.swaps.append(("group_norm_silu", qualified_name(name, "conv_norm_out")))
 
 
 def _fuse_patterns(model: nn.Module, result: "OptimizeReport", sealed: Dict[int, nn.Module]) -> nn.Module:

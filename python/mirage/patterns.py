@@ -87,7 +87,7 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
                                            f"({untraced}), so {' and '.join(hidden)} among its children cannot be "
                                            "fused"))
         for name, child in list(module.named_children()):
-            child_result = fuse(child, _join(prefix, name), sealed)
+            child_result = fuse(child, qualified_name(prefix, name), sealed)
             result.swaps += child_result.swaps
             result.skipped += child_result.skipped
             if child_result.module is not child:
@@ -101,7 +101,7 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
             sub = graph_module.get_submodule(node.target)
             if not tracer.plain_leaf(sub, node.target):
                 kept_whole.add(node.target)
-                inner = fuse(sub, _join(prefix, node.target), sealed)
+                inner = fuse(sub, qualified_name(prefix, node.target), sealed)
                 result.swaps += inner.swaps
                 result.skipped += inner.skipped
 
@@ -228,7 +228,8 @@ def _hidden_patterns(module: nn.Module) -> List[str]:
     return found
 
 
-def _join(prefix: str, name: str) -> str:
+def qualified_name(prefix: str, name: str) -> str:
+    """``prefix.name``, or whichever of the two is not empty (module names in reports)."""
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
@@ -358,14 +359,14 @@ class _Rewriter:
         for node in nodes:
             module = self._module(node) if node is not None else None
             if module is not None and hooked_submodule(module) is not None:
-                return f"{_join(self.prefix, node.target)} has forward hooks, which the fused module would not run"
+                return f"{qualified_name(self.prefix, node.target)} has forward hooks, which the fused module would not run"
         return None
 
     def _name(self, node: fx.Node) -> str:
         """The qualified name of the module whose forward holds ``node``."""
         stack = node.meta.get("nn_module_stack") or {}
         inner = list(stack.values())[-1][0] if stack else ""
-        return _join(self.prefix, inner) or type(self.gm).__name__
+        return qualified_name(self.prefix, inner) or type(self.gm).__name__
 
     # --- Conv2d -> BatchNorm2d [-> activation] ---
 
@@ -374,7 +375,7 @@ class _Rewriter:
             conv = self._module_of_type(conv_node, nn.Conv2d)
             if conv is None:
                 continue
-            name = _join(self.prefix, conv_node.target)
+            name = qualified_name(self.prefix, conv_node.target)
             bn_nodes = [user for user in conv_node.users if self._module_of_type(user, nn.BatchNorm2d) is not None]
             if not bn_nodes:
                 continue
@@ -413,7 +414,7 @@ class _Rewriter:
             silu_nodes = [user for user in norm_node.users if self._activation(user, norm_node) == "silu"]
             if not silu_nodes:
                 continue
-            name = _join(self.prefix, norm_node.target)
+            name = qualified_name(self.prefix, norm_node.target)
             if len(norm_node.users) > 1:
                 self.skipped.append((name, "the group norm's output is also used without the SiLU"))
                 continue
@@ -797,7 +798,7 @@ class _AttentionMatch:
         """One fused QKV projection (sliced back into q, k, v) and SDPA in place of the products."""
         rewriter, graph = self.rewriter, self.graph
         fused = fuse_linears([rewriter._module(node) for node in self.linears])
-        path = rewriter._free_path(_join(str(self.linears[0].target).rpartition(".")[0], "qkv"))
+        path = rewriter._free_path(qualified_name(str(self.linears[0].target).rpartition(".")[0], "qkv"))
         rewriter.gm.add_submodule(path, fused)
         first = min(self.linears, key=_position)
         offset = 0
