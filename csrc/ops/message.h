@@ -22,13 +22,9 @@ inline void append(std::string& out, const char* s) { out.append(s); }
 inline void append(std::string& out, const std::string& s) { out.append(s); }
 inline void append(std::string& out, at::ScalarType t) { out.append(c10::toString(t)); }
 inline void append(std::string& out, const c10::Device& d) { out.append(d.str()); }
-inline void append(std::string& out, at::IntArrayRef sizes) {
-  out.push_back('[');
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (i > 0) out.append(", ");
-    out.append(std::to_string(sizes[i]));
-  }
-  out.push_back(']');
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+void append(std::string& out, T v) {
+  out.append(std::to_string(v));
 }
 // A size under torch.compile's dynamic shapes may be a symbol: written as its expression and the
 // value it has in the example being traced, "s0=5" (reading the value guards on it, which does no
@@ -42,17 +38,15 @@ inline void append(std::string& out, const c10::SymInt& v) {
   out.append(node->str());
   if (node->has_hint()) out.append("=" + std::to_string(node->int_()));
 }
-inline void append(std::string& out, c10::SymIntArrayRef sizes) {
+// Sizes (IntArrayRef, SymIntArrayRef): "[2, 3]".
+template <typename T>
+void append(std::string& out, c10::ArrayRef<T> sizes) {
   out.push_back('[');
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (i > 0) out.append(", ");
     append(out, sizes[i]);
   }
   out.push_back(']');
-}
-template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
-void append(std::string& out, T v) {
-  out.append(std::to_string(v));
 }
 inline void append(std::string& out, double v) {
   char buffer[32];
