@@ -29,6 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from ._arguments import count
+
 __all__ = ["CaptureError", "CapturedGraph", "GraphCache", "GraphCacheStats", "capture", "signature"]
 
 # Output leaves that are plain values: a graph returns them as they were at capture.
@@ -458,10 +460,8 @@ class GraphCache:
         capture: Callable[..., Any] = CapturedGraph,
         new_pool: Callable[[], Any] = torch.cuda.graph_pool_handle,
     ) -> None:
-        if not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"mirage.graphs.GraphCache: max_entries must be an int >= 1, got {max_entries!r}")
         self.fn = fn
-        self.max_entries = max_entries
+        self.max_entries = count(max_entries, "mirage.graphs.GraphCache: max_entries")
         self.copy_outputs = copy_outputs
         self.warmup = warmup
         self.verbose = verbose

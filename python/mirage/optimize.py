@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from ._arguments import count
 from .graphs import GraphCache, GraphCacheStats, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
@@ -566,8 +567,7 @@ def optimize(
         raise TypeError(f"mirage.optimize: model must be an nn.Module, got {type(model).__name__}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"mirage.optimize: dtype must be None or one of {DTYPES}, got {dtype}")
-    if not isinstance(max_graphs, int) or max_graphs < 1:
-        raise ValueError(f"mirage.optimize: max_graphs must be an int >= 1, got {max_graphs!r}")
+    max_graphs = count(max_graphs, "mirage.optimize: max_graphs")
     if isinstance(model, OptimizedModule):
         # Its swaps are made: searching again finds nothing, and would replace its report.
         if verbose:

@@ -151,3 +151,18 @@ def test_integer_arguments_are_not_truncated():
         mirage.ops.radial_cfconv_supported(20, 64.5, 64, "cpu")
     with pytest.raises(TypeError, match=r"^mirage.ops.fused_filter_supported: basis must be an int, got str"):
         mirage.ops.fused_filter_supported(128, "20", "cpu")
+
+
+def test_counts_take_numpy_integers_and_refuse_bools():
+    """Every count argument is read by one rule (mirage._arguments.count): NumPy's integers are
+    ints, True is not 1 (the MD driver refused it while optimize, GraphCache and GroupNorm took it)."""
+    np = pytest.importorskip("numpy")
+    cache = mirage.graphs.GraphCache(lambda x: x, np.int64(3))
+    assert cache.max_entries == 3 and type(cache.max_entries) is int
+    assert mirage.nn.GroupNorm(np.int32(2), 4).num_groups == 2
+    with pytest.raises(ValueError, match=r"^mirage.graphs.GraphCache: max_entries must be an int >= 1, got True$"):
+        mirage.graphs.GraphCache(lambda x: x, True)
+    with pytest.raises(ValueError, match=r"^mirage.nn.GroupNorm: num_groups must be an int >= 1, got True$"):
+        mirage.nn.GroupNorm(True, 4)
+    with pytest.raises(ValueError, match=r"^mirage.optimize: max_graphs must be an int >= 1, got True$"):
+        mirage.optimize(torch.nn.Linear(2, 2), max_graphs=True, verbose=False)

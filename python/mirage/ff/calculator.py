@@ -24,6 +24,7 @@ from ase.calculators.calculator import Calculator as _AseCalculator
 from ase.calculators.calculator import all_changes
 
 from .. import graphs
+from .._arguments import count
 from . import capacity
 from .fused import _FusedModel
 from .precision import PRECISIONS, check_precision, matmul_precision  # noqa: F401 (re-exported)
@@ -288,8 +289,7 @@ class Calculator(_AseCalculator):
         check_model(model, who)
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"{who}: cuda_graph must be a bool, got {cuda_graph!r}")
-        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
-            raise ValueError(f"{who}: max_graphs must be an int >= 1, got {max_graphs!r}")
+        max_graphs = count(max_graphs, f"{who}: max_graphs")
         self.model = model
         self._counted = capacity.holder(model, who)  # what has the neighbor capacity, if anything
         self.device, self.dtype = model_device_dtype(model, device, who)

@@ -35,6 +35,7 @@ from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
 
 from .. import graphs, ops
+from .._arguments import count
 from . import capacity
 from .calculator import (CapacityWatch, check_model, energy_and_gradients, model_device_dtype, on_device, synchronize,
                          uncapturable)
@@ -59,13 +60,6 @@ def _positive(value: Any, name: str, who: str, zero: bool = False) -> float:
             or value == 0 and not zero):
         raise ValueError(f"{who}: {name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
     return float(value)
-
-
-def _count(value: Any, name: str, minimum: int, who: str) -> int:
-    """An int (NumPy's too, as ASE takes them) of at least ``minimum``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -172,7 +166,7 @@ class VelocityVerlet:
         self.timestep = _positive(timestep, "timestep", _WHO)
         if thermostat is not None and not isinstance(thermostat, Langevin):
             raise ValueError(f"{_WHO}: thermostat must be None or a mirage.ff.md.Langevin, got {thermostat!r}")
-        steps_per_replay = _count(steps_per_replay, "steps_per_replay", 1, _WHO)
+        steps_per_replay = count(steps_per_replay, f"{_WHO}: steps_per_replay")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"{_WHO}: cuda_graph must be a bool, got {cuda_graph!r}")
         if progress_every is not None:
@@ -468,7 +462,7 @@ class VelocityVerlet:
             The records written by this call (also appended to :attr:`records`).
         """
         who = f"{_WHO}.run"
-        steps, write_every = _count(steps, "steps", 0, who), _count(write_every, "write_every", 1, who)
+        steps, write_every = count(steps, f"{who}: steps", 0), count(write_every, f"{who}: write_every")
         own_trajectory = isinstance(trajectory, (str, os.PathLike))
         own_log = isinstance(log, (str, os.PathLike))
         if trajectory is not None and not own_trajectory and not hasattr(trajectory, "write"):

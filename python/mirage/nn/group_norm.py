@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .._arguments import count
 
 ACTIVATIONS = ("none", "silu")
 
@@ -27,8 +28,7 @@ class GroupNorm(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if not isinstance(num_groups, int) or num_groups < 1:
-            raise ValueError(f"mirage.nn.GroupNorm: num_groups must be an int >= 1, got {num_groups!r}")
+        num_groups = count(num_groups, "mirage.nn.GroupNorm: num_groups")
         if num_channels % num_groups != 0:
             raise ValueError(
                 f"mirage.nn.GroupNorm: num_channels ({num_channels}) must be divisible by "
