@@ -88,7 +88,7 @@ at::Tensor bias_act_meta(const at::Tensor& x, const std::optional<at::Tensor>& b
                          const std::optional<at::Tensor>& residual, c10::string_view activation,
                          double scale) {
   check_bias_act(x, bias, residual, activation, scale);
-  return empty_in_channels_layout(x);
+  return empty_in_channels_layout(x, channels_layout(x));
 }
 
 }  // namespace

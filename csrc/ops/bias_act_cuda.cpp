@@ -22,7 +22,7 @@ at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& b
   const at::Tensor res = residual.has_value() && residual->defined()
                              ? residual->contiguous(shape.layout) : at::Tensor();
   const at::Tensor b = contiguous_or_undefined(bias);
-  at::Tensor y = empty_in_channels_layout(x);
+  at::Tensor y = empty_in_channels_layout(x, shape.layout);
   cuda::BiasActParams params{};
   params.x = input.const_data_ptr();
   params.bias = data_or_null(b);

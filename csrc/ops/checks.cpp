@@ -61,8 +61,8 @@ at::MemoryFormat channels_layout(const at::Tensor& x) {
   return x.dim() == 4 || x.dim() == 5 ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
 }
 
-at::Tensor empty_in_channels_layout(const at::Tensor& x) {
-  return at::empty_symint(x.sym_sizes(), x.options().memory_format(channels_layout(x)));
+at::Tensor empty_in_channels_layout(const at::Tensor& x, at::MemoryFormat layout) {
+  return at::empty_symint(x.sym_sizes(), x.options().memory_format(layout));
 }
 
 ChannelsShape channels_shape(const at::Tensor& x) {

@@ -39,8 +39,9 @@ at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>&
 // suggested one for 4-D/5-D x (channels-last or contiguous), contiguous otherwise.
 at::MemoryFormat channels_layout(const at::Tensor& x);
 
-// An uninitialized tensor of x's shape, dtype and device in channels_layout(x).
-at::Tensor empty_in_channels_layout(const at::Tensor& x);
+// An uninitialized tensor of x's shape, dtype and device in `layout`: channels_layout(x), worked
+// out once by the caller (a few stride comparisons, on every call of the op).
+at::Tensor empty_in_channels_layout(const at::Tensor& x, at::MemoryFormat layout);
 
 // x of shape [N, C, *spatial] as the kernels see it (concrete sizes: not for Meta kernels):
 // spatial is the product of the trailing dimensions (1 for 2-D x), layout channels_layout(x).

@@ -71,7 +71,7 @@ at::Tensor group_norm_cpu(const at::Tensor& x, int64_t num_groups,
       }
     }
   }
-  return empty_in_channels_layout(x).copy_(y64);
+  return empty_in_channels_layout(x, shape.layout).copy_(y64);
 }
 
 at::Tensor group_norm_meta(const at::Tensor& x, int64_t num_groups,
@@ -79,7 +79,7 @@ at::Tensor group_norm_meta(const at::Tensor& x, int64_t num_groups,
                            const std::optional<at::Tensor>& bias, double eps,
                            c10::string_view activation) {
   check_group_norm(x, num_groups, weight, bias, eps, activation);
-  return empty_in_channels_layout(x);
+  return empty_in_channels_layout(x, channels_layout(x));
 }
 
 }  // namespace

@@ -23,7 +23,7 @@ at::Tensor group_norm_cuda(const at::Tensor& x, int64_t num_groups,
   const at::Tensor input = x.contiguous(shape.layout);
   const at::Tensor w = contiguous_or_undefined(weight);
   const at::Tensor b = contiguous_or_undefined(bias);
-  at::Tensor y = empty_in_channels_layout(x);
+  at::Tensor y = empty_in_channels_layout(x, shape.layout);
 
   cuda::GroupNormParams params{};
   params.x = input.const_data_ptr();

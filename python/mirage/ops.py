@@ -498,12 +498,17 @@ def fused_filter_supported(features: int, basis: int, device: Union[str, torch.d
     (``features`` = F) columns from a basis of ``basis`` = K columns on ``device`` themselves (F
     a multiple of 4, K <= 32, the weight within the GPU's shared memory), given 16-byte aligned
     rows. False on the CPU and without a CUDA build."""
+    where = "mirage.ops.fused_filter_supported: "
+    return _fused_filter_supported_on(_integer(features, where + "features"), _integer(basis, where + "basis"),
+                                      _device_name(device))
+
+
+def _device_name(device: Union[str, torch.device]) -> str:
+    """The device as the support checks' caches key it: "cuda" is the current GPU, by its index."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    where = "mirage.ops.fused_filter_supported: "
-    return _fused_filter_supported_on(_integer(features, where + "features"), _integer(basis, where + "basis"),
-                                      str(device))
+    return str(device)
 
 
 @functools.lru_cache(maxsize=None)  # models ask on every forward
@@ -943,12 +948,9 @@ def radial_cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union
 
 
 def _supported(check: str, num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     where = f"mirage.ops.{check}: "
     return _supported_on(check, *(_integer(value, where + name) for value, name in
-                                  ((num_rbf, "num_rbf"), (hidden, "hidden"), (width, "width"))), str(device))
+                                  ((num_rbf, "num_rbf"), (hidden, "hidden"), (width, "width"))), _device_name(device))
 
 
 @functools.lru_cache(maxsize=None)  # models ask on every forward
