@@ -12,11 +12,15 @@ overwritten by the next replay, and in a :class:`GraphCache` by the next replay 
 graphs, because all of its graphs share one memory pool.
 
 Graphs are for inference: the callable runs under ``torch.no_grad()``, and inputs that require
-grad while grad mode is on are refused.
+grad while grad mode is on are refused. CUDA autocast is part of a graph's signature: a graph
+captured inside ``torch.autocast("cuda")`` serves calls made under the same autocast dtype only,
+and records its own casts (its warm-up and capture run with autocast's cache of cast weights off,
+whose copies autocast frees when its block ends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import sys
@@ -81,18 +85,47 @@ def _tree(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], pytre
     return pytree.tree_flatten(_arguments(args, kwargs))
 
 
+def _numpy_scalar(leaf: Any) -> bool:
+    """A NumPy scalar (``np.int64(3)``, ``np.float32``, ``np.bool_``): immutable, so keyed by its
+    value like a Python number. NumPy need not be imported: without it there are none."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(leaf, numpy.generic)
+
+
+def _strided_tensor(leaf: Any) -> bool:
+    return isinstance(leaf, Tensor) and not leaf.is_nested and leaf.layout == torch.strided
+
+
+def _key_kind(leaf: Any) -> str:
+    """"tensor", "value" (a plain value, keyed by type and value) or "refused"."""
+    if _strided_tensor(leaf):
+        return "tensor"
+    if isinstance(leaf, _VALUE_TYPES) or _numpy_scalar(leaf):
+        return "value"
+    return "refused"
+
+
 def _leaf_key(leaf: Any) -> Hashable:
-    if isinstance(leaf, Tensor):
+    kind = _key_kind(leaf)
+    if kind == "tensor":
         return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device)
-    if not isinstance(leaf, _VALUE_TYPES):
+    if kind == "refused":
         raise TypeError(leaf)  # _signature_of names the argument
-    # The type separates values that compare equal (1, 1.0 and True); floats by their bits, so
-    # that NaN is equal to itself and -0.0 differs from 0.0.
-    if isinstance(leaf, float):
-        return ("value", float, leaf.hex())
-    if isinstance(leaf, complex):
-        return ("value", complex, leaf.real.hex(), leaf.imag.hex())
-    return ("value", type(leaf), leaf)
+    # The type separates values that compare equal (1, 1.0 and True, np.int64(1)); floats by
+    # their bits, so that NaN is equal to itself and -0.0 differs from 0.0.
+    value = leaf.item() if _numpy_scalar(leaf) else leaf
+    if isinstance(value, float):
+        return ("value", type(leaf), value.hex())
+    if isinstance(value, complex):
+        return ("value", type(leaf), value.real.hex(), value.imag.hex())
+    return ("value", type(leaf), value)
+
+
+def _autocast_state() -> Tuple[Any, ...]:
+    """CUDA autocast as a graph records it: off, or on with its dtype."""
+    if torch.is_autocast_enabled("cuda"):
+        return (True, torch.get_autocast_dtype("cuda"))
+    return (False,)
 
 
 class _Signature(tuple):
@@ -111,11 +144,15 @@ class _Signature(tuple):
 def _signature_of(leaves: Sequence[Any], spec: pytree.TreeSpec, args: Sequence[Any], kwargs: Dict[str, Any],
                   who: str) -> Hashable:
     try:
-        return _Signature((spec, tuple(_leaf_key(leaf) for leaf in leaves)))
+        return _Signature((spec, tuple(_leaf_key(leaf) for leaf in leaves), _autocast_state()))
     except TypeError as error:
         failure = error
     for leaf, name in zip(leaves, _flatten(args, kwargs)[1]):  # which argument: names for the message
-        if not isinstance(leaf, (Tensor,) + _VALUE_TYPES):
+        if isinstance(leaf, Tensor) and _key_kind(leaf) == "refused":
+            raise ValueError(f"{who}: argument {name} is a {'nested' if leaf.is_nested else leaf.layout} tensor; "
+                             "a graph copies its inputs into dense (strided) static buffers, so pass dense tensors "
+                             "(.to_dense(), or the nested tensor's components)") from None
+        if _key_kind(leaf) == "refused":
             raise ValueError(
                 f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor a plain value "
                 "(a number, a string, a bool, None, a dtype, a device, an enum); a graph is chosen by its inputs' "
@@ -130,7 +167,8 @@ def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.gr
     """The key that decides which graph serves a call.
 
     Tensors contribute their shape, strides (memory layout), dtype and device; every other
-    argument its type and value; the nesting of containers contributes too.
+    argument its type and value; the nesting of containers contributes too, and so does CUDA
+    autocast (off, or its dtype).
 
     Args:
         args, kwargs: the call's arguments.
@@ -140,7 +178,8 @@ def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.gr
         A hashable key; two calls with equal keys can replay the same graph.
 
     Raises:
-        ValueError: an argument is neither a tensor nor hashable.
+        ValueError: an argument is neither a dense tensor nor a plain value (a number, NumPy's
+            included, a string, a bool, None, a dtype, a device, an enum).
     """
     return _signature_of(*_tree(args, kwargs), args, kwargs, who)
 
@@ -166,7 +205,12 @@ def _load(buffers: Sequence[Tensor], leaves: Sequence[Any]) -> None:
 
 def _difference(captured: Hashable, given: Hashable, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
     """The first argument in which two signatures differ, both ways, for an error message."""
-    (captured_spec, captured_keys), (given_spec, given_keys) = captured, given
+    (captured_spec, captured_keys, captured_autocast), (given_spec, given_keys, given_autocast) = captured, given
+    if captured_autocast != given_autocast:
+        def autocast(state: Tuple[Any, ...]) -> str:
+            return f"under CUDA autocast to {str(state[1]).replace('torch.', '')}" if state[0] else "without CUDA autocast"
+
+        return f"called {autocast(given_autocast)}, captured {autocast(captured_autocast)}"
     if captured_spec != given_spec:
         return f"called with ({_describe(args, kwargs)}), whose structure (containers, keyword names) is not the captured one's"
 
@@ -229,6 +273,15 @@ def _capture_device(leaves: Sequence[Any], names: Sequence[str], who: str) -> to
     return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def _uncached_autocast() -> Any:
+    """Under CUDA autocast: the same autocast with its cache of cast weights off, so that a graph
+    records the casts it reads (a cached copy is freed when the user's autocast block ends, and a
+    replay would read freed memory). Otherwise nothing."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
 class CaptureError(RuntimeError):
     """A callable could not be captured in a CUDA graph (host synchronisation, CPU tensors, shapes
     that depend on values). A RuntimeError, so that callers may catch it by type and say what to
@@ -257,9 +310,8 @@ class CapturedGraph:
         warmup: int = 3,
     ) -> None:
         who = "mirage.graphs.capture"
-        if warmup < 1:
-            # The first calls run lazy initialisation (cuBLAS handles, autotuning) that must not be captured.
-            raise ValueError(f"{who}: warmup must be at least 1, got {warmup}")
+        # The first calls run lazy initialisation (cuBLAS handles, autotuning) that must not be captured.
+        warmup = count(warmup, f"{who}: warmup")
         leaves, names, spec = _flatten(args, kwargs)
         _refuse_grad(leaves, names, who)
         self.signature = signature(args, kwargs, who)
@@ -281,7 +333,7 @@ class CapturedGraph:
         self._static_arguments = (static_args, static_kwargs)
 
         start = time.perf_counter()
-        with torch.cuda.device(device), torch.no_grad():
+        with torch.cuda.device(device), torch.no_grad(), _uncached_autocast():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -298,7 +350,9 @@ class CapturedGraph:
             collecting = gc.isenabled()
             gc.disable()
             try:
-                with torch.cuda.graph(self._graph, pool=pool):
+                # A capture stream of the graph's own device (torch.cuda.graph's default is one
+                # stream per process, made on whichever device was current at the first capture).
+                with torch.cuda.graph(self._graph, pool=pool, stream=torch.cuda.Stream(device)):
                     outputs = fn(*static_args, **static_kwargs)
             except RuntimeError as error:
                 raise CaptureError(
@@ -399,8 +453,8 @@ def capture(
 
     Raises:
         ValueError: a CPU input, inputs on several GPUs, an input that requires grad under grad
-            mode, an unhashable non-tensor argument, or an output that is not a tensor, a
-            plain value or a container of them.
+            mode, an argument that is neither a dense tensor nor a plain value, ``warmup`` not an
+            int >= 1, or an output that is not a tensor, a plain value or a container of them.
         RuntimeError: no CUDA, or ``fn`` cannot be captured.
     """
     return CapturedGraph(fn, example_inputs, example_kwargs, pool=pool, copy_outputs=copy_outputs, warmup=warmup)
@@ -463,7 +517,7 @@ class GraphCache:
         self.fn = fn
         self.max_entries = count(max_entries, "mirage.graphs.GraphCache: max_entries")
         self.copy_outputs = copy_outputs
-        self.warmup = warmup
+        self.warmup = count(warmup, "mirage.graphs.GraphCache: warmup")
         self.verbose = verbose
         self._capture = capture
         self._new_pool = new_pool
@@ -526,16 +580,18 @@ class GraphCache:
         return entry.replay()
 
     def _capture_new(self, key: Hashable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        self.misses += 1
-        # Evict first, so the new capture can reuse the released memory.
-        while len(self._entries) >= self.max_entries:
-            self._evict_oldest()
         if self._pool is None:
             self._pool = self._new_pool()
         start = time.perf_counter()
         entry = self._capture(self.fn, args, kwargs, pool=self._pool, copy_outputs=self.copy_outputs,
                               warmup=self.warmup)
         seconds = time.perf_counter() - start
+        # Evicted only once the new graph exists, so that a capture that fails (fn raises, a CPU
+        # input) costs the cache no graph; the intermediates live in the shared pool either way,
+        # so the evicted graph's own buffers (inputs and outputs) are all this keeps a while longer.
+        while len(self._entries) >= self.max_entries:
+            self._evict_oldest()
+        self.misses += 1
         self.capture_seconds += seconds
         self._entries[key] = entry
         if self.verbose:

@@ -1,3 +1,4 @@
+import contextlib
 import enum
 import gc
 import re
@@ -5,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,6 +219,89 @@ def test_capture_refuses_cpu_inputs_and_grad():
         graphs.capture(lambda x, weight: x * weight, x, weight=w)
 
 
+@contextlib.contextmanager
+def cuda_autocast_flag(dtype):
+    """CUDA autocast switched on as torch.autocast("cuda") does, which without a GPU turns itself
+    off: the signature only reads the flag and the dtype."""
+    enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", previous)
+
+
+def test_signature_keys_on_cuda_autocast_and_names_it():
+    x = randn(2, 3)
+    plain = graphs.signature((x,), {})
+    with cuda_autocast_flag(torch.float16):
+        half = graphs.signature((x,), {})
+    with cuda_autocast_flag(torch.bfloat16):
+        bf16 = graphs.signature((x,), {})
+    assert len({plain, half, bf16}) == 3
+    assert graphs._difference(half, plain, (x,), {}) == ("called without CUDA autocast, captured under CUDA "
+                                                         "autocast to float16")
+    assert graphs._difference(plain, bf16, (x,), {}) == ("called under CUDA autocast to bfloat16, captured "
+                                                         "without CUDA autocast")
+
+
+def test_signature_takes_numpy_scalars_by_type_and_value():
+    x = randn(2)
+    key = graphs.signature((x, np.int64(3)), {"s": np.float32(0.5), "flag": np.bool_(True)})
+    assert key == graphs.signature((x, np.int64(3)), {"s": np.float32(0.5), "flag": np.bool_(True)})
+    assert key != graphs.signature((x, np.int64(4)), {"s": np.float32(0.5), "flag": np.bool_(True)})
+    assert key != graphs.signature((x, 3), {"s": np.float32(0.5), "flag": np.bool_(True)})  # as 1 and 1.0
+    assert graphs.signature((x, np.float32("nan")), {}) == graphs.signature((x, np.float32("nan")), {})
+    with pytest.raises(ValueError, match=r"argument args\[1\] is a ndarray, which is neither"):
+        graphs.signature((x, np.zeros(())), {})  # a 0-d array is mutable: not a plain value
+
+
+def test_signature_names_a_nested_tensor():
+    nested = torch.nested.nested_tensor([randn(2, 3), randn(4, 3)])
+    with pytest.raises(ValueError, match=r"argument args\[0\] is a nested tensor; a graph copies its inputs into "
+                                         r"dense \(strided\) static buffers"):
+        graphs.signature((nested,), {})
+
+
+def test_a_failed_capture_costs_the_cache_no_graph():
+    def fn(x):
+        if x.shape[0] == 3:
+            raise RuntimeError("no graph for three")
+        return x + 1
+
+    cache, _ = fake_cache(fn, 1)
+    cache(randn(2))
+    (graph_2,) = entries(cache)
+    with pytest.raises(RuntimeError, match="no graph for three"):
+        cache(randn(3))
+    assert entries(cache) == [graph_2] and not graph_2.released
+    stats = cache.stats()
+    assert (stats.misses, stats.evictions, stats.hits) == (1, 0, 0)
+    cache(randn(2))
+    assert cache.stats().hits == 1
+
+
+def test_warmup_follows_the_count_rule():
+    for bad in (0, True, 2.5, "3"):
+        with pytest.raises(ValueError, match=r"mirage.graphs.GraphCache: warmup must be an int >= 1, got"):
+            graphs.GraphCache(lambda x: x, warmup=bad)
+    with pytest.raises(ValueError, match=r"mirage.graphs.capture: warmup must be an int >= 1, got True"):
+        graphs.capture(lambda x: x, randn(2), warmup=True)
+    assert graphs.GraphCache(lambda x: x, warmup=np.int64(2)).warmup == 2
+
+
+def test_cache_refuses_inputs_that_require_grad():
+    cache, _ = fake_cache(lambda x: x * 2, 2)
+    w = randn(3).requires_grad_()
+    with pytest.raises(ValueError, match=r"mirage.graphs.GraphCache: input args\[0\] requires grad while grad mode"):
+        cache(w)
+    assert len(cache) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(cache(w), w.detach() * 2)
+
+
 # ----------------------------------------------------------------------------------------------
 # On a GPU
 
@@ -235,6 +320,28 @@ class SmallNet(nn.Module):
 
 def small_net_inputs(batch=2, size=16):
     return randn(batch, 8, size, size, device="cuda"), randn(16, device="cuda")
+
+
+@pytest.mark.cuda
+def test_a_graph_captured_inside_autocast_records_its_own_casts():
+    # Inside torch.autocast a warm-up fills autocast's cache with float16 copies of the weights,
+    # which a capture would then read without a cast of its own; the block's end frees them. The
+    # graph must replay correctly after that, with the freed memory reused meanwhile.
+    lin = nn.Linear(256, 256).cuda()
+    x = randn(8, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        graph = graphs.capture(lin, x)
+        with torch.no_grad():
+            expected = lin(x)
+    scribble = [torch.full((256, 256), 1e4, dtype=torch.float16, device="cuda") for _ in range(64)]
+    y = randn(8, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16), torch.no_grad():
+        out, reference = graph(x), lin(y)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(graph(y), reference)
+    assert out.dtype == torch.float16 and len(scribble) == 64
+    with pytest.raises(ValueError, match="called without CUDA autocast, captured under CUDA autocast to float16"):
+        graph(x)
 
 
 @pytest.mark.cuda
