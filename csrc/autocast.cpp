@@ -21,17 +21,19 @@
 #include <torch/library.h>
 
 #include "op_handles.h"
+#include "ops/checks.h"
 
 namespace mirage::autocast {
 namespace {
 
 using at::autocast::cached_cast;
+using ops::present;
 
 // The norms and bias_act take a weight or bias in x's dtype (after autocast's cast: float64 stays
 // float64) or float32; another one (say float16 under bfloat16 autocast) is read in float32,
 // where PyTorch's composite would promote it.
 std::optional<at::Tensor> weight_for(at::ScalarType dtype, const std::optional<at::Tensor>& weight) {
-  if (weight.has_value() && weight->defined() && weight->is_floating_point() && weight->scalar_type() != dtype &&
+  if (present(weight) && weight->is_floating_point() && weight->scalar_type() != dtype &&
       weight->scalar_type() != at::kFloat)
     return weight->to(at::kFloat);
   return weight;
@@ -85,7 +87,7 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
   const std::optional<at::Tensor> cast_residual =
-      residual.has_value() ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
+      present(residual) ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
                            : std::nullopt;
   const at::Tensor cast_x = cached_cast(dtype, x, Device);
   return handles::bias_act().call(cast_x, weight_for(cast_x.scalar_type(), bias), cast_residual, activation, scale);
@@ -202,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
   std::optional<at::Tensor> weight;
-  if (filter_weight.has_value()) weight = cached_cast(dtype, *filter_weight, Device);
+  if (present(filter_weight)) weight = cached_cast(dtype, *filter_weight, Device);
   return handles::vector_message_passing().call(
       cached_cast(dtype, x, Device), cached_cast(dtype, filter, Device),
       cached_cast(dtype, vectors, Device), cached_cast(dtype, directions, Device), pairs, weight, sender_order,

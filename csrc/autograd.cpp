@@ -19,6 +19,7 @@
 
 #include "op_handles.h"
 #include "ops/bias_act.h"
+#include "ops/checks.h"
 #include "ops/linear.h"
 #include "ops/message.h"
 #include "ops/pair_order.h"
@@ -60,9 +61,10 @@ constexpr auto given = &GivenTensors<Handle, Kernel>::call;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using ops::present;
 
 at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? *t : at::Tensor();
+  return present(t) ? *t : at::Tensor();
 }
 
 // The inverse: a saved optional input as the ops take it again.
@@ -1075,7 +1077,7 @@ namespace {
 // Absent biases travel through the autograd Function as empty tensors (its inputs must be defined);
 // a present one has at least one element (checked).
 at::Tensor or_empty(const std::optional<at::Tensor>& bias, const at::Tensor& like) {
-  return bias.has_value() ? *bias : like.new_empty({0});
+  return present(bias) ? *bias : like.new_empty({0});
 }
 
 std::optional<at::Tensor> optional(const at::Tensor& bias) {

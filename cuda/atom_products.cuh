@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
@@ -374,10 +375,11 @@ __device__ inline void total_energy(float* energy, const float* parts) {
 // below sm_90; cached per kernel (a template instance each) and device.
 template <auto kKernel>
 int cluster_limit() {
-  static int cached[64] = {};
+  static std::atomic<int> cached[64] = {};  // 0 unknown (as overlapped_launches' cache)
   int device = 0, major = 0;
   cudaGetDevice(&device);
-  if (device < 64 && cached[device] > 0) return cached[device];
+  const int known = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (known > 0) return known;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   int limit = 1;
   if (major >= 9) {
@@ -392,7 +394,7 @@ int cluster_limit() {
     }
     cudaGetLastError();  // a refused query leaves the portable size; clear its error
   }
-  if (device < 64) cached[device] = limit;
+  if (device < 64) cached[device].store(limit, std::memory_order_relaxed);
   return limit;
 }
 

@@ -2,6 +2,7 @@
 // Host-includable: no device code and no torch here (ARCHITECTURE.md rule 1).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
@@ -29,13 +30,16 @@ inline bool overlapped_launches() {
     const char* env = std::getenv("MIRAGE_OVERLAP_LAUNCHES");
     return env == nullptr || std::string_view(env) != "0";
   }();
-  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
+  // 0 unknown, 1 no, 2 yes; atomic, since launchers run on any thread (two that race both work
+  // the answer out, the same one).
+  static std::atomic<int> cached[64] = {};
   int device = 0, major = 0;
   cudaGetDevice(&device);
-  if (device < 64 && cached[device] != 0) return cached[device] == 2;
+  const int known = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known == 2;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   const bool overlap = allowed && major >= 9;
-  if (device < 64) cached[device] = overlap ? 2 : 1;
+  if (device < 64) cached[device].store(overlap ? 2 : 1, std::memory_order_relaxed);
   return overlap;
 }
 

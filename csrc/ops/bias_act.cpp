@@ -17,7 +17,7 @@ void check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
   MIRAGE_CHECK(x.dim() >= 2, kBiasAct, ": x must have shape (N, C, *), got ", x.dim(),
               " dimension(s) ", x.sym_sizes());
   const c10::SymInt batch = x.sym_size(0), channels = x.sym_size(1);
-  if (bias.has_value() && bias->defined()) {
+  if (present(bias)) {
     check_same_device(kBiasAct, "bias", *bias, x);
     const bool per_channel = bias->dim() == 1 && bias->sym_size(0) == channels;
     const bool per_sample = bias->dim() == 2 && bias->sym_size(0) == batch && bias->sym_size(1) == channels;
@@ -27,7 +27,7 @@ void check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                 kBiasAct, ": bias must have x's dtype (", x.scalar_type(), ") or float32, got ",
                 bias->scalar_type());
   }
-  if (residual.has_value() && residual->defined()) {
+  if (present(residual)) {
     check_same_device(kBiasAct, "residual", *residual, x);
     MIRAGE_CHECK(residual->sym_sizes() == x.sym_sizes(), kBiasAct, ": residual must have x's shape ",
                 x.sym_sizes(), ", got ", residual->sym_sizes());
@@ -73,13 +73,13 @@ at::Tensor bias_act_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bi
                         double scale) {
   check_bias_act(x, bias, residual, activation, scale);
   at::Tensor v = x.to(at::kDouble);
-  if (bias.has_value() && bias->defined()) v = v + broadcastable_bias(bias->to(at::kDouble), v);
+  if (present(bias)) v = v + broadcastable_bias(bias->to(at::kDouble), v);
   if (activation == "silu") v = v / (1.0 + at::exp(-v));
   if (activation == "gelu") v = 0.5 * v * (1.0 + at::erf(v / std::sqrt(2.0)));
   if (activation == "gelu_tanh")
     v = 0.5 * v * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v)));
   if (activation == "relu") v = at::relu(v);
-  if (residual.has_value() && residual->defined()) v = v + residual->to(at::kDouble);
+  if (present(residual)) v = v + residual->to(at::kDouble);
   v = v * scale;
   return v.to(x.scalar_type()).contiguous(channels_layout(x));
 }

@@ -19,7 +19,7 @@ at::Tensor bias_act_cuda(const at::Tensor& x, const std::optional<at::Tensor>& b
   const c10::cuda::CUDAGuard guard(x.device());
   // The kernel reads x and residual in the output's memory order (a copy only when they differ).
   const at::Tensor input = x.contiguous(shape.layout);
-  const at::Tensor res = residual.has_value() && residual->defined()
+  const at::Tensor res = present(residual)
                              ? residual->contiguous(shape.layout) : at::Tensor();
   const at::Tensor b = contiguous_or_undefined(bias);
   at::Tensor y = empty_in_channels_layout(x, shape.layout);

@@ -35,7 +35,7 @@ void check_same_device(std::string_view op, std::string_view arg, const at::Tens
 
 void check_param(std::string_view op, std::string_view arg, const std::optional<at::Tensor>& p,
                  const at::Tensor& x, const c10::SymInt& size) {
-  if (!p.has_value() || !p->defined()) return;
+  if (!present(p) || !p->defined()) return;
   check_same_device(op, arg, *p, x);
   MIRAGE_CHECK(p->dim() == 1 && p->sym_size(0) == size, op, ": ", arg, " must have shape [", size,
               "], got ", p->sym_sizes());
@@ -45,8 +45,8 @@ void check_param(std::string_view op, std::string_view arg, const std::optional<
 
 at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, const at::Tensor& x) {
-  const bool has_weight = weight.has_value() && weight->defined();
-  const bool has_bias = bias.has_value() && bias->defined();
+  const bool has_weight = present(weight);
+  const bool has_bias = present(bias);
   if (has_weight && has_bias) {
     MIRAGE_CHECK(weight->scalar_type() == bias->scalar_type(), op,
                 ": weight and bias must have the same dtype, got ", weight->scalar_type(), " and ",
@@ -71,7 +71,7 @@ ChannelsShape channels_shape(const at::Tensor& x) {
 }
 
 at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p) {
-  return p.has_value() && p->defined() ? p->contiguous() : at::Tensor();
+  return present(p) ? p->contiguous() : at::Tensor();
 }
 
 void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes) {

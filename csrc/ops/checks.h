@@ -55,6 +55,11 @@ ChannelsShape channels_shape(const at::Tensor& x);
 // references read the indices anyway, so out-of-range ones raise there.
 void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes);
 
+// Whether an optional tensor argument is given. An undefined tensor, which C++ callers may pass
+// for "none", counts as absent, as in PyTorch's own ops: read as given, its device would raise
+// the dispatcher's "tensor does not have a device", naming neither op nor argument.
+inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
 // The parameter as a contiguous tensor, or undefined when absent.
 at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& p);
 

@@ -40,10 +40,10 @@ at::Tensor group_norm_cpu(const at::Tensor& x, int64_t num_groups,
   check_group_norm(x, num_groups, weight, bias, eps, activation);
   const ChannelsShape shape = channels_shape(x);
   const at::Tensor x64 = x.to(at::kDouble).contiguous();
-  const at::Tensor w64 = weight.has_value() && weight->defined()
+  const at::Tensor w64 = present(weight)
                              ? weight->to(at::kDouble).contiguous()
                              : at::ones({shape.channels}, x64.options());
-  const at::Tensor b64 = bias.has_value() && bias->defined()
+  const at::Tensor b64 = present(bias)
                              ? bias->to(at::kDouble).contiguous()
                              : at::zeros({shape.channels}, x64.options());
   at::Tensor y64 = at::empty_like(x64);

@@ -40,9 +40,9 @@ namespace {
 at::Tensor layer_norm_reference(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                 const std::optional<at::Tensor>& bias, double eps, int64_t dim) {
   const at::Tensor x64 = x.to(at::kDouble).contiguous();
-  const at::Tensor w64 = weight.has_value() && weight->defined() ? weight->to(at::kDouble).contiguous()
+  const at::Tensor w64 = present(weight) ? weight->to(at::kDouble).contiguous()
                                                                  : at::ones({dim}, x64.options());
-  const at::Tensor b64 = bias.has_value() && bias->defined() ? bias->to(at::kDouble).contiguous()
+  const at::Tensor b64 = present(bias) ? bias->to(at::kDouble).contiguous()
                                                              : at::zeros({dim}, x64.options());
   at::Tensor y64 = at::empty_like(x64);
   const double* xs = x64.const_data_ptr<double>();

@@ -23,7 +23,7 @@ c10::SymDimVector check_linear(const at::Tensor& x, const at::Tensor& weight, co
   MIRAGE_CHECK(weight.scalar_type() == x.scalar_type(), kLinear, ": weight must have x's dtype (",
               x.scalar_type(), "), got ", weight.scalar_type());
   const c10::SymInt out_features = weight.sym_size(0);
-  if (bias.has_value() && bias->defined()) {
+  if (present(bias)) {
     check_same_device(kLinear, "bias", *bias, x);
     MIRAGE_CHECK(bias->dim() == 1 && bias->sym_size(0) == out_features, kLinear,
                 ": bias must have shape [", out_features, "], got ", bias->sym_sizes());
@@ -32,7 +32,7 @@ c10::SymDimVector check_linear(const at::Tensor& x, const at::Tensor& weight, co
   }
   c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
   shape.back() = out_features;
-  if (residual.has_value() && residual->defined()) {
+  if (present(residual)) {
     check_same_device(kLinear, "residual", *residual, x);
     MIRAGE_CHECK(residual->sym_sizes() == c10::SymIntArrayRef(shape), kLinear,
                 ": residual must have the output's shape ", c10::SymIntArrayRef(shape), ", got ",
@@ -55,10 +55,10 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
   check_linear(x, weight, bias, residual, input_activation);
   const at::ScalarType acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const bool has_bias = bias.has_value() && bias->defined();
+  const bool has_bias = present(bias);
   at::Tensor y = at::linear(apply_activation(x, input_activation).to(acc), weight.to(acc),
                             has_bias ? std::optional<at::Tensor>(bias->to(acc)) : std::nullopt);
-  if (residual.has_value() && residual->defined()) y = y + residual->to(acc);
+  if (present(residual)) y = y + residual->to(acc);
   return y.to(x.scalar_type()).contiguous();
 }
 

@@ -196,7 +196,7 @@ void small_linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const at::Tensor rows = as_rows(x, m, k), weight_rows = as_rows(weight, n, k);
   const at::Tensor bias_vector = contiguous_or_undefined(bias);
   at::Tensor residual_rows;
-  if (residual.has_value() && residual->defined()) {
+  if (present(residual)) {
     residual_rows = residual->reshape({m, n});
     if (n > 1 && residual_rows.stride(1) != 1) residual_rows = residual_rows.contiguous();
   }
@@ -257,8 +257,8 @@ at::Tensor linear_cuda(const at::Tensor& x_in, const at::Tensor& weight,
   const c10::SymDimVector shape = check_linear(x_in, weight, bias, residual, input_activation);
   const c10::cuda::CUDAGuard guard(x_in.device());
   at::Tensor y = at::empty_symint(shape, x_in.options());
-  const bool has_bias = bias.has_value() && bias->defined();
-  const bool has_residual = residual.has_value() && residual->defined();
+  const bool has_bias = present(bias);
+  const bool has_residual = present(residual);
   const int64_t k = x_in.size(-1), n = weight.size(0);
   const int64_t m = c10::multiply_integers(x_in.sizes().slice(0, x_in.dim() - 1));
   if (y.numel() == 0) return y;

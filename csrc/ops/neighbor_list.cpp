@@ -8,13 +8,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "checks.h"
 #include "message.h"
 
 namespace mirage::ops {
 
 namespace {
-
-bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 void check_on_device_of_positions(std::string_view arg, const at::Tensor& t,
                                   const at::Tensor& positions) {
@@ -41,7 +40,7 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
                ": positions must have fewer than 2^31 atoms, got ", n);
   MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, kNeighborList,
                ": cutoff must be finite and > 0, got ", cutoff);
-  if (has(batch)) {
+  if (present(batch)) {
     check_on_device_of_positions("batch", *batch, positions);
     MIRAGE_CHECK(batch->scalar_type() == at::kLong, kNeighborList, ": batch must be int64, got ",
                  batch->scalar_type());
@@ -49,11 +48,11 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
                  ": batch must have shape [N] = [", n, "], got ", batch->sizes());
   }
   int64_t num_molecules = 1;
-  if (has(cell)) {
+  if (present(cell)) {
     check_on_device_of_positions("cell", *cell, positions);
     MIRAGE_CHECK(cell->scalar_type() == dtype, kNeighborList, ": cell must have positions' dtype (",
                  dtype, "), got ", cell->scalar_type());
-    if (has(batch)) {
+    if (present(batch)) {
       MIRAGE_CHECK(cell->dim() == 3 && cell->size(1) == 3 && cell->size(2) == 3, kNeighborList,
                    ": cell must have shape [M, 3, 3] with batch (one cell per molecule), got ",
                    cell->sizes());
@@ -63,13 +62,13 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
                    ": cell must have shape [3, 3] without batch, got ", cell->sizes());
     }
   }
-  if (has(pbc)) {
-    MIRAGE_CHECK(has(cell), kNeighborList, ": pbc needs a cell (open boundaries need neither)");
+  if (present(pbc)) {
+    MIRAGE_CHECK(present(cell), kNeighborList, ": pbc needs a cell (open boundaries need neither)");
     check_on_device_of_positions("pbc", *pbc, positions);
     MIRAGE_CHECK(pbc->scalar_type() == at::kBool, kNeighborList, ": pbc must be bool, got ",
                  pbc->scalar_type());
     const bool shared = pbc->dim() == 1 && pbc->size(0) == 3;
-    const bool per_molecule = has(batch) && pbc->dim() == 2 && pbc->size(0) == num_molecules &&
+    const bool per_molecule = present(batch) && pbc->dim() == 2 && pbc->size(0) == num_molecules &&
                               pbc->size(1) == 3;
     MIRAGE_CHECK(shared || per_molecule, kNeighborList,
                  ": pbc must have shape [3] (or [M, 3] with batch and M cells), got ", pbc->sizes());
@@ -78,7 +77,7 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
                max_pairs);
   MIRAGE_CHECK(method == "auto" || method == "direct" || method == "cell_list", kNeighborList,
                ": method must be \"auto\", \"direct\" or \"cell_list\", got \"", method, "\"");
-  MIRAGE_CHECK(!(method == "cell_list" && has(batch)), kNeighborList,
+  MIRAGE_CHECK(!(method == "cell_list" && present(batch)), kNeighborList,
                ": method \"cell_list\" takes one molecule; batched molecules use \"direct\" or \"auto\"");
   return {n, num_molecules, max_pairs == -1 ? n * std::max<int64_t>(n - 1, 0) : max_pairs};
 }
@@ -230,11 +229,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cpu(
   for (int64_t i = 0; i < n; ++i)
     MIRAGE_CHECK(std::isfinite(r[3 * i]) && std::isfinite(r[3 * i + 1]) && std::isfinite(r[3 * i + 2]),
                  kNeighborList, ": positions must be finite (atom ", i, " is not)");
-  const at::Tensor cell64 = has(cell) ? cell->to(at::kDouble).contiguous() : at::Tensor();
-  const at::Tensor pbc_c = has(pbc) ? pbc->contiguous() : at::Tensor();
-  const at::Tensor batch_c = has(batch) ? batch->contiguous() : at::Tensor();
-  const int64_t* b = has(batch) ? batch_c.const_data_ptr<int64_t>() : nullptr;
-  const int64_t pbc_stride = has(pbc) && pbc_c.dim() == 2 ? 3 : 0;
+  const at::Tensor cell64 = present(cell) ? cell->to(at::kDouble).contiguous() : at::Tensor();
+  const at::Tensor pbc_c = present(pbc) ? pbc->contiguous() : at::Tensor();
+  const at::Tensor batch_c = present(batch) ? batch->contiguous() : at::Tensor();
+  const int64_t* b = present(batch) ? batch_c.const_data_ptr<int64_t>() : nullptr;
+  const int64_t pbc_stride = present(pbc) && pbc_c.dim() == 2 ? 3 : 0;
 
   const int64_t capacity = shape.max_pairs;
   FoundPairs found{capacity};
@@ -248,13 +247,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cpu(
       MIRAGE_CHECK(end == n || b[end] > b[first], kNeighborList, ": batch must be sorted (batch[",
                    end - 1, "] = ", b[end - 1], " > batch[", end, "] = ", b[end], ")");
       molecule = b[first];
-      MIRAGE_CHECK(!has(cell) || (molecule >= 0 && molecule < shape.num_molecules), kNeighborList,
+      MIRAGE_CHECK(!present(cell) || (molecule >= 0 && molecule < shape.num_molecules), kNeighborList,
                    ": batch must index the rows of cell, in [0, ", shape.num_molecules, "), got ",
                    molecule, " at atom ", first);
     }
     const Lattice lat = make_lattice(
-        has(cell) ? cell64.const_data_ptr<double>() + 9 * molecule : nullptr,
-        has(pbc) ? pbc_c.const_data_ptr<bool>() + pbc_stride * molecule : nullptr, cutoff, molecule);
+        present(cell) ? cell64.const_data_ptr<double>() + 9 * molecule : nullptr,
+        present(pbc) ? pbc_c.const_data_ptr<bool>() + pbc_stride * molecule : nullptr, cutoff, molecule);
     for (int64_t i = first; i < end; ++i)
       for (int k = 0; k < 3; ++k)
         MIRAGE_CHECK(!lat.periodic[k] || std::abs(dot3(r + 3 * i, lat.normal[k])) < kNeighborListMaxCellWidths,

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "../../cuda/sender_order.h"
+#include "checks.h"
 #include "message.h"
 
 namespace mirage::ops {
@@ -23,7 +24,7 @@ int64_t check_sender_order_op(const at::Tensor& pairs, int64_t num_nodes, const 
 }
 
 void check_pair_count(std::string_view op, const std::optional<at::Tensor>& num_pairs, const at::Tensor& pairs) {
-  if (!num_pairs.has_value()) return;
+  if (!present(num_pairs)) return;
   MIRAGE_CHECK(num_pairs->device() == pairs.device(), op, ": num_pairs must be on pairs' device (", pairs.device(),
                "), got ", num_pairs->device());
   MIRAGE_CHECK(num_pairs->scalar_type() == at::kLong && num_pairs->numel() == 1, op,
@@ -38,12 +39,12 @@ at::Tensor walked_mask(const at::Tensor& num_pairs, int64_t P) {
 }
 
 int64_t walked_pairs_on_cpu(const std::optional<at::Tensor>& num_pairs, int64_t P) {
-  return num_pairs.has_value() ? cuda::walked_pairs(num_pairs->item<int64_t>(), P) : P;
+  return present(num_pairs) ? cuda::walked_pairs(num_pairs->item<int64_t>(), P) : P;
 }
 
 void check_sender_order(std::string_view op, const std::optional<at::Tensor>& order, const at::Tensor& pairs,
                         const std::optional<at::Tensor>& num_pairs) {
-  if (!order.has_value()) return;
+  if (!present(order)) return;
   const int64_t P = pairs.size(1);
   MIRAGE_CHECK(order->device() == pairs.device(), op, ": sender_order must be on pairs' device (", pairs.device(),
                "), got ", order->device());
@@ -70,7 +71,7 @@ void check_sender_order(std::string_view op, const std::optional<at::Tensor>& or
 }
 
 at::Tensor given_sender_order(const std::optional<at::Tensor>& order) {
-  return order.has_value() && order->numel() != 0 ? order->contiguous() : at::Tensor();
+  return present(order) && order->numel() != 0 ? order->contiguous() : at::Tensor();
 }
 
 namespace {

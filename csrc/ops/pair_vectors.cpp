@@ -25,7 +25,7 @@ PairVectorsShape check_pair_vectors(std::string_view op, const at::Tensor& posit
   MIRAGE_CHECK(pairs.scalar_type() == at::kLong, op, ": pairs must be int64, got ", pairs.scalar_type());
   MIRAGE_CHECK(pairs.dim() == 2 && pairs.size(0) == 2, op, ": pairs must be [2, P], got ", pairs.sizes());
   const PairVectorsShape shape{positions.size(0), pairs.size(1)};
-  if (shifts.has_value()) check_like(op, "shifts", *shifts, "positions'", positions, "[P, 3]", {shape.pairs, 3});
+  if (present(shifts)) check_like(op, "shifts", *shifts, "positions'", positions, "[P, 3]", {shape.pairs, 3});
   check_sender_order(op, sender_order, pairs);
   return shape;
 }
@@ -37,9 +37,9 @@ PairVectorsShape check_pair_vectors_backward(const std::optional<at::Tensor>& gr
                                              const std::optional<at::Tensor>& sender_order) {
   constexpr std::string_view op = kPairVectorsBackward;
   const PairVectorsShape shape = check_pair_vectors(op, positions, pairs, shifts, sender_order);
-  if (grad_vectors.has_value())
+  if (present(grad_vectors))
     check_like(op, "grad_vectors", *grad_vectors, "positions'", positions, "[P, 3]", {shape.pairs, 3});
-  if (grad_distances.has_value())
+  if (present(grad_distances))
     check_like(op, "grad_distances", *grad_distances, "positions'", positions, "[P]", {shape.pairs});
   return shape;
 }
@@ -69,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> pair_vectors_cpu(const at::Tensor& positions,
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kPairVectors, idx, N);
   const at::Tensor pos64 = as_double(positions);
-  const at::Tensor shifts64 = shifts.has_value() ? as_double(*shifts) : at::Tensor();
+  const at::Tensor shifts64 = present(shifts) ? as_double(*shifts) : at::Tensor();
   const Geometry geometry{pos64.const_data_ptr<double>(), idx.const_data_ptr<int64_t>(),
                           shifts64.defined() ? shifts64.const_data_ptr<double>() : nullptr, P};
   at::Tensor vectors = at::empty({P, 3}, pos64.options()), distances = at::empty({P}, pos64.options());
@@ -93,9 +93,9 @@ at::Tensor pair_vectors_backward_cpu(const std::optional<at::Tensor>& grad_vecto
   const at::Tensor idx = pairs.contiguous();
   check_pair_indices(kPairVectorsBackward, idx, N);
   const at::Tensor pos64 = as_double(positions);
-  const at::Tensor gv64 = grad_vectors.has_value() ? as_double(*grad_vectors) : at::Tensor();
-  const at::Tensor gd64 = grad_distances.has_value() ? as_double(*grad_distances) : at::Tensor();
-  const at::Tensor shifts64 = shifts.has_value() ? as_double(*shifts) : at::Tensor();
+  const at::Tensor gv64 = present(grad_vectors) ? as_double(*grad_vectors) : at::Tensor();
+  const at::Tensor gd64 = present(grad_distances) ? as_double(*grad_distances) : at::Tensor();
+  const at::Tensor shifts64 = present(shifts) ? as_double(*shifts) : at::Tensor();
   const Geometry geometry{pos64.const_data_ptr<double>(), idx.const_data_ptr<int64_t>(),
                           shifts64.defined() ? shifts64.const_data_ptr<double>() : nullptr, P};
   at::Tensor grad = at::zeros({N, 3}, pos64.options());

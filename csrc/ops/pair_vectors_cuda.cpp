@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "../../cuda/pair_vectors.cuh"
+#include "checks.h"
 #include "cuda_utils.h"
 #include "pair_order.h"
 #include "pair_vectors.h"
@@ -14,7 +15,7 @@ namespace mirage::ops {
 namespace {
 
 at::Tensor contiguous_shifts(const std::optional<at::Tensor>& shifts) {
-  return shifts.has_value() ? shifts->contiguous() : at::Tensor();
+  return present(shifts) ? shifts->contiguous() : at::Tensor();
 }
 
 std::tuple<at::Tensor, at::Tensor> pair_vectors_cuda(const at::Tensor& positions, const at::Tensor& pairs,
@@ -39,8 +40,8 @@ at::Tensor pair_vectors_backward_cuda(const std::optional<at::Tensor>& grad_vect
   const auto [N, P] =
       check_pair_vectors_backward(grad_vectors, grad_distances, positions, pairs, shifts, sender_order);
   const c10::cuda::CUDAGuard guard(positions.device());
-  const at::Tensor gv = grad_vectors.has_value() ? grad_vectors->contiguous() : at::Tensor();
-  const at::Tensor gd = grad_distances.has_value() ? grad_distances->contiguous() : at::Tensor();
+  const at::Tensor gv = present(grad_vectors) ? grad_vectors->contiguous() : at::Tensor();
+  const at::Tensor gd = present(grad_distances) ? grad_distances->contiguous() : at::Tensor();
   const at::Tensor pos = positions.contiguous(), idx = pairs.contiguous(), sh = contiguous_shifts(shifts),
                    order = given_sender_order(sender_order);
   at::Tensor grad = at::empty({N, 3}, positions.options());

@@ -296,7 +296,7 @@ void check_filter_network(std::string_view op, const at::Tensor& x, const at::Te
                ": weight2 must have shape [M, H] = [", s.width, ", ", s.hidden, "] (M from x, H from weight1), got ",
                weight2.sizes());
   const auto check_bias = [&](const std::optional<at::Tensor>& b, std::string_view name, int64_t size) {
-    if (!b.has_value()) return;
+    if (!present(b)) return;
     check_like_x(op, *b, name, x);
     MIRAGE_CHECK(b->dim() == 1 && b->size(0) == size, op, ": ", name, " must have shape [", size, "], got ",
                  b->sizes());
@@ -384,7 +384,7 @@ CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tenso
 namespace {
 
 at::Tensor optional_f64(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? t->to(at::kDouble) : at::Tensor();
+  return present(t) ? t->to(at::kDouble) : at::Tensor();
 }
 
 // Per-pair values of the walked pairs, zeros appended for the skipped padding: [P, ...].
@@ -504,7 +504,7 @@ at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional
       av[2][e][h] = j.d2 * tv[e][h] * tv[e][h] + j.d1 * uv[e][h];
     }
   at::Tensor f = at::matmul(a, weight2.to(at::kDouble).t());  // [3, ends, M]
-  if (bias2.has_value()) f[0] += bias2->to(at::kDouble);
+  if (present(bias2)) f[0] += bias2->to(at::kDouble);
   at::Tensor table = at::empty({intervals, kCoefficients, M}, f64);
   auto out = table.accessor<double, 3>();
   const auto fv = f.accessor<double, 3>();

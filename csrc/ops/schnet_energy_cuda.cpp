@@ -163,9 +163,9 @@ cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, co
   };
   cuda::CfconvWeights w{};
   w.w1 = ptr(weight1);
-  w.b1 = bias1.has_value() ? ptr(*bias1) : nullptr;
+  w.b1 = present(bias1) ? ptr(*bias1) : nullptr;
   w.w2 = ptr(weight2);
-  w.b2 = bias2.has_value() ? ptr(*bias2) : nullptr;
+  w.b2 = present(bias2) ? ptr(*bias2) : nullptr;
   w.num_rbf = static_cast<int>(s.rbf);
   w.width = static_cast<int>(s.width);
   w.activation = kernel_activation(std::string(activation));
@@ -285,9 +285,9 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_cuda(
   };
   cuda::FilterTableParams t{};
   t.w1 = weight(weight1);
-  t.b1 = bias1.has_value() ? weight(*bias1) : nullptr;
+  t.b1 = present(bias1) ? weight(*bias1) : nullptr;
   t.w2 = weight(weight2);
-  t.b2 = bias2.has_value() ? weight(*bias2) : nullptr;
+  t.b2 = present(bias2) ? weight(*bias2) : nullptr;
   t.num_rbf = static_cast<int>(s.rbf);
   t.hidden = static_cast<int>(s.hidden);
   t.width = static_cast<int>(s.width);

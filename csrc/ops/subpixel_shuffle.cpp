@@ -41,7 +41,7 @@ namespace {
 
 at::Tensor subpixel_shuffle_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   check_subpixel_shuffle(x, bias);
-  const at::Tensor b = bias.has_value() && bias->defined() ? bias->to(at::kDouble) : at::Tensor();
+  const at::Tensor b = present(bias) ? bias->to(at::kDouble) : at::Tensor();
   return subpixel_shuffle_composite(x.to(at::kDouble), b).to(x.scalar_type());
 }
 

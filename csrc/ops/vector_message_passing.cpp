@@ -63,7 +63,7 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
   check_floating(op, "vectors", vectors, x);
   check_shape(op, "vectors", vectors, "[N, 3, F]", {s.nodes, 3, s.features});
   check_floating(op, "filter", filter, x);
-  if (filter_weight.has_value()) {
+  if (present(filter_weight)) {
     check_floating(op, "filter_weight", *filter_weight, x);
     MIRAGE_CHECK(filter_weight->dim() == 2 && filter_weight->size(0) == 3 * s.features && filter_weight->size(1) >= 1,
                  op, ": filter_weight must be [3F, K] = [", 3 * s.features, ", K] with K >= 1, got ",
@@ -95,7 +95,7 @@ VectorMessagePassingShape check_vector_message_passing_backward(
 }
 
 at::Tensor formed_filter(const at::Tensor& filter, const std::optional<at::Tensor>& filter_weight) {
-  return filter_weight.has_value() ? at::matmul(filter, filter_weight->t()) : filter;
+  return present(filter_weight) ? at::matmul(filter, filter_weight->t()) : filter;
 }
 
 namespace {
@@ -104,7 +104,7 @@ at::Tensor as_double(const at::Tensor& t) { return t.to(at::kDouble).contiguous(
 
 // The filter in float64 for the references (formed in float64 from a basis).
 at::Tensor filter_as_double(const at::Tensor& filter, const std::optional<at::Tensor>& filter_weight) {
-  return formed_filter(as_double(filter), filter_weight.has_value()
+  return formed_filter(as_double(filter), present(filter_weight)
                                               ? std::optional<at::Tensor>(as_double(*filter_weight))
                                               : std::nullopt).contiguous();
 }

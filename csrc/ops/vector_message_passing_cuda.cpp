@@ -25,7 +25,7 @@ struct FilterSource {
 
   FilterSource(const at::Tensor& filter_arg, const std::optional<at::Tensor>& filter_weight,
                std::initializer_list<const at::Tensor*> rows) {
-    bool fusable = filter_weight.has_value() &&
+    bool fusable = present(filter_weight) &&
                    cuda::fused_filter_supported(filter_weight->size(0) / 3, filter_weight->size(1),
                                                 to_kernel_dtype(filter_arg.scalar_type()));
     for (const at::Tensor* t : rows) fusable = fusable && is_16_byte_aligned(*t);

@@ -87,7 +87,7 @@ void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tens
   forces.copy_(grad.neg());
   energy.copy_(model_energy.reshape({}));
   if (kick != 0.0) velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
-  if (pair_count.has_value()) {
+  if (present(pair_count)) {
     const at::Tensor count = pair_count->reshape({1});
     at::Tensor high = pair_count_range->narrow(0, 0, 1), low = pair_count_range->narrow(0, 1, 1);
     high.copy_(at::maximum(high, count));
@@ -146,11 +146,11 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   MIRAGE_CHECK(model_energy.numel() == 1, op, ": model_energy must have one element, got shape ",
                model_energy.sizes());
   check_inverse_masses(op, inverse_masses, "velocities'", velocities);
-  MIRAGE_CHECK(pair_count.has_value() == pair_count_range.has_value(), op,
+  MIRAGE_CHECK(present(pair_count) == present(pair_count_range), op,
                ": pair_count and pair_count_range must both be given or both be None");
   check_apart(op, {{"velocities", &velocities}, {"forces", &forces}, {"energy", &energy}},
               {{"grad", &grad}, {"model_energy", &model_energy}, {"inverse_masses", &inverse_masses}});
-  if (!pair_count.has_value()) return;
+  if (!present(pair_count)) return;
   for (const auto& [arg, t] :
        {std::pair{"pair_count", *pair_count}, std::pair{"pair_count_range", *pair_count_range}}) {
     MIRAGE_CHECK(t.device() == velocities.device(), op, ": ", arg, " must be on velocities' device (",

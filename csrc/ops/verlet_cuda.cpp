@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../../cuda/verlet.cuh"
+#include "checks.h"
 #include "cuda_utils.h"
 #include "verlet.h"
 
@@ -57,7 +58,7 @@ void verlet_forces_kick_cuda(at::Tensor& velocities, at::Tensor& forces, at::Ten
   params.grad = g.const_data_ptr();
   params.model_energy = e.const_data_ptr();
   params.model_energy_float64 = e.scalar_type() == at::kDouble;
-  if (pair_count.has_value()) {  // one element, any strides; the range checked contiguous
+  if (present(pair_count)) {  // one element, any strides; the range checked contiguous
     params.pair_count = pair_count->const_data_ptr<int64_t>();
     params.pair_count_range = pair_count_range->mutable_data_ptr<int64_t>();
   }

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -152,6 +153,48 @@ TEST_CASE("bad input raises c10::Error naming the op and the argument", "[api]")
   REQUIRE(error_of([&] { mirage::sender_order(at::Tensor(), 3); }).find(
               "mirage::sender_order: pairs must be a defined tensor") != std::string::npos);
 }
+
+TEST_CASE("an undefined tensor for an optional argument is the same as none", "[api]") {
+  // PyTorch's convention, which C++ callers rely on: at::Tensor() where an optional tensor goes.
+  const at::Tensor none;
+  const at::Tensor x = at::randn({2, 8, 3, 3});
+  require_close(mirage::group_norm(x, 4, none, none), mirage::group_norm(x, 4), 0.0);
+  require_close(mirage::bias_act(x, none, none, "silu"), mirage::bias_act(x, std::nullopt, std::nullopt, "silu"), 0.0);
+  const at::Tensor rows = at::randn({5, 3}), weight = at::randn({4, 3});
+  require_close(mirage::linear(rows, weight, none, none), mirage::linear(rows, weight), 0.0);
+  const at::Tensor parities = at::randn({1, 8, 3, 3});
+  require_close(mirage::subpixel_shuffle(parities, none), mirage::subpixel_shuffle(parities), 0.0);
+  const at::Tensor positions = at::arange(18, at::kFloat).reshape({6, 3}) * 0.3;  // neighbors 1.56 apart
+  const auto open = mirage::neighbor_list(positions, 2.0);
+  const auto undefined = mirage::neighbor_list(positions, 2.0, none, none, none);
+  require_close(std::get<3>(undefined), std::get<3>(open), 0.0);
+  const at::Tensor pairs = std::get<0>(open).slice(1, 0, std::get<3>(open).item<int64_t>());
+  REQUIRE(pairs.size(1) > 0);
+  REQUIRE(mirage::sender_order(pairs, 6, none).equal(mirage::sender_order(pairs, 6)));  // int32 [0] this short
+  require_close(std::get<0>(mirage::pair_vectors(positions, pairs, none, none)),
+                std::get<0>(mirage::pair_vectors(positions, pairs)), 0.0);
+  const int64_t P = pairs.size(1);
+  const at::Tensor phi = at::randn({6, 15}), filter = at::randn({P, 15}), v = at::randn({6, 3, 5});
+  const at::Tensor directions = at::randn({P, 3});
+  require_close(std::get<1>(mirage::vector_message_passing(phi, filter, v, directions, pairs, none, none, none)),
+                std::get<1>(mirage::vector_message_passing(phi, filter, v, directions, pairs)), 0.0);
+  at::Tensor velocities = at::zeros({6, 3}), forces = at::zeros({6, 3}), energy = at::zeros({});
+  mirage::verlet_forces_kick(velocities, forces, energy, at::ones({6, 3}), at::ones({}), at::ones({6}), 0.5, none, none);
+  require_close(velocities, at::full({6, 3}, -0.5), 0.0);
+}
+
+// A string where neighbor_list's `half` goes would convert to true without a word: the API refuses
+// it at compile time (a deleted overload), while the spelled-out call compiles.
+template <class... Args, class = decltype(mirage::neighbor_list(std::declval<Args>()...))>
+std::true_type neighbor_list_takes(int);
+template <class...>
+std::false_type neighbor_list_takes(...);
+static_assert(!decltype(neighbor_list_takes<at::Tensor, double, std::nullopt_t, std::nullopt_t, std::nullopt_t, int,
+                                            const char*>(0))::value,
+              "a method name where `half` goes must not compile");
+static_assert(decltype(neighbor_list_takes<at::Tensor, double, std::nullopt_t, std::nullopt_t, std::nullopt_t, int,
+                                           bool, const char*>(0))::value,
+              "neighbor_list(positions, cutoff, cell, pbc, batch, max_pairs, half, method) compiles");
 
 TEST_CASE("the capability queries answer no, not an error, for CUDA without a GPU", "[api]") {
   if (torch::cuda::is_available()) return;  // what they answer on a GPU is tested from Python

@@ -95,6 +95,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
     const std::optional<at::Tensor>& pbc = std::nullopt,
     const std::optional<at::Tensor>& batch = std::nullopt, int64_t max_pairs = -1,
     bool half = false, std::string_view method = "auto");
+// A method name where `half` goes (neighbor_list(x, cutoff, {}, {}, {}, -1, "cell_list")) would
+// convert to half = true without a word: such a call does not compile.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list(
+    const at::Tensor& positions, double cutoff, const std::optional<at::Tensor>& cell,
+    const std::optional<at::Tensor>& pbc, const std::optional<at::Tensor>& batch, int64_t max_pairs,
+    const char* half, std::string_view method = "auto") = delete;
 
 // [*, num] = basis(distances) * cutoff_fn(distances); kind "gaussian", "bessel" or "none" (1: the
 // cutoff function alone), cutoff_fn "cosine", "polynomial" or "none".
