@@ -202,12 +202,70 @@ def test_forces_and_stress_match_finite_differences_periodic(cls, shape):
     np.testing.assert_allclose(forces, calculate_numerical_forces(atoms, eps=1e-5), atol=1e-7, rtol=1e-5)
 
 
-def test_stress_on_a_slab():
+@pytest.mark.parametrize("cls", [SchNet, PaiNN])
+def test_stress_on_a_slab(cls):
     # Periodic along x and y only: the stress still follows the strain derivative.
-    model = small(SchNet)
+    model = small(cls)
     atoms = away_from_cutoff(periodic_atoms(cell=np.diag([6.0, 6.5, 20.0]), pbc=(True, True, False)), model.cutoff)
     atoms.calc = mirage.ff.Calculator(model)
     np.testing.assert_allclose(atoms.get_stress(), calculate_numerical_stress(atoms, eps=1e-5), atol=1e-9, rtol=1e-5)
+
+
+def test_no_stress_without_a_periodic_axis_and_no_calculation_for_asking():
+    calls = []
+
+    class Counting(SchNet):
+        def forward(self, *args):
+            calls.append(1)
+            return super().forward(*args)
+
+    atoms = benzene_atoms()
+    atoms.calc = mirage.ff.Calculator(small(Counting))
+    atoms.get_forces()
+    for _ in range(3):  # ASE alone would compute energy and forces again each time before refusing
+        with pytest.raises(PropertyNotImplementedError, match="mirage.ff.Calculator: no stress without a periodic axis"):
+            atoms.get_stress()
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("number", [-1, 100, 105])
+def test_atomic_numbers_past_the_embedding_are_refused_by_name(number):
+    atoms = benzene_atoms()
+    atoms.numbers[0] = number
+    atoms.calc = mirage.ff.Calculator(small(SchNet))  # max_z = 100: rows 0 to 99
+    with pytest.raises(ValueError, match=rf"mirage.ff.Calculator: atoms.numbers must be in \[0, 100\) \(the rows of "
+                                         rf"the model's embedding\), got {min(number, 1)} to {max(number, 6)}"):
+        atoms.get_forces()
+
+
+def test_evaluate_refuses_shapes_that_make_no_structure():
+    model = small(SchNet)
+    z, pos, _, _ = structure(benzene_atoms(), "cpu", torch.float64)
+    cases = [((z[:10], pos), {}, r"atomic_numbers must be \[N\] for positions \[N, 3\] \(N = 12\), got \[10\]"),
+             ((z, pos[:, :2]), {}, r"positions must be \[N, 3\], got \[12, 2\]"),
+             ((z, pos, torch.eye(2, dtype=pos.dtype), None), {}, r"cell must be \[3, 3\]"),
+             ((z, pos, torch.eye(3, dtype=pos.dtype), torch.ones(2, dtype=torch.bool)), {}, r"pbc must be \[3\]"),
+             ((z, pos), {"stress": True}, r"the stress needs the cell")]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match="mirage.ff.Calculator: " + message):
+            mirage.ff.calculator.evaluate(model, *args, **kwargs)
+
+
+def test_setting_precision_checks_it_and_drops_the_graphs():
+    calc = mirage.ff.Calculator(small(SchNet, torch.float32))
+    graphed_on_cpu(calc, calc._packed, 2)
+    atoms = benzene_atoms()
+    calc.calculate(atoms, ["forces"])
+    assert len(calc._graphs) == 1
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: precision must be one of"):
+        calc.precision = "bf16"  # a typo ran silently as fp32 before
+    assert calc.precision == "fp32" and len(calc._graphs) == 1
+    calc.precision = "fp32"  # unchanged: the graphs stay
+    assert len(calc._graphs) == 1
+    calc.precision = "tf32"  # each graph recorded its precision
+    assert calc.precision == "tf32" and len(calc._graphs) == 0
+    calc.calculate(atoms, ["forces"])
+    assert calc.graph_stats().misses == 2
 
 
 def test_float32_model_gives_float32_accuracy():
@@ -637,6 +695,22 @@ def test_precision_runs_and_restores_flags(precision, optimized):
     error = np.abs(forces - reference).max() / np.abs(reference).max()
     # bf16 keeps 8 mantissa bits: its forces are percent-accurate; fp32 and tf32 (the CPU has no TF32) exact.
     assert error < (0.1 if precision == "bf16-mixed" else 1e-4), error
+
+
+@pytest.mark.parametrize("level", ["highest", "high", "medium"])
+def test_the_callers_matmul_precision_comes_back(level):
+    # "medium" has no backend setting of its own: restored through the backend flags alone, the
+    # global getter raised on the mix of APIs afterwards.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(level)
+    try:
+        before = _matmul_state()
+        atoms = benzene_atoms()
+        atoms.calc = mirage.ff.Calculator(small(SchNet, torch.float32))
+        atoms.get_forces()
+        assert _matmul_state() == before and before[1] == level
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def test_model_failing_under_autocast():

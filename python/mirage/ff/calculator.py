@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ase.calculators.calculator import Calculator as _AseCalculator
-from ase.calculators.calculator import all_changes
+from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 
 from .. import graphs
 from .._arguments import count
@@ -100,7 +100,15 @@ def evaluate(
 
     Returns:
         ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
+
+    Raises:
+        ValueError: shapes that do not make one structure (``atomic_numbers`` not ``[N]`` for
+            ``positions [N, 3]``, ``cell`` not ``[3, 3]``, ``pbc`` not ``[3]``), or ``stress``
+            without a cell.
     """
+    check_structure(atomic_numbers, positions, cell, pbc, who)
+    if stress and cell is None:
+        raise ValueError(f"{who}: the stress needs the cell (strain derivative over its volume); pass cell")
     energy, grads = energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress=stress,
                                          precision=precision, who=who)
     energy = energy.to(positions.dtype)
@@ -110,6 +118,29 @@ def evaluate(
     g = 0.5 * (grads[1] + grads[1].transpose(0, 1))
     voigt = torch.stack((g[0, 0], g[1, 1], g[2, 2], g[1, 2], g[0, 2], g[0, 1])) / _volume(cell.detach())
     return energy, forces, voigt.to(positions.dtype)
+
+
+def check_structure(atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor],
+                    who: str) -> None:
+    """Refuses shapes that do not make one structure; shapes only (no host synchronisation)."""
+    if positions.dim() != 2 or positions.shape[1] != 3:
+        raise ValueError(f"{who}: positions must be [N, 3], got {list(positions.shape)}")
+    if atomic_numbers.shape != positions.shape[:1]:
+        raise ValueError(f"{who}: atomic_numbers must be [N] for positions [N, 3] (N = {positions.shape[0]}), "
+                         f"got {list(atomic_numbers.shape)}")
+    if cell is not None and cell.shape != (3, 3):
+        raise ValueError(f"{who}: cell must be [3, 3] (the lattice vectors as rows), got {list(cell.shape)}")
+    if pbc is not None and pbc.shape != (3,):
+        raise ValueError(f"{who}: pbc must be [3], got {list(pbc.shape)}")
+
+
+def embedding_rows(model) -> Optional[int]:
+    """The atomic numbers the model takes, ``[0, rows)``, where it says: the rows of an
+    ``nn.Embedding`` attribute named ``embedding`` (the reference models' and mirage's fused ones'),
+    else None. A replayed CUDA graph runs no Python, so an atomic number past them would be read
+    out of bounds on the GPU instead of raising."""
+    embedding = getattr(model, "embedding", None)
+    return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
 
 
 def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
@@ -293,7 +324,8 @@ class Calculator(_AseCalculator):
         self.model = model
         self._counted = capacity.holder(model, who)  # what has the neighbor capacity, if anything
         self.device, self.dtype = model_device_dtype(model, device, who)
-        self.precision = check_precision(precision, who, self.dtype)
+        self._graphs = None
+        self.precision = precision
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs = graphs.GraphCache(self._packed, max_graphs, copy_outputs=False) if self.cuda_graph else None
         self._watch = CapacityWatch(self._counted, self._graphs) if self.cuda_graph else None
@@ -301,6 +333,7 @@ class Calculator(_AseCalculator):
         self._buffers: "OrderedDict[Tuple[int, bool], Dict[str, Any]]" = OrderedDict()
         self._max_buffers = max_graphs
         self._checked_cell: Optional[np.ndarray] = None  # the last periodic cell found valid
+        self._checked_numbers: Optional[np.ndarray] = None  # the last atomic numbers found valid
         self._snapshot = None  # what self.atoms holds after a calculation (_remember)
         self._calculated: Dict[str, Tuple] = {}  # _note_calculated
         self._made_directory: Optional[str] = None  # the directory calculate last made sure of
@@ -323,6 +356,27 @@ class Calculator(_AseCalculator):
             self._graphs.clear()
         if getattr(self, "_buffers", None) is not None:
             self._buffers.clear()
+
+    @property
+    def precision(self) -> str:
+        """One of :data:`PRECISIONS`. Setting it checks the value and, when it changes, drops the
+        graphs (each records the precision it was captured with)."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        value = check_precision(value, self.who, self.dtype)
+        if getattr(self, "_precision", value) != value and self._graphs is not None:
+            self._graphs.clear()
+        self._precision = value
+
+    def get_property(self, name, atoms=None, allow_calculation=True):
+        """ASE's, but the stress of a structure without a periodic axis is refused before any
+        calculation (ASE would compute energy and forces again on every such request first)."""
+        target = atoms if atoms is not None else self.atoms
+        if name == "stress" and target is not None and not target.pbc.any():
+            raise PropertyNotImplementedError(f"{self.who}: no stress without a periodic axis (atoms.pbc is all False)")
+        return super().get_property(name, atoms, allow_calculation)
 
     def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
         """The graph cache's counters (captures, replays, evictions), or None when graphs are off."""
@@ -371,6 +425,13 @@ class Calculator(_AseCalculator):
                                  "volume; set atoms.cell (a periodic system needs its lattice vectors, and a "
                                  "non-periodic axis a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
             self._checked_cell = cell.copy()
+        numbers = atoms.numbers
+        if self._checked_numbers is None or not np.array_equal(numbers, self._checked_numbers):
+            rows = embedding_rows(self.model)
+            if rows is not None and (numbers.min() < 0 or numbers.max() >= rows):
+                raise ValueError(f"{who}: atoms.numbers must be in [0, {rows}) (the rows of the model's embedding), "
+                                 f"got {numbers.min()} to {numbers.max()}")
+            self._checked_numbers = numbers.copy()
         if self.cuda_graph:
             energy, forces, stress = self._run_graph(atoms, periodic)
         else:

@@ -35,8 +35,11 @@ def matmul_precision(precision: str) -> Iterator[None]:
     ``allow_tf32``, which on torch >= 2.9 sets the newer ``fp32_precision`` too, so both agree
     inside whichever the caller used (``torch.set_float32_matmul_precision("high")``,
     ``allow_tf32``, ``fp32_precision``): set through the newer one alone, the legacy getter
-    (which mirage's and PyTorch's code may read) raises. Both are restored after; a legacy flag
-    the caller had left unreadable may come back readable, with the same meaning.
+    (which mirage's and PyTorch's code may read) raises. Both are restored after, and then the
+    global ``torch.set_float32_matmul_precision`` level if it was readable and reads otherwise now
+    ("medium" is not one of the backend's settings: restored through them alone, the global getter
+    raised on the mix); a legacy flag the caller had left unreadable may come back readable, with the same
+    meaning.
     """
     matmul = torch.backends.cuda.matmul
     saved_new = getattr(matmul, "fp32_precision", None)  # torch >= 2.9
@@ -44,6 +47,7 @@ def matmul_precision(precision: str) -> Iterator[None]:
         saved_legacy = matmul.allow_tf32
     except RuntimeError:  # the caller set only the newer API
         saved_legacy = None
+    saved_global = _global_matmul_precision()  # None: the caller mixed the APIs already
     matmul.allow_tf32 = precision == "tf32"
     try:
         yield
@@ -52,3 +56,12 @@ def matmul_precision(precision: str) -> Iterator[None]:
             matmul.allow_tf32 = saved_legacy
         if saved_new is not None:
             matmul.fp32_precision = saved_new
+        if saved_global is not None and _global_matmul_precision() != saved_global:
+            torch.set_float32_matmul_precision(saved_global)
+
+
+def _global_matmul_precision() -> Any:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # a mix of the legacy and the newer settings
+        return None
