@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "op_handles.h"
+#include "tensors_given.h"
 #include "ops/bias_act.h"
 #include "ops/checks.h"
 #include "ops/linear.h"
@@ -29,35 +30,6 @@
 
 namespace mirage::autograd {
 namespace {
-
-// Python's None for a Tensor argument (not `Tensor?`) reaches an Autograd kernel as an undefined
-// tensor, which torch::autograd::Function rejects before any check of the op runs, with "tensor
-// does not have a device". Every Autograd kernel below is registered behind this check
-// (`given<handle, kernel>`), which names the op and the argument (from its schema) instead.
-bool missing(const at::Tensor& t) { return !t.defined(); }
-template <class T>
-bool missing(const T&) {
-  return false;
-}
-
-[[noreturn]] void missing_tensor(const c10::OperatorHandle& op, size_t index) {
-  const c10::FunctionSchema& schema = op.schema();
-  TORCH_CHECK(false,
-              ops::message(schema.name(), ": ", schema.arguments().at(index).name(), " must be a tensor, got None"));
-}
-
-template <auto Handle, auto Kernel>
-struct GivenTensors;
-template <auto Handle, class Ret, class... Args, Ret (*Kernel)(Args...)>
-struct GivenTensors<Handle, Kernel> {
-  static Ret call(Args... args) {
-    size_t index = 0;
-    ((missing(args) ? missing_tensor(Handle(), index) : void(), ++index), ...);
-    return Kernel(args...);
-  }
-};
-template <auto Handle, auto Kernel>
-constexpr auto given = &GivenTensors<Handle, Kernel>::call;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;

@@ -23,8 +23,10 @@ from torch import Tensor
 
 
 def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A wrapper whose None in place of a required tensor argument (annotated ``Tensor``) raises an
-    error naming the op and the argument; the dispatcher says only "tensor does not have a device"."""
+    """A wrapper whose None in place of a required tensor argument (annotated ``Tensor``) raises the
+    op's own error (``mirage::<op>: <argument> must be a tensor, got None``, as the raw op does)
+    before the wrapper's Python reads the tensor: a dozen wrappers look at their tensors' dtypes or
+    devices before they call the op, and would fail with an AttributeError."""
     parameters = list(inspect.signature(fn).parameters.values())
     required = [(index, p.name) for index, p in enumerate(parameters) if p.annotation == "Tensor"]
 

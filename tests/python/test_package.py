@@ -1,3 +1,4 @@
+import contextlib
 import inspect
 import os
 import re
@@ -110,10 +111,6 @@ def test_every_wrapper_names_a_missing_tensor(name):
 
 # The ops with no Autograd kernel of mirage's own (no gradient formula), called with None for a
 # tensor, raise PyTorch's own error (docs/ops.md).
-_RAW_NONE_EXCEPTIONS = {"sender_order", "verlet_kick_drift", "verlet_forces_kick", "cfconv_backward",
-                        "radial_cfconv_backward"}
-
-
 def _placeholder(argument):
     """A value of the argument's type for a call that must fail before any kernel reads it."""
     kind = str(argument.type)
@@ -123,23 +120,27 @@ def _placeholder(argument):
             "ScalarType": torch.float32, "List[Tensor]": []}[kind]
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
 @pytest.mark.parametrize("name", [n.split("::")[1] for n in registered_ops()])
-def test_every_raw_op_names_a_missing_tensor(name):
-    """torch.ops.mirage.<op> with None for a `Tensor` argument names the op and the argument (each
-    Autograd kernel checks before torch::autograd::Function rejects the undefined tensor with
-    "tensor does not have a device")."""
+def test_every_raw_op_names_a_missing_tensor(name, mode):
+    """torch.ops.mirage.<op> with None for a `Tensor` argument names the op and the argument in
+    every mode: under grad mode each Autograd kernel checks (before torch::autograd::Function
+    rejects the undefined tensor with "tensor does not have a device"), and each op's BackendSelect
+    kernel checks in every mode, inference mode (which skips Autograd) and ops without a gradient
+    formula included. With every tensor None, the call has no backend at all."""
     op = getattr(torch.ops.mirage, name)
     arguments = op.default._schema.arguments
-    for index, argument in enumerate(arguments):
-        if str(argument.type) != "Tensor":
-            continue
-        values = [None if i == index else _placeholder(a) for i, a in enumerate(arguments)]
-        if name in _RAW_NONE_EXCEPTIONS:
-            with pytest.raises((RuntimeError, NotImplementedError)):
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    tensors = [index for index, argument in enumerate(arguments) if str(argument.type) == "Tensor"]
+    assert tensors, name
+    with context():
+        for index in tensors:
+            values = [None if i == index else _placeholder(a) for i, a in enumerate(arguments)]
+            with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {arguments[index].name} must be a tensor, got None$"):
                 op(*values)
-        else:
-            with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {argument.name} must be a tensor, got None$"):
-                op(*values)
+        first = arguments[tensors[0]].name
+        with pytest.raises(RuntimeError, match=rf"^mirage::{name}: {first} must be a tensor, got None$"):
+            op(*[None if i in tensors else _placeholder(a) for i, a in enumerate(arguments)])
 
 
 def test_integer_arguments_are_not_truncated():
