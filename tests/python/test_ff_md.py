@@ -225,6 +225,26 @@ def test_progress_messages(capfd):
     err = capfd.readouterr().err
     assert "mirage: mirage.ff.md: step 2 (2/4 of this run)" in err and "steps/s" in err
     assert run.steps_per_second > 0
+    # Between writes too: a run that writes only its last frame still reports as it goes.
+    run = md.VelocityVerlet(small(SchNet), thermalized(benzene_atoms()), DT, steps_per_replay=2, progress_every=1e-9)
+    run.run(8, write_every=1000)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "mirage.ff.md: step" in line]
+    assert [line.split()[3] for line in lines] == ["2", "4", "6", "8"]
+
+
+def test_runs_again_into_new_files_without_double_records(tmp_path):
+    run = md.VelocityVerlet(small(SchNet), thermalized(benzene_atoms()), DT, steps_per_replay=2, progress_every=None)
+    run.run(10, write_every=5)
+    run.run(3, trajectory=tmp_path / "a.traj", write_every=5, log=tmp_path / "a.log")  # step 10: recorded already
+    run.run(7, trajectory=tmp_path / "b.traj", write_every=5, log=tmp_path / "b.log")  # step 13: not yet
+    assert [r["step"] for r in run.records] == [0, 5, 10, 13, 15, 20]
+    # Each new file starts with the state its run started from, and each frame says when it is.
+    for name, steps in (("a", [10]), ("b", [13, 15, 20])):
+        frames = ase.io.read(tmp_path / f"{name}.traj", ":")
+        assert [frame.info["step"] for frame in frames] == steps
+        assert [frame.info["time_fs"] for frame in frames] == pytest.approx([0.5 * step for step in steps])
+        assert [line.split()[0] for line in (tmp_path / f"{name}.log").read_text().splitlines()[1:]] == \
+            [str(step) for step in steps]
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
@@ -336,6 +356,7 @@ def test_overflow_behind_a_queued_replay(graphed, capfd):
 def test_invalid_structure_mid_run(device, dtype):
     atoms = thermalized(periodic_atoms(n=8))
     run = md.VelocityVerlet(CapacityModel(max_pairs=1000).to(dtype), atoms, DT, device=device, progress_every=None)
+    run.run(0)  # step 0 recorded while finite
     run._state["velocities"][0, 0] = float("inf")  # the state blows up on the device
     # The CPU neighbor search raises; CUDA reports num_pairs = -1 (inside the graphs' replays),
     # which mirage.ff.capacity turns into an error.
@@ -424,8 +445,28 @@ def test_bad_atoms():
         md.VelocityVerlet(small(SchNet), constrained, DT)
     box = benzene_atoms()
     box.pbc = True
-    with pytest.raises(ValueError, match=r"atoms.pbc is \[True, True, True\] but the cell has no volume"):
+    with pytest.raises(ValueError, match=r"atoms.pbc is \[True, True, True\] but the cell has no finite volume"):
         md.VelocityVerlet(small(SchNet), box, DT)
+    box.cell = np.diag([10.0, 10.0, np.nan])
+    with pytest.raises(ValueError, match=r"atoms.pbc is \[True, True, True\] but the cell has no finite volume"):
+        md.VelocityVerlet(small(SchNet), box, DT)
+    for masses, shown in (([0.0] * 12, "0.0 to 0.0"), ([-1.0] + [12.0] * 11, "-1.0 to 12.0")):
+        weightless = benzene_atoms()
+        weightless.set_masses(masses)  # zero: infinite accelerations; negative: negative kinetic energy
+        with pytest.raises(ValueError, match=rf"mirage.ff.md.VelocityVerlet: every mass must be finite and > 0 "
+                                             rf"\(atoms.get_masses\(\)\), got {shown}"):
+            md.VelocityVerlet(small(SchNet), weightless, DT)
+    moving = thermalized(benzene_atoms())
+    momenta = moving.get_momenta()
+    momenta[3, 1] = np.nan
+    moving.set_momenta(momenta)
+    with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: atoms' momenta have non-finite values"):
+        md.VelocityVerlet(small(SchNet), moving, DT)
+    unknown = benzene_atoms()
+    unknown.numbers[0] = 110
+    with pytest.raises(ValueError, match=r"mirage.ff.md.VelocityVerlet: atoms.numbers must be in \[0, 100\) \(the rows "
+                                         r"of the model's embedding\), got 1 to 110"):
+        md.VelocityVerlet(small(SchNet), unknown, DT)
     with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: model must be callable"):
         md.VelocityVerlet(lambda positions: positions.sum(), benzene_atoms(), DT)
     with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: the model's parameters are torch.float16; "

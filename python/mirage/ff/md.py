@@ -37,7 +37,8 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from .. import graphs, ops
 from .._arguments import count
 from . import capacity
-from .calculator import (CapacityWatch, check_model, energy_and_gradients, model_device_dtype, on_device, synchronize,
+from .calculator import (CapacityWatch, check_model, embedding_rows, energy_and_gradients, model_device_dtype,
+                         on_device, synchronize,
                          uncapturable)
 from .precision import check_precision, matmul_precision
 
@@ -193,9 +194,19 @@ class VelocityVerlet:
         self._template = atoms.copy()
         self._template.calc = None
         self._masses = atoms.get_masses().astype(np.float64)
+        if not (np.isfinite(self._masses).all() and (self._masses > 0).all()):
+            raise ValueError(f"{_WHO}: every mass must be finite and > 0 (atoms.get_masses()), got "
+                             f"{self._masses.min()} to {self._masses.max()}")
+        if not np.isfinite(atoms.get_momenta()).all():
+            raise ValueError(f"{_WHO}: atoms' momenta have non-finite values")
+        rows = embedding_rows(model)
+        if rows is not None and len(atoms) and (atoms.numbers.min() < 0 or atoms.numbers.max() >= rows):
+            raise ValueError(f"{_WHO}: atoms.numbers must be in [0, {rows}) (the rows of the model's embedding), got "
+                             f"{atoms.numbers.min()} to {atoms.numbers.max()}")
         self._periodic = bool(np.any(atoms.pbc))
-        if self._periodic and abs(np.linalg.det(atoms.cell[:])) < 1e-9:
-            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no volume; set atoms.cell "
+        determinant = np.linalg.det(atoms.cell[:]) if self._periodic else 1.0
+        if not np.isfinite(determinant) or abs(determinant) < 1e-9:
+            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no finite volume; set atoms.cell "
                              "(a non-periodic axis needs a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
         if not np.isfinite(atoms.positions).all():
             raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
@@ -413,14 +424,18 @@ class VelocityVerlet:
 
     def _make_atoms(self, positions, velocities, forces, energy) -> "ase.Atoms":
         atoms = self._template.copy()
+        # The frame's place in the run (ASE's trajectories keep info): frames need not be evenly spaced.
+        atoms.info.update(step=self.step, time_fs=self.step * self.timestep / units.fs)
         atoms.positions = positions
         atoms.set_momenta(velocities * self._masses[:, None])
         atoms.calc = SinglePointCalculator(atoms, energy=energy, free_energy=energy, forces=forces)
         return atoms
 
-    def _record(self, trajectory, log: Optional[TextIO]) -> Dict[str, float]:
+    def _record(self, trajectory, log: Optional[TextIO], keep: bool = True) -> Dict[str, float]:
+        """The current state's record, written to the trajectory and log where given and appended
+        to :attr:`records` when ``keep`` (not when it is there already)."""
         positions, velocities, forces, potential = self._host_state()
-        if not (np.isfinite(positions).all() and math.isfinite(potential)):
+        if not (np.isfinite(positions).all() and np.isfinite(velocities).all() and math.isfinite(potential)):
             raise RuntimeError(f"{_WHO}: the state is not finite at step {self.step} (the simulation blew up); "
                                "use a smaller timestep or check the model")
         kinetic = 0.5 * float((self._masses[:, None] * velocities**2).sum())
@@ -432,7 +447,8 @@ class VelocityVerlet:
             degrees -= 3
         record = dict(step=self.step, time_fs=self.step * self.timestep / units.fs, potential=potential,
                       kinetic=kinetic, total=potential + kinetic, temperature=2.0 * thermal / (degrees * units.kB))
-        self.records.append(record)
+        if keep:
+            self.records.append(record)
         if trajectory is not None:
             trajectory.write(self._make_atoms(positions, velocities, forces, potential))
         if log is not None:
@@ -448,7 +464,9 @@ class VelocityVerlet:
         Steps go ``steps_per_replay`` at a time; a replay never crosses a step that is a multiple
         of ``write_every`` (a shorter replay, with its own graph, ends there), so frames land
         exactly on those steps whatever ``K``. The current step is written first unless it
-        already was.
+        already was; a trajectory or log given as a path (a new file) starts with it either way,
+        without a second record of it. Progress lines come every ``progress_every`` seconds,
+        between replays, whatever ``write_every``.
 
         Args:
             steps: steps to run (>= 0).
@@ -477,19 +495,29 @@ class VelocityVerlet:
             if log is not None:
                 log.write(f"{'step':>10} {'time[ps]':>12} {'Etot[eV]':>14} {'Epot[eV]':>14} {'Ekin[eV]':>12} "
                           f"{'T[K]':>10}\n")
-            if not self.records or self.records[-1]["step"] != self.step or own_trajectory:
-                self._record(trajectory, log)
+            recorded = bool(self.records) and self.records[-1]["step"] == self.step
+            if not recorded or own_trajectory or own_log:
+                self._record(trajectory if not recorded or own_trajectory else None,
+                             log if not recorded or own_log else None, keep=not recorded)
             start = last_progress = time.perf_counter()
             end = self.step + steps
+            # Steps between looks at the clock, whole replays: about half a progress interval once
+            # the rate is known, so that a long stretch between writes still reports.
+            chunk = self.steps_per_replay
             while self.step < end:
                 next_write = (self.step // write_every + 1) * write_every
-                self._advance_to(min(next_write, end))
+                target = min(next_write, end)
+                self._advance_to(target if self.progress_every is None else min(target, self.step + chunk))
                 if self.step % write_every == 0:
                     self._record(trajectory, log)
                 now = time.perf_counter()
-                if self.progress_every is not None and now - last_progress >= self.progress_every:
+                if self.progress_every is None:
+                    continue
+                done = steps - (end - self.step)
+                rate = done / (now - start) if now > start else 0.0
+                chunk = max(1, int(rate * self.progress_every / 2) // self.steps_per_replay) * self.steps_per_replay
+                if now - last_progress >= self.progress_every:
                     last_progress = now
-                    done = steps - (end - self.step)
                     last = self.records[-1]
                     graphs.progress(f"mirage.ff.md: step {self.step} ({done}/{steps} of this run), "
                                     f"{done / (now - start):.0f} steps/s; at step {last['step']}: "
