@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mirage
@@ -454,12 +455,14 @@ def test_report_counts_what_was_swapped(name, kind):
     fused = swapped(make_reference(name, num_interactions=count))
     result = mirage.ff.report(fused)
     updates = {"painn_update": count} if name == "PaiNN" else {}
+    linears = (6 if name == "PaiNN" else 3) * count + 2  # one entry per Linear: phi, U, V, mlp / in2f, f2out; readout
     assert result.counts == {"neighbor_list": 1, "radial_basis": 1, "batched_filters": 1, kind: count,
-                             **updates, "linear": count + 1}
+                             **updates, "linear": linears}
     assert result.style == f"{name}-style" and result.left_alone == []
     text = str(result)
     assert f"{count} x {kind}" in text and "mirage::neighbor_list" in text and "mirage::radial_basis" in text
-    assert f"{count + 1} x linear" in text and "mirage::linear" in text
+    assert f"{linears} x linear" in text and "mirage::linear" in text
+    assert "the activations (computed by name, not by the model's activation modules)" in text
     if name == "PaiNN":
         assert f"{count} x painn_update" in text and "mirage::painn_update" in text
     # The probe's numbers, one line per system.
@@ -871,3 +874,63 @@ def test_painn_filters_are_gemms_where_the_kernels_cannot_form_them():
     with OpCounter() as ops, torch.autocast("cuda", dtype=torch.bfloat16):
         energy_and_forces(fused, z, pos, cell, pbc)
     assert "aten.bmm" not in ops.calls and ops.calls.count("aten.mm") >= 3, ops.calls
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_models_with_hooks_are_left_alone(name):
+    # weight_norm recomputes readout.0's weight in a pre-hook, which the fused model would not run:
+    # it read the weight as the model's last forward left it.
+    model = make_reference(name)
+    torch.nn.utils.weight_norm(model.readout[0])
+    assert mirage.ff.optimize(model) is model
+    report = str(mirage.ff.report(model))
+    assert "left alone; the model was returned untouched" in report
+    assert "readout.0: has forward hooks or pre-hooks (weight_norm's among them), which mirage's model would not run" \
+        in report
+    logged = make_reference(name)
+    logged.register_forward_hook(lambda module, args, out: None)
+    assert mirage.ff.optimize(logged) is logged
+    with pytest.raises(ValueError, match=r"strict=True.*left alone; not swapped(.|\n)*\(model\): has forward hooks"):
+        mirage.ff.optimize(logged, strict=True)
+
+
+def test_strict_says_not_swapped():
+    with pytest.raises(ValueError) as error:
+        mirage.ff.optimize(nn.Linear(2, 2), strict=True)
+    assert "not recognised" in str(error.value) and "not swapped" in str(error.value)
+    assert "returned untouched" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_whole_model_op_only_for_interactions_of_one_width(name):
+    model = make_reference(name, dtype=torch.float32)
+    assert swapped(model)._whole_model_structure()
+    wider = make_reference(name, dtype=torch.float32)
+    if name == "SchNet":  # one interaction's f2out twice as wide inside
+        wider.interactions[1].f2out = nn.Sequential(nn.Linear(16, 32), wider.interactions[1].f2out[1], nn.Linear(32, 16))
+    else:  # one message's phi
+        wider.messages[1].phi = nn.Sequential(nn.Linear(16, 32), wider.messages[1].phi[1], nn.Linear(32, 48))
+    fused = swapped(wider)  # the layer-by-layer path takes it; the whole-model ops refuse it
+    assert not fused._whole_model_structure()
+
+
+def test_pytorch_geometric_shifted_softplus_is_recognised():
+    class PygShiftedSoftplus(nn.Module):  # PyTorch Geometric's: log 2 rounded to float32
+        def __init__(self):
+            super().__init__()
+            self.shift = torch.log(torch.tensor(2.0)).item()
+
+        def forward(self, x):
+            return F.softplus(x) - self.shift
+
+    assert ff_fused.identify_activation(PygShiftedSoftplus(), "filter.1") == "shifted_softplus"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_models_training_flags_are_left_alone(name):
+    model = make_reference(name)
+    model.train()
+    model.readout.eval()  # a mixed state mirage must not change on the model passed in
+    flags = {module_name: module.training for module_name, module in model.named_modules()}
+    swapped(model)
+    assert {module_name: module.training for module_name, module in model.named_modules()} == flags

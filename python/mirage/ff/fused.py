@@ -106,7 +106,10 @@ def identify_activation(module: nn.Module, where: str) -> str:
         raise ValueError(f"{where} ({kind}) failed on a sample input: {type(error).__name__}: {error}") from None
     if isinstance(out, Tensor) and out.shape == sample.shape and out.dtype == sample.dtype:
         for name, function in ACTIVATIONS.items():
-            if torch.allclose(out, function(sample), rtol=1e-7, atol=1e-10):
+            # To 1e-6: PyTorch Geometric's ShiftedSoftplus subtracts log 2 rounded to float32 (1.9e-9
+            # off); the probe compares the whole models afterwards. The activations mirage knows
+            # differ by 5e-4 at least (GELU's two forms).
+            if torch.allclose(out, function(sample), rtol=1e-6, atol=1e-6):
                 return name
     raise ValueError(f"{where} ({kind}) computes none of the activations mirage knows "
                      f"({', '.join(sorted(ACTIVATIONS))})")
@@ -373,7 +376,12 @@ class _FusedModel(nn.Module):
         for name, value in parts.items():
             setattr(fused, name, value)
         fused.to(device=model.embedding.weight.device)
-        fused.train(model.training)
+        # The model's mode on mirage's own modules only: fused.train() would set it on the Linears
+        # and the embedding it shares with the model too, changing the model passed in.
+        shared = {id(module) for module in model.modules()}
+        for module in fused.modules():
+            if id(module) not in shared:
+                module.training = model.training
         return fused
 
     def _readout(self, x: Tensor) -> Tensor:
@@ -679,7 +687,8 @@ class SchNet(_FusedModel):
                  ("batched_filters", f"first and second Linear of the {count} filter networks "
                                      "(interactions.*.filter)")]
                 + [("message_passing", f"interactions.{t}") for t in range(count)]
-                + [("linear", f"interactions.{t}.in2f/f2out") for t in range(count)] + [("linear", "readout")])
+                + [("linear", f"interactions.{t}.{name}") for t in range(count) for name in ("in2f", "f2out.0", "f2out.2")]
+                + [("linear", "readout.0"), ("linear", "readout.2")])
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
@@ -773,7 +782,8 @@ class SchNet(_FusedModel):
         return "cfconv" if ops.cfconv_supported(*sizes, positions.device) else "layers"
 
     def _whole_model_structure(self) -> bool:
-        return len(self.interactions) <= 8
+        return len(self.interactions) <= 8 and _same_widths(
+            self.interactions, lambda block: (block.filter[0], block.filter[2], block.in2f, block.f2out[0], block.f2out[2]))
 
     def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
         """mirage::schnet_energy: (energy, its gradient in the pair vectors)."""
@@ -791,6 +801,13 @@ class SchNet(_FusedModel):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_rbf={self.num_rbf}, filter_activation={self.filter_activation!r}"
+
+
+def _same_widths(blocks: Sequence[nn.Module], linears: Callable[[nn.Module], Sequence[nn.Linear]]) -> bool:
+    """Whether every block's Linears have the first block's weight shapes: the whole-model ops take
+    one width per layer for all interactions (the layer-by-layer path takes any)."""
+    first = [linear.weight.shape for linear in linears(blocks[0])]
+    return all([linear.weight.shape for linear in linears(block)] == first for block in blocks)
 
 
 def _norm_eps(value, what: str) -> float:
@@ -942,8 +959,10 @@ class PaiNN(_FusedModel):
                 + [("painn_update", f"updates.{t} (norm_eps {self.norm_eps:g}"
                                     f"{', assumed: the model keeps none' if self.norm_eps_assumed else ''})")
                    for t in range(count)]
-                + [("linear", f"messages.{t}.phi, updates.{t}.U/V/mlp") for t in range(count)]
-                + [("linear", "readout")])
+                + [("linear", f"{block}.{t}.{name}") for t in range(count)
+                   for block, name in (("messages", "phi.0"), ("messages", "phi.2"), ("updates", "U"), ("updates", "V"),
+                                       ("updates", "mlp.0"), ("updates", "mlp.2"))]
+                + [("linear", "readout.0"), ("linear", "readout.2")])
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
@@ -1005,7 +1024,9 @@ class PaiNN(_FusedModel):
         return self._readout(s)
 
     def _whole_model_structure(self) -> bool:
-        return len(self.messages) <= 8 and all(u.U.bias is None and u.V.bias is None for u in self.updates)
+        return (len(self.messages) <= 8 and all(u.U.bias is None and u.V.bias is None for u in self.updates)
+                and _same_widths(self.messages, lambda block: (block.phi[0], block.phi[2], block.filter))
+                and _same_widths(self.updates, lambda block: (block.U, block.V, block.mlp[0], block.mlp[2])))
 
     def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
         """mirage::painn_energy: (energy, its gradient in the pair vectors)."""

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import graphs
+from ..patterns import hooked_submodule
 from .fused import PaiNN, SchNet, _FusedModel
 from .precision import matmul_precision
 
@@ -89,6 +90,7 @@ class FFOptimizeReport:
     left_alone: List[Tuple[str, str]] = field(default_factory=list)
     verification: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    strict: bool = False
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -101,11 +103,12 @@ class FFOptimizeReport:
 
     def __str__(self) -> str:
         head = f"mirage.ff.optimize({self.model})"
+        outcome = "not swapped" if self.strict else "the model was returned untouched"
         if self.style is None:
             return (f"{head}: not recognised (no SchNet-style `embedding` + `interactions`, no PaiNN-style "
-                    "`embedding` + `messages` + `updates`); the model was returned untouched")
+                    f"`embedding` + `messages` + `updates`); {outcome}")
         if not self.swapped:
-            lines = [f"{head}: {self.style}, left alone; the model was returned untouched ({self.seconds:.1f} s)"]
+            lines = [f"{head}: {self.style}, left alone; {outcome} ({self.seconds:.1f} s)"]
             lines += [f"  {where or '(model)'}: {reason}" for where, reason in self.left_alone]
             return "\n".join(lines)
         lines = [f"{head}: {self.style} -> {self.replacement} (parameters shared), {self.seconds:.1f} s",
@@ -113,7 +116,8 @@ class FFOptimizeReport:
         for kind, count in self.counts.items():
             where = [w for k, w in self.swaps if k == kind]
             lines.append(f"    {count:3d} x {kind}: {_where(where)} -> {_REPLACEMENTS.get(kind, 'fused')}")
-        lines.append("  kept as PyTorch ops inside it: the embedding, the activations (shared modules)")
+        lines.append("  kept as PyTorch ops inside it: the embedding lookup, the activations (computed by name, not "
+                     "by the model's activation modules)")
         if self.style == "SchNet-style":
             lines.append("  in eval mode on CUDA (float32 positions and parameters, under autocast too; at most 8 "
                          f"interactions), systems of up to {SchNet.whole_model_max_pairs} pairs of neighbor "
@@ -287,11 +291,18 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
                         "returned as it is")
         return model
     start = time.perf_counter()
-    result = FFOptimizeReport(model=type(model).__name__)
+    result = FFOptimizeReport(model=type(model).__name__, strict=strict)
     recognizer = next((r for r in RECOGNIZERS if r.matches(model)), None)
     if recognizer is None:
         return _untouched(model, result, strict, start)
     result.style = recognizer.name
+    hooked = hooked_submodule(model)
+    if hooked is not None:
+        # As mirage.optimize: the fused model would not run them, and weight_norm's compute the
+        # weights it reads (it would read them as the model's last forward left them).
+        result.left_alone.append((hooked or "(model)", "has forward hooks or pre-hooks (weight_norm's among them), "
+                                  "which mirage's model would not run; remove them to optimize it"))
+        return _untouched(model, result, strict, start)
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):
         # Positions need float32 at least (the neighbor search takes no less); the products in
@@ -334,8 +345,9 @@ def _check_holds_everything(model: nn.Module, fused: nn.Module) -> None:
                 if id(tensor) not in held and name.rpartition(".")[2] != fused.basis_key]
     if missing:
         raise ValueError(f"mirage's model would not use {', '.join(missing)} (the recognised {type(fused).__name__} "
-                         "structure holds no such parameter or buffer, or computes it itself: a trainable basis); "
-                         "the two would differ once they change")
+                         "structure holds no such parameter or buffer: it computes the basis itself and reads the "
+                         "cutoff's value once, here); the two would differ once they change (a trainable basis, a "
+                         "checkpoint with another cutoff)")
 
 
 def _check_signature(model: nn.Module, fused: nn.Module) -> None:
