@@ -934,3 +934,20 @@ def test_the_models_training_flags_are_left_alone(name):
     flags = {module_name: module.training for module_name, module in model.named_modules()}
     swapped(model)
     assert {module_name: module.training for module_name, module in model.named_modules()} == flags
+
+
+def test_a_wrapped_model_is_named_in_the_report():
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = make_reference("SchNet")
+
+        def forward(self, *args):
+            return self.model(*args)
+
+    wrapper = Wrapper()
+    assert mirage.ff.optimize(wrapper) is wrapper
+    assert str(mirage.ff.report(wrapper)).endswith(
+        "a recognised model sits at `model`: optimize that one (mirage.ff.optimize(model.model)) and put the "
+        "result in its place")
+    wrapper.model = swapped(wrapper.model)  # what the report says works

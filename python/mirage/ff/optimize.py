@@ -81,6 +81,8 @@ class FFOptimizeReport:
         left_alone: ``(where, reason)``: why the model was not swapped.
         verification: what the probe compared and the differences it found.
         seconds: time optimize took.
+        inner: for a model not recognised, where inside it a recognised one sits (``"model"``), if anywhere.
+        strict: whether optimize ran with ``strict=True``.
     """
 
     model: str
@@ -90,6 +92,7 @@ class FFOptimizeReport:
     left_alone: List[Tuple[str, str]] = field(default_factory=list)
     verification: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    inner: Optional[str] = None
     strict: bool = False
 
     @property
@@ -105,8 +108,10 @@ class FFOptimizeReport:
         head = f"mirage.ff.optimize({self.model})"
         outcome = "not swapped" if self.strict else "the model was returned untouched"
         if self.style is None:
+            inner = (f"; a recognised model sits at `{self.inner}`: optimize that one (mirage.ff.optimize(model."
+                     f"{self.inner})) and put the result in its place") if self.inner else ""
             return (f"{head}: not recognised (no SchNet-style `embedding` + `interactions`, no PaiNN-style "
-                    f"`embedding` + `messages` + `updates`); {outcome}")
+                    f"`embedding` + `messages` + `updates`); {outcome}{inner}")
         if not self.swapped:
             lines = [f"{head}: {self.style}, left alone; {outcome} ({self.seconds:.1f} s)"]
             lines += [f"  {where or '(model)'}: {reason}" for where, reason in self.left_alone]
@@ -294,6 +299,8 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
     result = FFOptimizeReport(model=type(model).__name__, strict=strict)
     recognizer = next((r for r in RECOGNIZERS if r.matches(model)), None)
     if recognizer is None:
+        result.inner = next((name for name, sub in model.named_modules()
+                             if name and any(r.matches(sub) for r in RECOGNIZERS)), None)
         return _untouched(model, result, strict, start)
     result.style = recognizer.name
     hooked = hooked_submodule(model)
