@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import sys
 import time
 import weakref
@@ -385,6 +386,31 @@ class OptimizedModule(nn.Module):
             derived.refresh_derived_weights(force)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._forward(args, kwargs)
+        except RuntimeError as error:
+            hint = self._input_dtype_hint(args, kwargs, error)
+            if hint is None:
+                raise
+            raise RuntimeError(f"{error}\n{hint}") from error
+
+    def _input_dtype_hint(self, args: Sequence[Any], kwargs: Dict[str, Any], error: RuntimeError) -> Optional[str]:
+        """For a dtype mismatch that inputs in another floating dtype than the weights explain
+        (float32 inputs to a model optimize made float16, the likeliest first mistake), what to do;
+        None otherwise. PyTorch's own message names neither mirage nor the input."""
+        if self.autocast_dtype is not None or not re.search(r"dtype|scalar type|type \(", str(error)):
+            return None  # under autocast the inputs' dtype does not matter
+        weights = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), None)
+        named = [(f"args[{i}]", a) for i, a in enumerate(args)] + [(f"kwargs['{k}']", v) for k, v in kwargs.items()]
+        for name, value in named:
+            if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != weights:
+                return (f"mirage.optimize: the model's weights are {_dtype_name(weights)} (optimize's dtype) and input "
+                        f"{name} is {_dtype_name(value.dtype)}; mirage does not cast inputs: pass them in "
+                        f"{_dtype_name(weights)} ({name}.to({weights})), or optimize with dtype=None to keep "
+                        "float32 weights under autocast")
+        return None
+
+    def _forward(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if not torch.compiler.is_compiling():  # compiled, the modules fold inside the graph
             self.refresh_derived_weights()
         if not self.channels_last:

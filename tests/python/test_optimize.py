@@ -847,3 +847,18 @@ def test_a_copy_of_a_graphed_model_captures_its_own_graphs():
     assert copied.graphs is not optimized.graphs and len(copied.graphs) == 1 and len(optimized.graphs) == 1
     assert next(copied.parameters()).data_ptr() != next(optimized.parameters()).data_ptr()
     torch.testing.assert_close(again, first)
+
+
+def test_inputs_in_another_dtype_than_the_weights_get_a_hint():
+    # The likeliest first mistake: float32 inputs to a model optimize made float16 (it casts no
+    # inputs); PyTorch's error names neither mirage nor the input.
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU())
+    optimized = mirage.optimize(model, cuda_graph=False, verbose=False)
+    with pytest.raises(RuntimeError, match=r"(?s)should be the same.*mirage.optimize: the model's weights are float16 "
+                                           r"\(optimize's dtype\) and input args\[0\] is float32; mirage does not "
+                                           r"cast inputs"):
+        optimized(torch.randn(1, 3, 8, 8))
+    assert optimized(torch.randn(1, 3, 8, 8, dtype=torch.float16)).dtype == torch.float16
+    with pytest.raises(RuntimeError) as error:  # another error gets no hint
+        optimized(torch.randn(1, 5, 8, 8, dtype=torch.float16))
+    assert "mirage.optimize:" not in str(error.value)
