@@ -109,9 +109,12 @@ def main():
     dynamics.run(args.steps_per_replay, write_every=args.steps_per_replay)  # captures the graph, untimed
     dynamics.run(args.steps, trajectory=args.trajectory, write_every=args.write_every, log=sys.stdout)
     totals = [r["total"] for r in dynamics.records]
+    # A thermostat exchanges energy with its bath: the total is not conserved there, the temperature is the measure.
+    outcome = (f"mean temperature {np.mean([r['temperature'] for r in dynamics.records]):.0f} K (target "
+               f"{args.temperature:.0f} K)" if thermostat is not None else f"total-energy drift {drift(totals):.2e} eV")
     print(f"mirage.ff.md.VelocityVerlet (K={args.steps_per_replay}): {args.steps} timed steps (the log's step "
           f"numbers count the {args.steps_per_replay} of the untimed first replay too), "
-          f"{dynamics.steps_per_second:.0f} steps/s, total-energy drift {drift(totals):.2e} eV"
+          f"{dynamics.steps_per_second:.0f} steps/s, {outcome}"
           + (f", trajectory in {args.trajectory}" if args.trajectory else ""))
 
 

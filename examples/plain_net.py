@@ -191,20 +191,22 @@ def randomize_batch_norms(model: nn.Module) -> None:
 
 
 def main() -> None:
+    import argparse
     import copy
 
     import mirage
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = argparse.ArgumentParser(description="A small PlainNet, eager and through mirage.optimize (fp32 "
+                                                 "weights under autocast, no CUDA graphs), compared.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to run (default: the GPU if there is one)")
+    device = parser.parse_args().device
     model = PlainNet(width=32, depth=1).to(device).eval()
     randomize_batch_norms(model)
     x = torch.randn(2, 3, 32, 32, device=device)
     with torch.no_grad():
         expected = model(x)
     print(f"PlainNet: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, input {tuple(x.shape)}")
-    if not hasattr(mirage, "optimize"):
-        print("mirage.optimize is not available in this build")
-        return
     optimized = mirage.optimize(copy.deepcopy(model), dtype=None, cuda_graph=False)
     with torch.no_grad():
         got = optimized(x)

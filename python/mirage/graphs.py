@@ -255,6 +255,8 @@ def _refuse_grad(leaves: Sequence[Any], names: Sequence[str], who: str) -> None:
 
 
 def _capture_device(leaves: Sequence[Any], names: Sequence[str], who: str) -> torch.device:
+    if not torch.cuda.is_available():  # first: "move it to the GPU" would be advice that cannot be followed
+        raise RuntimeError(f"{who}: CUDA is not available; CUDA graphs need a CUDA GPU")
     device = None
     for leaf, name in zip(leaves, names):
         if not isinstance(leaf, Tensor):
@@ -268,8 +270,6 @@ def _capture_device(leaves: Sequence[Any], names: Sequence[str], who: str) -> to
             raise ValueError(f"{who}: inputs are on several GPUs ({device} and {leaf.device} for {name}); "
                              "one graph runs on one GPU")
         device = leaf.device
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"{who}: CUDA is not available; CUDA graphs need a CUDA GPU")
     return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 

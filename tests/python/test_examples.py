@@ -40,3 +40,7 @@ def test_md_benzene_runs_both_integrators_and_writes_a_trajectory(device, tmp_pa
     frames = ase_io.read(str(trajectory), index=":")
     assert len(frames) >= 2 and all(len(f) == 12 for f in frames)
     assert all(torch.isfinite(torch.as_tensor(f.positions)).all() for f in frames)
+    # Under the thermostat the integrator's line reports the temperature, not an energy drift.
+    out = run_example("md_benzene.py", "--device", device, "--ase-steps", "2", "--steps", "20",
+                      "--steps-per-replay", "10", "--write-every", "10", "--langevin", "0.01")
+    assert len(re.findall(r"total-energy drift", out)) == 1 and re.search(r"mean temperature \d+ K \(target", out)

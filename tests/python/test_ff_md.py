@@ -113,6 +113,7 @@ def test_langevin_reaches_target_temperature():
     # Velocities decorrelate over 1 / friction = 10 fs = 20 steps: ~80 independent samples after
     # the first 400 steps, each with a relative spread sqrt(2 / 3N) = 0.24 for N = 12, so the
     # mean's standard error is ~3%; 15% is five of them.
+    assert all(type(r["temperature"]) is float for r in records)  # as in NVE records, not np.float64
     temperatures = np.array([r["temperature"] for r in records[40:]])
     assert abs(temperatures.mean() / target - 1) < 0.15, temperatures.mean()
     assert temperatures.std() > 0.05 * target  # the noise is really there

@@ -446,7 +446,7 @@ class VelocityVerlet:
             thermal -= 0.5 * float(momentum @ momentum) / self._masses.sum()
             degrees -= 3
         record = dict(step=self.step, time_fs=self.step * self.timestep / units.fs, potential=potential,
-                      kinetic=kinetic, total=potential + kinetic, temperature=2.0 * thermal / (degrees * units.kB))
+                      kinetic=kinetic, total=potential + kinetic, temperature=float(2.0 * thermal / (degrees * units.kB)))
         if keep:
             self.records.append(record)
         if trajectory is not None:
