@@ -145,9 +145,15 @@ class _Tracer(fx.Tracer):
         return self.plain_leaf(m, module_qualified_name) or _has_forward_hooks(m)
 
     def plain_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
-        """A leaf not fused inside, whatever its hooks: torch.nn's modules, mirage's, the sealed."""
-        return (id(m) in self.sealed or type(m).__module__.startswith("mirage.")
+        """A leaf not fused inside, whatever its hooks: torch.nn's modules, mirage's, the sealed,
+        and user subclasses of the layers mirage fuses, which stay modules so that the report can
+        name them (traced through, they would vanish from the model unreported)."""
+        return (id(m) in self.sealed or type(m).__module__.startswith("mirage.") or isinstance(m, _FUSED_LAYERS)
                 or super().is_leaf_module(m, module_qualified_name))
+
+
+# The torch.nn layers mirage's swaps and patterns replace: a subclass of one is kept as a module.
+_FUSED_LAYERS = (nn.Conv2d, nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm, nn.Linear)
 
 
 def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule], str]:
@@ -171,13 +177,17 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
     saved = _module_state(module)
     try:
         graph = tracer.trace(module)
+        # Built before the state is put back: the tracer stores the tensors the forward makes or
+        # reads outside the parameters and buffers (a constant mask, a child's running_var) on
+        # the root as _tensor_constant<i>, which the graph module copies and the root then loses.
+        traced = fx.GraphModule(tracer.root, graph, type(module).__name__)
     except Exception as error:  # noqa: BLE001 - any failure means "not traceable": fall back to the children
         return None, f"tracing failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     finally:
-        changed = _restore_module_state(module, saved)
+        changed = _restore_module_state(module, saved, ignored=set(getattr(tracer, "tensor_attrs", {}).values()))
     if changed:
         return None, f"its forward changes module state ({changed}), which a graph would not repeat"
-    return fx.GraphModule(tracer.root, graph, type(module).__name__), ""
+    return traced, ""
 
 
 _STATE_DICTS = ("_parameters", "_buffers", "_modules")
@@ -188,13 +198,16 @@ def _module_state(module: nn.Module) -> List[Tuple[nn.Module, dict, dict]]:
     return [(sub, dict(vars(sub)), {key: dict(vars(sub)[key]) for key in _STATE_DICTS}) for sub in module.modules()]
 
 
-def _restore_module_state(module: nn.Module, saved) -> str:
+def _restore_module_state(module: nn.Module, saved, ignored: Container[str] = ()) -> str:
     """Puts back what :func:`_module_state` saved; returns the first attribute that had changed
-    ("" when none), as ``Class.attribute``."""
+    ("" when none), as ``Class.attribute``, but for the root's attributes named in ``ignored``
+    (the tracer's own constants), which are removed all the same."""
     changed = ""
     for sub, attributes, dicts in saved:
         current = vars(sub)
         for key in set(current) | set(attributes):
+            if sub is module and key in ignored and key not in attributes:
+                continue
             if key in _STATE_DICTS:
                 inner = attributes[key]
                 for inner_key in set(inner) | set(dicts[key]):
@@ -301,6 +314,18 @@ class _Rewriter:
     def _module(self, node: fx.Node) -> Optional[nn.Module]:
         return self.gm.get_submodule(node.target) if node.op == "call_module" else None
 
+    def _report_subclassed_conv_bn(self, conv_node: fx.Node) -> None:
+        """A convolution feeding a batch norm where either is a user subclass (timm's Conv2dSame,
+        say): left alone, since a subclass may compute differently, and reported."""
+        conv = self._module(conv_node)
+        if not isinstance(conv, nn.Conv2d):
+            return
+        bn = next((m for m in map(self._module, conv_node.users) if isinstance(m, nn.BatchNorm2d)), None)
+        if bn is not None:
+            self.skipped.append((qualified_name(self.prefix, conv_node.target),
+                                 f"{type(conv).__name__} -> {type(bn).__name__}: a subclass of Conv2d or BatchNorm2d may "
+                                 "compute differently, so the batch norm is not folded"))
+
     def _module_of_type(self, node: fx.Node, cls: type) -> Optional[nn.Module]:
         module = self._module(node)
         return module if type(module) is cls else None
@@ -374,10 +399,12 @@ class _Rewriter:
         for conv_node in list(self.graph.nodes):
             conv = self._module_of_type(conv_node, nn.Conv2d)
             if conv is None:
+                self._report_subclassed_conv_bn(conv_node)
                 continue
             name = qualified_name(self.prefix, conv_node.target)
             bn_nodes = [user for user in conv_node.users if self._module_of_type(user, nn.BatchNorm2d) is not None]
             if not bn_nodes:
+                self._report_subclassed_conv_bn(conv_node)
                 continue
             if len(conv_node.users) > 1:
                 self.skipped.append((name, "the convolution's output is also used without the batch norm"))

@@ -598,3 +598,75 @@ def test_plain_net_cuda_low_precision_error_bounded_by_torch(dtype):
         ours = (result.module(x.to(dtype)).double() - expected).norm() / expected.norm()
     assert Counter(kind for kind, _ in result.swaps)["attention"] == 3
     assert ours <= REDUCTION_ERROR_FACTOR * theirs, (ours.item(), theirs.item())
+
+
+class ReadsConstants(nn.Module):
+    """A forward that makes a constant tensor (a causal-style mask) and reads a child's buffer:
+    torch.fx keeps both on the root as _tensor_constant<i>, which is not state the forward changes."""
+
+    def __init__(self):
+        super().__init__()
+        # Direct children: only a trace of this forward can pair them.
+        self.conv, self.bn, self.act = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU()
+        self.bn2 = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        mask = torch.ones(5, 5, dtype=torch.bool).triu(1)  # for 5 x 5 images
+        return self.act(self.bn(self.conv(x))).masked_fill(mask, 0.0) * self.bn2.running_var.view(1, -1, 1, 1)
+
+
+def test_constants_the_tracer_keeps_are_not_module_state():
+    model = ReadsConstants()
+    attributes = set(vars(model))
+    result, kinds = fused_and_checked(model, randn(2, 4, 5, 5))
+    assert kinds == Counter({"conv_bn_silu": 1}) and result.skipped == []
+    assert set(vars(model)) == attributes  # the model passed in keeps no constant of the tracer's
+
+
+class SubclassedLayers(nn.Module):
+    """User subclasses of the layers mirage fuses, beside a plain Conv-BN-SiLU that is fused."""
+
+    class MyGroupNorm(nn.GroupNorm):
+        pass
+
+    class MyConv(nn.Conv2d):
+        pass
+
+    class MyBatchNorm(nn.BatchNorm2d):
+        pass
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU())
+        self.norm = self.MyGroupNorm(2, 4)
+        self.conv1, self.bn1 = self.MyConv(4, 4, 1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 1), self.MyBatchNorm(4)
+
+    def forward(self, x):
+        x = F.silu(self.norm(self.block(x)))
+        return self.bn2(self.conv2(self.bn1(self.conv1(x))))
+
+
+def test_subclassed_layers_stay_modules_and_are_reported():
+    # Traced through, a subclass vanished into the graph module whenever something else in it was
+    # fused, and the report (and strict=True) never named it.
+    model = prepared(SubclassedLayers())
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(x)
+    result = fuse(model)
+    assert Counter(kind for kind, _ in result.swaps) == Counter({"conv_bn_silu": 1})
+    reasons = dict(result.skipped)
+    assert reasons["conv1"] == ("MyConv -> BatchNorm2d: a subclass of Conv2d or BatchNorm2d may compute "
+                                "differently, so the batch norm is not folded")
+    assert reasons["conv2"].startswith("Conv2d -> MyBatchNorm: a subclass")
+    assert isinstance(result.module.get_submodule("norm"), SubclassedLayers.MyGroupNorm)
+    with torch.no_grad():
+        got = result.module(x)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float64))
+    # Through optimize the subclassed GroupNorm is named too, and strict=True raises on it.
+    report = str(mirage.report(mirage.optimize(prepared(SubclassedLayers()), dtype=None, cuda_graph=False,
+                                               verbose=False)))
+    assert "MyGroupNorm subclasses GroupNorm and may compute differently" in report and "MyConv -> BatchNorm2d" in report
+    with pytest.raises(ValueError, match="MyGroupNorm subclasses GroupNorm"):
+        mirage.optimize(prepared(SubclassedLayers()), dtype=None, cuda_graph=False, verbose=False, strict=True)
