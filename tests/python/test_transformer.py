@@ -338,3 +338,30 @@ def test_cuda_block_matches_the_unfused_arithmetic(dtype):
     assert counter.calls.count("mirage.add_layer_norm") == 2
     assert got.dtype == dtype
     torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+def test_from_diffusers_takes_the_blocks_it_names_and_their_mode():
+    # A module of another kind failed later with an AttributeError or a reason that misled; a block
+    # built from an eval-mode one reported training=True (ResnetBlock2D's forward reads it).
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.upsampling import Upsample2D
+    from diffusers.models.unets.unet_2d_blocks import UpBlock2D
+
+    for cls, name in ((mirage.nn.ResnetBlock2D, "ResnetBlock2D"), (mirage.nn.Upsample2D, "Upsample2D"),
+                      (mirage.nn.UpBlock2D, "UpBlock2D"), (mirage.nn.BasicTransformerBlock, "BasicTransformerBlock"),
+                      (mirage.nn.Transformer2DModel, "Transformer2DModel")):
+        with pytest.raises(TypeError, match=rf"^mirage.nn.{name}.from_diffusers: expected a diffusers {name}, got Conv2d$"):
+            cls.from_diffusers(nn.Conv2d(4, 4, 3))
+    resnet = ResnetBlock2D(in_channels=8, out_channels=4, temb_channels=6, groups=2).eval()
+    transformer = Transformer2DModel(num_attention_heads=2, attention_head_dim=4, in_channels=8,
+                                     norm_num_groups=2).eval()
+    assert not mirage.nn.ResnetBlock2D.from_diffusers(resnet).training
+    assert not mirage.nn.Transformer2DModel.from_diffusers(transformer).training
+    assert mirage.nn.ResnetBlock2D.from_diffusers(resnet.train()).training
+    up = UpBlock2D(in_channels=4, prev_output_channel=4, out_channels=4, temb_channels=None, num_layers=1,
+                   resnet_groups=2)
+    assert isinstance(mirage.nn.UpBlock2D.from_diffusers(up), mirage.nn.UpBlock2D)
+    # NCHW input gets NCHW output, also where both layouts describe it (1 x 1 images).
+    upsample = mirage.nn.Upsample2D.from_diffusers(Upsample2D(4, use_conv=True).eval())
+    with torch.no_grad():
+        assert upsample(randn(2, 4, 1, 1)).is_contiguous()

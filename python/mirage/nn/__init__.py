@@ -1,4 +1,6 @@
-"""Fused drop-in modules. Each loads (shares) the parameters of the torch module it replaces."""
+"""Fused drop-in modules. Each shares the parameters of the torch module it replaces, but for those
+it folds into new ones: ``Conv2dAct.from_conv_bn``'s batch norm folded into the convolution, and
+``FusedAttention``'s joined q/k/v (or k/v) projection."""
 
 from .attention import FusedAttention
 from .conv import Conv2dAct, conv_bias_act

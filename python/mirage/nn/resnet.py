@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ._diffusers import require_diffusers
 from .conv import conv_bias_act
 from .group_norm import GroupNorm
 from .linear import linear
@@ -44,6 +45,7 @@ class ResnetBlock2D(nn.Module):
                 a nonlinearity other than SiLU, norms that are not ``nn.GroupNorm``, or an unknown
                 ``time_embedding_norm`` together with a time embedding.
         """
+        require_diffusers(block, "ResnetBlock2D", "mirage.nn.ResnetBlock2D.from_diffusers")
         nonlinearity = getattr(block, "nonlinearity", None)
         if type(nonlinearity) is not nn.SiLU:
             raise ValueError(
@@ -74,6 +76,7 @@ class ResnetBlock2D(nn.Module):
         for attribute in ("in_channels", "out_channels", "use_conv_shortcut", "use_in_shortcut", "up",
                           "down", "output_scale_factor", "time_embedding_norm", "skip_time_act", "pre_norm"):
             setattr(fused, attribute, getattr(block, attribute))
+        fused.training = block.training  # forward reads it; the shared children keep their own flags
         return fused
 
     def forward(self, input_tensor: Tensor, temb: Optional[Tensor], *args, **kwargs) -> Tensor:

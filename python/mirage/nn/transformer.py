@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ._diffusers import require_diffusers
 from .. import ops
 from .conv import conv_bias_act
 from .layer_norm import LayerNorm
@@ -64,6 +65,7 @@ class BasicTransformerBlock(nn.Module):
                 embeddings, a GLIGEN fuser (``attention_type="gated"``), or norms that are not
                 ``nn.LayerNorm`` over the last dimension.
         """
+        require_diffusers(block, "BasicTransformerBlock", "mirage.nn.BasicTransformerBlock.from_diffusers")
         norm_type = getattr(block, "norm_type", None)
         if norm_type != "layer_norm":
             raise ValueError(f"norm_type={norm_type!r}: only 'layer_norm' is reproduced (the other norm types "
@@ -230,6 +232,7 @@ class Transformer2DModel(nn.Module):
         Raises:
             ValueError: vectorized (discrete) or patched input, which take other code paths.
         """
+        require_diffusers(model, "Transformer2DModel", "mirage.nn.Transformer2DModel.from_diffusers")
         if not getattr(model, "is_input_continuous", False):
             kind = "patched" if getattr(model, "is_input_patches", False) else "vectorized"
             raise ValueError(f"{kind} input is not reproduced (only continuous image input)")
@@ -239,6 +242,7 @@ class Transformer2DModel(nn.Module):
         fused.transformer_blocks = model.transformer_blocks
         fused.proj_out = model.proj_out
         fused.use_linear_projection = model.use_linear_projection
+        fused.training = model.training  # the shared children keep their own flags
         return fused
 
     def forward(self, hidden_states: Tensor, encoder_hidden_states: Optional[Tensor] = None,

@@ -7,6 +7,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ._diffusers import require_diffusers
+
 
 def cat_channels(a: Tensor, b: Tensor) -> Tensor:
     """``torch.cat([a, b], dim=1)``, the same values, faster for channels-last 4-D tensors.
@@ -44,6 +46,7 @@ class UpBlock2D(nn.Module):
 
     @classmethod
     def from_diffusers(cls, block: nn.Module) -> "UpBlock2D":
+        require_diffusers(block, cls.__name__, f"mirage.nn.{cls.__name__}.from_diffusers")
         fused = cls()
         fused.resnets = block.resnets
         if hasattr(block, "attentions"):

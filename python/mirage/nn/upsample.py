@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._diffusers import require_diffusers
 from .. import ops
 
 
@@ -69,6 +70,7 @@ class Upsample2D(nn.Module):
             ValueError: the block's configuration is not nearest 2x upsampling followed by a
                 plain 3x3, stride-1, padding-1 ``nn.Conv2d`` (the message says what differs).
         """
+        require_diffusers(block, "Upsample2D", "mirage.nn.Upsample2D.from_diffusers")
         if block.use_conv_transpose:
             raise ValueError("a transposed convolution upsamples by itself: there is no upsampled image to avoid")
         if not block.use_conv:
@@ -162,8 +164,10 @@ class Upsample2D(nn.Module):
         if bias is not None and bias.dtype not in (parities.dtype, torch.float32):
             bias = bias.float()  # e.g. a float16 bias under a bfloat16 autocast
         out = ops.subpixel_shuffle(parities, bias)  # channels-last
-        # NCHW input gets NCHW output, as from diffusers (user code may .view it).
-        return out if hidden_states.is_contiguous(memory_format=torch.channels_last) else out.contiguous()
+        # NCHW input gets NCHW output, as from diffusers (user code may .view it); an input both
+        # layouts describe (H = W = 1, or C = 1) is NCHW there too.
+        channels_last = hidden_states.is_contiguous(memory_format=torch.channels_last) and not hidden_states.is_contiguous()
+        return out if channels_last else out.contiguous()
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, out_channels={self.out_channels}"
