@@ -621,7 +621,7 @@ def schnet_energy(
     """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels).
 
     Computes, with ``d = |vectors|``, a Gaussian basis of ``num_rbf`` centers evenly over
-    ``[0, cutoff]`` (width their spacing) and the cosine cutoff ``cos^2(pi d / 2 cutoff)`` (zero
+    ``[0, cutoff]`` (width their spacing; the cutoff for one center) and the cosine cutoff ``cos^2(pi d / 2 cutoff)`` (zero
     from ``cutoff`` on)::
 
         x = embedding[atomic_numbers]

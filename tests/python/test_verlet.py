@@ -343,6 +343,12 @@ def shared(device):
         b[:4], b[5:9], torch.zeros((), dtype=torch.float64, device=d), b[1:5], randn(1, device=d),
         torch.ones(4, dtype=torch.float64, device=d), 0.5))(shared(d)),
      "mirage::verlet_forces_kick: velocities (updated in place) must not share memory with grad"),
+    # A strided view, whose overlap PyTorch cannot work out: inverse_masses a column of velocities.
+    (lambda d: (lambda v: torch.ops.mirage.verlet_forces_kick(
+        v, torch.zeros(3, 3, dtype=torch.float64, device=d), torch.zeros((), dtype=torch.float64, device=d),
+        torch.ones(3, 3, dtype=torch.float64, device=d), torch.zeros((), device=d), v[:, 0], 1.0))(
+        torch.arange(1.0, 10.0, dtype=torch.float64, device=d).reshape(3, 3)),
+     "mirage::verlet_forces_kick: velocities (updated in place) must not share memory with inverse_masses"),
 ])
 def test_state_sharing_memory_is_refused(device, call, message):
     if message is None:
