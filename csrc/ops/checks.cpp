@@ -35,7 +35,7 @@ void check_same_device(std::string_view op, std::string_view arg, const at::Tens
 
 void check_param(std::string_view op, std::string_view arg, const std::optional<at::Tensor>& p,
                  const at::Tensor& x, const c10::SymInt& size) {
-  if (!present(p) || !p->defined()) return;
+  if (!present(p)) return;
   check_same_device(op, arg, *p, x);
   MIRAGE_CHECK(p->dim() == 1 && p->sym_size(0) == size, op, ": ", arg, " must have shape [", size,
               "], got ", p->sym_sizes());

@@ -148,18 +148,19 @@ def _signature_of(leaves: Sequence[Any], spec: pytree.TreeSpec, args: Sequence[A
     except TypeError as error:
         failure = error
     for leaf, name in zip(leaves, _flatten(args, kwargs)[1]):  # which argument: names for the message
-        if isinstance(leaf, Tensor) and _key_kind(leaf) == "refused":
+        if _key_kind(leaf) != "refused":
+            continue
+        if isinstance(leaf, Tensor):
             raise ValueError(f"{who}: argument {name} is a {'nested' if leaf.is_nested else leaf.layout} tensor; "
                              "a graph copies its inputs into dense (strided) static buffers, so pass dense tensors "
                              "(.to_dense(), or the nested tensor's components)") from None
-        if _key_kind(leaf) == "refused":
-            raise ValueError(
-                f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor a plain value "
-                "(a number, a string, a bool, None, a dtype, a device, an enum); a graph is chosen by its inputs' "
-                "shapes and by the values of its other arguments, and would read tensors held inside an object at "
-                "their captured addresses, so pass tensors as arguments (or in tuples, lists, dicts) and settings "
-                "as plain values"
-            ) from None
+        raise ValueError(
+            f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor a plain value "
+            "(a number, a string, a bool, None, a dtype, a device, an enum); a graph is chosen by its inputs' "
+            "shapes and by the values of its other arguments, and would read tensors held inside an object at "
+            "their captured addresses, so pass tensors as arguments (or in tuples, lists, dicts) and settings "
+            "as plain values"
+        ) from None
     raise failure
 
 
@@ -208,7 +209,8 @@ def _difference(captured: Hashable, given: Hashable, args: Sequence[Any], kwargs
     (captured_spec, captured_keys, captured_autocast), (given_spec, given_keys, given_autocast) = captured, given
     if captured_autocast != given_autocast:
         def autocast(state: Tuple[Any, ...]) -> str:
-            return f"under CUDA autocast to {str(state[1]).replace('torch.', '')}" if state[0] else "without CUDA autocast"
+            return (f"under CUDA autocast to {str(state[1]).replace('torch.', '')}" if state[0]
+                    else "without CUDA autocast")
 
         return f"called {autocast(given_autocast)}, captured {autocast(captured_autocast)}"
     if captured_spec != given_spec:

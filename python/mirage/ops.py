@@ -621,8 +621,8 @@ def schnet_energy(
     """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels).
 
     Computes, with ``d = |vectors|``, a Gaussian basis of ``num_rbf`` centers evenly over
-    ``[0, cutoff]`` (width their spacing; the cutoff for one center) and the cosine cutoff ``cos^2(pi d / 2 cutoff)`` (zero
-    from ``cutoff`` on)::
+    ``[0, cutoff]`` (width their spacing; the cutoff for one center) and the cosine cutoff
+    ``cos^2(pi d / 2 cutoff)`` (zero from ``cutoff`` on)::
 
         x = embedding[atomic_numbers]
         per interaction: x += f2out(sum over pairs (i <- j) of in2f(x)[j] * filter(basis) * fcut)

@@ -323,8 +323,8 @@ class _Rewriter:
         bn = next((m for m in map(self._module, conv_node.users) if isinstance(m, nn.BatchNorm2d)), None)
         if bn is not None:
             self.skipped.append((qualified_name(self.prefix, conv_node.target),
-                                 f"{type(conv).__name__} -> {type(bn).__name__}: a subclass of Conv2d or BatchNorm2d may "
-                                 "compute differently, so the batch norm is not folded"))
+                                 f"{type(conv).__name__} -> {type(bn).__name__}: a subclass of Conv2d or BatchNorm2d "
+                                 "may compute differently, so the batch norm is not folded"))
 
     def _module_of_type(self, node: fx.Node, cls: type) -> Optional[nn.Module]:
         module = self._module(node)

@@ -134,13 +134,18 @@ def check_structure(atomic_numbers: Tensor, positions: Tensor, cell: Optional[Te
         raise ValueError(f"{who}: pbc must be [3], got {list(pbc.shape)}")
 
 
-def embedding_rows(model) -> Optional[int]:
-    """The atomic numbers the model takes, ``[0, rows)``, where it says: the rows of an
-    ``nn.Embedding`` attribute named ``embedding`` (the reference models' and mirage's fused ones'),
-    else None. A replayed CUDA graph runs no Python, so an atomic number past them would be read
-    out of bounds on the GPU instead of raising."""
+def check_atomic_numbers(model, numbers: np.ndarray, who: str) -> None:
+    """ValueError unless ``numbers`` (``atoms.numbers``) lie in the rows of the model's embedding,
+    where it says: an ``nn.Embedding`` attribute named ``embedding`` (the reference models' and
+    mirage's fused ones'); a model without one is not checked. A replayed CUDA graph runs no
+    Python, so an atomic number past the rows would be read out of bounds on the GPU instead."""
     embedding = getattr(model, "embedding", None)
-    return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
+    if not isinstance(embedding, torch.nn.Embedding) or len(numbers) == 0:
+        return
+    rows = embedding.num_embeddings
+    if numbers.min() < 0 or numbers.max() >= rows:
+        raise ValueError(f"{who}: atoms.numbers must be in [0, {rows}) (the rows of the model's embedding), "
+                         f"got {numbers.min()} to {numbers.max()}")
 
 
 def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
@@ -324,7 +329,6 @@ class Calculator(_AseCalculator):
         self.model = model
         self._counted = capacity.holder(model, who)  # what has the neighbor capacity, if anything
         self.device, self.dtype = model_device_dtype(model, device, who)
-        self._graphs = None
         self.precision = precision
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graphs = graphs.GraphCache(self._packed, max_graphs, copy_outputs=False) if self.cuda_graph else None
@@ -366,7 +370,7 @@ class Calculator(_AseCalculator):
     @precision.setter
     def precision(self, value: str) -> None:
         value = check_precision(value, self.who, self.dtype)
-        if getattr(self, "_precision", value) != value and self._graphs is not None:
+        if getattr(self, "_precision", value) != value and getattr(self, "_graphs", None) is not None:
             self._graphs.clear()
         self._precision = value
 
@@ -425,13 +429,9 @@ class Calculator(_AseCalculator):
                                  "volume; set atoms.cell (a periodic system needs its lattice vectors, and a "
                                  "non-periodic axis a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
             self._checked_cell = cell.copy()
-        numbers = atoms.numbers
-        if self._checked_numbers is None or not np.array_equal(numbers, self._checked_numbers):
-            rows = embedding_rows(self.model)
-            if rows is not None and (numbers.min() < 0 or numbers.max() >= rows):
-                raise ValueError(f"{who}: atoms.numbers must be in [0, {rows}) (the rows of the model's embedding), "
-                                 f"got {numbers.min()} to {numbers.max()}")
-            self._checked_numbers = numbers.copy()
+        if self._checked_numbers is None or not np.array_equal(atoms.numbers, self._checked_numbers):
+            check_atomic_numbers(self.model, atoms.numbers, who)
+            self._checked_numbers = atoms.numbers.copy()
         if self.cuda_graph:
             energy, forces, stress = self._run_graph(atoms, periodic)
         else:

@@ -687,7 +687,8 @@ class SchNet(_FusedModel):
                  ("batched_filters", f"first and second Linear of the {count} filter networks "
                                      "(interactions.*.filter)")]
                 + [("message_passing", f"interactions.{t}") for t in range(count)]
-                + [("linear", f"interactions.{t}.{name}") for t in range(count) for name in ("in2f", "f2out.0", "f2out.2")]
+                + [("linear", f"interactions.{t}.{name}") for t in range(count)
+                   for name in ("in2f", "f2out.0", "f2out.2")]
                 + [("linear", "readout.0"), ("linear", "readout.2")])
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
@@ -783,7 +784,8 @@ class SchNet(_FusedModel):
 
     def _whole_model_structure(self) -> bool:
         return len(self.interactions) <= 8 and _same_widths(
-            self.interactions, lambda block: (block.filter[0], block.filter[2], block.in2f, block.f2out[0], block.f2out[2]))
+            self.interactions,
+            lambda block: (block.filter[0], block.filter[2], block.in2f, block.f2out[0], block.f2out[2]))
 
     def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
         """mirage::schnet_energy: (energy, its gradient in the pair vectors)."""

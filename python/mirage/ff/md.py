@@ -37,9 +37,8 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from .. import graphs, ops
 from .._arguments import count
 from . import capacity
-from .calculator import (CapacityWatch, check_model, embedding_rows, energy_and_gradients, model_device_dtype,
-                         on_device, synchronize,
-                         uncapturable)
+from .calculator import (CapacityWatch, check_atomic_numbers, check_model, energy_and_gradients, model_device_dtype,
+                         on_device, synchronize, uncapturable)
 from .precision import check_precision, matmul_precision
 
 __all__ = ["Langevin", "VelocityVerlet"]
@@ -199,15 +198,12 @@ class VelocityVerlet:
                              f"{self._masses.min()} to {self._masses.max()}")
         if not np.isfinite(atoms.get_momenta()).all():
             raise ValueError(f"{_WHO}: atoms' momenta have non-finite values")
-        rows = embedding_rows(model)
-        if rows is not None and len(atoms) and (atoms.numbers.min() < 0 or atoms.numbers.max() >= rows):
-            raise ValueError(f"{_WHO}: atoms.numbers must be in [0, {rows}) (the rows of the model's embedding), got "
-                             f"{atoms.numbers.min()} to {atoms.numbers.max()}")
+        check_atomic_numbers(model, atoms.numbers, _WHO)
         self._periodic = bool(np.any(atoms.pbc))
         determinant = np.linalg.det(atoms.cell[:]) if self._periodic else 1.0
         if not np.isfinite(determinant) or abs(determinant) < 1e-9:
-            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no finite volume; set atoms.cell "
-                             "(a non-periodic axis needs a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
+            raise ValueError(f"{_WHO}: atoms.pbc is {atoms.pbc.tolist()} but the cell has no finite volume; set "
+                             "atoms.cell (a non-periodic axis needs a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
         if not np.isfinite(atoms.positions).all():
             raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
         self._counted = capacity.holder(model, _WHO)  # what has the neighbor capacity, if anything
@@ -446,7 +442,8 @@ class VelocityVerlet:
             thermal -= 0.5 * float(momentum @ momentum) / self._masses.sum()
             degrees -= 3
         record = dict(step=self.step, time_fs=self.step * self.timestep / units.fs, potential=potential,
-                      kinetic=kinetic, total=potential + kinetic, temperature=float(2.0 * thermal / (degrees * units.kB)))
+                      kinetic=kinetic, total=potential + kinetic,
+                      temperature=float(2.0 * thermal / (degrees * units.kB)))
         if keep:
             self.records.append(record)
         if trajectory is not None:
@@ -520,7 +517,7 @@ class VelocityVerlet:
                     last_progress = now
                     last = self.records[-1]
                     graphs.progress(f"mirage.ff.md: step {self.step} ({done}/{steps} of this run), "
-                                    f"{done / (now - start):.0f} steps/s; at step {last['step']}: "
+                                    f"{rate:.0f} steps/s; at step {last['step']}: "
                                     f"T {last['temperature']:.1f} K, Etot {last['total']:.6f} eV")
             synchronize(self.device)
             seconds = time.perf_counter() - start

@@ -21,7 +21,8 @@ ACTIVATIONS = {
 
 
 class Conv2dAct(nn.Conv2d):
-    """``activation(conv2d(x))``: an ``nn.Conv2d`` followed by an activation (``from_conv_bn`` gives it a bias: the folded batch norm's shift).
+    """``activation(conv2d(x))``: an ``nn.Conv2d`` followed by an activation (``from_conv_bn`` gives
+    it a bias: the folded batch norm's shift).
 
     Built by :meth:`from_conv_bn`, which folds an eval-mode ``BatchNorm2d`` into the weights and
     bias, so the batch norm costs nothing at run time. It stays an ``nn.Conv2d`` so dtype, device

@@ -166,8 +166,8 @@ class Upsample2D(nn.Module):
         out = ops.subpixel_shuffle(parities, bias)  # channels-last
         # NCHW input gets NCHW output, as from diffusers (user code may .view it); an input both
         # layouts describe (H = W = 1, or C = 1) is NCHW there too.
-        channels_last = hidden_states.is_contiguous(memory_format=torch.channels_last) and not hidden_states.is_contiguous()
-        return out if channels_last else out.contiguous()
+        nchw = hidden_states.is_contiguous() or not hidden_states.is_contiguous(memory_format=torch.channels_last)
+        return out.contiguous() if nchw else out
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, out_channels={self.out_channels}"
