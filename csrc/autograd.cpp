@@ -1014,10 +1014,12 @@ struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
 std::tuple<at::Tensor, at::Tensor> schnet_energy_autograd(const at::Tensor& atomic_numbers,
                                                           const at::Tensor& embedding, const at::Tensor& pairs,
                                                           const at::Tensor& vectors, double cutoff, int64_t num_rbf,
-                                                          at::TensorList weights, c10::string_view activations) {
+                                                          at::TensorList weights, c10::string_view activations,
+                                                          const std::optional<at::Tensor>& prepared) {
+  // prepared is a function of the weights, whose gradient the op refuses: it needs none of its own.
   const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kSchnetEnergy, EnergyCall([&] {
     return handles::schnet_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                         activations);
+                                         activations, prepared);
   }));
   return {out[0], out[1]};
 }

@@ -44,7 +44,9 @@ using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::T
     const std::optional<at::Tensor>&);
 using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, const at::Tensor&, double,
-                                                            int64_t, at::TensorList, c10::string_view);
+                                                            int64_t, at::TensorList, c10::string_view,
+                                                            const std::optional<at::Tensor>&);
+using SchnetEnergyPrepareSig = at::Tensor(const at::Tensor&, double, int64_t, at::TensorList, c10::string_view);
 
 using PainnEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            const at::Tensor&, double, int64_t, at::TensorList,
@@ -109,6 +111,7 @@ MIRAGE_OP_HANDLE(pair_product, PairOpSig)
 MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
 MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
 MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
+MIRAGE_OP_HANDLE(schnet_energy_prepare, SchnetEnergyPrepareSig)
 MIRAGE_OP_HANDLE(painn_energy, PainnEnergySig)
 MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)

@@ -61,9 +61,13 @@ TORCH_LIBRARY(mirage, m) {
         "(Tensor grad_uv, Tensor grad_vv, Tensor grad_a)");
   // A whole SchNet energy and its gradient in the pair vectors, in one kernel (small systems).
   // weights: 10 tensors per interaction then 4 for the readout; activations: comma-separated.
+  // prepared: schnet_energy_prepare's output for these weights (filter tables, transposed weights),
+  // which spares each call the work of forming them.
   m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
-        "float cutoff, int num_rbf, Tensor[] weights, str activations) -> (Tensor energy, "
+        "float cutoff, int num_rbf, Tensor[] weights, str activations, Tensor? prepared=None) -> (Tensor energy, "
         "Tensor grad_vectors)");
+  m.def("schnet_energy_prepare(Tensor embedding, float cutoff, int num_rbf, Tensor[] weights, str activations) "
+        "-> Tensor");
   // A whole PaiNN energy and its gradient in the pair vectors, in one kernel (small systems).
   // weights: 12 tensors per interaction then 4 for the readout; activations: comma-separated.
   m.def("painn_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "

@@ -10,6 +10,7 @@
 
 #include <cooperative_groups.h>
 
+#include "float_arena.h"
 #include "kernel_utils.cuh"
 
 namespace mirage::cuda::atomwise {
@@ -18,27 +19,6 @@ constexpr int kThreads = 512;
 constexpr int kRowTile = 4;          // rows a thread carries in registers in `product`
 constexpr int kPartialFloats = kThreads * kRowTile;  // `product`'s partial sums (split sums over k)
 constexpr int kMaxCluster = 16;  // Hopper's largest (non-portable) cluster
-
-__host__ __device__ inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
-
-// Floats a rows x cols matrix takes in a workspace array of them, 16-byte aligned.
-__host__ __device__ inline int64_t padded_matrix(int64_t rows, int64_t cols) { return pad4(rows * cols); }
-
-// Hands out the consecutive float arrays of a kernel's workspace layout, each 16-byte aligned.
-struct FloatArena {
-  int64_t size = 0;
-  __host__ __device__ int64_t take(int64_t floats) {
-    const int64_t offset = size;
-    size += pad4(floats);
-    return offset;
-  }
-  // Room for n items of a struct whose size is a whole number of floats (OwnPair, PairGeometry).
-  template <typename T>
-  __host__ __device__ int64_t take_items(int64_t n) {
-    static_assert(sizeof(T) % sizeof(float) == 0, "FloatArena: the size must be a whole number of floats");
-    return take(n * static_cast<int64_t>(sizeof(T) / sizeof(float)));
-  }
-};
 
 __device__ __forceinline__ float bias_at(const float* bias, int o) { return bias ? bias[o] : 0.0f; }
 

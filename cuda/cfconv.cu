@@ -1505,15 +1505,19 @@ bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width) {
          filter_table_shared_bytes(num_rbf, hidden) <= max_shared_bytes_per_block();
 }
 
-cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfconvParams& params,
-                                 cudaStream_t stream) {
+cudaError_t launch_filter_table(const FilterTableParams& table, cudaStream_t stream) {
   const size_t bytes = filter_table_shared_bytes(table.num_rbf, table.hidden);
-  cudaError_t status =
+  const cudaError_t status =
       cudaFuncSetAttribute(filter_table_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status != cudaSuccess) return status;
   const int64_t blocks = ceil_div(table.intervals, kTablePieces);
-  status = launch_overlapped(filter_table_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTableThreads), bytes,
-                             stream, false, table);
+  return launch_overlapped(filter_table_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTableThreads), bytes,
+                           stream, false, table);
+}
+
+cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfconvParams& params,
+                                 cudaStream_t stream) {
+  cudaError_t status = launch_filter_table(table, stream);
   if (status == cudaSuccess) {
     status = zero_flag_and_accumulator(params.invalid, params.out, params.num_nodes * params.width, stream);
   }

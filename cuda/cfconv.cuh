@@ -118,6 +118,8 @@ struct RadialCfconvParams {
 // 9 ends, and a W2 tile: about 216 (R + H) + 36,000 bytes) within the device's.
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width);
 
+// The table alone (mirage::schnet_energy_prepare's tables).
+cudaError_t launch_filter_table(const FilterTableParams& table, cudaStream_t stream);
 // The table (table.table, an output of the op), then the forward pass over params.table.
 cudaError_t launch_radial_cfconv(const FilterTableParams& table, const RadialCfconvParams& params,
                                  cudaStream_t stream);

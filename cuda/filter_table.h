@@ -25,7 +25,7 @@ constexpr int kCoefficients = 6;
 // Gaussians' count of spacings, the Bessel functions' highest frequency times the cutoff, pi R),
 // rounded up to a power of two, at least 512. SchNet's 20 Gaussians: 1,024 pieces (3 MiB at
 // M = 128).
-inline int64_t intervals_for(RadialBasisKind basis, int64_t num_rbf) {
+MIRAGE_HOST_DEVICE inline int64_t intervals_for(RadialBasisKind basis, int64_t num_rbf) {
   const double resolution = basis == RadialBasisKind::kBessel ? 3.141592653589793 * num_rbf : num_rbf - 1.0;
   int64_t intervals = 512;
   while (intervals < 32.0 * resolution) intervals *= 2;

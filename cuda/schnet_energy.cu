@@ -17,6 +17,10 @@
 // The cluster kernel starts beside the filters kernel (programmatic dependent launch): its pairs,
 // embedding and first product need none of the filters.
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
+// Prepared (mirage::schnet_energy_prepare, for runs of calls with the same weights: an MD run), the
+// filters kernel's work is done once: the filter networks as radial_cfconv's tables (the cosine
+// cutoff in them), which each block reads for its own pairs, and the transposed weights. The op is
+// then the cluster kernel alone: an MD step of SchNet on benzene 66 -> 59.5 us (H200, 2026-11-29).
 //
 // Tried and not kept (H200, 2026-11-27, benzene, every -m cuda schnet_energy test passing in each
 // version): the cluster's blocks splitting every Linear by its outputs instead of the atoms, each
@@ -34,6 +38,8 @@
 // phase had promised 1.3 us. Near 48 us at best: docs/perf/forcefield.md, "A column-split cluster
 // kernel".
 #include "atom_products.cuh"
+#include "cfconv.cuh"
+#include "filter_table.h"
 #include "radial_functions.cuh"
 #include "schnet_energy.cuh"
 
@@ -71,12 +77,16 @@ struct Layout {
   int64_t readout;      // [N][Kr4]: the readout's hidden layer, later its gradient
   int64_t grad_x;       // [N][F4]
   int64_t parts;        // [kMaxCluster]: each block's share of the energy
-  // The atom-wise weights transposed (schnet_filters_kernel), for the backward's products:
-  // readout1 [F][Kr], then per interaction f2out2 [K][F], f2out1 [M][K], in2f [F][M] (each
-  // interaction's matrix padded_matrix(...) floats after the last one's).
-  int64_t readout1_t, f2out2_t, f2out1_t, in2f_t;
+  int64_t transposed;   // the atom-wise weights transposed (SchnetTransposed), unless prepared
   int64_t total;
 };
+
+__host__ __device__ inline SchnetTransposed transposed_of(const SchnetEnergyParams& p) {
+  return schnet_transposed(p.num_interactions, p.features, p.message_width, p.update_hidden, p.readout_hidden);
+}
+__host__ __device__ inline int64_t tables_floats(const SchnetEnergyParams& p) {
+  return schnet_tables_floats(p.num_interactions, p.num_rbf, p.message_width);
+}
 
 __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   Layout l{};
@@ -102,11 +112,7 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   l.readout = arena.take(N * l.Kr4);
   l.grad_x = arena.take(N * l.F4);
   l.parts = arena.take(kMaxCluster);
-  const int64_t F = p.features, M = p.message_width, K = p.update_hidden;
-  l.readout1_t = arena.take(F * p.readout_hidden);
-  l.f2out2_t = arena.take(T * padded_matrix(K, F));
-  l.f2out1_t = arena.take(T * padded_matrix(M, K));
-  l.in2f_t = arena.take(T * padded_matrix(F, M));
+  l.transposed = arena.take(p.prepared != nullptr ? 0 : transposed_of(p).total);
   l.total = arena.size;
   return l;
 }
@@ -131,16 +137,60 @@ constexpr int kTransposeBlocks = 8;
 // linear_product, lanes along the inputs: the products of each weight's columns (a thread per
 // four outputs, a slice of k, the slices' sums met in shared memory behind a second barrier) took
 // ~4k cycles a one-row product on benzene where linear_product takes ~2.8k (H200, 2026-11-24).
-__device__ void transpose_weights(const SchnetEnergyParams& p) {
-  const Layout L = layout_of(p);
-  float* ws = static_cast<float*>(p.workspace);
+// Into `out`, laid out as SchnetTransposed says.
+__device__ void transpose_weights(const SchnetEnergyParams& p, float* out) {
+  const SchnetTransposed L = transposed_of(p);
   const int F = p.features, M = p.message_width, K = p.update_hidden;
-  int tiles = transpose(p.readout1_w, p.readout_hidden, F, ws + L.readout1_t, p.readout_hidden, 0);
+  int tiles = transpose(p.readout1_w, p.readout_hidden, F, out + L.readout1, p.readout_hidden, 0);
   for (int t = 0; t < p.num_interactions; ++t) {
     const SchnetInteraction& layer = p.interactions[t];
-    tiles = transpose(layer.f2out2_w, F, K, ws + L.f2out2_t + t * padded_matrix(K, F), F, tiles);
-    tiles = transpose(layer.f2out1_w, K, M, ws + L.f2out1_t + t * padded_matrix(M, K), K, tiles);
-    tiles = transpose(layer.in2f_w, M, F, ws + L.in2f_t + t * padded_matrix(F, M), M, tiles);
+    tiles = transpose(layer.f2out2_w, F, K, out + L.f2out2 + t * padded_matrix(K, F), F, tiles);
+    tiles = transpose(layer.f2out1_w, K, M, out + L.f2out1 + t * padded_matrix(M, K), K, tiles);
+    tiles = transpose(layer.in2f_w, M, F, out + L.in2f + t * padded_matrix(F, M), M, tiles);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) schnet_transpose_kernel(const __grid_constant__ SchnetEnergyParams p,
+                                                                    float* out) {
+  start_after_prior_grid();
+  transpose_weights(p, out);
+}
+
+// A prepared call's filters (the cutoff included) and their slopes in the distance, for the
+// block's own pairs (no other block reads them), into the rows where schnet_filters_kernel would
+// write them: a quintic of the piece each distance falls in, four outputs a thread.
+__device__ void filters_from_tables(const SchnetEnergyParams& p, const Layout& L, const OwnPair* own, int np,
+                                    const PairGeometry* geometry) {
+  using filter_table::kCoefficients;
+  const int64_t intervals = filter_table::intervals_for(RadialBasisKind::kGaussian, p.num_rbf);
+  const int64_t M = p.message_width, P = p.num_pairs, M4 = L.M4;
+  const int columns = p.message_width / 4, T = p.num_interactions;
+  const float scale = static_cast<float>(intervals) / p.cutoff;
+  float* ws = static_cast<float*>(p.workspace);
+  for (int e = threadIdx.x; e < T * np * columns; e += blockDim.x) {
+    const int t = e / (np * columns), r = e / columns % np, c = 4 * (e % columns);
+    // The pairs here lie inside the cutoff; a NaN distance takes piece 0 at s = NaN: NaN filters.
+    const float d = geometry[r].distance, u = d * scale;
+    const int64_t piece = d >= 0.0f ? min(static_cast<int64_t>(u), intervals - 1) : 0;
+    const float s = d >= 0.0f ? u - static_cast<float>(piece) : __int_as_float(0x7fc00000);
+    const float* a = p.prepared + ((t * intervals + piece) * kCoefficients) * M + c;
+    float q[kCoefficients][4], value[4], slope[4];
+#pragma unroll
+    for (int k = 0; k < kCoefficients; ++k) load_packed<float, 4>(a + k * M, q[k]);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      value[x] = q[kCoefficients - 1][x];
+      slope[x] = (kCoefficients - 1) * q[kCoefficients - 1][x];
+#pragma unroll
+      for (int k = kCoefficients - 2; k >= 0; --k) {
+        value[x] = fmaf(value[x], s, q[k][x]);
+        if (k >= 1) slope[x] = fmaf(slope[x], s, k * q[k][x]);
+      }
+      slope[x] *= scale;
+    }
+    const int64_t at = (t * P + own[r].pair) * M4 + c;
+    store_packed<float, 4>(ws + L.filter_out + at, value);
+    store_packed<float, 4>(ws + L.filter_slope + at, slope);
   }
 }
 
@@ -155,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_c
   __shared__ float4 partial[kPartialFloats / 4];
   allow_next_grid();  // the cluster reads what this kernel writes only after wait_for_prior_grid
   if (blockIdx.y == p.num_interactions) {
-    transpose_weights(p);
+    transpose_weights(p, static_cast<float*>(p.workspace) + layout_of(p).transposed);
     return;
   }
   const Layout L = layout_of(p);
@@ -218,6 +268,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const Layout L = layout_of(p);
   const int64_t M4 = L.M4, F4 = L.F4, K4 = L.K4, Kr4 = L.Kr4;
   float* ws = static_cast<float*>(p.workspace);
+  // Prepared, this kernel is the op's only one, launched overlapped with the kernel ahead: it must
+  // wait for it before touching memory. Otherwise it waits for the filters kernel further down.
+  if (p.prepared != nullptr) wait_for_prior_grid();
   const bool shared_pairs = P <= kSharedPairs;
   OwnPair* own = shared_pairs ? shared_own_pairs : reinterpret_cast<OwnPair*>(ws + L.own_pairs) + block * P;
   PairGeometry* geometry =
@@ -240,12 +293,20 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const int t = e / (na * M), rest = e % (na * M);
     grad_h(t)[(a0 + rest / M) * M4 + rest % M] = 0.0f;
   }
-  // Geometry of the block's pairs (read by the messages, after the barriers below).
+  // Geometry of the block's pairs (read by the messages, after the barriers below). Prepared
+  // filters have the cutoff in them: it is 1 here, its slope 0.
+  const bool prepared = p.prepared != nullptr;
   for (int r = tid; r < np; r += threads) {
     const float d = pair_distance(p, own[r].pair);
-    geometry[r] = PairGeometry{d, envelope(CutoffFn::kCosine, d, p.cutoff),
-                               envelope_derivative(CutoffFn::kCosine, d, p.cutoff), 0.0f};
+    geometry[r] = PairGeometry{d, prepared ? 1.0f : envelope(CutoffFn::kCosine, d, p.cutoff),
+                               prepared ? 0.0f : envelope_derivative(CutoffFn::kCosine, d, p.cutoff), 0.0f};
   }
+  if (prepared) {
+    __syncthreads();  // the distances
+    filters_from_tables(p, L, own, np, geometry);
+  }
+  const float* transposed = prepared ? p.prepared + tables_floats(p) : ws + L.transposed;
+  const SchnetTransposed TL = transposed_of(p);
 
   // Forward over the atoms. m, where the messages are added up, is zeroed here and after each
   // interaction's last read of it (the barriers before the next messages order the writes).
@@ -291,7 +352,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   }
   // The readout and its gradient; then grad_x = d energy / d x, interaction by interaction from
   // the last. The backward's products read the weights transposed (transpose_weights).
-  readout_and_gradient(p, a0, na, x, F4, readout, Kr4, ws + L.readout1_t, ws + L.parts, grad_x, F4, scratch);
+  readout_and_gradient(p, a0, na, x, F4, readout, Kr4, transposed + TL.readout1, ws + L.parts, grad_x, F4, scratch);
   AtomStore add_to_grad_x = to(grad_x, F4);
   add_to_grad_x.accumulate = true;
   for (int t = T - 1; t >= 0; --t) {
@@ -299,8 +360,9 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     AtomStore to_grad_q = to(u, K4);  // the gradient before f2out's activation, in u
     to_grad_q.activation = layer.update_activation;
     to_grad_q.gate = q(t);
-    linear_product(na, atom_row, grad_x, F4, F, ws + L.f2out2_t + t * padded_matrix(K, F), nullptr, K, to_grad_q);
-    linear_product(na, atom_row, u, K4, K, ws + L.f2out1_t + t * padded_matrix(M, K), nullptr, M, to(m, M4));
+    linear_product(na, atom_row, grad_x, F4, F, transposed + TL.f2out2 + t * padded_matrix(K, F), nullptr, K,
+                   to_grad_q);
+    linear_product(na, atom_row, u, K4, K, transposed + TL.f2out1 + t * padded_matrix(M, K), nullptr, M, to(m, M4));
     // Per pair (i <- j), w = filter * fcut: grad_h[j] += grad_m[i] * w, and d energy / d distance
     // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair.
     const float* ht = h(t);
@@ -327,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       m[at] = __ldcg(&ght[at]);
     }
     __syncthreads();
-    linear_product(na, atom_row, m, M4, M, ws + L.in2f_t + t * padded_matrix(F, M), nullptr, F, add_to_grad_x);
+    linear_product(na, atom_row, m, M4, M, transposed + TL.in2f + t * padded_matrix(F, M), nullptr, F, add_to_grad_x);
   }
 
   // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
@@ -361,13 +423,51 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params) {
 }
 
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream) {
-  const cudaError_t error = launch_schnet_filters(params, stream);
-  if (error != cudaSuccess) return error;
+  const bool prepared = params.prepared != nullptr;
+  if (!prepared) {
+    const cudaError_t error = launch_schnet_filters(params, stream);
+    if (error != cudaSuccess) return error;
+  }
   const int limit = cluster_limit<schnet_energy_kernel>();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
   // The cluster starts beside the filters kernel: its pairs, embedding and first product read none
-  // of what that kernel writes.
-  return launch_cluster<schnet_energy_kernel>(blocks, params, stream, true);
+  // of what that kernel writes. Prepared, it starts beside the kernel ahead of the op (another
+  // op's), as the other overlapped launches do.
+  return launch_cluster<schnet_energy_kernel>(blocks, params, stream, prepared ? overlapped_launches() : true);
+}
+
+int64_t schnet_prepared_floats(const SchnetEnergyParams& params) {
+  return tables_floats(params) + transposed_of(params).total;
+}
+
+bool schnet_prepare_supported(const SchnetEnergyParams& params) {
+  return params.filter_activation != Activation::kRelu &&
+         radial_cfconv_supported(params.num_rbf, params.filter_hidden, params.message_width);
+}
+
+cudaError_t launch_schnet_prepare(const SchnetEnergyParams& params, float* prepared, cudaStream_t stream) {
+  const int64_t intervals = filter_table::intervals_for(RadialBasisKind::kGaussian, params.num_rbf);
+  for (int t = 0; t < params.num_interactions; ++t) {
+    const SchnetInteraction& layer = params.interactions[t];
+    FilterTableParams table{};
+    table.w1 = layer.filter1_w;
+    table.b1 = layer.filter1_b;
+    table.w2 = layer.filter2_w;
+    table.b2 = layer.filter2_b;
+    table.num_rbf = params.num_rbf;
+    table.hidden = params.filter_hidden;
+    table.width = params.message_width;
+    table.activation = params.filter_activation;
+    table.basis = RadialBasisKind::kGaussian;
+    table.envelope = CutoffFn::kCosine;
+    table.cutoff = params.cutoff;
+    table.intervals = intervals;
+    table.table = prepared + t * intervals * filter_table::kCoefficients * params.message_width;
+    const cudaError_t error = launch_filter_table(table, stream);
+    if (error != cudaSuccess) return error;
+  }
+  return launch_overlapped(schnet_transpose_kernel, dim3(kTransposeBlocks * 4), dim3(kThreads), 0, stream, false,
+                           params, prepared + tables_floats(params));
 }
 
 }  // namespace mirage::cuda

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "../../cuda/filter_table.h"
+#include "../../cuda/float_arena.h"
 #include "checks.h"
 #include "kinds.h"
 #include "message.h"
@@ -39,13 +40,23 @@ void check_energy_weight(std::string_view op, const at::Tensor& w, const std::st
                shape.size() == 1 ? " (or [0]: no bias)" : "", ", got ", w.sizes());
 }
 
-void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                         const at::Tensor& pairs, const at::Tensor& vectors, double cutoff) {
+namespace {
+
+void check_embedding_and_cutoff(std::string_view op, const at::Tensor& embedding, double cutoff) {
   const auto dtype = embedding.scalar_type();
   MIRAGE_CHECK(dtype == at::kFloat || (dtype == at::kDouble && !embedding.is_cuda()), op,
                ": embedding must be float32 (or float64 off the GPU), got ", dtype, " on ", embedding.device());
   MIRAGE_CHECK(embedding.dim() == 2 && embedding.size(0) > 0 && embedding.size(1) > 0, op,
                ": embedding must have shape [Z, F] with Z, F >= 1, got ", embedding.sizes());
+  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ", cutoff);
+}
+
+}  // namespace
+
+void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                         const at::Tensor& pairs, const at::Tensor& vectors, double cutoff) {
+  check_embedding_and_cutoff(op, embedding, cutoff);
+  const auto dtype = embedding.scalar_type();
   const auto same_device = [&](const at::Tensor& t, std::string_view name) {
     MIRAGE_CHECK(t.device() == embedding.device(), op, ": ", name, " must be on embedding's device (",
                  embedding.device(), "), got ", t.device());
@@ -65,7 +76,6 @@ void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, 
                ": vectors must have shape [P, 3] = [", pairs.size(1), ", 3] (P from pairs), got ", vectors.sizes());
   MIRAGE_CHECK(atomic_numbers.size(0) > 0 || pairs.size(1) == 0, op,
                ": atomic_numbers is empty (N=0) but pairs has ", pairs.size(1), " pairs to index");
-  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ", cutoff);
 }
 
 std::vector<std::string> check_activations(std::string_view op, std::string_view activations, int64_t count,
@@ -128,36 +138,29 @@ std::string weight_name(int64_t index, int64_t interactions) {
                  kWeightNames[index % kSchnetWeightsPerInteraction], ")");
 }
 
-void check_weight(at::TensorList weights, int64_t index, int64_t interactions, const at::Tensor& embedding,
-                  std::vector<int64_t> shape) {
-  check_energy_weight(kSchnetEnergy, weights[index], weight_name(index, interactions), embedding, std::move(shape));
-}
-
-}  // namespace
-
-SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
-                                int64_t num_rbf, at::TensorList weights, std::string_view activations) {
-  check_energy_inputs(kSchnetEnergy, atomic_numbers, embedding, pairs, vectors, cutoff);
+// The weights and activations (against embedding: its dtype, device and width), `op` naming the
+// caller; the sizes, atoms and pairs 0.
+SchnetShape check_schnet_weights(std::string_view op, const at::Tensor& embedding, int64_t num_rbf,
+                                 at::TensorList weights, std::string_view activations) {
   const int64_t count = static_cast<int64_t>(weights.size());
   const int64_t interactions = (count - kEnergyReadoutWeights) / kSchnetWeightsPerInteraction;
   MIRAGE_CHECK(interactions >= 1 && interactions <= 8 &&
                    count == interactions * kSchnetWeightsPerInteraction + kEnergyReadoutWeights,
-               kSchnetEnergy, ": weights must hold 10 tensors per interaction (1 to 8 of them) and 4 for the "
+               op, ": weights must hold 10 tensors per interaction (1 to 8 of them) and 4 for the "
                "readout, got ", count);
-  check_activations(kSchnetEnergy, activations, interactions + 2, "filter, one update per interaction, readout");
+  check_activations(op, activations, interactions + 2, "filter, one update per interaction, readout");
+  const auto check_weight = [&](int64_t index, std::vector<int64_t> shape) {
+    check_energy_weight(op, weights[index], weight_name(index, interactions), embedding, std::move(shape));
+  };
 
   SchnetShape s{};
-  s.atoms = atomic_numbers.size(0);
-  s.pairs = pairs.size(1);
   s.interactions = interactions;
   s.features = embedding.size(1);
   const at::Tensor& first = weights[0];
-  MIRAGE_CHECK(first.dim() == 2, kSchnetEnergy, ": ", weight_name(0, interactions),
-               " must be 2-D [H, R], got ", first.sizes());
+  MIRAGE_CHECK(first.dim() == 2, op, ": ", weight_name(0, interactions), " must be 2-D [H, R], got ", first.sizes());
   s.filter_hidden = first.size(0);
   s.rbf = first.size(1);
-  MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1, kSchnetEnergy, ": num_rbf (", num_rbf,
+  MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1, op, ": num_rbf (", num_rbf,
                ") must be >= 1 and equal the filters' input width (", s.rbf, ")");
   s.message_width = weights[2].dim() == 2 ? weights[2].size(0) : 0;
   s.update_hidden = weights[6].dim() == 2 ? weights[6].size(0) : 0;
@@ -165,35 +168,96 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
   s.readout_hidden = weights[r0].dim() == 2 ? weights[r0].size(0) : 0;
   for (int64_t t = 0; t < interactions; ++t) {
     const int64_t b = t * kSchnetWeightsPerInteraction;
-    check_weight(weights, b, interactions, embedding, {s.filter_hidden, s.rbf});
-    check_weight(weights, b + 1, interactions, embedding, {s.filter_hidden});
-    check_weight(weights, b + 2, interactions, embedding, {s.message_width, s.filter_hidden});
-    check_weight(weights, b + 3, interactions, embedding, {s.message_width});
-    check_weight(weights, b + 4, interactions, embedding, {s.message_width, s.features});
-    check_weight(weights, b + 5, interactions, embedding, {s.message_width});
-    check_weight(weights, b + 6, interactions, embedding, {s.update_hidden, s.message_width});
-    check_weight(weights, b + 7, interactions, embedding, {s.update_hidden});
-    check_weight(weights, b + 8, interactions, embedding, {s.features, s.update_hidden});
-    check_weight(weights, b + 9, interactions, embedding, {s.features});
+    check_weight(b, {s.filter_hidden, s.rbf});
+    check_weight(b + 1, {s.filter_hidden});
+    check_weight(b + 2, {s.message_width, s.filter_hidden});
+    check_weight(b + 3, {s.message_width});
+    check_weight(b + 4, {s.message_width, s.features});
+    check_weight(b + 5, {s.message_width});
+    check_weight(b + 6, {s.update_hidden, s.message_width});
+    check_weight(b + 7, {s.update_hidden});
+    check_weight(b + 8, {s.features, s.update_hidden});
+    check_weight(b + 9, {s.features});
   }
-  check_weight(weights, r0, interactions, embedding, {s.readout_hidden, s.features});
-  check_weight(weights, r0 + 1, interactions, embedding, {s.readout_hidden});
-  check_weight(weights, r0 + 2, interactions, embedding, {1, s.readout_hidden});
-  check_weight(weights, r0 + 3, interactions, embedding, {1});
+  check_weight(r0, {s.readout_hidden, s.features});
+  check_weight(r0 + 1, {s.readout_hidden});
+  check_weight(r0 + 2, {1, s.readout_hidden});
+  check_weight(r0 + 3, {1});
   MIRAGE_CHECK(s.message_width >= 1 && s.update_hidden >= 1 && s.readout_hidden >= 1 && s.filter_hidden >= 1,
-               kSchnetEnergy, ": every Linear must have at least one output");
+               op, ": every Linear must have at least one output");
+  return s;
+}
+
+// What the prepared tables need of the filter network.
+void check_tables_possible(std::string_view op, const SchnetShape& s, std::string_view activations) {
+  MIRAGE_CHECK(split_activations(activations).front() != "relu", op,
+               ": the filter activation \"relu\" is not smooth, and the prepared tables interpolate the filters");
+  MIRAGE_CHECK(s.message_width % 4 == 0, op, ": the prepared tables need a message width (filter.2's outputs) "
+               "that is a multiple of 4, got ", s.message_width);
+}
+
+}  // namespace
+
+int64_t schnet_prepared_size(const SchnetShape& s) {
+  using namespace cuda::atomwise;
+  return schnet_tables_floats(s.interactions, s.rbf, s.message_width) +
+         schnet_transposed(s.interactions, s.features, s.message_width, s.update_hidden, s.readout_hidden).total;
+}
+
+SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
+                                int64_t num_rbf, at::TensorList weights, std::string_view activations,
+                                const std::optional<at::Tensor>& prepared) {
+  check_energy_inputs(kSchnetEnergy, atomic_numbers, embedding, pairs, vectors, cutoff);
+  SchnetShape s = check_schnet_weights(kSchnetEnergy, embedding, num_rbf, weights, activations);
+  s.atoms = atomic_numbers.size(0);
+  s.pairs = pairs.size(1);
+  if (present(prepared)) {
+    check_tables_possible(kSchnetEnergy, s, activations);
+    const int64_t size = schnet_prepared_size(s);
+    MIRAGE_CHECK(prepared->dim() == 1 && prepared->size(0) == size && prepared->scalar_type() == embedding.scalar_type()
+                     && prepared->device() == embedding.device(),
+                 kSchnetEnergy, ": prepared must be schnet_energy_prepare's output for these weights, a 1-D ",
+                 embedding.scalar_type(), " tensor of ", size, " elements on ", embedding.device(), ", got ",
+                 prepared->scalar_type(), " of shape ", prepared->sizes(), " on ", prepared->device());
+  }
+  return s;
+}
+
+SchnetShape check_schnet_energy_prepare(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
+                                        at::TensorList weights, std::string_view activations) {
+  check_embedding_and_cutoff(kSchnetEnergyPrepare, embedding, cutoff);
+  const SchnetShape s = check_schnet_weights(kSchnetEnergyPrepare, embedding, num_rbf, weights, activations);
+  check_tables_possible(kSchnetEnergyPrepare, s, activations);
   return s;
 }
 
 namespace {
 
-// The reference: the forward, then its gradient written out layer by layer, in float64.
+// radial_cfconv's reference table and its filters (defined with that op's reference below).
+at::Tensor table_filters(const at::Tensor& table, const at::Tensor& distances, double cutoff, bool slope);
+at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                                  const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+                                  std::string_view activation, std::string_view basis, double cutoff,
+                                  std::string_view envelope);
+
+// Interaction t's table in a prepared tensor, [intervals, 6, M].
+at::Tensor prepared_table(const at::Tensor& prepared, const SchnetShape& s, int64_t t) {
+  const int64_t intervals = cuda::filter_table::intervals_for(cuda::RadialBasisKind::kGaussian, s.rbf);
+  const int64_t size = intervals * cuda::filter_table::kCoefficients * s.message_width;
+  return prepared.narrow(0, t * size, size).reshape({intervals, cuda::filter_table::kCoefficients, s.message_width});
+}
+
+// The reference: the forward, then its gradient written out layer by layer, in float64. Prepared,
+// the filters (the cutoff in them) and their slopes come from its tables.
 std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                                      const at::Tensor& pairs, const at::Tensor& vectors,
                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                     c10::string_view activations) {
+                                                     c10::string_view activations,
+                                                     const std::optional<at::Tensor>& prepared) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                            activations);
+                                            activations, prepared);
+  const bool tables = present(prepared);
   const std::vector<std::string> act = split_activations(activations);
   check_energy_indices(kSchnetEnergy, atomic_numbers, embedding, pairs);
   const at::Tensor idx = pairs.contiguous();
@@ -215,13 +279,19 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
   const int64_t T = s.interactions, r0 = T * kSchnetWeightsPerInteraction;
   const auto weight = [&](int64_t t, int64_t k) -> const at::Tensor& { return w[t * kSchnetWeightsPerInteraction + k]; };
   at::Tensor x = f64(embedding).index_select(0, atomic_numbers);
+  // filter: the filters before the cutoff, or (tables) the prepared ones, the cutoff in them.
   std::vector<at::Tensor> filter_pre, filter, h, q;
+  const at::Tensor per_pair_cutoff = tables ? at::ones_like(fcut) : fcut;
   for (int64_t t = 0; t < T; ++t) {
-    filter_pre.push_back(at::linear(basis, weight(t, 0), weight(t, 1)));
-    filter.push_back(at::linear(reference_activation(filter_pre[t], act[0]), weight(t, 2), weight(t, 3)));
+    if (tables) {
+      filter.push_back(table_filters(prepared_table(*prepared, s, t), d, cutoff, false));
+    } else {
+      filter_pre.push_back(at::linear(basis, weight(t, 0), weight(t, 1)));
+      filter.push_back(at::linear(reference_activation(filter_pre[t], act[0]), weight(t, 2), weight(t, 3)));
+    }
     h.push_back(at::linear(x, weight(t, 4), weight(t, 5)));
     const at::Tensor messages = at::zeros_like(h[t]).index_add_(0, i, h[t].index_select(0, j) * filter[t] *
-                                                                          fcut.unsqueeze(1));
+                                                                          per_pair_cutoff.unsqueeze(1));
     q.push_back(at::linear(messages, weight(t, 6), weight(t, 7)));
     x = x + at::linear(reference_activation(q[t], act[t + 1]), weight(t, 8), weight(t, 9));
   }
@@ -229,19 +299,24 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
   const at::Tensor energy = at::linear(reference_activation(r, act[T + 1]), w[r0 + 2], w[r0 + 3]).sum();
 
   at::Tensor grad_x = at::matmul(reference_activation_grad(r, act[T + 1]) * w[r0 + 2], w[r0]);
-  at::Tensor grad_basis = at::zeros_like(basis), grad_fcut = at::zeros_like(d);
+  at::Tensor grad_basis = at::zeros_like(basis), grad_fcut = at::zeros_like(d), grad_table = at::zeros_like(d);
   for (int64_t t = T - 1; t >= 0; --t) {
     const at::Tensor grad_q = at::matmul(grad_x, weight(t, 8)) * reference_activation_grad(q[t], act[t + 1]);
     const at::Tensor grad_m = at::matmul(grad_q, weight(t, 6)).index_select(0, i);  // per pair
     const at::Tensor grad_w = grad_m * h[t].index_select(0, j);
-    const at::Tensor grad_h = at::zeros_like(h[t]).index_add_(0, j, grad_m * filter[t] * fcut.unsqueeze(1));
-    grad_fcut = grad_fcut + (grad_w * filter[t]).sum(1);
-    const at::Tensor grad_pre = at::matmul(grad_w * fcut.unsqueeze(1), weight(t, 2)) *
-                                reference_activation_grad(filter_pre[t], act[0]);
-    grad_basis = grad_basis + at::matmul(grad_pre, weight(t, 0));
+    const at::Tensor grad_h =
+        at::zeros_like(h[t]).index_add_(0, j, grad_m * filter[t] * per_pair_cutoff.unsqueeze(1));
+    if (tables) {
+      grad_table = grad_table + (grad_w * table_filters(prepared_table(*prepared, s, t), d, cutoff, true)).sum(1);
+    } else {
+      grad_fcut = grad_fcut + (grad_w * filter[t]).sum(1);
+      const at::Tensor grad_pre = at::matmul(grad_w * fcut.unsqueeze(1), weight(t, 2)) *
+                                  reference_activation_grad(filter_pre[t], act[0]);
+      grad_basis = grad_basis + at::matmul(grad_pre, weight(t, 0));
+    }
     grad_x = grad_x + at::matmul(grad_h, weight(t, 4));
   }
-  const at::Tensor grad_d = (grad_basis * basis * (-zk / spacing)).sum(1) + grad_fcut * dfcut;
+  const at::Tensor grad_d = (grad_basis * basis * (-zk / spacing)).sum(1) + grad_fcut * dfcut + grad_table;
   const at::Tensor grad_vectors = at::where(d > 0, grad_d / d, 0.0).unsqueeze(1) * v;
   return {energy.to(embedding.scalar_type()), grad_vectors.to(embedding.scalar_type())};
 }
@@ -249,10 +324,49 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
 std::tuple<at::Tensor, at::Tensor> schnet_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                                       const at::Tensor& pairs, const at::Tensor& vectors,
                                                       double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                      c10::string_view activations) {
+                                                      c10::string_view activations,
+                                                      const std::optional<at::Tensor>& prepared) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                            activations);
+                                            activations, prepared);
   return {at::empty({}, embedding.options()), at::empty({s.pairs, 3}, embedding.options())};
+}
+
+// The tables by the float64 reference (rounded to embedding's dtype once), the weights transposed
+// by ATen, in cuda/float_arena.h's layout.
+at::Tensor schnet_energy_prepare_cpu(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
+                                     at::TensorList weights, c10::string_view activations) {
+  const SchnetShape s = check_schnet_energy_prepare(embedding, cutoff, num_rbf, weights, activations);
+  const std::string filter_activation = split_activations(activations).front();
+  at::Tensor prepared = at::zeros({schnet_prepared_size(s)}, embedding.options());
+  const auto bias = [](const at::Tensor& b) { return b.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(b); };
+  const int64_t T = s.interactions;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = t * kSchnetWeightsPerInteraction;
+    prepared_table(prepared, s, t).copy_(reference_filter_table(weights[b], bias(weights[b + 1]), weights[b + 2],
+                                                                 bias(weights[b + 3]), filter_activation, "gaussian",
+                                                                 cutoff, "cosine"));
+  }
+  using namespace cuda::atomwise;
+  const cuda::atomwise::SchnetTransposed l =
+      schnet_transposed(T, s.features, s.message_width, s.update_hidden, s.readout_hidden);
+  at::Tensor transposed = prepared.narrow(0, schnet_tables_floats(T, s.rbf, s.message_width), l.total);
+  const auto put = [&](int64_t offset, const at::Tensor& w) {
+    transposed.narrow(0, offset, w.numel()).copy_(w.t().reshape(-1));
+  };
+  put(l.readout1, weights[T * kSchnetWeightsPerInteraction]);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = t * kSchnetWeightsPerInteraction;
+    put(l.f2out2 + t * padded_matrix(s.update_hidden, s.features), weights[b + 8]);
+    put(l.f2out1 + t * padded_matrix(s.message_width, s.update_hidden), weights[b + 6]);
+    put(l.in2f + t * padded_matrix(s.features, s.message_width), weights[b + 4]);
+  }
+  return prepared;
+}
+
+at::Tensor schnet_energy_prepare_meta(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
+                                      at::TensorList weights, c10::string_view activations) {
+  return at::empty({schnet_prepared_size(check_schnet_energy_prepare(embedding, cutoff, num_rbf, weights, activations))},
+                   embedding.options());
 }
 
 // x: float32 (or float64 off the GPU), [N, M]; pairs: int64 [2, P] on x's device. Returns N, P, M.
@@ -599,6 +713,7 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_meta(const at::Tensor&
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {
   m.impl("schnet_energy", &schnet_energy_cpu);
+  m.impl("schnet_energy_prepare", &schnet_energy_prepare_cpu);
   m.impl("radial_cfconv", &radial_cfconv_cpu);
   m.impl("radial_cfconv_backward", &radial_cfconv_backward_cpu);
   m.impl("cfconv", &cfconv_cpu);
@@ -606,6 +721,7 @@ TORCH_LIBRARY_IMPL(mirage, CPU, m) {
 }
 TORCH_LIBRARY_IMPL(mirage, Meta, m) {
   m.impl("schnet_energy", &schnet_energy_meta);
+  m.impl("schnet_energy_prepare", &schnet_energy_prepare_meta);
   m.impl("cfconv", &cfconv_meta);
   m.impl("cfconv_backward", &cfconv_backward_meta);
   m.impl("radial_cfconv", &radial_cfconv_meta);

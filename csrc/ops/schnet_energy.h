@@ -12,6 +12,7 @@
 namespace mirage::ops {
 
 inline constexpr std::string_view kSchnetEnergy = "mirage::schnet_energy";
+inline constexpr std::string_view kSchnetEnergyPrepare = "mirage::schnet_energy_prepare";
 // The whole-model ops' (schnet_energy, painn_energy) activations between two Linears, by the
 // names mirage.ff.fused.ACTIVATIONS uses.
 inline constexpr std::string_view kEnergyActivations[] = {"shifted_softplus", "softplus", "silu",
@@ -30,7 +31,14 @@ struct SchnetShape {
 // Checks every argument (not the index values) and returns the sizes.
 SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                 const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
-                                int64_t num_rbf, at::TensorList weights, std::string_view activations);
+                                int64_t num_rbf, at::TensorList weights, std::string_view activations,
+                                const std::optional<at::Tensor>& prepared);
+// schnet_energy_prepare's arguments, the weights' sizes (atoms and pairs 0). Tables need a smooth
+// filter activation and a message width that is a multiple of 4.
+SchnetShape check_schnet_energy_prepare(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
+                                        at::TensorList weights, std::string_view activations);
+// The length of schnet_energy_prepare's output for these sizes (cuda/float_arena.h's layout).
+int64_t schnet_prepared_size(const SchnetShape& s);
 
 // `activations` ("filter,update_0,...,update_{T-1},readout") split at the commas.
 std::vector<std::string> split_activations(std::string_view activations);

@@ -66,13 +66,11 @@ std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms
   return {energy, grad_vectors};
 }
 
-std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                      const at::Tensor& pairs, const at::Tensor& vectors,
-                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                      c10::string_view activations) {
-  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                            activations);
-  const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
+// schnet_energy's kernel parameters from the weights (all but the readout's, which run_energy
+// fills).
+template <class Ptr>
+void fill_schnet(cuda::SchnetEnergyParams& p, const SchnetShape& s, at::TensorList weights, const Ptr& ptr,
+                 const std::vector<std::string>& names) {
     p.num_rbf = static_cast<int>(s.rbf);
     p.filter_hidden = static_cast<int>(s.filter_hidden);
     p.message_width = static_cast<int>(s.message_width);
@@ -96,9 +94,45 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_n
       layer.f2out2_b = ptr(weights[b + 9]);
       layer.update_activation = kernel_activation(names[t + 1]);
     }
+}
+
+std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                                      const at::Tensor& pairs, const at::Tensor& vectors,
+                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
+                                                      c10::string_view activations,
+                                                      const std::optional<at::Tensor>& prepared) {
+  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                            activations, prepared);
+  const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
+    fill_schnet(p, s, weights, ptr, names);
+    p.prepared = present(prepared) ? ptr(*prepared) : nullptr;
   };
   return run_energy(kSchnetEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, weights, activations,
                     fill, &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
+}
+
+at::Tensor schnet_energy_prepare_cuda(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
+                                      at::TensorList weights, c10::string_view activations) {
+  const SchnetShape s = check_schnet_energy_prepare(embedding, cutoff, num_rbf, weights, activations);
+  const c10::cuda::CUDAGuard guard(embedding.device());
+  std::vector<at::Tensor> held;
+  const auto ptr = [&held](const at::Tensor& t) -> const float* {
+    if (t.numel() == 0) return nullptr;  // an absent bias
+    held.push_back(t.contiguous());
+    return held.back().const_data_ptr<float>();
+  };
+  cuda::SchnetEnergyParams p{};
+  fill_schnet(p, s, weights, ptr, split_activations(activations));
+  p.readout1_w = ptr(weights[s.interactions * kSchnetWeightsPerInteraction]);
+  p.readout_hidden = static_cast<int>(s.readout_hidden);
+  p.cutoff = static_cast<float>(cutoff);
+  MIRAGE_CHECK(cuda::schnet_prepare_supported(p), kSchnetEnergyPrepare,
+               ": the table kernel must fit the device's shared memory (about 216 (R + H) + 45,000 bytes: "
+               "radial_cfconv's); got R=", s.rbf, ", H=", s.filter_hidden, " on ", embedding.device());
+  at::Tensor prepared = at::empty({schnet_prepared_size(s)}, embedding.options());
+  check_launch(kSchnetEnergyPrepare,
+               cuda::launch_schnet_prepare(p, prepared.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+  return prepared;
 }
 
 std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
@@ -340,6 +374,7 @@ TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
   m.impl("radial_cfconv", &radial_cfconv_cuda);
   m.impl("radial_cfconv_backward", &radial_cfconv_backward_cuda);
   m.impl("schnet_energy", &schnet_energy_cuda);
+  m.impl("schnet_energy_prepare", &schnet_energy_prepare_cuda);
   m.impl("painn_energy", &painn_energy_cuda);
   m.impl("cfconv", &cfconv_cuda);
   m.impl("cfconv_backward", &cfconv_backward_cuda);

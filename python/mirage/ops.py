@@ -617,8 +617,10 @@ def schnet_energy(
     num_rbf: int,
     weights: Sequence[Tensor],
     activations: Union[str, Sequence[str]],
+    prepared: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels).
+    """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels, one
+    with ``prepared``).
 
     Computes, with ``d = |vectors|``, a Gaussian basis of ``num_rbf`` centers evenly over
     ``[0, cutoff]`` (width their spacing; the cutoff for one center) and the cosine cutoff
@@ -652,6 +654,11 @@ def schnet_energy(
         activations: ``interactions + 2`` names (a sequence, or one comma-separated string) from
             ``shifted_softplus, softplus, silu, tanh, gelu, relu``: the filters', each
             interaction's ``f2out``, the readout's.
+        prepared: :func:`schnet_energy_prepare`'s output for these same weights, or None. With it
+            the filters and their distance derivatives come from its tables and CUDA runs one
+            kernel instead of two (a few µs less a call on small molecules); the weights must not
+            have changed since it was made (it is not checked: the results would be those of
+            the weights it was made from, in its filters and the backward's products).
 
     Returns:
         ``(energy, grad_vectors)``: a 0-dim tensor and ``d energy / d vectors`` ``(P, 3)``, in
@@ -662,7 +669,31 @@ def schnet_energy(
     """
     return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff),
                                           _integer(num_rbf, "mirage::schnet_energy: num_rbf"),
-                                          list(weights), _names(activations))
+                                          list(weights), _names(activations), prepared)
+
+
+@_tensors_required
+def schnet_energy_prepare(embedding: Tensor, cutoff: float, num_rbf: int, weights: Sequence[Tensor],
+                          activations: Union[str, Sequence[str]]) -> Tensor:
+    """What :func:`schnet_energy` would form from its weights in every call, formed once: each
+    interaction's filter network tabulated over the distance, and the atom-wise weights transposed
+    for the backward. For a run of many calls with the same weights (``mirage.ff.md`` prepares
+    them at the start of each run). Arguments as :func:`schnet_energy`'s.
+
+    The tables are ``radial_cfconv``'s (docs/ops.md): the filters times the cosine cutoff, and
+    their slopes, as piecewise quintics over 1,024 pieces of ``[0, cutoff]`` for 20 Gaussians,
+    formed in float64 and rounded once; within float32 rounding of the network for the models
+    measured. They need a smooth filter activation (not ``relu``) and a filter width ``M`` that
+    is a multiple of 4; CUDA also needs the table kernel's shared memory
+    (:func:`radial_cfconv_supported`). Otherwise ``RuntimeError``.
+
+    Returns:
+        a 1-D tensor in the embedding's dtype and device (about 10 MiB for SchNet's 3 interactions
+        of 128), to pass as :func:`schnet_energy`'s ``prepared``. Not differentiable.
+    """
+    return torch.ops.mirage.schnet_energy_prepare(embedding, float(cutoff),
+                                                  _integer(num_rbf, "mirage::schnet_energy_prepare: num_rbf"),
+                                                  list(weights), _names(activations))
 
 
 @_tensors_required

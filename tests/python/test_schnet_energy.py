@@ -11,7 +11,7 @@ import mirage.ff
 from common import (DEVICES, FF_ACTIVATIONS, OpCounter, ZERO_FILLS, assert_energy_op_cpu_index_errors,
                     assert_energy_op_cuda_index_nans, assert_energy_op_matches_composite,
                     assert_energy_op_pairs_beyond_the_cutoff_add_nothing, assert_energy_op_replays_new_vectors,
-                    assert_energy_op_takes_unaligned_weights, assert_error, assert_first_order_only,
+                    assert_energy_op_takes_unaligned_weights, assert_error, assert_first_order_only, capture_graph,
                     energy_forces_and_ops, energy_op_opcheck, replace_item)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -272,3 +272,212 @@ def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
         model.max_pairs = capacity
         _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
         assert ("mirage.schnet_energy" in calls) == one_kernel, capacity
+
+
+# ---- prepared weights (schnet_energy_prepare) ---------------------------------------------------
+
+# The configs whose filter networks a table takes: a smooth filter activation, M a multiple of 4.
+PREPARABLE = sorted(name for name, config in CONFIGS.items() if config[8][0] != "relu" and config[5] % 4 == 0)
+
+
+def _prepare(args):
+    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = args
+    return mirage.ops.schnet_energy_prepare(embedding, cutoff, num_rbf, weights, activations)
+
+
+def _preparable_on(device, name):
+    _, _, _, r, h, m, *_ = CONFIGS[name]
+    return mirage.ops.radial_cfconv_supported(r, h, m, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", PREPARABLE)
+def test_schnet_energy_prepared_matches_composite(device, name):
+    if not _preparable_on(device, name):
+        pytest.skip("the table kernel does not take these sizes on this GPU")
+    args = make_inputs(name, device, torch.float32 if device == "cuda" else torch.float64)
+    prepared = _prepare(args)
+    assert prepared.dim() == 1 and prepared.dtype == args[1].dtype and prepared.device == args[1].device
+
+    def op(*a):
+        return mirage.ops.schnet_energy(*a, prepared=prepared)
+
+    if device == "cuda":
+        assert_energy_op_matches_composite(op, schnet_composite, args, name)
+        return
+    # float64: the tables interpolate these filter networks to ~1e-11 of their largest values.
+    energy, grad = op(*args)
+    want_energy, want_grad = schnet_composite(*args)
+    torch.testing.assert_close(energy, want_energy, rtol=1e-9, atol=1e-9)
+    scale = want_grad.abs().max().item() if want_grad.numel() else 0.0
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-9 * max(scale, 1.0))
+    torch.library.opcheck(torch.ops.mirage.schnet_energy.default, (*args[:7], ",".join(args[7]), prepared))
+    torch.library.opcheck(torch.ops.mirage.schnet_energy_prepare.default,
+                          (args[1], args[4], args[5], args[6], ",".join(args[7])))
+
+
+def test_schnet_energy_prepared_tables_are_radial_cfconvs():
+    # The first part of the prepared tensor: each interaction's filter network as radial_cfconv
+    # tabulates it (another op's reference, built from the same network definition).
+    atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = args = make_inputs("benzene")
+    prepared = _prepare(args)
+    distances = vectors.norm(dim=1)
+    x = torch.randn(12, 128, dtype=torch.float64)
+    size = None
+    for t in range(3):
+        w = weights[10 * t:10 * t + 4]
+        _, table = torch.ops.mirage.radial_cfconv(x, distances, pairs, w[0], w[1], w[2], w[3], activations[0],
+                                                  "gaussian", cutoff, "cosine")
+        size = table.numel()
+        torch.testing.assert_close(prepared[t * size:(t + 1) * size], table.reshape(-1), rtol=0, atol=0)
+    # The rest holds the atom-wise weights transposed: the weights' values, each once.
+    rest = prepared[3 * size:]
+    transposed = [weights[r0] for r0 in (30,)] + [weights[10 * t + k] for t in range(3) for k in (4, 6, 8)]
+    assert sorted(rest[rest != 0].tolist()) == sorted(torch.cat([w.reshape(-1) for w in transposed]).tolist())
+
+
+@pytest.mark.cuda
+def test_schnet_energy_prepared_on_the_cpu_runs_on_cuda():
+    # The CPU builds the same layout as the CUDA kernels (their tables to float32 rounding, the
+    # transposed weights exactly), so a tensor prepared there runs on CUDA with the same results.
+    args = make_inputs("benzene", "cuda", torch.float32)
+    on_cuda = _prepare(args)
+    on_cpu = _prepare([a.cpu() if isinstance(a, torch.Tensor) else [w.cpu() for w in a] if isinstance(a, list)
+                       and a and isinstance(a[0], torch.Tensor) else a for a in args]).cuda()
+    torch.testing.assert_close(on_cpu, on_cuda, rtol=1e-6, atol=1e-6 * on_cuda.abs().max().item())
+    for a, b in zip(mirage.ops.schnet_energy(*args, prepared=on_cpu), mirage.ops.schnet_energy(*args, prepared=on_cuda)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.cuda
+def test_schnet_energy_prepared_cuda_graph_replays_new_vectors():
+    args = make_inputs("benzene", "cuda", torch.float32)
+    prepared = _prepare(args)
+    assert_energy_op_replays_new_vectors(lambda *a: mirage.ops.schnet_energy(*a, prepared=prepared), args,
+                                         lambda want_grad: 1e-6)
+
+
+PREPARED_BAD = [
+    (lambda p: p[:-1], "prepared must be schnet_energy_prepare's output for these weights, a 1-D"),
+    (lambda p: p.reshape(2, -1), "prepared must be schnet_energy_prepare's output"),
+    (lambda p: p.to(torch.float16), "prepared must be schnet_energy_prepare's output"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change, message", PREPARED_BAD)
+def test_schnet_energy_bad_prepared(device, change, message):
+    args = make_inputs("benzene", device, torch.float32 if device == "cuda" else torch.float64)
+    prepared = change(_prepare(args))
+    assert_error(lambda d: mirage.ops.schnet_energy(*args, prepared=prepared), device,
+                 "mirage::schnet_energy: " + message)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_prepare_refuses_what_a_table_cannot_hold(device):
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    relu = make_inputs("many_atoms", device, dtype)  # a relu filter activation
+    assert_error(lambda d: _prepare(relu), device,
+                 "mirage::schnet_energy_prepare: the filter activation \"relu\" is not smooth")
+    odd = make_inputs("odd", device, dtype)  # a filter width of 6
+    assert_error(lambda d: _prepare(odd), device, "mirage::schnet_energy_prepare: the prepared tables need a "
+                 "message width (filter.2's outputs) that is a multiple of 4, got 6")
+    # A prepared tensor of the right length with a relu filter activation: refused by the op too.
+    args = list(make_inputs("benzene", device, dtype))
+    prepared = _prepare(args)
+    args[7] = ["relu"] + args[7][1:]
+    assert_error(lambda d: mirage.ops.schnet_energy(*args, prepared=prepared), device,
+                 "mirage::schnet_energy: the filter activation \"relu\" is not smooth")
+    args = list(make_inputs("benzene", device, dtype))
+    args[6] = args[6][:-1]
+    assert_error(lambda d: _prepare(args), device,
+                 "mirage::schnet_energy_prepare: weights must hold 10 tensors per interaction")
+
+
+@pytest.mark.cuda
+def test_schnet_energy_prepared_device_mismatch():
+    args = make_inputs("benzene", "cuda", torch.float32)
+    prepared = _prepare(args).cpu()
+    assert_error(lambda d: mirage.ops.schnet_energy(*args, prepared=prepared), "cuda",
+                 "mirage::schnet_energy: prepared must be schnet_energy_prepare's output")
+
+
+def _benzene_schnet(device):
+    from forcefield.benzene import benzene
+    from forcefield.models import SchNet
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(SchNet().to(device)).eval()
+    numbers, positions = benzene(torch.float32, device)
+    return model, numbers, positions
+
+
+def test_fused_schnet_prepared_weights_off_cuda_prepare_nothing():
+    model, numbers, positions = _benzene_schnet("cpu")
+    want = model(numbers, positions)
+    with OpCounter() as ops, model.prepared_weights():
+        energy = model(numbers, positions)
+    assert "mirage.schnet_energy_prepare" not in ops.calls
+    torch.testing.assert_close(energy, want, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_fused_schnet_prepared_weights():
+    model, numbers, positions = _benzene_schnet("cuda")
+    plain = model.energy_and_gradient(numbers, positions)
+    with OpCounter() as ops, model.prepared_weights():
+        prepared = model.energy_and_gradient(numbers, positions)
+    assert ops.calls.count("mirage.schnet_energy_prepare") == 1
+    scale = plain[1].abs().max().item()
+    torch.testing.assert_close(prepared[0], plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prepared[1], plain[1], rtol=1e-4, atol=1e-5 * scale)
+
+    # Unchanged weights: nothing made again. A weight changed inside the context is not seen there
+    # (the op reads the tables made on entry); outside it is.
+    bias = model.interactions[0].filter[2].bias
+    with OpCounter() as ops, model.prepared_weights():
+        with torch.no_grad():
+            bias.add_(0.5)
+        stale = model.energy_and_gradient(numbers, positions)
+    assert "mirage.schnet_energy_prepare" not in ops.calls
+    torch.testing.assert_close(stale[0], prepared[0], rtol=1e-6, atol=1e-6)
+    changed = model.energy_and_gradient(numbers, positions)
+    assert abs(changed[0].item() - plain[0].item()) > 1e-3
+
+    # Made again on the next entry, in the same memory: a graph captured inside an earlier entry
+    # replays with the weights of the latest.
+    with model.prepared_weights():
+        torch.testing.assert_close(model.energy_and_gradient(numbers, positions)[0], changed[0], rtol=1e-5,
+                                   atol=1e-5)
+        graph, (energy, grad) = capture_graph(lambda: model.energy_and_gradient(numbers, positions))
+        with pytest.raises(RuntimeError, match="entered during a CUDA-graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()), model.prepared_weights():
+                pass
+    with torch.no_grad():
+        bias.sub_(0.5)
+    with model.prepared_weights():
+        graph.replay()
+    torch.testing.assert_close(energy, plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, plain[1], rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_reads_the_filters_from_prepared(device):
+    # prepared made from other filter networks: the op computes with those (as documented), the
+    # rest of the model from `weights`.
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("benzene", device, dtype))
+    other = [w.clone() for w in args[6]]
+    for t in range(3):
+        for k in range(4):  # filter.0 and filter.2, weights and biases
+            other[10 * t + k] = other[10 * t + k] * 1.3 + 0.05
+    prepared = mirage.ops.schnet_energy_prepare(args[1], args[4], args[5], other, args[7])
+    energy, grad = mirage.ops.schnet_energy(*args, prepared=prepared)
+    mixed = list(args)
+    mixed[6] = [other[i] if i < 30 and i % 10 < 4 else w for i, w in enumerate(args[6])]
+    want_energy, want_grad = schnet_composite(*mixed)
+    plain_energy, _ = schnet_composite(*args)
+    assert abs(want_energy.item() - plain_energy.item()) > 1e-2 * max(abs(plain_energy.item()), 1.0)
+    rtol = 1e-9 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(energy.double(), want_energy.double(), rtol=rtol, atol=rtol)
+    torch.testing.assert_close(grad.double(), want_grad.double(), rtol=0, atol=rtol * want_grad.abs().max().item())

@@ -29,9 +29,10 @@ pair list. Under a capture the caller checks (mirage.ff.Calculator and mirage.ff
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -200,6 +201,11 @@ class _FusedModel(nn.Module):
         # pbc patterns that are neither all-open nor all-periodic, as device tensors: made on the
         # first call that sees the pattern (eagerly, before any capture), read by later ones.
         self._pbc_tensors: Dict[Tuple[torch.device, Tuple[bool, ...]], Tensor] = {}
+        # SchNet.prepared_weights: the prepared tensor, the weights' state it was made from, and
+        # whether the whole-model op reads it (inside the context).
+        self._prepared_weights: Optional[Tensor] = None
+        self._prepared_key: Optional[tuple] = None
+        self._use_prepared = False
 
     @property
     def max_pairs(self) -> Optional[int]:
@@ -790,7 +796,55 @@ class SchNet(_FusedModel):
     def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
         """mirage::schnet_energy: (energy, its gradient in the pair vectors)."""
         return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
-                                 self._kernel_weights(), self._kernel_activations())
+                                 self._kernel_weights(), self._kernel_activations(),
+                                 self._prepared_weights if self._use_prepared else None)
+
+    @contextlib.contextmanager
+    def prepared_weights(self) -> Iterator[None]:
+        """A context in which the whole-model op (mirage::schnet_energy: :meth:`forward` and
+        :meth:`energy_and_gradient` on small systems in eval mode) reads its filter tables and
+        transposed weights from :func:`mirage.ops.schnet_energy_prepare`'s output, made on entry,
+        instead of forming them in every call: one CUDA kernel a call instead of two. For runs of
+        many calls with weights that do not change: :class:`mirage.ff.md.VelocityVerlet` enters it
+        for each run.
+
+        On entry the tensor is made again if a weight changed since it was made (in place, as an
+        optimizer step or ``load_state_dict`` does, or replaced), into the same memory where it
+        can, so that CUDA graphs captured inside the context stay valid. Weights changed inside the
+        context are not seen there. Where the op could not take it, nothing changes: off CUDA, not
+        float32, a ``relu`` filter activation (the tables interpolate), a filter width that is not
+        a multiple of 4, sizes the table kernel does not take, or interactions the whole-model op
+        does not take. Entering it during a CUDA-graph capture raises ``RuntimeError``."""
+        self._refresh_prepared()
+        outer, self._use_prepared = self._use_prepared, self._prepared_weights is not None
+        try:
+            yield
+        finally:
+            self._use_prepared = outer
+
+    def _refresh_prepared(self) -> None:
+        weight = self.embedding.weight
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mirage.ff.fused.SchNet.prepared_weights: entered during a CUDA-graph capture, which "
+                               "would capture the preparation too; enter it before the capture")
+        sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
+        if not (weight.is_cuda and weight.dtype == torch.float32 and self.filter_activation != "relu"
+                and sizes[2] % 4 == 0 and self._whole_model_structure()
+                and ops.radial_cfconv_supported(*sizes, weight.device)):
+            self._prepared_weights = self._prepared_key = None
+            return
+        weights = self._kernel_weights()
+        key = (weight.device, tuple((t.data_ptr(), t._version) for t in weights if t.numel()))
+        if key == self._prepared_key:
+            return
+        with torch.no_grad():
+            fresh = ops.schnet_energy_prepare(weight, self.cutoff, self.num_rbf, weights, self._kernel_activations())
+        if self._prepared_weights is not None and self._prepared_weights.shape == fresh.shape \
+                and self._prepared_weights.device == fresh.device:
+            self._prepared_weights.copy_(fresh)
+        else:
+            self._prepared_weights = fresh
+        self._prepared_key = key
 
     def _kernel_weights(self) -> List[Tensor]:
         """mirage::schnet_energy's ``weights``."""

@@ -18,12 +18,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from .._arguments import count
 from . import capacity
 from .calculator import (CapacityWatch, check_atomic_numbers, check_model, energy_and_gradients, model_device_dtype,
                          on_device, synchronize, uncapturable)
+from .fused import SchNet
 from .precision import check_precision, matmul_precision
 
 __all__ = ["Langevin", "VelocityVerlet"]
@@ -496,38 +498,45 @@ class VelocityVerlet:
             if not recorded or own_trajectory or own_log:
                 self._record(trajectory if not recorded or own_trajectory else None,
                              log if not recorded or own_log else None, keep=not recorded)
-            start = last_progress = time.perf_counter()
-            end = self.step + steps
-            # Steps between looks at the clock, whole replays: about half a progress interval once
-            # the rate is known, so that a long stretch between writes still reports.
-            chunk = self.steps_per_replay
-            while self.step < end:
-                next_write = (self.step // write_every + 1) * write_every
-                target = min(next_write, end)
-                self._advance_to(target if self.progress_every is None else min(target, self.step + chunk))
-                if self.step % write_every == 0:
-                    self._record(trajectory, log)
-                now = time.perf_counter()
-                if self.progress_every is None:
-                    continue
-                done = steps - (end - self.step)
-                rate = done / (now - start) if now > start else 0.0
-                chunk = max(1, int(rate * self.progress_every / 2) // self.steps_per_replay) * self.steps_per_replay
-                if now - last_progress >= self.progress_every:
-                    last_progress = now
-                    last = self.records[-1]
-                    graphs.progress(f"mirage.ff.md: step {self.step} ({done}/{steps} of this run), "
-                                    f"{rate:.0f} steps/s; at step {last['step']}: "
-                                    f"T {last['temperature']:.1f} K, Etot {last['total']:.6f} eV")
-            synchronize(self.device)
-            seconds = time.perf_counter() - start
-            self.steps_per_second = steps / seconds if steps and seconds > 0 else None
+            # SchNet's whole-model op reads its filter tables and transposed weights made once a run.
+            with self._weights_prepared():
+                start = last_progress = time.perf_counter()
+                end = self.step + steps
+                # Steps between looks at the clock, whole replays: about half a progress interval once
+                # the rate is known, so that a long stretch between writes still reports.
+                chunk = self.steps_per_replay
+                while self.step < end:
+                    next_write = (self.step // write_every + 1) * write_every
+                    target = min(next_write, end)
+                    self._advance_to(target if self.progress_every is None else min(target, self.step + chunk))
+                    if self.step % write_every == 0:
+                        self._record(trajectory, log)
+                    now = time.perf_counter()
+                    if self.progress_every is None:
+                        continue
+                    done = steps - (end - self.step)
+                    rate = done / (now - start) if now > start else 0.0
+                    chunk = max(1, int(rate * self.progress_every / 2) // self.steps_per_replay) * self.steps_per_replay
+                    if now - last_progress >= self.progress_every:
+                        last_progress = now
+                        last = self.records[-1]
+                        graphs.progress(f"mirage.ff.md: step {self.step} ({done}/{steps} of this run), "
+                                        f"{rate:.0f} steps/s; at step {last['step']}: "
+                                        f"T {last['temperature']:.1f} K, Etot {last['total']:.6f} eV")
+                synchronize(self.device)
+                seconds = time.perf_counter() - start
+                self.steps_per_second = steps / seconds if steps and seconds > 0 else None
         finally:
             if own_trajectory:
                 trajectory.close()
             if own_log:
                 log.close()
         return self.records[first:]
+
+    def _weights_prepared(self) -> ContextManager[None]:
+        if isinstance(self.model, SchNet):
+            return self.model.prepared_weights()
+        return contextlib.nullcontext()
 
     def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
         """The graph cache's counters, or None when graphs are off."""

@@ -1,0 +1,64 @@
+// The whole-model force-field ops' workspace layouts (schnet_energy, painn_energy) and
+// schnet_energy_prepare's output: consecutive float arrays, each 16-byte aligned. Host and device
+// code, free of CUDA and torch headers (the CPU reference builds the prepared layout too).
+#pragma once
+
+#include <cstdint>
+
+#include "filter_table.h"
+#include "host_device.h"
+#include "kinds.h"
+
+namespace mirage::cuda::atomwise {
+
+MIRAGE_HOST_DEVICE inline int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
+
+// Floats a rows x cols matrix takes in a workspace array of them, 16-byte aligned.
+MIRAGE_HOST_DEVICE inline int64_t padded_matrix(int64_t rows, int64_t cols) { return pad4(rows * cols); }
+
+// Hands out the consecutive float arrays of a layout, each 16-byte aligned.
+struct FloatArena {
+  int64_t size = 0;
+  MIRAGE_HOST_DEVICE int64_t take(int64_t floats) {
+    const int64_t offset = size;
+    size += pad4(floats);
+    return offset;
+  }
+  // Room for n items of a struct whose size is a whole number of floats (OwnPair, PairGeometry).
+  template <typename T>
+  MIRAGE_HOST_DEVICE int64_t take_items(int64_t n) {
+    static_assert(sizeof(T) % sizeof(float) == 0, "FloatArena: the size must be a whole number of floats");
+    return take(n * static_cast<int64_t>(sizeof(T) / sizeof(float)));
+  }
+};
+
+// schnet_energy's atom-wise weights transposed, for its backward's products, in floats from the
+// start of their block: readout.0 [F][Kr], then per interaction f2out.2 [K][F], f2out.0 [M][K],
+// in2f [F][M] (each interaction's matrix padded_matrix(...) floats after the last one's).
+struct SchnetTransposed {
+  int64_t readout1, f2out2, f2out1, in2f, total;
+};
+
+MIRAGE_HOST_DEVICE inline SchnetTransposed schnet_transposed(int64_t interactions, int64_t features,
+                                                             int64_t message_width, int64_t update_hidden,
+                                                             int64_t readout_hidden) {
+  const int64_t T = interactions, F = features, M = message_width, K = update_hidden;
+  FloatArena arena;
+  SchnetTransposed l{};
+  l.readout1 = arena.take(F * readout_hidden);
+  l.f2out2 = arena.take(T * padded_matrix(K, F));
+  l.f2out1 = arena.take(T * padded_matrix(M, K));
+  l.in2f = arena.take(T * padded_matrix(F, M));
+  l.total = arena.size;
+  return l;
+}
+
+// schnet_energy_prepare's output starts with each interaction's filter network as radial_cfconv's
+// table (filter_table.h; SchNet's Gaussians and cosine cutoff), [T][intervals][6][M]; the
+// transposed weights (SchnetTransposed) follow from this offset.
+MIRAGE_HOST_DEVICE inline int64_t schnet_tables_floats(int64_t interactions, int64_t rbf, int64_t message_width) {
+  return pad4(interactions * filter_table::intervals_for(RadialBasisKind::kGaussian, rbf) *
+              filter_table::kCoefficients * message_width);
+}
+
+}  // namespace mirage::cuda::atomwise
