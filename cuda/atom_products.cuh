@@ -119,6 +119,10 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // 14:45, benzene, all -m cuda schnet_energy tests passing), and with one copy multicast to the
 // whole cluster by block 0 (slots released to it through an mbarrier in its shared memory) 48 ->
 // 68 us (14:52): a 64 KB bulk copy seems to arrive no faster than the product's own loads.
+// Copies started only where the block reads no weights (cp.async during the message phases and
+// cluster barriers before f2out's first product and the backward's in2f, and during the pair
+// listing before the first product: seven of SchNet's 21 products read from shared memory) were
+// slower too: 49.8 -> 57.5 us (H200, 2026-11-29 15:35, prepared weights, A/B on one machine).
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                             const float* w, const float* bias, int outs, Store store) {
