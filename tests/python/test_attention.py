@@ -199,6 +199,28 @@ def test_structure_and_shared_modules():
     assert cross.to_kv.weight.shape == (64, 12)
 
 
+def test_state_dict_with_parts_missing_reports_them_by_their_names():
+    # As the unfused module would: the parts given are loaded into their slices, the absent ones
+    # are reported missing as to_k.weight (not as the fused to_qkv.weight, a name of mirage's).
+    attn = randomized(Attention(query_dim=16, heads=2, dim_head=8, bias=True))
+    fused = from_diffusers_attention(copy.deepcopy(attn))
+    other = randomized(Attention(query_dim=16, heads=2, dim_head=8, bias=True)).state_dict()
+    partial = {k: v for k, v in other.items() if k != "to_k.weight"}
+    before = fused.to_qkv.weight.detach().clone()
+    result = fused.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["to_k.weight"] and result.unexpected_keys == []
+    q, k, v = fused.to_qkv.weight.detach().chunk(3)
+    assert torch.equal(q, other["to_q.weight"]) and torch.equal(v, other["to_v.weight"])
+    assert torch.equal(k, before.chunk(3)[1])
+    torch.testing.assert_close(fused.to_qkv.bias, torch.cat([other["to_q.bias"], other["to_k.bias"],
+                                                             other["to_v.bias"]]))
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"to_k.weight\""):
+        fused.load_state_dict(partial)
+    wrong = dict(other, **{"to_v.weight": other["to_v.weight"][:, :-1]})
+    with pytest.raises(RuntimeError, match=r"size mismatch for to_v.weight: copying a param with shape \(16, 15\)"):
+        fused.load_state_dict(wrong)
+
+
 def test_fuse_linears_fills_missing_bias_with_zeros():
     a, b = nn.Linear(4, 3, bias=True), nn.Linear(4, 2, bias=False)
     fused = fuse_linears([a, b])

@@ -64,11 +64,28 @@ def _split_projections(module: "FusedAttention", state_dict, prefix: str, local_
 
 def _join_projections(module: "FusedAttention", state_dict, prefix: str, local_metadata, strict, missing_keys,
                       unexpected_keys, error_msgs) -> None:
+    """The parts' entries joined into the fused projection's. With some parts absent, the ones
+    given are loaded into their slices (the rest keep their values) and the absent ones are
+    reported missing by their own names, as the unfused module would report them; a part of the
+    wrong shape is reported by its name too."""
     fused, parts = _fused_projections(module)
     for kind in ("weight", "bias"):
         keys = [f"{prefix}{name}.{kind}" for name in parts]
-        if f"{prefix}{fused}.{kind}" not in state_dict and all(key in state_dict for key in keys):
-            state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])
+        current = getattr(getattr(module, fused), kind)
+        if f"{prefix}{fused}.{kind}" in state_dict or current is None or not any(key in state_dict for key in keys):
+            continue
+        slices = current.detach().chunk(len(parts))
+        wrong = [key for key, old in zip(keys, slices) if key in state_dict and state_dict[key].shape != old.shape]
+        if wrong:
+            error_msgs.extend(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
+                              f"the shape in the current model is {tuple(old.shape)}."
+                              for key, old in zip(keys, slices) if key in wrong)
+            for key in keys:
+                state_dict.pop(key, None)
+            continue
+        missing_keys.extend(key for key in keys if key not in state_dict)
+        state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(key) if key in state_dict else old
+                                                           for key, old in zip(keys, slices)])
 
 
 class FusedAttention(nn.Module):
@@ -86,6 +103,10 @@ class FusedAttention(nn.Module):
     ``heads``, ``scale``, ``inner_dim``, ``is_cross_attention``, ``residual_connection``,
     ``rescale_output_factor``, ``to_out``, ``group_norm``, ``spatial_norm``, ``norm_cross``,
     ``norm_q``, ``norm_k``.
+
+    State dicts use diffusers' keys (``to_q.weight``, ...): the fused projection is split on saving
+    and joined on loading, a load missing some parts reporting those by name. The split entries are
+    copies, also under ``state_dict(keep_vars=True)``: the module holds one parameter for them.
     """
 
     def __init__(
