@@ -190,7 +190,7 @@ class _FusedModel(nn.Module):
         super().__init__()
         cutoff = float(cutoff)
         if not (math.isfinite(cutoff) and cutoff > 0):
-            raise ValueError(f"mirage.ff.fused.{type(self).__name__}: cutoff must be finite and > 0, got {cutoff}")
+            raise ValueError(f"{self._who}: cutoff must be finite and > 0, got {cutoff}")
         self.cutoff = cutoff
         self.max_pairs = max_pairs
         # How far the basis of the model this one was built from (its `centers` or `frequencies`)
@@ -208,6 +208,11 @@ class _FusedModel(nn.Module):
         self._use_prepared = False
 
     @property
+    def _who(self) -> str:
+        """The class's name in messages: ``mirage.ff.fused.SchNet`` (a subclass: its own name)."""
+        return f"mirage.ff.fused.{type(self).__name__}"
+
+    @property
     def max_pairs(self) -> Optional[int]:
         """The neighbor-list capacity of the next forward; None: chosen by the next forward."""
         return self._max_pairs
@@ -215,7 +220,7 @@ class _FusedModel(nn.Module):
     @max_pairs.setter
     def max_pairs(self, value: Optional[int]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"mirage.ff.fused.{type(self).__name__}: max_pairs must be None or an int >= 1, "
+            raise ValueError(f"{self._who}: max_pairs must be None or an int >= 1, "
                              f"got {value!r}")
         self._max_pairs = value
 
@@ -237,7 +242,7 @@ class _FusedModel(nn.Module):
         needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag
         if needed is None:
             return False
-        graphs.progress(f"mirage.ff.fused.{type(self).__name__}: {found} neighbor pairs exceed the capacity of "
+        graphs.progress(f"{self._who}: {found} neighbor pairs exceed the capacity of "
                         f"{self._max_pairs} (max_pairs); growing it to {needed} and computing again")
         self.max_pairs = needed
         return True
@@ -246,7 +251,7 @@ class _FusedModel(nn.Module):
         """``compute()`` (a forward; None when it ran no neighbor search) on checked inputs,
         computed again with a grown capacity for as long as its neighbor list overflows
         (:meth:`_grown`). The atomic numbers' range is read (a host sync) where the count is."""
-        name = f"mirage.ff.fused.{type(self).__name__}"
+        name = self._who
         if positions.dim() != 2 or positions.shape[-1] != 3:
             raise ValueError(f"{name}: positions must be [N, 3], got {list(positions.shape)}")
         if positions.dtype != self.embedding.weight.dtype:
@@ -303,9 +308,8 @@ class _FusedModel(nn.Module):
         means open boundaries whatever the cell; pbc needs a cell."""
         if pbc is None:
             return None, None
-        name = type(self).__name__
         if cell is None:
-            raise ValueError(f"mirage.ff.fused.{name}: pbc was given without a cell; pass the cell too "
+            raise ValueError(f"{self._who}: pbc was given without a cell; pass the cell too "
                              "(or pbc=None for open boundaries)")
         cell = torch.as_tensor(cell, dtype=positions.dtype, device=positions.device)
         if isinstance(pbc, Tensor) and pbc.device.type != "cpu":
@@ -313,7 +317,7 @@ class _FusedModel(nn.Module):
             return cell, pbc if pbc.dtype == torch.bool else pbc.bool()
         flags = tuple(bool(flag) for flag in torch.as_tensor(pbc).reshape(-1).tolist())
         if len(flags) != 3:
-            raise ValueError(f"mirage.ff.fused.{name}: pbc must have 3 flags, got {len(flags)}")
+            raise ValueError(f"{self._who}: pbc must have 3 flags, got {len(flags)}")
         if not any(flags):
             return None, None  # ASE's molecules carry a zero cell with pbc all False
         if all(flags):
@@ -341,7 +345,7 @@ class _FusedModel(nn.Module):
             count = int(ops.neighbor_list(positions.detach(), self.cutoff, None if cell is None else cell.detach(),
                                           pbc, max_pairs=max(n, 1)).num_pairs)
         if count < 0:
-            raise ValueError(f"mirage.ff.fused.{type(self).__name__}: the neighbor list found invalid input "
+            raise ValueError(f"{self._who}: the neighbor list found invalid input "
                              "(non-finite positions or cell, or a singular cell)")
         capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
         return min(capacity, all_pairs) if cell is None else capacity
@@ -825,7 +829,7 @@ class SchNet(_FusedModel):
     def _refresh_prepared(self) -> None:
         weight = self.embedding.weight
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mirage.ff.fused.SchNet.prepared_weights: entered during a CUDA-graph capture, which "
+            raise RuntimeError(f"{self._who}.prepared_weights: entered during a CUDA-graph capture, which "
                                "would capture the preparation too; enter it before the capture")
         sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
         if not (weight.is_cuda and weight.dtype == torch.float32 and self.filter_activation != "relu"
