@@ -976,23 +976,23 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 // is an error, never a silent zero.
 namespace {
 
-using EnergyCall = std::function<std::tuple<at::Tensor, at::Tensor>()>;
+using EnergyCall = std::function<ops::EnergyOutputs()>;
 
 struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
   // `energy` runs the op (below autograd) on these tensors; `op` names it in errors.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& vectors, const at::Tensor& embedding,
                                at::TensorList weights, std::string_view op, const EnergyCall& energy_call) {
-    at::Tensor energy, grad_vectors;
+    at::Tensor energy, grad_vectors, grad_positions;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(energy, grad_vectors) = energy_call();
+      std::tie(energy, grad_vectors, grad_positions) = energy_call();
     }
     ctx->save_for_backward({grad_vectors});
     ctx->saved_data["parameters"] = static_cast<int64_t>(1 + weights.size());
     ctx->saved_data["op"] = std::string(op);
-    ctx->mark_non_differentiable({grad_vectors});
-    ctx->set_materialize_grads(false);  // grad_vectors' gradient: undefined, not a fill of zeros
-    return {energy, grad_vectors};
+    ctx->mark_non_differentiable({grad_vectors, grad_positions});
+    ctx->set_materialize_grads(false);  // the gradients' gradients: undefined, not fills of zeros
+    return {energy, grad_vectors, grad_positions};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -1011,28 +1011,27 @@ struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> schnet_energy_autograd(const at::Tensor& atomic_numbers,
-                                                          const at::Tensor& embedding, const at::Tensor& pairs,
-                                                          const at::Tensor& vectors, double cutoff, int64_t num_rbf,
-                                                          at::TensorList weights, c10::string_view activations,
-                                                          const std::optional<at::Tensor>& prepared) {
+ops::EnergyOutputs schnet_energy_autograd(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                          const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
+                                          int64_t num_rbf, at::TensorList weights, c10::string_view activations,
+                                          const std::optional<at::Tensor>& prepared) {
   // prepared is a function of the weights, whose gradient the op refuses: it needs none of its own.
   const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kSchnetEnergy, EnergyCall([&] {
     return handles::schnet_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                          activations, prepared);
   }));
-  return {out[0], out[1]};
+  return {out[0], out[1], out[2]};
 }
 
-std::tuple<at::Tensor, at::Tensor> painn_energy_autograd(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                         const at::Tensor& pairs, const at::Tensor& vectors,
-                                                         double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                         c10::string_view activations, double norm_eps) {
+ops::EnergyOutputs painn_energy_autograd(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                         const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
+                                         int64_t num_rbf, at::TensorList weights, c10::string_view activations,
+                                         double norm_eps) {
   const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kPainnEnergy, EnergyCall([&] {
     return handles::painn_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                         activations, norm_eps);
   }));
-  return {out[0], out[1]};
+  return {out[0], out[1], out[2]};
 }
 
 }  // namespace

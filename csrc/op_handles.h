@@ -42,13 +42,13 @@ using VectorMessagePassingBackwardSig = std::tuple<at::Tensor, at::Tensor, at::T
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, SenderOrderArg,
     const std::optional<at::Tensor>&);
-using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view,
                                                             const std::optional<at::Tensor>&);
 using SchnetEnergyPrepareSig = at::Tensor(const at::Tensor&, double, int64_t, at::TensorList, c10::string_view);
 
-using PainnEnergySig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+using PainnEnergySig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            const at::Tensor&, double, int64_t, at::TensorList,
                                                            c10::string_view, double);
 

@@ -59,20 +59,22 @@ TORCH_LIBRARY(mirage, m) {
         "Tensor v_out)");
   m.def("painn_update_backward(Tensor grad_s, Tensor grad_v, Tensor uv, Tensor vv, Tensor a) -> "
         "(Tensor grad_uv, Tensor grad_vv, Tensor grad_a)");
-  // A whole SchNet energy and its gradient in the pair vectors, in one kernel (small systems).
+  // A whole SchNet energy and its gradient in the pair vectors and the positions, in one kernel
+  // (small systems).
   // weights: 10 tensors per interaction then 4 for the readout; activations: comma-separated.
   // prepared: schnet_energy_prepare's output for these weights (filter tables, transposed weights),
   // which spares each call the work of forming them.
   m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
         "float cutoff, int num_rbf, Tensor[] weights, str activations, Tensor? prepared=None) -> (Tensor energy, "
-        "Tensor grad_vectors)");
+        "Tensor grad_vectors, Tensor grad_positions)");
   m.def("schnet_energy_prepare(Tensor embedding, float cutoff, int num_rbf, Tensor[] weights, str activations) "
         "-> Tensor");
-  // A whole PaiNN energy and its gradient in the pair vectors, in one kernel (small systems).
+  // A whole PaiNN energy and its gradient in the pair vectors and the positions, in one kernel
+  // (small systems).
   // weights: 12 tensors per interaction then 4 for the readout; activations: comma-separated.
   m.def("painn_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
         "float cutoff, int num_rbf, Tensor[] weights, str activations, float norm_eps) -> (Tensor energy, "
-        "Tensor grad_vectors)");
+        "Tensor grad_vectors, Tensor grad_positions)");
   // SchNet's continuous-filter convolution with its filter network fused in (larger systems):
   // out = sum over pairs of x[j] * (W2 act(W1 basis + b1) + b2) * envelope; also returns the
   // filters (before the envelope), which its backward reads. tf32: the CUDA products round their

@@ -311,6 +311,10 @@ __device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1
   for (int64_t a = tid; a < N; a += threads)
     if (p.atomic_numbers[a] < 0 || p.atomic_numbers[a] >= p.num_embeddings) invalid = 1;
   __syncthreads();
+  // The block's atoms' rows of grad_positions: NaN, or zero for the pairs' gradients that every
+  // block adds after the cluster barriers ahead (store_pair_gradient).
+  for (int64_t e = 3 * a0 + tid; e < 3 * a1; e += threads)
+    p.grad_positions[e] = invalid ? __int_as_float(0x7fc00000) : 0.0f;
   if (invalid) {
     for (int64_t e = block + static_cast<int64_t>(blocks) * tid; e < P; e += static_cast<int64_t>(blocks) * threads)
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = __int_as_float(0x7fc00000);
@@ -321,6 +325,17 @@ __device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1
     if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(p, e))
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
   return count;
+}
+
+// A pair's energy gradient in its vector r_j - r_i (+ shift): into grad_vectors, and onto its atoms'
+// grad_positions (+ the sender's, - the receiver's; own_pairs_of zeroed them, cluster barriers ago).
+template <class Params>
+__device__ __forceinline__ void store_pair_gradient(const Params& p, const OwnPair& pair, const float (&g)[3]) {
+  for (int c = 0; c < 3; ++c) {
+    p.grad_vectors[3 * static_cast<int64_t>(pair.pair) + c] = g[c];
+    atomicAdd(&p.grad_positions[3 * static_cast<int64_t>(pair.sender) + c], g[c]);
+    atomicAdd(&p.grad_positions[3 * static_cast<int64_t>(pair.receiver) + c], -g[c]);
+  }
 }
 
 // The readout (Linear, activation, Linear to one output) of the block's atom rows `x`, their

@@ -430,13 +430,12 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
 
   // d energy / d vectors: through the distance (direction) and the direction ((I - u u^T) / d).
   for (int r = tid; r < np; r += threads) {
-    const int64_t pair = own[r].pair;
     const PairGeometry& g = geometry[r];
-    float along = 0.0f;
+    float along = 0.0f, grad[3];
     for (int c = 0; c < 3; ++c) along = fmaf(g.grad_direction[c], g.direction[c], along);
     for (int c = 0; c < 3; ++c)
-      p.grad_vectors[3 * pair + c] =
-          g.grad_distance * g.direction[c] + (g.grad_direction[c] - along * g.direction[c]) / g.distance;
+      grad[c] = g.grad_distance * g.direction[c] + (g.grad_direction[c] - along * g.direction[c]) / g.distance;
+    store_pair_gradient(p, own[r], grad);
   }
 }
 

@@ -30,6 +30,7 @@ struct PainnEnergyParams {
   const float* vectors;           // [P, 3]: r_j - r_i (+ shift); |v| >= cutoff adds nothing
   float* energy;                  // [1]
   float* grad_vectors;            // [P, 3]: d energy / d vectors
+  float* grad_positions;          // [N, 3]: d energy / d positions through the vectors r_j - r_i
   void* workspace;                // painn_energy_workspace_bytes, 16-byte aligned
   int64_t num_atoms, num_pairs, num_embeddings;
   int num_rbf, features, phi_hidden, update_hidden, readout_hidden;

@@ -397,7 +397,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const int64_t pair = own[r].pair;
     const float d = geometry[r].distance;
     const float scale = d > 0.0f ? geometry[r].grad_distance / d : 0.0f;
-    for (int c = 0; c < 3; ++c) p.grad_vectors[3 * pair + c] = scale * p.vectors[3 * pair + c];
+    const float g[3] = {scale * p.vectors[3 * pair], scale * p.vectors[3 * pair + 1], scale * p.vectors[3 * pair + 2]};
+    store_pair_gradient(p, own[r], g);
   }
 }
 

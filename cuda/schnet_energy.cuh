@@ -29,6 +29,7 @@ struct SchnetEnergyParams {
   const float* vectors;           // [P, 3]: r_j - r_i (+ shift); |v| >= cutoff adds nothing
   float* energy;                  // [1]
   float* grad_vectors;            // [P, 3]: d energy / d vectors
+  float* grad_positions;          // [N, 3]: d energy / d positions through the vectors r_j - r_i
   void* workspace;                // schnet_energy_workspace_bytes, 16-byte aligned
   int64_t num_atoms, num_pairs, num_embeddings;
   int num_rbf, filter_hidden, message_width, features, update_hidden, readout_hidden;

@@ -86,10 +86,10 @@ namespace {
 
 // The reference: the forward, then its gradient written out layer by layer, in float64. Pairs at
 // or beyond the cutoff are left out (they add exactly nothing; their gradient is 0), as on CUDA.
-std::tuple<at::Tensor, at::Tensor> painn_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                    const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
-                                                    int64_t num_rbf, at::TensorList weights,
-                                                    c10::string_view activations, double norm_eps) {
+EnergyOutputs painn_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                               const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
+                               int64_t num_rbf, at::TensorList weights,
+                               c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
   const std::vector<std::string> act = split_activations(activations);
@@ -169,16 +169,16 @@ std::tuple<at::Tensor, at::Tensor> painn_energy_cpu(const at::Tensor& atomic_num
   const at::Tensor along = (grad_direction * direction).sum(1, true);
   const at::Tensor grad_kept = grad_d.unsqueeze(1) * direction + (grad_direction - along * direction) / d.unsqueeze(1);
   const at::Tensor grad_vectors = at::zeros_like(all_vectors).index_copy_(0, kept, grad_kept);
-  return {energy.to(embedding.scalar_type()), grad_vectors.to(embedding.scalar_type())};
+  return reference_energy_outputs(energy, grad_vectors, pairs, s.atoms, embedding.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor> painn_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                     const at::Tensor& pairs, const at::Tensor& vectors,
-                                                     double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                     c10::string_view activations, double norm_eps) {
+EnergyOutputs painn_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                const at::Tensor& pairs, const at::Tensor& vectors,
+                                double cutoff, int64_t num_rbf, at::TensorList weights,
+                                c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
-  return {at::empty({}, embedding.options()), at::empty({s.pairs, 3}, embedding.options())};
+  return empty_energy_outputs(s.atoms, s.pairs, embedding.options());
 }
 
 }  // namespace

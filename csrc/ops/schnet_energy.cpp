@@ -17,6 +17,18 @@
 
 namespace mirage::ops {
 
+EnergyOutputs reference_energy_outputs(const at::Tensor& energy, const at::Tensor& grad_vectors,
+                                       const at::Tensor& pairs, int64_t atoms, at::ScalarType dtype) {
+  const at::Tensor grad_positions = at::zeros({atoms, 3}, grad_vectors.options())
+                                        .index_add_(0, pairs[1], grad_vectors)
+                                        .index_add_(0, pairs[0], -grad_vectors);
+  return {energy.to(dtype), grad_vectors.to(dtype), grad_positions.to(dtype)};
+}
+
+EnergyOutputs empty_energy_outputs(int64_t atoms, int64_t pairs, const at::TensorOptions& options) {
+  return {at::empty({}, options), at::empty({pairs, 3}, options), at::empty({atoms, 3}, options)};
+}
+
 std::vector<std::string> split_activations(std::string_view activations) {
   std::vector<std::string> names;
   size_t start = 0;
@@ -250,11 +262,11 @@ at::Tensor prepared_table(const at::Tensor& prepared, const SchnetShape& s, int6
 
 // The reference: the forward, then its gradient written out layer by layer, in float64. Prepared,
 // the filters (the cutoff in them) and their slopes come from its tables.
-std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                     const at::Tensor& pairs, const at::Tensor& vectors,
-                                                     double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                     c10::string_view activations,
-                                                     const std::optional<at::Tensor>& prepared) {
+EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                const at::Tensor& pairs, const at::Tensor& vectors,
+                                double cutoff, int64_t num_rbf, at::TensorList weights,
+                                c10::string_view activations,
+                                const std::optional<at::Tensor>& prepared) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations, prepared);
   const bool tables = present(prepared);
@@ -318,17 +330,17 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_cpu(const at::Tensor& atomic_nu
   }
   const at::Tensor grad_d = (grad_basis * basis * (-zk / spacing)).sum(1) + grad_fcut * dfcut + grad_table;
   const at::Tensor grad_vectors = at::where(d > 0, grad_d / d, 0.0).unsqueeze(1) * v;
-  return {energy.to(embedding.scalar_type()), grad_vectors.to(embedding.scalar_type())};
+  return reference_energy_outputs(energy, grad_vectors, idx, s.atoms, embedding.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor> schnet_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                      const at::Tensor& pairs, const at::Tensor& vectors,
-                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                      c10::string_view activations,
-                                                      const std::optional<at::Tensor>& prepared) {
+EnergyOutputs schnet_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                 const at::Tensor& pairs, const at::Tensor& vectors,
+                                 double cutoff, int64_t num_rbf, at::TensorList weights,
+                                 c10::string_view activations,
+                                 const std::optional<at::Tensor>& prepared) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations, prepared);
-  return {at::empty({}, embedding.options()), at::empty({s.pairs, 3}, embedding.options())};
+  return empty_energy_outputs(s.atoms, s.pairs, embedding.options());
 }
 
 // The tables by the float64 reference (rounded to embedding's dtype once), the weights transposed

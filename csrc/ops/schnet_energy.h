@@ -40,6 +40,15 @@ SchnetShape check_schnet_energy_prepare(const at::Tensor& embedding, double cuto
 // The length of schnet_energy_prepare's output for these sizes (cuda/float_arena.h's layout).
 int64_t schnet_prepared_size(const SchnetShape& s);
 
+// The whole-model ops' outputs: the energy, its gradient in the pair vectors [P, 3] and in the
+// positions [N, 3] (the vectors' gradient onto their atoms: + the sender's, - the receiver's).
+using EnergyOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+// From the CPU references' float64 energy and vector gradient, in `dtype`.
+EnergyOutputs reference_energy_outputs(const at::Tensor& energy, const at::Tensor& grad_vectors,
+                                       const at::Tensor& pairs, int64_t atoms, at::ScalarType dtype);
+// The Meta kernels'.
+EnergyOutputs empty_energy_outputs(int64_t atoms, int64_t pairs, const at::TensorOptions& options);
+
 // `activations` ("filter,update_0,...,update_{T-1},readout") split at the commas.
 std::vector<std::string> split_activations(std::string_view activations);
 

@@ -22,16 +22,17 @@ namespace {
 // the inputs (alive until the launch is queued; `fill` gets the function that makes them, for the
 // interactions' weights, and the activations by name), the workspace and the launch.
 template <class Params, class Fill>
-std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms, const at::Tensor& atomic_numbers,
-                                              const at::Tensor& embedding, const at::Tensor& pairs,
-                                              const at::Tensor& vectors, double cutoff, at::TensorList weights,
-                                              std::string_view activations, Fill fill,
-                                              size_t (*workspace_bytes)(const Params&),
-                                              cudaError_t (*launch)(const Params&, cudaStream_t)) {
+EnergyOutputs run_energy(std::string_view op, int64_t atoms, const at::Tensor& atomic_numbers,
+                         const at::Tensor& embedding, const at::Tensor& pairs,
+                         const at::Tensor& vectors, double cutoff, at::TensorList weights,
+                         std::string_view activations, Fill fill,
+                         size_t (*workspace_bytes)(const Params&),
+                         cudaError_t (*launch)(const Params&, cudaStream_t)) {
   const c10::cuda::CUDAGuard guard(embedding.device());
   at::Tensor grad_vectors = at::empty({pairs.size(1), 3}, embedding.options());
+  at::Tensor grad_positions = at::empty({atoms, 3}, embedding.options());
   // No atoms: no pairs either (checked), and the energy is 0; otherwise the kernel writes it.
-  if (atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors};
+  if (atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors, grad_positions};
   at::Tensor energy = at::empty({}, embedding.options());
 
   std::vector<at::Tensor> held;
@@ -48,6 +49,7 @@ std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms
   p.vectors = ptr(vectors);
   p.energy = energy.mutable_data_ptr<float>();
   p.grad_vectors = grad_vectors.mutable_data_ptr<float>();
+  p.grad_positions = grad_positions.mutable_data_ptr<float>();
   p.num_atoms = atoms;
   p.num_pairs = pairs.size(1);
   p.num_embeddings = embedding.size(0);
@@ -63,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor> run_energy(std::string_view op, int64_t atoms
   const at::Tensor workspace = workspace_for(workspace_bytes(p), embedding);  // the kernel initializes what it reads
   p.workspace = workspace.mutable_data_ptr();
   check_launch(op, launch(p, c10::cuda::getCurrentCUDAStream()));
-  return {energy, grad_vectors};
+  return {energy, grad_vectors, grad_positions};
 }
 
 // schnet_energy's kernel parameters from the weights (all but the readout's, which run_energy
@@ -96,11 +98,11 @@ void fill_schnet(cuda::SchnetEnergyParams& p, const SchnetShape& s, at::TensorLi
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                      const at::Tensor& pairs, const at::Tensor& vectors,
-                                                      double cutoff, int64_t num_rbf, at::TensorList weights,
-                                                      c10::string_view activations,
-                                                      const std::optional<at::Tensor>& prepared) {
+EnergyOutputs schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                 const at::Tensor& pairs, const at::Tensor& vectors,
+                                 double cutoff, int64_t num_rbf, at::TensorList weights,
+                                 c10::string_view activations,
+                                 const std::optional<at::Tensor>& prepared) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations, prepared);
   const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
@@ -135,10 +137,10 @@ at::Tensor schnet_energy_prepare_cuda(const at::Tensor& embedding, double cutoff
   return prepared;
 }
 
-std::tuple<at::Tensor, at::Tensor> painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                                     const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
-                                                     int64_t num_rbf, at::TensorList weights,
-                                                     c10::string_view activations, double norm_eps) {
+EnergyOutputs painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
+                                int64_t num_rbf, at::TensorList weights,
+                                c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
   const auto fill = [&](cuda::PainnEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {

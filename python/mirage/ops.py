@@ -618,7 +618,7 @@ def schnet_energy(
     weights: Sequence[Tensor],
     activations: Union[str, Sequence[str]],
     prepared: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor]:
     """A whole SchNet energy and its gradient in the pair vectors, in one op (two CUDA kernels, one
     with ``prepared``).
 
@@ -661,9 +661,11 @@ def schnet_energy(
             the weights it was made from, in its filters and the backward's products).
 
     Returns:
-        ``(energy, grad_vectors)``: a 0-dim tensor and ``d energy / d vectors`` ``(P, 3)``, in
-        the embedding's dtype. Differentiable in ``vectors`` (first order: forces and stress);
-        asking for a gradient in the embedding or weights, or for a second order, raises
+        ``(energy, grad_vectors, grad_positions)``: a 0-dim tensor, ``d energy / d vectors``
+        ``(P, 3)`` and the same scattered onto the atoms, ``d energy / d positions`` ``(N, 3)``
+        through ``vectors = r_j - r_i (+ shift)`` (the forces without autograd; the stress needs
+        ``grad_vectors``), in the embedding's dtype. Differentiable in ``vectors`` (first order:
+        forces and stress); asking for a gradient in the embedding or weights, or for a second order, raises
         ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
@@ -707,7 +709,7 @@ def painn_energy(
     weights: Sequence[Tensor],
     activations: Union[str, Sequence[str]],
     norm_eps: float = 1e-8,
-) -> Tuple[Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor]:
     """A whole PaiNN energy and its gradient in the pair vectors, in one op (two CUDA kernels).
 
     Computes, with ``d = |vectors|``, ``u = vectors / d``, the sinc basis ``sqrt(2 / cutoff)
@@ -750,9 +752,11 @@ def painn_energy(
         norm_eps: added under the square root of ``|V v|``, > 0.
 
     Returns:
-        ``(energy, grad_vectors)``: a 0-dim tensor and ``d energy / d vectors`` ``(P, 3)``, in
-        the embedding's dtype. Differentiable in ``vectors`` (first order: forces and stress);
-        asking for a gradient in the embedding or weights, or for a second order, raises
+        ``(energy, grad_vectors, grad_positions)``: a 0-dim tensor, ``d energy / d vectors``
+        ``(P, 3)`` and the same scattered onto the atoms, ``d energy / d positions`` ``(N, 3)``
+        through ``vectors = r_j - r_i (+ shift)`` (the forces without autograd; the stress needs
+        ``grad_vectors``), in the embedding's dtype. Differentiable in ``vectors`` (first order:
+        forces and stress); asking for a gradient in the embedding or weights, or for a second order, raises
         ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """

@@ -95,8 +95,8 @@ def assert_energy_op_cpu_index_errors(call):
 def assert_energy_op_cuda_index_nans(call):
     """... and on CUDA gives NaN everywhere for the same errors (no host sync to raise)."""
     for changes in (dict(pairs=_bad_pair(0, -1)), dict(atomic_numbers=lambda z: z + 10)):
-        energy, grad = call("cuda", **changes)
-        assert torch.isnan(energy) and torch.isnan(grad).all()
+        energy, grad, grad_positions = call("cuda", **changes)
+        assert torch.isnan(energy) and torch.isnan(grad).all() and torch.isnan(grad_positions).all()
 
 
 def _in_float64(args):
@@ -108,24 +108,34 @@ def _in_float64(args):
     return [one(a) for a in args]
 
 
+def onto_atoms(grad_vectors, pairs, atoms):
+    """d energy / d positions from d energy / d vectors, vectors = r_j - r_i: + onto the senders
+    (pairs[1]), - onto the receivers (pairs[0])."""
+    out = torch.zeros(atoms, 3, dtype=grad_vectors.dtype, device=grad_vectors.device)
+    return out.index_add_(0, pairs[1], grad_vectors).index_add_(0, pairs[0], -grad_vectors)
+
+
 def assert_energy_op_matches_composite(op, composite, args, name):
-    """A whole-model op's (energy, d energy / d vectors) on ``args`` (atomic_numbers, embedding,
-    pairs, vectors, cutoff, ...) against ``composite`` in float64: within float64's tolerance when
-    the op ran in float64; in float32, bounded by PyTorch's own float32 error on the same inputs
-    (a whole network's worth of rounding). Pairs at or beyond the cutoff get a zero gradient."""
-    energy, grad = op(*args)
-    dtype, vectors, cutoff = args[1].dtype, args[3], args[4]
-    assert energy.shape == () and grad.shape == vectors.shape
-    assert energy.dtype == grad.dtype == dtype
+    """A whole-model op's (energy, d energy / d vectors, d energy / d positions) on ``args``
+    (atomic_numbers, embedding, pairs, vectors, cutoff, ...) against ``composite`` in float64 (its
+    vectors' gradient scattered onto the atoms for the third): within float64's tolerance when the
+    op ran in float64; in float32, bounded by PyTorch's own float32 error on the same inputs (a
+    whole network's worth of rounding). Pairs at or beyond the cutoff get a zero gradient."""
+    energy, grad, grad_positions = op(*args)
+    dtype, pairs, vectors, cutoff, atoms = args[1].dtype, args[2], args[3], args[4], args[0].shape[0]
+    assert energy.shape == () and grad.shape == vectors.shape and grad_positions.shape == (atoms, 3)
+    assert energy.dtype == grad.dtype == grad_positions.dtype == dtype
     beyond = vectors.double().norm(dim=1) > cutoff * (1 + 1e-6)  # clear of float32 rounding
     assert (grad[beyond] == 0).all() and (grad[vectors[:, 0] == cutoff] == 0).all()  # padding included
     ref_energy, ref_grad = composite(*_in_float64(args))
+    ref_positions = onto_atoms(ref_grad, pairs, atoms)
     if dtype == torch.float64:
-        torch.testing.assert_close(energy, ref_energy, **tolerance(dtype))
-        torch.testing.assert_close(grad, ref_grad, **tolerance(dtype))
+        for ours, ref in ((energy, ref_energy), (grad, ref_grad), (grad_positions, ref_positions)):
+            torch.testing.assert_close(ours, ref, **tolerance(dtype))
         return
     torch_energy, torch_grad = composite(*args)
-    for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad)):
+    for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad),
+                              (grad_positions, onto_atoms(torch_grad, pairs, atoms), ref_positions)):
         scale = ref.abs().max().item() if ref.numel() else 0.0
         ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
         theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
@@ -147,10 +157,10 @@ def assert_energy_op_pairs_beyond_the_cutoff_add_nothing(op, args):
     args = list(args)
     cutoff = args[4]
     args[3] = F.normalize(args[3], dim=1) * (1.2 * cutoff)
-    energy, grad = op(*args)
-    alone, _ = op(args[0], args[1], args[2][:, :0], args[3][:0], *args[4:])
+    energy, grad, grad_positions = op(*args)
+    alone = op(args[0], args[1], args[2][:, :0], args[3][:0], *args[4:])[0]
     torch.testing.assert_close(energy, alone, rtol=1e-6, atol=1e-6)
-    assert (grad == 0).all()
+    assert (grad == 0).all() and (grad_positions == 0).all()
 
 
 def assert_energy_op_replays_new_vectors(op, args, grad_atol):
@@ -160,29 +170,31 @@ def assert_energy_op_replays_new_vectors(op, args, grad_atol):
     read stale inputs would be off by far more. grad_atol(want_grad): the gradient's atol."""
     args = list(args)
     static = args[3].clone()
-    graph, (energy, grad) = capture_graph(lambda: op(*args[:3], static, *args[4:]))
+    graph, (energy, *grads) = capture_graph(lambda: op(*args[:3], static, *args[4:]))
     for _ in range(3):
         static.copy_(args[3] * (1 + 0.05 * torch.rand(args[3].shape[0], 1, device="cuda")))
         graph.replay()
-        want_energy, want_grad = op(*args[:3], static, *args[4:])
+        want_energy, *want_grads = op(*args[:3], static, *args[4:])
         torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
-        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
+        for grad, want_grad in zip(grads, want_grads):
+            torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
 
 
 def assert_energy_op_takes_unaligned_weights(op, args, indices, grad_atol):
     """The weights at ``indices`` moved to storage 4 bytes off a 16-byte boundary (the kernels'
     scalar loads): the same outputs as from aligned weights. grad_atol as above."""
     args = list(args)
-    want_energy, want_grad = op(*args)
+    want_energy, *want_grads = op(*args)
     weights = list(args[6])
     for index in indices:
         w = weights[index]
         shifted = torch.empty(w.numel() + 1, device="cuda")[1:].view_as(w).copy_(w)
         assert shifted.data_ptr() % 16 != 0
         weights[index] = shifted
-    energy, grad = op(*args[:6], weights, *args[7:])
+    energy, *grads = op(*args[:6], weights, *args[7:])
     torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-6)
-    torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
+    for grad, want_grad in zip(grads, want_grads):
+        torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
 
 
 def cast(value, dtype):

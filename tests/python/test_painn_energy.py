@@ -140,8 +140,8 @@ def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace():
     the arrangement, it did not catch that race.)"""
     args = list(make_inputs("benzene", "cuda", torch.float32))
     other = [1.5 * w for w in args[6]]
-    want_energy, want_grad = mirage.ops.painn_energy(*args)
-    graph, ((energy, grad), _) = capture_graph(
+    want_energy, want_grad, _ = mirage.ops.painn_energy(*args)
+    graph, ((energy, grad, _), _) = capture_graph(
         lambda: (mirage.ops.painn_energy(*args), mirage.ops.painn_energy(*args[:6], other, *args[7:])))
     for _ in range(50):
         graph.replay()
@@ -161,7 +161,7 @@ def test_painn_energy_nan_vector_gives_nan(device):
     args = list(make_inputs("odd", device, dtype))
     args[3] = args[3].clone()
     args[3][5, 0] = float("nan")
-    energy, _ = mirage.ops.painn_energy(*args)
+    energy = mirage.ops.painn_energy(*args)[0]
     assert torch.isnan(energy)
 
 
@@ -180,7 +180,7 @@ def test_painn_energy_refuses_parameter_gradients(device):
     args = list(make_inputs("odd", device, dtype))
     args[6][6].requires_grad_(True)  # U.weight
     args[3].requires_grad_(True)
-    energy, _ = mirage.ops.painn_energy(*args)
+    energy = mirage.ops.painn_energy(*args)[0]
     assert_first_order_only(energy, args[3], "no gradient in the model's parameters")
 
 

@@ -12,7 +12,7 @@ from common import (DEVICES, FF_ACTIVATIONS, OpCounter, ZERO_FILLS, assert_energ
                     assert_energy_op_cuda_index_nans, assert_energy_op_matches_composite,
                     assert_energy_op_pairs_beyond_the_cutoff_add_nothing, assert_energy_op_replays_new_vectors,
                     assert_energy_op_takes_unaligned_weights, assert_error, assert_first_order_only, capture_graph,
-                    energy_forces_and_ops, energy_op_opcheck, replace_item)
+                    energy_forces_and_ops, energy_op_opcheck, onto_atoms, replace_item)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -165,10 +165,10 @@ def test_schnet_energy_non_finite_vectors(device):
     args = list(make_inputs("odd", device, dtype))
     vectors = args[3].clone()
     vectors[2, 1] = float("inf")
-    energy, grad = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])
+    energy, grad, _ = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])
     assert torch.isfinite(energy) and torch.isnan(grad[2]).all() and torch.isfinite(grad[:2]).all()
     vectors[5, 0] = float("nan")
-    energy, grad = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])
+    energy = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])[0]
     assert torch.isnan(energy)
 
 
@@ -188,7 +188,7 @@ def test_schnet_energy_refuses_parameter_gradients(device):
     atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations = make_inputs("odd", device, dtype)
     weights[2].requires_grad_(True)
     vectors.requires_grad_(True)
-    energy, _ = mirage.ops.schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+    energy, _, _ = mirage.ops.schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                          activations)
     # Forces alone are fine although a weight requires grad; its gradient, or a second order, is an error.
     assert_first_order_only(energy, vectors, "no gradient in the model's parameters")
@@ -306,11 +306,13 @@ def test_schnet_energy_prepared_matches_composite(device, name):
         assert_energy_op_matches_composite(op, schnet_composite, args, name)
         return
     # float64: the tables interpolate these filter networks to ~1e-11 of their largest values.
-    energy, grad = op(*args)
+    energy, grad, grad_positions = op(*args)
     want_energy, want_grad = schnet_composite(*args)
     torch.testing.assert_close(energy, want_energy, rtol=1e-9, atol=1e-9)
     scale = want_grad.abs().max().item() if want_grad.numel() else 0.0
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-9 * max(scale, 1.0))
+    torch.testing.assert_close(grad_positions, onto_atoms(want_grad, args[2], args[0].shape[0]), rtol=0,
+                               atol=1e-8 * max(scale, 1.0))
     torch.library.opcheck(torch.ops.mirage.schnet_energy.default, (*args[:7], ",".join(args[7]), prepared))
     torch.library.opcheck(torch.ops.mirage.schnet_energy_prepare.default,
                           (args[1], args[4], args[5], args[6], ",".join(args[7])))
@@ -472,7 +474,7 @@ def test_schnet_energy_reads_the_filters_from_prepared(device):
         for k in range(4):  # filter.0 and filter.2, weights and biases
             other[10 * t + k] = other[10 * t + k] * 1.3 + 0.05
     prepared = mirage.ops.schnet_energy_prepare(args[1], args[4], args[5], other, args[7])
-    energy, grad = mirage.ops.schnet_energy(*args, prepared=prepared)
+    energy, grad, _ = mirage.ops.schnet_energy(*args, prepared=prepared)
     mixed = list(args)
     mixed[6] = [other[i] if i < 30 and i % 10 < 4 else w for i, w in enumerate(args[6])]
     want_energy, want_grad = schnet_composite(*mixed)

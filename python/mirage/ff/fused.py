@@ -427,9 +427,10 @@ class _FusedModel(nn.Module):
         float32, int64 atomic numbers, the capacity and atom limits, the structure the op takes);
         None otherwise, and when ``forward`` is not this class's own (a subclass overrides it) or
         forward hooks are registered, which this path would skip. The kernels that ``forward`` and
-        ``torch.autograd.grad`` run, less autograd's own work: a fill of the energy's gradient, the
-        product of the op's pair-vector gradient with it, and the host's bookkeeping
-        (mirage.ff.Calculator and mirage.ff.md call this; a few µs of a small molecule's step). The
+        ``torch.autograd.grad`` run, less autograd's own work (a fill of the energy's gradient, the
+        product of the op's pair-vector gradient with it, and the host's bookkeeping) and the
+        scatter of that gradient onto the atoms, which the op does itself (mirage.ff.Calculator and
+        mirage.ff.md call this; a few µs of a small molecule's step). The
         first call chooses the neighbor capacity, as the first forward does; an overflow outside a
         capture grows it, as in a forward."""
         if not self._eval_kernels(positions) or not self._forward_is_plain():
@@ -444,10 +445,8 @@ class _FusedModel(nn.Module):
             return None
         with torch.no_grad():
             found = self._neighbors(positions, cell, pbc)
-            energy, grad_vectors = self._whole_model_op(atomic_numbers, found.pairs, found.vectors)
-            # The distances' gradient None: the op reads only the vectors.
-            grad = torch.ops.mirage.pair_vectors_backward(grad_vectors, None, positions, found.pairs, found.shifts,
-                                                          found.order)
+            # The op scatters its pair-vector gradient onto the atoms itself (no pair_vectors_backward).
+            energy, _, grad = self._whole_model_op(atomic_numbers, found.pairs, found.vectors)
         return energy, grad
 
     def _forward_is_plain(self) -> bool:
@@ -797,8 +796,9 @@ class SchNet(_FusedModel):
             self.interactions,
             lambda block: (block.filter[0], block.filter[2], block.in2f, block.f2out[0], block.f2out[2]))
 
-    def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
-        """mirage::schnet_energy: (energy, its gradient in the pair vectors)."""
+    def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor,
+                        vectors: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """mirage::schnet_energy: (energy, its gradient in the pair vectors, in the positions)."""
         return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                  self._kernel_weights(), self._kernel_activations(),
                                  self._prepared_weights if self._use_prepared else None)
@@ -1088,8 +1088,9 @@ class PaiNN(_FusedModel):
                 and _same_widths(self.messages, lambda block: (block.phi[0], block.phi[2], block.filter))
                 and _same_widths(self.updates, lambda block: (block.U, block.V, block.mlp[0], block.mlp[2])))
 
-    def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor, vectors: Tensor) -> Tuple[Tensor, Tensor]:
-        """mirage::painn_energy: (energy, its gradient in the pair vectors)."""
+    def _whole_model_op(self, atomic_numbers: Tensor, pairs: Tensor,
+                        vectors: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """mirage::painn_energy: (energy, its gradient in the pair vectors, in the positions)."""
         return ops.painn_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                 self._kernel_weights(), self._kernel_activations(), self.norm_eps)
 
