@@ -1186,6 +1186,8 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("cfconv_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("radial_cfconv", given<&handles::radial_cfconv, &radial_cfconv_autograd>);
   m.impl("radial_cfconv_backward", torch::autograd::autogradNotImplementedFallback());
+  // A constant of the weights (schnet_energy reads it in place of forming it): not differentiable.
+  m.impl("schnet_energy_prepare", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace mirage::autograd

@@ -17,6 +17,13 @@
 namespace mirage::ops {
 namespace {
 
+// t as a contiguous tensor whose data is 16-byte aligned (the kernels move rows as float4): a
+// copy only for a view that starts at an odd offset.
+at::Tensor aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return is_16_byte_aligned(c) ? c : c.clone();
+}
+
 // What the whole-model ops' wrappers share: the outputs, the common fields of their kernel
 // parameters (the readout: the last four weights and the last activation), contiguous copies of
 // the inputs (alive until the launch is queued; `fill` gets the function that makes them, for the
@@ -105,9 +112,10 @@ EnergyOutputs schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Ten
                                  const std::optional<at::Tensor>& prepared) {
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations, prepared);
+  const at::Tensor tables = present(prepared) ? aligned(*prepared) : at::Tensor();  // read as float4s
   const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
     fill_schnet(p, s, weights, ptr, names);
-    p.prepared = present(prepared) ? ptr(*prepared) : nullptr;
+    p.prepared = tables.defined() ? ptr(tables) : nullptr;
   };
   return run_energy(kSchnetEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, weights, activations,
                     fill, &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
@@ -131,7 +139,8 @@ at::Tensor schnet_energy_prepare_cuda(const at::Tensor& embedding, double cutoff
   MIRAGE_CHECK(cuda::schnet_prepare_supported(p), kSchnetEnergyPrepare,
                ": the table kernel must fit the device's shared memory (about 216 (R + H) + 45,000 bytes: "
                "radial_cfconv's); got R=", s.rbf, ", H=", s.filter_hidden, " on ", embedding.device());
-  at::Tensor prepared = at::empty({schnet_prepared_size(s)}, embedding.options());
+  // Zeros: the padding between the transposed matrices too, as on the CPU.
+  at::Tensor prepared = at::zeros({schnet_prepared_size(s)}, embedding.options());
   check_launch(kSchnetEnergyPrepare,
                cuda::launch_schnet_prepare(p, prepared.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
   return prepared;
@@ -174,12 +183,6 @@ EnergyOutputs painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tens
                     fill, &cuda::painn_energy_workspace_bytes, &cuda::launch_painn_energy);
 }
 
-// t as a contiguous tensor whose data is 16-byte aligned (the kernels move rows as float4): a
-// copy only for a view that starts at an odd offset.
-at::Tensor aligned(const at::Tensor& t) {
-  at::Tensor c = t.contiguous();
-  return is_16_byte_aligned(c) ? c : c.clone();
-}
 
 // The filter network for the kernels; `held` keeps the contiguous copies alive until the launch.
 cuda::CfconvWeights cfconv_weights(std::string_view op, const CfconvShape& s, const at::Tensor& weight1,

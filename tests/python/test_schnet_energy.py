@@ -1,4 +1,6 @@
+import copy
 import math
+import pickle
 import sys
 from pathlib import Path
 
@@ -38,6 +40,9 @@ CONFIGS = {
     # A filter network 1,030 wide: the filters kernel's rows need more shared memory than the
     # default 48 KB (its opt-in), and the padded widths are not multiples of 4.
     "wide_filter": (6, 30, 16, 20, 1030, 16, 16, 8, ["shifted_softplus", "silu", "shifted_softplus"], True),
+    # A filter width of 8 (tables can take it) and atom-wise matrices whose sizes are no multiple
+    # of 4 (the prepared layout's padding between them).
+    "padded": (9, 60, 7, 5, 12, 8, 9, 3, ["silu", "tanh", "gelu", "softplus"], False),
 }
 CUTOFF = 4.0
 
@@ -339,10 +344,12 @@ def test_schnet_energy_prepared_tables_are_radial_cfconvs():
 
 
 @pytest.mark.cuda
-def test_schnet_energy_prepared_on_the_cpu_runs_on_cuda():
+@pytest.mark.parametrize("name", ["benzene", "padded"])
+def test_schnet_energy_prepared_on_the_cpu_runs_on_cuda(name):
     # The CPU builds the same layout as the CUDA kernels (their tables to float32 rounding, the
-    # transposed weights exactly), so a tensor prepared there runs on CUDA with the same results.
-    args = make_inputs("benzene", "cuda", torch.float32)
+    # transposed weights and the zeros between them exactly), so a tensor prepared there runs on
+    # CUDA with the same results.
+    args = make_inputs(name, "cuda", torch.float32)
     on_cuda = _prepare(args)
     on_cpu = _prepare([a.cpu() if isinstance(a, torch.Tensor) else [w.cpu() for w in a] if isinstance(a, list)
                        and a and isinstance(a[0], torch.Tensor) else a for a in args]).cuda()
@@ -434,33 +441,54 @@ def test_fused_schnet_prepared_weights():
     torch.testing.assert_close(prepared[0], plain[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(prepared[1], plain[1], rtol=1e-4, atol=1e-5 * scale)
 
-    # Unchanged weights: nothing made again. A weight changed inside the context is not seen there
-    # (the op reads the tables made on entry); outside it is.
-    bias = model.interactions[0].filter[2].bias
+    # Unchanged weights: nothing made again. A weight changed between entries, even through .data
+    # (which keeps its version counter), is seen at the next entry, which makes the tensor again in
+    # the same memory: a graph captured inside an earlier entry replays with the latest weights.
     with OpCounter() as ops, model.prepared_weights():
-        with torch.no_grad():
-            bias.add_(0.5)
-        stale = model.energy_and_gradient(numbers, positions)
-    assert "mirage.schnet_energy_prepare" not in ops.calls
-    torch.testing.assert_close(stale[0], prepared[0], rtol=1e-6, atol=1e-6)
-    changed = model.energy_and_gradient(numbers, positions)
-    assert abs(changed[0].item() - plain[0].item()) > 1e-3
-
-    # Made again on the next entry, in the same memory: a graph captured inside an earlier entry
-    # replays with the weights of the latest.
-    with model.prepared_weights():
-        torch.testing.assert_close(model.energy_and_gradient(numbers, positions)[0], changed[0], rtol=1e-5,
-                                   atol=1e-5)
         graph, (energy, grad) = capture_graph(lambda: model.energy_and_gradient(numbers, positions))
         with pytest.raises(RuntimeError, match="entered during a CUDA-graph capture"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()), model.prepared_weights():
                 pass
-    with torch.no_grad():
-        bias.sub_(0.5)
+    assert "mirage.schnet_energy_prepare" not in ops.calls
+    bias = model.interactions[0].filter[2].bias
+    bias.data.add_(0.5)
+    changed = model.energy_and_gradient(numbers, positions)
+    assert abs(changed[0].item() - plain[0].item()) > 1e-3
+    with OpCounter() as ops, model.prepared_weights():
+        graph.replay()
+    assert ops.calls.count("mirage.schnet_energy_prepare") == 1
+    torch.testing.assert_close(energy, changed[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, changed[1], rtol=1e-4, atol=1e-5 * scale)
+
+    # Made under inference mode, the tensor is still made again outside it; copies and pickles
+    # do not carry it (10 MiB of derived state).
+    with torch.inference_mode():
+        bias.data.sub_(0.5)
+        with model.prepared_weights():
+            pass
+    bias.data.add_(0.5)
     with model.prepared_weights():
         graph.replay()
-    torch.testing.assert_close(energy, plain[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, plain[1], rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(energy, changed[0], rtol=1e-5, atol=1e-5)
+    assert len(pickle.dumps(model)) < 4 * 2**20
+    assert copy.deepcopy(model)._prepared_weights is None
+
+
+@pytest.mark.cuda
+def test_schnet_energy_prepared_unaligned_view():
+    args = make_inputs("benzene", "cuda", torch.float32)
+    prepared = _prepare(args)
+    shifted = torch.empty(prepared.numel() + 1, device="cuda")[1:].copy_(prepared)
+    assert shifted.data_ptr() % 16 != 0
+    for a, b in zip(mirage.ops.schnet_energy(*args, prepared=shifted), mirage.ops.schnet_energy(*args, prepared=prepared)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_schnet_energy_prepare_is_not_differentiable():
+    args = make_inputs("benzene")
+    args[6][2].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="schnet_energy_prepare"):
+        _prepare(args).sum().backward()
 
 
 @pytest.mark.parametrize("device", DEVICES)

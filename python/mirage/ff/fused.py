@@ -201,10 +201,10 @@ class _FusedModel(nn.Module):
         # pbc patterns that are neither all-open nor all-periodic, as device tensors: made on the
         # first call that sees the pattern (eagerly, before any capture), read by later ones.
         self._pbc_tensors: Dict[Tuple[torch.device, Tuple[bool, ...]], Tensor] = {}
-        # SchNet.prepared_weights: the prepared tensor, the weights' state it was made from, and
-        # whether the whole-model op reads it (inside the context).
+        # SchNet.prepared_weights: the prepared tensor, the weights it was made from (their values,
+        # concatenated), and whether the whole-model op reads it (inside the context).
         self._prepared_weights: Optional[Tensor] = None
-        self._prepared_key: Optional[tuple] = None
+        self._prepared_from: Optional[Tensor] = None
         self._use_prepared = False
 
     @property
@@ -812,13 +812,18 @@ class SchNet(_FusedModel):
         many calls with weights that do not change: :class:`mirage.ff.md.VelocityVerlet` enters it
         for each run.
 
-        On entry the tensor is made again if a weight changed since it was made (in place, as an
-        optimizer step or ``load_state_dict`` does, or replaced), into the same memory where it
-        can, so that CUDA graphs captured inside the context stay valid. Weights changed inside the
-        context are not seen there. Where the op could not take it, nothing changes: off CUDA, not
-        float32, a ``relu`` filter activation (the tables interpolate), a filter width that is not
-        a multiple of 4, sizes the table kernel does not take, or interactions the whole-model op
-        does not take. Entering it during a CUDA-graph capture raises ``RuntimeError``."""
+        On entry the weights are compared with those the tensor was made from (one comparison on
+        the device, which waits for it): if any differs, however it was changed, the tensor is made
+        again, into the same memory where it can, so that CUDA graphs captured inside an earlier
+        entry and replayed inside a later one read it. Weights must not change *inside* the
+        context: the op would then mix them with the prepared ones (the forward reads the current
+        atom-wise weights, the filters and the backward's products the prepared), and its forces
+        would not be its energy's gradient. Where the op could not take it, nothing is made: in
+        training mode, off CUDA, not float32, a ``relu`` filter activation (the tables
+        interpolate), a filter width that is not a multiple of 4, sizes the table kernel does not
+        take, or interactions the whole-model op does not take. Entering it during a CUDA-graph
+        capture raises ``RuntimeError``. The tensor is derived state: copies, pickles and
+        ``.to()`` drop it (it is made again at the next entry)."""
         self._refresh_prepared()
         outer, self._use_prepared = self._use_prepared, self._prepared_weights is not None
         try:
@@ -832,23 +837,41 @@ class SchNet(_FusedModel):
             raise RuntimeError(f"{self._who}.prepared_weights: entered during a CUDA-graph capture, which "
                                "would capture the preparation too; enter it before the capture")
         sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
-        if not (weight.is_cuda and weight.dtype == torch.float32 and self.filter_activation != "relu"
-                and sizes[2] % 4 == 0 and self._whole_model_structure()
+        if not (not self.training and weight.is_cuda and weight.dtype == torch.float32
+                and self.filter_activation != "relu" and sizes[2] % 4 == 0 and self._whole_model_structure()
                 and ops.radial_cfconv_supported(*sizes, weight.device)):
-            self._prepared_weights = self._prepared_key = None
+            self._drop_prepared()
             return
         weights = self._kernel_weights()
-        key = (weight.device, tuple((t.data_ptr(), t._version) for t in weights if t.numel()))
-        if key == self._prepared_key:
-            return
-        with torch.no_grad():
+        # Outside inference mode, so that the tensor can be made again in place after a later
+        # entry outside it; without autograd (it is a constant of the weights).
+        with torch.inference_mode(False), torch.no_grad():
+            # By value: an in-place change through .data keeps the version counter, and a new
+            # Parameter may be given a freed one's address.
+            current = torch.cat([w.detach().reshape(-1) for w in weights])
+            old = self._prepared_from
+            if old is not None and old.shape == current.shape and old.device == current.device \
+                    and torch.equal(old, current):
+                return
             fresh = ops.schnet_energy_prepare(weight, self.cutoff, self.num_rbf, weights, self._kernel_activations())
-        if self._prepared_weights is not None and self._prepared_weights.shape == fresh.shape \
-                and self._prepared_weights.device == fresh.device:
-            self._prepared_weights.copy_(fresh)
-        else:
-            self._prepared_weights = fresh
-        self._prepared_key = key
+            if self._prepared_weights is not None and self._prepared_weights.shape == fresh.shape \
+                    and self._prepared_weights.device == fresh.device:
+                self._prepared_weights.copy_(fresh)
+            else:
+                self._prepared_weights = fresh
+        self._prepared_from = current
+
+    def _drop_prepared(self) -> None:
+        self._prepared_weights = self._prepared_from = None
+
+    def __getstate__(self):
+        state = super().__getstate__()  # the prepared tensor is derived (10 MiB on the device): not kept
+        state.update(_prepared_weights=None, _prepared_from=None, _use_prepared=False)
+        return state
+
+    def _apply(self, fn, *args, **kwargs):
+        self._drop_prepared()  # .to(), .cpu(): made again, from the converted weights, at the next entry
+        return super()._apply(fn, *args, **kwargs)
 
     def _kernel_weights(self) -> List[Tensor]:
         """mirage::schnet_energy's ``weights``."""

@@ -125,7 +125,7 @@ class Upsample2D(nn.Module):
     def __getstate__(self):
         # The folded kernels are derived, and their weakref cannot be pickled (torch.save of the
         # model): they are folded again at the next call.
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_folded"] = state["_folded_key"] = state["_folded_from"] = None
         return state
 
