@@ -80,29 +80,29 @@ EnergyOutputs run_energy(std::string_view op, int64_t atoms, const at::Tensor& a
 template <class Ptr>
 void fill_schnet(cuda::SchnetEnergyParams& p, const SchnetShape& s, at::TensorList weights, const Ptr& ptr,
                  const std::vector<std::string>& names) {
-    p.num_rbf = static_cast<int>(s.rbf);
-    p.filter_hidden = static_cast<int>(s.filter_hidden);
-    p.message_width = static_cast<int>(s.message_width);
-    p.features = static_cast<int>(s.features);
-    p.update_hidden = static_cast<int>(s.update_hidden);
-    p.readout_hidden = static_cast<int>(s.readout_hidden);
-    p.num_interactions = static_cast<int>(s.interactions);
-    p.filter_activation = kernel_activation(names.front());
-    for (int64_t t = 0; t < s.interactions; ++t) {
-      const int64_t b = t * kSchnetWeightsPerInteraction;
-      cuda::SchnetInteraction& layer = p.interactions[t];
-      layer.filter1_w = ptr(weights[b]);
-      layer.filter1_b = ptr(weights[b + 1]);
-      layer.filter2_w = ptr(weights[b + 2]);
-      layer.filter2_b = ptr(weights[b + 3]);
-      layer.in2f_w = ptr(weights[b + 4]);
-      layer.in2f_b = ptr(weights[b + 5]);
-      layer.f2out1_w = ptr(weights[b + 6]);
-      layer.f2out1_b = ptr(weights[b + 7]);
-      layer.f2out2_w = ptr(weights[b + 8]);
-      layer.f2out2_b = ptr(weights[b + 9]);
-      layer.update_activation = kernel_activation(names[t + 1]);
-    }
+  p.num_rbf = static_cast<int>(s.rbf);
+  p.filter_hidden = static_cast<int>(s.filter_hidden);
+  p.message_width = static_cast<int>(s.message_width);
+  p.features = static_cast<int>(s.features);
+  p.update_hidden = static_cast<int>(s.update_hidden);
+  p.readout_hidden = static_cast<int>(s.readout_hidden);
+  p.num_interactions = static_cast<int>(s.interactions);
+  p.filter_activation = kernel_activation(names.front());
+  for (int64_t t = 0; t < s.interactions; ++t) {
+    const int64_t b = t * kSchnetWeightsPerInteraction;
+    cuda::SchnetInteraction& layer = p.interactions[t];
+    layer.filter1_w = ptr(weights[b]);
+    layer.filter1_b = ptr(weights[b + 1]);
+    layer.filter2_w = ptr(weights[b + 2]);
+    layer.filter2_b = ptr(weights[b + 3]);
+    layer.in2f_w = ptr(weights[b + 4]);
+    layer.in2f_b = ptr(weights[b + 5]);
+    layer.f2out1_w = ptr(weights[b + 6]);
+    layer.f2out1_b = ptr(weights[b + 7]);
+    layer.f2out2_w = ptr(weights[b + 8]);
+    layer.f2out2_b = ptr(weights[b + 9]);
+    layer.update_activation = kernel_activation(names[t + 1]);
+  }
 }
 
 EnergyOutputs schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
