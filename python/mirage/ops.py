@@ -5,8 +5,8 @@ float32 (float64 on the CPU reference), returns new tensors (but the MD state up
 ``verlet_kick_drift`` and ``verlet_forces_kick``, which work in place), and raises
 ``RuntimeError`` naming the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
-(float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` and ``painn_energy``
-take float32 (float64 too on the CPU), and the MD state updates ``verlet_kick_drift`` and
+(float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` (and its
+``schnet_energy_prepare``) and ``painn_energy`` take float32 (float64 too on the CPU), and the MD state updates ``verlet_kick_drift`` and
 ``verlet_forces_kick`` take float32 or float64 on every device and compute in the state's dtype; ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
 ``cfconv`` and ``radial_cfconv`` run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
 """
