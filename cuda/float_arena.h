@@ -53,12 +53,16 @@ MIRAGE_HOST_DEVICE inline SchnetTransposed schnet_transposed(int64_t interaction
   return l;
 }
 
+// The pieces of each of schnet_energy_prepare's tables: its Gaussians' (filter_table.h).
+MIRAGE_HOST_DEVICE inline int64_t schnet_table_intervals(int64_t rbf) {
+  return filter_table::intervals_for(RadialBasisKind::kGaussian, rbf);
+}
+
 // schnet_energy_prepare's output starts with each interaction's filter network as radial_cfconv's
 // table (filter_table.h; SchNet's Gaussians and cosine cutoff), [T][intervals][6][M]; the
 // transposed weights (SchnetTransposed) follow from this offset.
 MIRAGE_HOST_DEVICE inline int64_t schnet_tables_floats(int64_t interactions, int64_t rbf, int64_t message_width) {
-  return pad4(interactions * filter_table::intervals_for(RadialBasisKind::kGaussian, rbf) *
-              filter_table::kCoefficients * message_width);
+  return pad4(interactions * schnet_table_intervals(rbf) * filter_table::kCoefficients * message_width);
 }
 
 }  // namespace mirage::cuda::atomwise

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) schnet_transpose_kernel(const __grid
 __device__ void filters_from_tables(const SchnetEnergyParams& p, const Layout& L, const OwnPair* own, int np,
                                     const PairGeometry* geometry) {
   using filter_table::kCoefficients;
-  const int64_t intervals = filter_table::intervals_for(RadialBasisKind::kGaussian, p.num_rbf);
+  const int64_t intervals = schnet_table_intervals(p.num_rbf);
   const int64_t M = p.message_width, P = p.num_pairs, M4 = L.M4;
   const int columns = p.message_width / 4, T = p.num_interactions;
   const float scale = static_cast<float>(intervals) / p.cutoff;
@@ -447,7 +447,7 @@ bool schnet_prepare_supported(const SchnetEnergyParams& params) {
 }
 
 cudaError_t launch_schnet_prepare(const SchnetEnergyParams& params, float* prepared, cudaStream_t stream) {
-  const int64_t intervals = filter_table::intervals_for(RadialBasisKind::kGaussian, params.num_rbf);
+  const int64_t intervals = schnet_table_intervals(params.num_rbf);
   for (int t = 0; t < params.num_interactions; ++t) {
     const SchnetInteraction& layer = params.interactions[t];
     FilterTableParams table{};

@@ -255,7 +255,7 @@ at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional
 
 // Interaction t's table in a prepared tensor, [intervals, 6, M].
 at::Tensor prepared_table(const at::Tensor& prepared, const SchnetShape& s, int64_t t) {
-  const int64_t intervals = cuda::filter_table::intervals_for(cuda::RadialBasisKind::kGaussian, s.rbf);
+  const int64_t intervals = cuda::atomwise::schnet_table_intervals(s.rbf);
   const int64_t size = intervals * cuda::filter_table::kCoefficients * s.message_width;
   return prepared.narrow(0, t * size, size).reshape({intervals, cuda::filter_table::kCoefficients, s.message_width});
 }

@@ -24,6 +24,20 @@ at::Tensor aligned(const at::Tensor& t) {
   return is_16_byte_aligned(c) ? c : c.clone();
 }
 
+// Float inputs' device pointers for a launch: contiguous copies where needed, kept alive until the
+// launch is queued; an empty tensor (an absent bias) gives null.
+class HeldInputs {
+ public:
+  const float* operator()(const at::Tensor& t) {
+    if (t.numel() == 0) return nullptr;
+    held_.push_back(t.contiguous());
+    return held_.back().const_data_ptr<float>();
+  }
+
+ private:
+  std::vector<at::Tensor> held_;
+};
+
 // What the whole-model ops' wrappers share: the outputs, the common fields of their kernel
 // parameters (the readout: the last four weights and the last activation), contiguous copies of
 // the inputs (alive until the launch is queued; `fill` gets the function that makes them, for the
@@ -42,12 +56,7 @@ EnergyOutputs run_energy(std::string_view op, int64_t atoms, const at::Tensor& a
   if (atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors, grad_positions};
   at::Tensor energy = at::empty({}, embedding.options());
 
-  std::vector<at::Tensor> held;
-  const auto ptr = [&held](const at::Tensor& t) -> const float* {
-    if (t.numel() == 0) return nullptr;  // an absent bias
-    held.push_back(t.contiguous());
-    return held.back().const_data_ptr<float>();
-  };
+  HeldInputs ptr;
   const at::Tensor z = atomic_numbers.contiguous(), idx = pairs.contiguous();
   Params p{};
   p.atomic_numbers = z.const_data_ptr<int64_t>();
@@ -77,8 +86,7 @@ EnergyOutputs run_energy(std::string_view op, int64_t atoms, const at::Tensor& a
 
 // schnet_energy's kernel parameters from the weights (all but the readout's, which run_energy
 // fills).
-template <class Ptr>
-void fill_schnet(cuda::SchnetEnergyParams& p, const SchnetShape& s, at::TensorList weights, const Ptr& ptr,
+void fill_schnet(cuda::SchnetEnergyParams& p, const SchnetShape& s, at::TensorList weights, HeldInputs& ptr,
                  const std::vector<std::string>& names) {
   p.num_rbf = static_cast<int>(s.rbf);
   p.filter_hidden = static_cast<int>(s.filter_hidden);
@@ -113,7 +121,7 @@ EnergyOutputs schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Ten
   const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                             activations, prepared);
   const at::Tensor tables = present(prepared) ? aligned(*prepared) : at::Tensor();  // read as float4s
-  const auto fill = [&](cuda::SchnetEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
+  const auto fill = [&](cuda::SchnetEnergyParams& p, HeldInputs& ptr, const std::vector<std::string>& names) {
     fill_schnet(p, s, weights, ptr, names);
     p.prepared = tables.defined() ? ptr(tables) : nullptr;
   };
@@ -125,16 +133,10 @@ at::Tensor schnet_energy_prepare_cuda(const at::Tensor& embedding, double cutoff
                                       at::TensorList weights, c10::string_view activations) {
   const SchnetShape s = check_schnet_energy_prepare(embedding, cutoff, num_rbf, weights, activations);
   const c10::cuda::CUDAGuard guard(embedding.device());
-  std::vector<at::Tensor> held;
-  const auto ptr = [&held](const at::Tensor& t) -> const float* {
-    if (t.numel() == 0) return nullptr;  // an absent bias
-    held.push_back(t.contiguous());
-    return held.back().const_data_ptr<float>();
-  };
+  HeldInputs ptr;
   cuda::SchnetEnergyParams p{};
   fill_schnet(p, s, weights, ptr, split_activations(activations));
   p.readout1_w = ptr(weights[s.interactions * kSchnetWeightsPerInteraction]);
-  p.readout_hidden = static_cast<int>(s.readout_hidden);
   p.cutoff = static_cast<float>(cutoff);
   MIRAGE_CHECK(cuda::schnet_prepare_supported(p), kSchnetEnergyPrepare,
                ": the table kernel must fit the device's shared memory (about 216 (R + H) + 45,000 bytes: "
@@ -152,7 +154,7 @@ EnergyOutputs painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tens
                                 c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
-  const auto fill = [&](cuda::PainnEnergyParams& p, const auto& ptr, const std::vector<std::string>& names) {
+  const auto fill = [&](cuda::PainnEnergyParams& p, HeldInputs& ptr, const std::vector<std::string>& names) {
     p.num_rbf = static_cast<int>(s.rbf);
     p.features = static_cast<int>(s.features);
     p.phi_hidden = static_cast<int>(s.phi_hidden);

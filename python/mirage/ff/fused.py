@@ -785,11 +785,19 @@ class SchNet(_FusedModel):
         the data: graph-safe."""
         if not (self.fused_interactions and self._eval_kernels(positions)):
             return "layers"
-        sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
-        if (self.radial_interactions and self.filter_activation != "relu"  # a table needs a smooth network
-                and ops.radial_cfconv_supported(*sizes, positions.device)):
+        if self.radial_interactions and self._tables_supported(positions.device):
             return "radial_cfconv"
-        return "cfconv" if ops.cfconv_supported(*sizes, positions.device) else "layers"
+        return "cfconv" if ops.cfconv_supported(*self._filter_sizes(), positions.device) else "layers"
+
+    def _filter_sizes(self) -> Tuple[int, int, int]:
+        """The filter networks' (inputs, hidden width, outputs), as the fused kernels' checks take them."""
+        return self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features
+
+    def _tables_supported(self, device: torch.device) -> bool:
+        """Whether the filter networks can be tabulated on ``device`` (radial_cfconv's tables, and
+        schnet_energy_prepare's): a smooth activation, sizes the table kernel takes (on CUDA a
+        width that is a multiple of 4)."""
+        return self.filter_activation != "relu" and ops.radial_cfconv_supported(*self._filter_sizes(), device)
 
     def _whole_model_structure(self) -> bool:
         return len(self.interactions) <= 8 and _same_widths(
@@ -836,10 +844,8 @@ class SchNet(_FusedModel):
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{self._who}.prepared_weights: entered during a CUDA-graph capture, which "
                                "would capture the preparation too; enter it before the capture")
-        sizes = (self.num_rbf, self.interactions[0].filter[0].out_features, self.interactions[0].filter[2].out_features)
         if not (not self.training and weight.is_cuda and weight.dtype == torch.float32
-                and self.filter_activation != "relu" and sizes[2] % 4 == 0 and self._whole_model_structure()
-                and ops.radial_cfconv_supported(*sizes, weight.device)):
+                and self._whole_model_structure() and self._tables_supported(weight.device)):
             self._drop_prepared()
             return
         weights = self._kernel_weights()
