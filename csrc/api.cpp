@@ -217,4 +217,16 @@ void verlet_forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& 
                                      pair_count_range);
 }
 
+at::Tensor verlet_forces_kick_drift(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
+                                    at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
+                                    const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype,
+                                    const std::optional<at::Tensor>& pair_count,
+                                    const std::optional<at::Tensor>& pair_count_range) {
+  require_defined("verlet_forces_kick_drift",
+                  {{"positions", &positions}, {"velocities", &velocities}, {"forces", &forces}, {"energy", &energy},
+                   {"grad", &grad}, {"model_energy", &model_energy}, {"inverse_masses", &inverse_masses}});
+  return handles::verlet_forces_kick_drift().call(positions, velocities, forces, energy, grad, model_energy,
+                                                  inverse_masses, kick, drift, dtype, pair_count, pair_count_range);
+}
+
 }  // namespace mirage

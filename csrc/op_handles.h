@@ -84,6 +84,9 @@ using VerletKickDriftSig = at::Tensor(at::Tensor&, at::Tensor&, const at::Tensor
 using VerletForcesKickSig = void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, double, const std::optional<at::Tensor>&,
                                  const std::optional<at::Tensor>&);
+using VerletForcesKickDriftSig = at::Tensor(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&, double, double, at::ScalarType,
+                                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> lookup(const char* name) {
@@ -126,6 +129,7 @@ MIRAGE_OP_HANDLE(painn_update, PainnUpdateSig)
 MIRAGE_OP_HANDLE(painn_update_backward, PainnUpdateBackwardSig)
 MIRAGE_OP_HANDLE(verlet_kick_drift, VerletKickDriftSig)
 MIRAGE_OP_HANDLE(verlet_forces_kick, VerletForcesKickSig)
+MIRAGE_OP_HANDLE(verlet_forces_kick_drift, VerletForcesKickDriftSig)
 #undef MIRAGE_OP_HANDLE
 
 }  // namespace mirage::handles

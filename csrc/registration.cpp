@@ -103,4 +103,9 @@ TORCH_LIBRARY(mirage, m) {
   m.def("verlet_forces_kick(Tensor(a!) velocities, Tensor(b!) forces, Tensor(c!) energy, Tensor grad, "
         "Tensor model_energy, Tensor inverse_masses, float kick, Tensor? pair_count=None, "
         "Tensor(d!)? pair_count_range=None) -> ()");
+  // The two above in one kernel, forces_kick's kick then kick_drift's with the same factor: the end
+  // of one step and the start of the next (mirage.ff.md between the steps of a replay).
+  m.def("verlet_forces_kick_drift(Tensor(a!) positions, Tensor(b!) velocities, Tensor(c!) forces, Tensor(d!) energy, "
+        "Tensor grad, Tensor model_energy, Tensor inverse_masses, float kick, float drift, ScalarType dtype=float, "
+        "Tensor? pair_count=None, Tensor(e!)? pair_count_range=None) -> Tensor");
 }

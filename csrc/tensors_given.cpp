@@ -74,6 +74,7 @@ TORCH_LIBRARY_IMPL(mirage, BackendSelect, m) {
   checked<&handles::painn_update_backward>(m, "painn_update_backward");
   checked<&handles::verlet_kick_drift>(m, "verlet_kick_drift");
   checked<&handles::verlet_forces_kick>(m, "verlet_forces_kick");
+  checked<&handles::verlet_forces_kick_drift>(m, "verlet_forces_kick_drift");
 }
 
 }  // namespace mirage

@@ -1,4 +1,4 @@
-// Velocity-Verlet updates: elementwise over the 3N coordinates. Each replaces three or four
+// Velocity-Verlet updates: elementwise over the 3N coordinates. Each replaces three to six
 // PyTorch kernels of an MD step (a couple of µs each in a CUDA graph, where a small molecule's
 // whole step is under 100 µs), and is launched overlapped with the model's kernels.
 #include <cstdint>
@@ -11,13 +11,14 @@ namespace {
 
 constexpr int kThreads = 128;
 
-enum class Step { kKickDrift, kForcesKick };
+// kForcesKickDrift: kForcesKick then kKickDrift, with the same kick.
+enum class Step { kKickDrift, kForcesKick, kForcesKickDrift };
 
 template <Step kStep, typename State, typename Model>
 __global__ void __launch_bounds__(kThreads) verlet_kernel(VerletParams p) {
   start_after_prior_grid();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if constexpr (kStep == Step::kForcesKick) {
+  if constexpr (kStep != Step::kKickDrift) {
     if (e == 0) {
       // Rounded once to the state's dtype (exact from float32 into float64), as the CPU's copy_.
       const double energy = p.model_energy_float64 ? *static_cast<const double*>(p.model_energy)
@@ -34,19 +35,24 @@ __global__ void __launch_bounds__(kThreads) verlet_kernel(VerletParams p) {
   State* v = static_cast<State*>(p.velocities);
   State* f = static_cast<State*>(p.forces);
   const State inverse_mass = static_cast<const State*>(p.inverse_masses)[e / 3];
+  const State kick = static_cast<State>(p.kick);
+  // A kick of 0 leaves v alone (no 0 * Inf), as the references do.
+  State velocity = v[e], force;
   if constexpr (kStep == Step::kKickDrift) {
-    // A kick of 0 leaves v alone (no 0 * Inf), as the references do.
-    const State velocity = p.kick != 0.0 ? v[e] + static_cast<State>(p.kick) * f[e] * inverse_mass : v[e];
+    force = f[e];
+  } else {
+    force = -static_cast<State>(static_cast<const Model*>(p.grad)[e]);
+    f[e] = force;
+    if (p.kick != 0.0) velocity = velocity + kick * force * inverse_mass;
+  }
+  if constexpr (kStep != Step::kForcesKick) {
+    if (p.kick != 0.0) velocity = velocity + kick * force * inverse_mass;
     State* x = static_cast<State*>(p.positions);
     const State position = x[e] + static_cast<State>(p.drift) * velocity;
-    v[e] = velocity;
     x[e] = position;
     static_cast<Model*>(p.model_positions)[e] = static_cast<Model>(position);
-  } else {
-    const State force = -static_cast<State>(static_cast<const Model*>(p.grad)[e]);
-    f[e] = force;
-    if (p.kick != 0.0) v[e] = v[e] + static_cast<State>(p.kick) * force * inverse_mass;
   }
+  v[e] = velocity;
 }
 
 template <Step kStep>
@@ -69,6 +75,10 @@ cudaError_t launch_verlet_kick_drift(const VerletParams& params, cudaStream_t st
 
 cudaError_t launch_verlet_forces_kick(const VerletParams& params, cudaStream_t stream) {
   return launch<Step::kForcesKick>(params, stream);
+}
+
+cudaError_t launch_verlet_forces_kick_drift(const VerletParams& params, cudaStream_t stream) {
+  return launch<Step::kForcesKickDrift>(params, stream);
 }
 
 }  // namespace mirage::cuda

@@ -1,5 +1,5 @@
-// mirage::verlet_kick_drift and mirage::verlet_forces_kick: checks, CPU references and Meta
-// kernels. The state is updated in place, so that an MD loop captured in a CUDA graph keeps it in
+// mirage::verlet_kick_drift, mirage::verlet_forces_kick and mirage::verlet_forces_kick_drift:
+// checks, CPU references and Meta kernels. The state is updated in place, so that an MD loop captured in a CUDA graph keeps it in
 // the same buffers from replay to replay (mirage.ff.md); each op is one kernel on the GPU where
 // the same steps in PyTorch ops take three to six.
 #include "verlet.h"
@@ -86,20 +86,16 @@ void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses,
 // The references: PyTorch ops in the state's dtype, as mirage.ff.md wrote the steps before. A kick
 // of 0 leaves the velocities alone (0 * Inf would make them NaN): mirage.ff.md takes its first
 // forces with one.
-at::Tensor verlet_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
-                                 const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
-  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+at::Tensor kick_drift(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
+                      const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
   if (kick != 0.0) velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
   positions.add_(velocities, drift);
   return positions.to(dtype, /*non_blocking=*/false, /*copy=*/true);
 }
 
-void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
-                            const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
-                            const std::optional<at::Tensor>& pair_count,
-                            const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
-                           pair_count_range);
+void forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
+                 const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
+                 const std::optional<at::Tensor>& pair_count, const std::optional<at::Tensor>& pair_count_range) {
   forces.copy_(grad.neg());
   energy.copy_(model_energy.reshape({}));
   if (kick != 0.0) velocities.addcmul_(forces, inverse_masses.reshape({-1, 1}), kick);
@@ -109,6 +105,32 @@ void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tens
     high.copy_(at::maximum(high, count));
     low.copy_(at::minimum(low, count));
   }
+}
+
+at::Tensor verlet_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
+                                 const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+  return kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
+}
+
+void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
+                            const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
+                            const std::optional<at::Tensor>& pair_count,
+                            const std::optional<at::Tensor>& pair_count_range) {
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+                           pair_count_range);
+  forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count, pair_count_range);
+}
+
+at::Tensor verlet_forces_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
+                                        at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
+                                        const at::Tensor& inverse_masses, double kick, double drift,
+                                        at::ScalarType dtype, const std::optional<at::Tensor>& pair_count,
+                                        const std::optional<at::Tensor>& pair_count_range) {
+  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, dtype,
+                                 pair_count, pair_count_range);
+  forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count, pair_count_range);
+  return kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
 }
 
 at::Tensor verlet_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
@@ -125,11 +147,20 @@ void verlet_forces_kick_meta(at::Tensor& velocities, at::Tensor& forces, at::Ten
                            pair_count_range);
 }
 
+at::Tensor verlet_forces_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
+                                         at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
+                                         const at::Tensor& inverse_masses, double, double, at::ScalarType dtype,
+                                         const std::optional<at::Tensor>& pair_count,
+                                         const std::optional<at::Tensor>& pair_count_range) {
+  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, dtype,
+                                 pair_count, pair_count_range);
+  return at::empty(positions.sizes(), positions.options().dtype(dtype));
+}
+
 }  // namespace
 
 void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
-                             const at::Tensor& inverse_masses, at::ScalarType dtype) {
-  constexpr std::string_view op = kVerletKickDrift;
+                             const at::Tensor& inverse_masses, at::ScalarType dtype, std::string_view op) {
   check_state(op, "positions", positions);
   check_like(op, "velocities", velocities, "positions'", positions, "[N, 3]", positions.sizes());
   check_contiguous(op, "velocities", velocities);
@@ -143,8 +174,7 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
 void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
                               const at::Tensor& grad, const at::Tensor& model_energy,
                               const at::Tensor& inverse_masses, const std::optional<at::Tensor>& pair_count,
-                              const std::optional<at::Tensor>& pair_count_range) {
-  constexpr std::string_view op = kVerletForcesKick;
+                              const std::optional<at::Tensor>& pair_count_range, std::string_view op) {
   check_state(op, "velocities", velocities);
   check_like(op, "forces", forces, "velocities'", velocities, "[N, 3]", velocities.sizes());
   check_contiguous(op, "forces", forces);
@@ -180,13 +210,31 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   check_apart(op, {{"pair_count_range", &*pair_count_range}}, {{"pair_count", &*pair_count}});
 }
 
+void check_verlet_forces_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
+                                    const at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
+                                    const at::Tensor& inverse_masses, at::ScalarType dtype,
+                                    const std::optional<at::Tensor>& pair_count,
+                                    const std::optional<at::Tensor>& pair_count_range) {
+  constexpr std::string_view op = kVerletForcesKickDrift;
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype, op);
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+                           pair_count_range, op);
+  // One kernel reads grad and writes the positions for the model: in the model's one dtype.
+  MIRAGE_CHECK(grad.scalar_type() == dtype, op, ": grad must have dtype's dtype (the model's, ", dtype, "), got ",
+               grad.scalar_type());
+  check_apart(op, {{"positions", &positions}},
+              {{"energy", &energy}, {"grad", &grad}, {"model_energy", &model_energy}});
+}
+
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {
   m.impl("verlet_kick_drift", &verlet_kick_drift_cpu);
   m.impl("verlet_forces_kick", &verlet_forces_kick_cpu);
+  m.impl("verlet_forces_kick_drift", &verlet_forces_kick_drift_cpu);
 }
 TORCH_LIBRARY_IMPL(mirage, Meta, m) {
   m.impl("verlet_kick_drift", &verlet_kick_drift_meta);
   m.impl("verlet_forces_kick", &verlet_forces_kick_meta);
+  m.impl("verlet_forces_kick_drift", &verlet_forces_kick_drift_meta);
 }
 
 }  // namespace mirage::ops

@@ -2,12 +2,12 @@
 
 Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), accumulates in
 float32 (float64 on the CPU reference), returns new tensors (but the MD state updates
-``verlet_kick_drift`` and ``verlet_forces_kick``, which work in place), and raises
+``verlet_kick_drift``, ``verlet_forces_kick`` and ``verlet_forces_kick_drift``, which work in place), and raises
 ``RuntimeError`` naming the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
 (float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` (and its
-``schnet_energy_prepare``) and ``painn_energy`` take float32 (float64 too on the CPU), and the MD state updates ``verlet_kick_drift`` and
-``verlet_forces_kick`` take float32 or float64 on every device and compute in the state's dtype; ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
+``schnet_energy_prepare``) and ``painn_energy`` take float32 (float64 too on the CPU), and the MD state updates (``verlet_*``)
+take float32 or float64 on every device and compute in the state's dtype; ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
 ``cfconv`` and ``radial_cfconv`` run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
 """
 
@@ -944,6 +944,33 @@ def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad:
     """
     torch.ops.mirage.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick,
                                         pair_count, pair_count_range)
+
+
+@_tensors_required
+def verlet_forces_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, energy: Tensor, grad: Tensor,
+                             model_energy: Tensor, inverse_masses: Tensor, kick: float, drift: float,
+                             dtype: torch.dtype = torch.float32, pair_count: Optional[Tensor] = None,
+                             pair_count_range: Optional[Tensor] = None) -> Tensor:
+    """:func:`verlet_forces_kick` then :func:`verlet_kick_drift` with the same ``kick``, in one
+    kernel: the end of one velocity-Verlet step and the start of the next (``mirage.ff.md``
+    between the steps of a replay, ``kick = dt / 2``: one kernel a step fewer)::
+
+        forces      = -grad
+        energy      = model_energy
+        velocities += kick * forces * inverse_masses      (the force call's half kick)
+        velocities += kick * forces * inverse_masses      (the next step's)
+        positions  += drift * velocities
+        pair_count_range as verlet_forces_kick folds it
+
+    Args: as the two ops take them; ``grad`` must be in ``dtype`` (the model's: the one kernel
+    reads it and writes the returned positions), and ``positions`` may share no memory with the
+    other tensors.
+
+    Returns:
+        The updated positions as a new ``(N, 3)`` tensor in ``dtype``. Not differentiable.
+    """
+    return torch.ops.mirage.verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy,
+                                                     inverse_masses, kick, drift, dtype, pair_count, pair_count_range)
 
 
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at

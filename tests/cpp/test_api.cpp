@@ -181,6 +181,12 @@ TEST_CASE("an undefined tensor for an optional argument is the same as none", "[
   at::Tensor velocities = at::zeros({6, 3}), forces = at::zeros({6, 3}), energy = at::zeros({});
   mirage::verlet_forces_kick(velocities, forces, energy, at::ones({6, 3}), at::ones({}), at::ones({6}), 0.5, none, none);
   require_close(velocities, at::full({6, 3}, -0.5), 0.0);
+  // Both kicks (-0.5 each from -0.5), then a drift of 2 from the origin: -3.
+  at::Tensor state_positions = at::zeros({6, 3});
+  const at::Tensor moved = mirage::verlet_forces_kick_drift(state_positions, velocities, forces, energy, at::ones({6, 3}),
+                                                            at::ones({}), at::ones({6}), 0.5, 2.0);
+  require_close(velocities, at::full({6, 3}, -1.5), 0.0);
+  require_close(moved, at::full({6, 3}, -3.0), 0.0);
 }
 
 // A string where neighbor_list's `half` goes would convert to true without a word: the API refuses

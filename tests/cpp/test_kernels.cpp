@@ -1271,7 +1271,8 @@ TEST_CASE("launch_subpixel_shuffle matches the host reference", "[subpixel_shuff
 }
 
 // Velocity-Verlet updates, float32 state and model: a kick and drift, then the forces taken in.
-TEST_CASE("launch_verlet_kick_drift and launch_verlet_forces_kick match the host reference", "[verlet]") {
+TEST_CASE("launch_verlet_kick_drift, launch_verlet_forces_kick and launch_verlet_forces_kick_drift match the host "
+          "reference", "[verlet]") {
   if (!have_gpu()) MIRAGE_SKIP("no CUDA device");
   for (const int64_t atoms : {1, 7, 300}) {
     INFO("atoms=" << atoms);
@@ -1333,6 +1334,24 @@ TEST_CASE("launch_verlet_kick_drift and launch_verlet_forces_kick match the host
     require_close(drange.read(), {75.0, 57.0}, 0, 0);
     require_close(denergy.read(), {e[0]}, 0, 0);
     require_close(dv.read(), std::vector<double>(v.begin(), v.end()), 0, 0);
+
+    // Both in one kernel: the forces taken in with a kick, the same kick again, then the drift.
+    x = dx.read();
+    v = dv.read();
+    p.kick = 0.25;
+    p.model_energy = de.ptr;
+    p.model_energy_float64 = false;
+    REQUIRE(mc::launch_verlet_forces_kick_drift(p, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    for (int64_t k = 0; k < 3 * atoms; ++k) {
+      want_v[k] = v[k] + 2 * (0.25 * want_f[k] * inverse[k / 3]);
+      want_x[k] = x[k] + 0.5 * want_v[k];
+    }
+    require_close(df.read(), want_f, 0, 0);
+    require_close(dv.read(), want_v, 1e-6, 1e-6);
+    require_close(dx.read(), want_x, 1e-6, 1e-6);
+    require_close(dout.read(), want_x, 1e-6, 1e-6);
+    require_close(denergy.read(), {e[0]}, 0, 0);
   }
 }
 

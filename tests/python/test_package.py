@@ -20,7 +20,7 @@ OPS = ["add_layer_norm", "bias_act", "cfconv", "cfconv_backward", "geglu", "grou
        "radial_basis", "radial_basis_backward", "radial_cfconv", "radial_cfconv_backward", "schnet_energy",
        "schnet_energy_prepare",
        "sender_order", "subpixel_shuffle", "vector_message_passing", "vector_message_passing_backward",
-       "verlet_forces_kick", "verlet_kick_drift"]
+       "verlet_forces_kick", "verlet_forces_kick_drift", "verlet_kick_drift"]
 
 
 def test_info_lists_build_and_ops():

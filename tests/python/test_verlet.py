@@ -1,5 +1,6 @@
-"""mirage::verlet_kick_drift and mirage::verlet_forces_kick against the velocity-Verlet steps
-written in PyTorch (what mirage.ff.md ran before), in float64."""
+"""mirage::verlet_kick_drift, mirage::verlet_forces_kick and mirage::verlet_forces_kick_drift
+(the two in one kernel) against the velocity-Verlet steps written in PyTorch (what mirage.ff.md
+ran before), in float64."""
 
 import pytest
 import torch
@@ -68,6 +69,37 @@ def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms, ma
     assert torch.equal(energy, model_energy.reshape(()).to(state_dtype))
     assert_state_close(velocities, want_velocities, state_dtype)
     assert_state_close(forces, want_forces, state_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("atoms", [1, 7, 769])
+@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+def test_forces_kick_drift_is_forces_kick_then_kick_drift(device, state_dtype, model_dtype, atoms, masses_shape):
+    positions, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
+    grad = randn(atoms, 3, dtype=model_dtype, device=device)
+    model_energy = randn(1, dtype=model_dtype, device=device)
+    energy = torch.full((), float("nan"), dtype=state_dtype, device=device)
+    forces.fill_(float("nan"))  # written, never read
+    count_range = torch.tensor([5, 9], device=device)
+    two = [t.clone() for t in (positions, velocities, forces, energy, count_range)]
+    mirage.ops.verlet_forces_kick(two[1], two[2], two[3], grad, model_energy, inverse_masses, 0.125,
+                                  torch.tensor([11], device=device), two[4])
+    two_out = mirage.ops.verlet_kick_drift(two[0], two[1], two[2], inverse_masses, 0.125, 0.25, model_dtype)
+    want_forces, want_velocities = forces_kick_reference(velocities, grad, inverse_masses, 0.125)
+    want_positions, want_velocities = kick_drift_reference(positions, want_velocities, want_forces, inverse_masses,
+                                                           0.125, 0.25)
+    out = mirage.ops.verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy,
+                                              inverse_masses, 0.125, 0.25, model_dtype,
+                                              torch.tensor([11], device=device), count_range)
+    assert torch.equal(forces, -grad.to(state_dtype)) and torch.equal(forces, two[2])
+    assert torch.equal(energy, model_energy.reshape(()).to(state_dtype))
+    assert count_range.tolist() == [11, 9] == two[4].tolist()
+    for got, two_ops, want in ((positions, two[0], want_positions), (velocities, two[1], want_velocities)):
+        assert_state_close(got, want, state_dtype)
+        assert_state_close(got, two_ops.double(), state_dtype)
+    assert out.dtype == model_dtype and out.shape == (atoms, 3) and torch.equal(out, positions.to(model_dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -193,6 +225,11 @@ def test_opcheck(device, state_dtype, model_dtype, masses_shape):
                           (velocities, forces, energy, randn(7, 3, dtype=model_dtype, device=device),
                            randn(1, dtype=model_dtype, device=device), inverse_masses, 0.5,
                            torch.tensor([42], device=device), torch.tensor([0, 2**62], device=device)))
+    for counting in ((), (torch.tensor([42], device=device), torch.tensor([0, 2**62], device=device))):
+        torch.library.opcheck(torch.ops.mirage.verlet_forces_kick_drift,
+                              (positions, velocities, forces, energy, randn(7, 3, dtype=model_dtype, device=device),
+                               randn(1, dtype=model_dtype, device=device), inverse_masses, 0.5, 1.0, model_dtype,
+                               *counting))
 
 
 def md_steps(positions, velocities, forces, energy, inverse_masses, steps):
@@ -200,6 +237,28 @@ def md_steps(positions, velocities, forces, energy, inverse_masses, steps):
     for _ in range(steps):
         x = mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.05, 0.1)
         mirage.ops.verlet_forces_kick(velocities, forces, energy, x, 0.5 * (x * x).sum(), inverse_masses, 0.05)
+
+
+def md_steps_joined(positions, velocities, forces, energy, inverse_masses, steps):
+    """md_steps with each step's end and the next's start in one op, as mirage.ff.md runs them."""
+    x = mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.05, 0.1)
+    for _ in range(steps - 1):
+        x = mirage.ops.verlet_forces_kick_drift(positions, velocities, forces, energy, x, 0.5 * (x * x).sum(),
+                                                inverse_masses, 0.05, 0.1)
+    mirage.ops.verlet_forces_kick(velocities, forces, energy, x, 0.5 * (x * x).sum(), inverse_masses, 0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_joined_steps_match_the_separate_ones(device, compiled):
+    state = make_state(9, torch.float64, device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    separate = [t.clone() for t in state[:3]] + [energy.clone()]
+    md_steps(*separate, state[3], 4)
+    (torch.compile(md_steps_joined, fullgraph=True) if compiled else md_steps_joined)(*state[:3], energy, state[3], 4)
+    for got, want in zip(state[:3], separate):
+        assert_state_close(got, want, torch.float64)
+    torch.testing.assert_close(energy, separate[3], **tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -301,6 +360,37 @@ FORCES_KICK_ERRORS = [
 ]
 
 
+def forces_kick_drift_call(**changes):
+    def call(device):
+        positions, velocities, forces, inverse_masses = make_state(4, torch.float64, device)
+        args = dict(positions=positions, velocities=velocities, forces=forces,
+                    energy=torch.zeros((), dtype=torch.float64, device=device), grad=randn(4, 3, device=device),
+                    model_energy=randn(1, device=device), inverse_masses=inverse_masses, kick=0.5, drift=1.0,
+                    dtype=torch.float32)
+        args.update({k: (v(device) if callable(v) else v) for k, v in changes.items()})
+        return torch.ops.mirage.verlet_forces_kick_drift(**args)
+    return call
+
+
+# What the joined op checks beyond the two ops' checks (which it runs under its own name: a sample of each).
+FORCES_KICK_DRIFT_ERRORS = [
+    (dict(positions=lambda d: torch.zeros(4, 2, dtype=torch.float64, device=d)), "positions must be [N, 3]"),
+    (dict(forces=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "forces must be contiguous"),
+    (dict(energy=lambda d: torch.zeros(1, dtype=torch.float64, device=d)), "energy must have shape []"),
+    (dict(dtype=torch.float16), "dtype must be float32 or float64"),
+    (dict(pair_count=lambda d: torch.tensor([3], device=d)),
+     "pair_count and pair_count_range must both be given or both be None"),
+    (dict(grad=lambda d: torch.zeros(4, 3, dtype=torch.float64, device=d)),
+     "grad must have dtype's dtype (the model's, Float), got Double"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("changes,message", FORCES_KICK_DRIFT_ERRORS)
+def test_forces_kick_drift_bad_input(device, changes, message):
+    assert_error(forces_kick_drift_call(**changes), device, "mirage::verlet_forces_kick_drift: " + message)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("changes,message", KICK_DRIFT_ERRORS)
 def test_kick_drift_bad_input(device, changes, message):
@@ -349,6 +439,14 @@ def shared(device):
         torch.ones(3, 3, dtype=torch.float64, device=d), torch.zeros((), device=d), v[:, 0], 1.0))(
         torch.arange(1.0, 10.0, dtype=torch.float64, device=d).reshape(3, 3)),
      "mirage::verlet_forces_kick: velocities (updated in place) must not share memory with inverse_masses"),
+    (lambda d: (lambda b: forces_kick_drift_call(positions=b[:4], grad=b[2:6].float())(d))(shared(d)), None),
+    (lambda d: (lambda b: forces_kick_drift_call(positions=b[:4], velocities=b[5:9], dtype=torch.float64,
+                                                 grad=b[1:5])(d))(shared(d)),
+     "mirage::verlet_forces_kick_drift: positions (updated in place) must not share memory with grad"),
+    (lambda d: (lambda b: forces_kick_drift_call(positions=b[:4], forces=b[3:7])(d))(shared(d)),
+     "mirage::verlet_forces_kick_drift: positions (updated in place) must not share memory with forces"),
+    (lambda d: (lambda b: forces_kick_drift_call(positions=b[:4], energy=b[1, 1])(d))(shared(d)),
+     "mirage::verlet_forces_kick_drift: positions (updated in place) must not share memory with energy"),
 ])
 def test_state_sharing_memory_is_refused(device, call, message):
     if message is None:

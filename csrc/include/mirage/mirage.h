@@ -174,4 +174,13 @@ void verlet_forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& 
                         const std::optional<at::Tensor>& pair_count = std::nullopt,
                         const std::optional<at::Tensor>& pair_count_range = std::nullopt);
 
+// verlet_forces_kick, then verlet_kick_drift with the same kick, in one kernel (the end of one
+// step and the start of the next); grad must be in `dtype`. Returns the new positions in `dtype`.
+at::Tensor verlet_forces_kick_drift(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
+                                    at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
+                                    const at::Tensor& inverse_masses, double kick, double drift,
+                                    at::ScalarType dtype = at::kFloat,
+                                    const std::optional<at::Tensor>& pair_count = std::nullopt,
+                                    const std::optional<at::Tensor>& pair_count_range = std::nullopt);
+
 }  // namespace mirage

@@ -256,31 +256,47 @@ class VelocityVerlet:
             state["pair_counts"] = torch.zeros(2, dtype=torch.int64, device=self.device)  # [max, min] of a replay
         return state
 
-    def _forces(self, state: Dict[str, Tensor], model_positions: Tensor, kick: float) -> None:
-        """One force evaluation at ``model_positions`` into ``state`` (in place), then a kick of
-        the velocities by ``kick`` (a time); folds the pair count into its range."""
+    def _evaluate(self, state: Dict[str, Tensor], model_positions: Tensor) -> Tuple[Tensor, Tensor]:
+        """The model's (energy, gradient) at ``model_positions``, for a verlet op to take in."""
         energy, (grad,) = energy_and_gradients(self.model, state["numbers"], model_positions, state.get("cell"),
                                                state.get("pbc"), precision=self.precision, who=_WHO)
-        counting = (self._counted.num_pairs, state["pair_counts"]) if self._counting else (None, None)
+        return energy, grad
+
+    def _pair_counting(self, state: Dict[str, Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """The verlet ops' pair_count and pair_count_range: the model's count folded into the range."""
+        return (self._counted.num_pairs, state["pair_counts"]) if self._counting else (None, None)
+
+    def _take_in(self, state: Dict[str, Tensor], evaluated: Tuple[Tensor, Tensor], kick: float) -> None:
+        """A force evaluation's (energy, gradient) into ``state`` (in place), then a kick of the
+        velocities by ``kick`` (a time); folds the pair count into its range."""
+        energy, grad = evaluated
         ops.verlet_forces_kick(state["velocities"], state["forces"], state["energy"], grad, energy,
-                               state["inverse_masses"], kick, *counting)
+                               state["inverse_masses"], kick, *self._pair_counting(state))
 
     def _advance(self, state: Dict[str, Tensor], steps: int) -> Dict[str, Tensor]:
         """``steps`` steps in place on ``state`` (what one graph records); returns ``state``.
 
-        Each step is a half kick and a drift (one kernel), the forces, then the forces taken in and
-        a half kick (one kernel); with the thermostat, BAOAB: the drift is split in two around the
-        O step (three kernels of ours)."""
+        Each step is a half kick and a drift, the forces, then the forces taken in and a half kick;
+        between two steps the one's end and the next's start are one kernel
+        (``verlet_forces_kick_drift``), so a step is one kernel of ours besides the model's. With
+        the thermostat, BAOAB: the drift is split in two around the O step (two more kernels of
+        ours and the O step's)."""
         if self._counting:
             state["pair_counts"][0].fill_(0)
             state["pair_counts"][1].fill_(_NO_PAIRS)
         x, v, f, inverse_masses = state["positions"], state["velocities"], state["forces"], state["inverse_masses"]
         dt = self.timestep
+        drift = dt if self.thermostat is None else 0.5 * dt  # up to the O step, with the thermostat
+        evaluated = None  # the last step's (energy, gradient), taken in at the start of the next
         for _ in range(steps):
-            if self.thermostat is None:
-                model_positions = ops.verlet_kick_drift(x, v, f, inverse_masses, 0.5 * dt, dt, self.dtype)
+            if evaluated is None:
+                model_positions = ops.verlet_kick_drift(x, v, f, inverse_masses, 0.5 * dt, drift, self.dtype)
             else:
-                ops.verlet_kick_drift(x, v, f, inverse_masses, 0.5 * dt, 0.5 * dt, self.dtype)
+                energy, grad = evaluated
+                model_positions = ops.verlet_forces_kick_drift(x, v, f, state["energy"], grad, energy, inverse_masses,
+                                                               0.5 * dt, drift, self.dtype,
+                                                               *self._pair_counting(state))
+            if self.thermostat is not None:
                 c1 = math.exp(-self.thermostat.friction * dt)
                 if self._fix_com:
                     # The O step's change of v (noise, friction) minus its mass-weighted mean:
@@ -290,7 +306,9 @@ class VelocityVerlet:
                 else:
                     v.mul_(c1).addcmul_(torch.randn_like(v), state["noise_scales"])
                 model_positions = ops.verlet_kick_drift(x, v, f, inverse_masses, 0.0, 0.5 * dt, self.dtype)
-            self._forces(state, model_positions, 0.5 * dt)
+            evaluated = self._evaluate(state, model_positions)
+        if evaluated is not None:
+            self._take_in(state, evaluated, 0.5 * dt)
         return state
 
     def _grow_if_needed(self, counts: Tensor) -> bool:
@@ -314,7 +332,7 @@ class VelocityVerlet:
                 self._state["pair_counts"][0].fill_(0)
                 self._state["pair_counts"][1].fill_(_NO_PAIRS)
             with torch.no_grad(), matmul_precision(self.precision):
-                self._forces(self._state, self._state["positions"].to(self.dtype), 0.0)
+                self._take_in(self._state, self._evaluate(self._state, self._state["positions"].to(self.dtype)), 0.0)
             if not self._counting or not self._grow_if_needed(self._state["pair_counts"]):
                 return
         raise RuntimeError(f"{_WHO}: the model's neighbor list still overflows after {capacity.MAX_GROWS} grows")
