@@ -123,6 +123,12 @@ __device__ __forceinline__ void linear_tile(int first, int rows, RowOf row_of, c
 // cluster barriers before f2out's first product and the backward's in2f, and during the pair
 // listing before the first product: seven of SchNet's 21 products read from shared memory) were
 // slower too: 49.8 -> 57.5 us (H200, 2026-11-29 15:35, prepared weights, A/B on one machine).
+// Nor is it the bytes: the weights read as bfloat16 (half of them; a timing probe) made SchNet's
+// and PaiNN's kernels slower, not faster. Nsight Compute counts ~9k instructions a warp in SchNet's
+// kernel, 10.5 cycles each, of which FFMA is a seventh in PaiNN's; the predicated loads cost five
+// instructions each. A third loop without predicates (inputs a multiple of 128) took PaiNN 3%
+// faster and SchNet 4% slower, its code 175 -> 219 KB (2026-11-29 17:41-17:58; docs/perf/
+// forcefield.md, "The Verlet kernels joined").
 template <bool kVector, class RowOf, class Store>
 __device__ __forceinline__ void linear_rows(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                             const float* w, const float* bias, int outs, Store store) {
