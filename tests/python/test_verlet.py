@@ -30,17 +30,22 @@ def make_state(atoms, dtype, device, masses_shape="column"):
     return positions, velocities, forces, inverse_masses
 
 
+def every_state(test):
+    """Parametrizes a test over devices, state and model dtypes, sizes and inverse-mass shapes."""
+    for name, values in reversed([("device", DEVICES), ("state_dtype", [torch.float64, torch.float32]),
+                                  ("model_dtype", [torch.float32, torch.float64]), ("atoms", [1, 7, 769]),
+                                  ("masses_shape", ["column", "flat"])]):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
 def assert_state_close(got, want, dtype):
     """One rounding of the state's dtype on values of the reference's size (a sum of two terms)."""
     assert got.dtype == dtype
     torch.testing.assert_close(got.double().cpu(), want.cpu(), **tolerance(dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("atoms", [1, 7, 769])
-@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+@every_state
 def test_kick_drift_matches_pytorch(device, state_dtype, model_dtype, atoms, masses_shape):
     positions, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
     want_positions, want_velocities = kick_drift_reference(positions, velocities, forces, inverse_masses, 0.25, 0.5)
@@ -52,11 +57,7 @@ def test_kick_drift_matches_pytorch(device, state_dtype, model_dtype, atoms, mas
     assert torch.equal(out, positions.to(model_dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("atoms", [1, 7, 769])
-@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+@every_state
 def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms, masses_shape):
     _, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
     grad = randn(atoms, 3, dtype=model_dtype, device=device)
@@ -71,11 +72,7 @@ def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms, ma
     assert_state_close(forces, want_forces, state_dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("atoms", [1, 7, 769])
-@pytest.mark.parametrize("masses_shape", ["column", "flat"])
+@every_state
 def test_forces_kick_drift_is_forces_kick_then_kick_drift(device, state_dtype, model_dtype, atoms, masses_shape):
     positions, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
     grad = randn(atoms, 3, dtype=model_dtype, device=device)
