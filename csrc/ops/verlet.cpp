@@ -207,7 +207,12 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   MIRAGE_CHECK(pair_count_range->dim() == 1 && pair_count_range->size(0) == 2, op,
                ": pair_count_range must be [2] ([max, min], updated in place), got ", pair_count_range->sizes());
   check_contiguous(op, "pair_count_range", *pair_count_range);
-  check_apart(op, {{"pair_count_range", &*pair_count_range}}, {{"pair_count", &*pair_count}});
+  // One thread folds the count while the others update the state: none may overlap.
+  check_apart(op, {{"velocities", &velocities}, {"forces", &forces}, {"energy", &energy},
+                   {"pair_count_range", &*pair_count_range}},
+              {{"pair_count", &*pair_count}});
+  check_apart(op, {{"pair_count_range", &*pair_count_range}},
+              {{"grad", &grad}, {"model_energy", &model_energy}, {"inverse_masses", &inverse_masses}});
 }
 
 void check_verlet_forces_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
@@ -224,6 +229,9 @@ void check_verlet_forces_kick_drift(const at::Tensor& positions, const at::Tenso
                grad.scalar_type());
   check_apart(op, {{"positions", &positions}},
               {{"energy", &energy}, {"grad", &grad}, {"model_energy", &model_energy}});
+  if (present(pair_count))
+    check_apart(op, {{"positions", &positions}},
+                {{"pair_count", &*pair_count}, {"pair_count_range", &*pair_count_range}});
 }
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {

@@ -1335,12 +1335,16 @@ TEST_CASE("launch_verlet_kick_drift, launch_verlet_forces_kick and launch_verlet
     require_close(denergy.read(), {e[0]}, 0, 0);
     require_close(dv.read(), std::vector<double>(v.begin(), v.end()), 0, 0);
 
-    // Both in one kernel: the forces taken in with a kick, the same kick again, then the drift.
+    // Both in one kernel: the forces taken in with a kick, the same kick again, then the drift
+    // (and a count below the minimum folded in).
     x = dx.read();
     v = dv.read();
     p.kick = 0.25;
     p.model_energy = de.ptr;
     p.model_energy_float64 = false;
+    std::vector<float> fewer = {40.0f};
+    Device<int64_t> dfewer(fewer);
+    p.pair_count = dfewer.ptr;
     REQUIRE(mc::launch_verlet_forces_kick_drift(p, nullptr) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     for (int64_t k = 0; k < 3 * atoms; ++k) {
@@ -1352,6 +1356,7 @@ TEST_CASE("launch_verlet_kick_drift, launch_verlet_forces_kick and launch_verlet
     require_close(dx.read(), want_x, 1e-6, 1e-6);
     require_close(dout.read(), want_x, 1e-6, 1e-6);
     require_close(denergy.read(), {e[0]}, 0, 0);
+    require_close(drange.read(), {75.0, 40.0}, 0, 0);
   }
 }
 

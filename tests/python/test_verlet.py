@@ -79,7 +79,7 @@ def test_forces_kick_drift_is_forces_kick_then_kick_drift(device, state_dtype, m
     model_energy = randn(1, dtype=model_dtype, device=device)
     energy = torch.full((), float("nan"), dtype=state_dtype, device=device)
     forces.fill_(float("nan"))  # written, never read
-    count_range = torch.tensor([5, 9], device=device)
+    count_range = torch.tensor([0, 2**62], device=device)  # as mirage.ff.md starts a replay: both move
     two = [t.clone() for t in (positions, velocities, forces, energy, count_range)]
     mirage.ops.verlet_forces_kick(two[1], two[2], two[3], grad, model_energy, inverse_masses, 0.125,
                                   torch.tensor([11], device=device), two[4])
@@ -92,7 +92,7 @@ def test_forces_kick_drift_is_forces_kick_then_kick_drift(device, state_dtype, m
                                               torch.tensor([11], device=device), count_range)
     assert torch.equal(forces, -grad.to(state_dtype)) and torch.equal(forces, two[2])
     assert torch.equal(energy, model_energy.reshape(()).to(state_dtype))
-    assert count_range.tolist() == [11, 9] == two[4].tolist()
+    assert count_range.tolist() == [11, 11] == two[4].tolist()
     for got, two_ops, want in ((positions, two[0], want_positions), (velocities, two[1], want_velocities)):
         assert_state_close(got, want, state_dtype)
         assert_state_close(got, two_ops.double(), state_dtype)
@@ -113,6 +113,16 @@ def test_strided_read_only_inputs(device):
     mirage.ops.verlet_forces_kick(velocities, forces, energy, strided(grad), randn(1, 1, device=device)[:, 0],
                                   inverse_masses, 0.5)
     assert torch.equal(forces, -grad.double())
+    assert_state_close(velocities, want_velocities, torch.float64)
+    grad = randn(33, 3, dtype=torch.float64, device=device)
+    want_forces, want_velocities = forces_kick_reference(velocities, grad, inverse_masses, 0.5)
+    want_positions, want_velocities = kick_drift_reference(positions, want_velocities, want_forces, inverse_masses,
+                                                           0.5, 1.0)
+    mirage.ops.verlet_forces_kick_drift(positions, velocities, forces, energy, strided(grad),
+                                        randn(1, 1, device=device)[:, 0], strided(inverse_masses.reshape(-1)), 0.5,
+                                        1.0, torch.float64)
+    assert torch.equal(forces, -grad)
+    assert_state_close(positions, want_positions, torch.float64)
     assert_state_close(velocities, want_velocities, torch.float64)
 
 
@@ -143,6 +153,12 @@ def test_a_kick_of_zero_leaves_the_velocities(device):
     mirage.ops.verlet_forces_kick(velocities, forces, torch.zeros((), dtype=torch.float64, device=device), grad,
                                   randn(1, device=device), inverse_masses, 0.0)
     assert torch.equal(velocities, before) and forces[0, 0] == float("inf")
+    want_positions = positions + 0.5 * before
+    mirage.ops.verlet_forces_kick_drift(positions, velocities, forces,
+                                        torch.zeros((), dtype=torch.float64, device=device), grad,
+                                        randn(1, device=device), inverse_masses, 0.0, 0.5)
+    assert torch.equal(velocities, before) and forces[0, 0] == float("inf")
+    torch.testing.assert_close(positions, want_positions, **tolerance(torch.float64))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,6 +170,10 @@ def test_reduced_precision_model_energy_is_taken(device):
     mirage.ops.verlet_forces_kick(velocities, forces, energy, randn(4, 3, device=device), model_energy,
                                   inverse_masses, 0.5)
     assert energy.item() == -3.125
+    positions = randn(4, 3, dtype=torch.float64, device=device)
+    mirage.ops.verlet_forces_kick_drift(positions, velocities, forces, energy, randn(4, 3, device=device),
+                                        model_energy * 2, inverse_masses, 0.5, 1.0)
+    assert energy.item() == -6.25
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -165,6 +185,9 @@ def test_no_atoms(device):
     mirage.ops.verlet_forces_kick(velocities, forces, energy, torch.empty(0, 3, device=device),
                                   torch.tensor([2.5], device=device), inverse_masses, 0.5)
     assert energy.item() == 2.5
+    out = mirage.ops.verlet_forces_kick_drift(positions, velocities, forces, energy, torch.empty(0, 3, device=device),
+                                              torch.tensor([3.5], device=device), inverse_masses, 0.5, 1.0)
+    assert energy.item() == 3.5 and out.shape == (0, 3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,6 +203,11 @@ def test_nan_propagates(device):
     mirage.ops.verlet_forces_kick(velocities, forces, energy, grad, torch.tensor(float("nan"), device=device),
                                   inverse_masses, 0.5)
     assert forces[4, 0] == float("-inf") and torch.isinf(velocities[4, 0]) and torch.isnan(energy)
+    grad[4, 0] = float("nan")
+    out = mirage.ops.verlet_forces_kick_drift(positions, velocities, forces, energy, grad, randn(1, device=device),
+                                              inverse_masses, 0.5, 1.0)
+    assert torch.isnan(forces[4, 0]) and torch.isnan(velocities[4, 0]) and torch.isnan(out[4, 0])
+    assert torch.isfinite(out[[0, 1, 3]]).all() and torch.isfinite(energy)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -273,16 +301,17 @@ def test_compiled_steps_match_eager(device):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replays_advance_the_state():
+@pytest.mark.parametrize("steps_of", [md_steps, md_steps_joined])
+def test_cuda_graph_replays_advance_the_state(steps_of):
     """Each replay advances the captured buffers from where the last left them, as eager steps do."""
     positions, velocities, forces, inverse_masses = make_state(12, torch.float64, "cuda")
     energy = torch.zeros((), dtype=torch.float64, device="cuda")
     state = (positions, velocities, forces, energy)
-    graph, _ = capture_graph(lambda: md_steps(*state, inverse_masses, 2))
+    graph, _ = capture_graph(lambda: steps_of(*state, inverse_masses, 2))
     eager = [t.clone() for t in state]  # where the warm-up calls left the state (capturing runs nothing)
     for _ in range(3):
         graph.replay()
-        md_steps(*eager, inverse_masses, 2)
+        steps_of(*eager, inverse_masses, 2)
     torch.cuda.synchronize()
     for got, want in zip(state, eager):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
@@ -444,6 +473,19 @@ def shared(device):
      "mirage::verlet_forces_kick_drift: positions (updated in place) must not share memory with forces"),
     (lambda d: (lambda b: forces_kick_drift_call(positions=b[:4], energy=b[1, 1])(d))(shared(d)),
      "mirage::verlet_forces_kick_drift: positions (updated in place) must not share memory with energy"),
+    # The pair count's range in the state's memory (an int64 view of it): one thread would fold the
+    # count into it while the others update the state.
+    (lambda d: (lambda b: forces_kick_drift_call(positions=b[:4], pair_count=torch.tensor([3], device=d),
+                                                 pair_count_range=b[:1].view(-1).view(torch.int64)[:2])(d))(
+        shared(d)), "mirage::verlet_forces_kick_drift: positions (updated in place) must not share memory with "
+                    "pair_count_range"),
+    (lambda d: (lambda b: forces_kick_call(velocities=lambda _: b[:4], pair_count=lambda _: b[2:4].view(-1).view(
+        torch.int64)[:1], pair_count_range=lambda _: torch.tensor([0, 9], device=d))(d))(shared(d)),
+     "mirage::verlet_forces_kick: velocities (updated in place) must not share memory with pair_count"),
+    (lambda d: (lambda b: forces_kick_call(forces=lambda _: b[5:9], grad=lambda _: b[:4],
+                                           pair_count=lambda _: torch.tensor([3], device=d),
+                                           pair_count_range=lambda _: b[:1].view(-1).view(torch.int64)[:2])(d))(
+        shared(d)), "mirage::verlet_forces_kick: pair_count_range (updated in place) must not share memory with grad"),
 ])
 def test_state_sharing_memory_is_refused(device, call, message):
     if message is None:
@@ -474,3 +516,7 @@ def test_inputs_on_another_device_are_refused():
     assert_error(forces_kick_call(pair_count=lambda d: torch.tensor([3], device=d),
                                   pair_count_range=lambda d: torch.tensor([0, 9])), "cuda",
                  "mirage::verlet_forces_kick: pair_count_range must be on velocities' device")
+    assert_error(forces_kick_drift_call(grad=lambda d: torch.zeros(4, 3)), "cuda",
+                 "mirage::verlet_forces_kick_drift: grad must be on velocities' device")
+    assert_error(forces_kick_drift_call(forces=lambda d: torch.zeros(4, 3, dtype=torch.float64)), "cuda",
+                 "mirage::verlet_forces_kick_drift: forces must be on positions' device")

@@ -279,8 +279,8 @@ class VelocityVerlet:
         Each step is a half kick and a drift, the forces, then the forces taken in and a half kick;
         between two steps the one's end and the next's start are one kernel
         (``verlet_forces_kick_drift``), so a step is one kernel of ours besides the model's. With
-        the thermostat, BAOAB: the drift is split in two around the O step (two more kernels of
-        ours and the O step's)."""
+        the thermostat, BAOAB: the drift is split in two around the O step (one more kernel of
+        ours, and the O step's own)."""
         if self._counting:
             state["pair_counts"][0].fill_(0)
             state["pair_counts"][1].fill_(_NO_PAIRS)
