@@ -30,6 +30,15 @@ def make_state(atoms, dtype, device, masses_shape="column"):
     return positions, velocities, forces, inverse_masses
 
 
+def force_call(forces, model_dtype):
+    """A force call's (grad, model_energy) in model_dtype and an energy slot in the state's dtype;
+    forces and the energy slot are NaN, as they are written, never read."""
+    grad = randn(*forces.shape, dtype=model_dtype, device=forces.device)
+    model_energy = randn(1, dtype=model_dtype, device=forces.device)
+    forces.fill_(float("nan"))
+    return grad, model_energy, torch.full((), float("nan"), dtype=forces.dtype, device=forces.device)
+
+
 def every_state(test):
     """Parametrizes a test over devices, state and model dtypes, sizes and inverse-mass shapes."""
     for name, values in reversed([("device", DEVICES), ("state_dtype", [torch.float64, torch.float32]),
@@ -60,10 +69,7 @@ def test_kick_drift_matches_pytorch(device, state_dtype, model_dtype, atoms, mas
 @every_state
 def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms, masses_shape):
     _, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
-    grad = randn(atoms, 3, dtype=model_dtype, device=device)
-    model_energy = randn(1, dtype=model_dtype, device=device)
-    energy = torch.full((), float("nan"), dtype=state_dtype, device=device)
-    forces.fill_(float("nan"))  # written, never read
+    grad, model_energy, energy = force_call(forces, model_dtype)
     want_forces, want_velocities = forces_kick_reference(velocities, grad, inverse_masses, 0.125)
     mirage.ops.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, 0.125)
     assert torch.equal(forces, -grad.to(state_dtype))
@@ -75,10 +81,7 @@ def test_forces_kick_matches_pytorch(device, state_dtype, model_dtype, atoms, ma
 @every_state
 def test_forces_kick_drift_is_forces_kick_then_kick_drift(device, state_dtype, model_dtype, atoms, masses_shape):
     positions, velocities, forces, inverse_masses = make_state(atoms, state_dtype, device, masses_shape)
-    grad = randn(atoms, 3, dtype=model_dtype, device=device)
-    model_energy = randn(1, dtype=model_dtype, device=device)
-    energy = torch.full((), float("nan"), dtype=state_dtype, device=device)
-    forces.fill_(float("nan"))  # written, never read
+    grad, model_energy, energy = force_call(forces, model_dtype)
     count_range = torch.tensor([0, 2**62], device=device)  # as mirage.ff.md starts a replay: both move
     two = [t.clone() for t in (positions, velocities, forces, energy, count_range)]
     mirage.ops.verlet_forces_kick(two[1], two[2], two[3], grad, model_energy, inverse_masses, 0.125,
