@@ -19,14 +19,14 @@ struct VerletParams {
   double kick, drift;
   void* positions;              // [atoms, 3] State (kick_drift, forces_kick_drift)
   void* velocities;             // [atoms, 3] State
-  void* forces;                 // [atoms, 3] State: read by kick_drift, written by forces_kick
+  void* forces;                 // [atoms, 3] State: read by kick_drift, written by forces_kick(_drift)
   const void* inverse_masses;   // [atoms] State
   void* model_positions;        // [atoms, 3] Model, written by kick_drift and forces_kick_drift
-  void* energy;                 // [] State, written by forces_kick
-  const void* grad;             // [atoms, 3] Model: dE/dx, read by forces_kick
-  const void* model_energy;     // one element, float64 if model_energy_float64 else float32: forces_kick
+  void* energy;                 // [] State, written by forces_kick(_drift)
+  const void* grad;             // [atoms, 3] Model: dE/dx, read by forces_kick(_drift)
+  const void* model_energy;     // one element, float64 if model_energy_float64 else float32: forces_kick(_drift)
   bool model_energy_float64 = false;
-  // forces_kick, or null: the model's neighbor-pair count folded into a running [max, min]
+  // forces_kick(_drift), or null: the model's neighbor-pair count folded into a running [max, min]
   // (mirage.ff.md's capacity check, which would otherwise take two PyTorch kernels a step).
   const int64_t* pair_count = nullptr;   // [1]
   int64_t* pair_count_range = nullptr;   // [2]

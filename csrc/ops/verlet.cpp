@@ -1,7 +1,7 @@
 // mirage::verlet_kick_drift, mirage::verlet_forces_kick and mirage::verlet_forces_kick_drift:
-// checks, CPU references and Meta kernels. The state is updated in place, so that an MD loop captured in a CUDA graph keeps it in
-// the same buffers from replay to replay (mirage.ff.md); each op is one kernel on the GPU where
-// the same steps in PyTorch ops take three to six.
+// checks, CPU references and Meta kernels. The state is updated in place, so that an MD loop
+// captured in a CUDA graph keeps it in the same buffers from replay to replay (mirage.ff.md); each
+// op is one kernel on the GPU where the same steps in PyTorch ops take three to six.
 #include "verlet.h"
 
 #include <algorithm>

@@ -17,11 +17,13 @@ struct Inputs {
   at::Tensor inverse_masses, forces, grad, model_energy;
 };
 
-// kick_drift's fields: the positions (updated) and the ones returned in `dtype`.
-void set_kick_drift(cuda::VerletParams& params, at::Tensor& positions, at::Tensor& out, double drift) {
+// kick_drift's fields: the positions (updated) and, returned, a new tensor for them in `dtype`.
+at::Tensor set_kick_drift(cuda::VerletParams& params, at::Tensor& positions, double drift, at::ScalarType dtype) {
+  at::Tensor out = at::empty(positions.sizes(), positions.options().dtype(dtype));
   params.drift = drift;
   params.positions = positions.mutable_data_ptr();
   params.model_positions = out.mutable_data_ptr();
+  return out;
 }
 
 // forces_kick's fields. The kernel reads a float32 or float64 energy as it is (a cast would be a
@@ -68,8 +70,7 @@ at::Tensor verlet_kick_drift_cuda(at::Tensor& positions, at::Tensor& velocities,
   inputs.forces = forces.contiguous();
   params.forces = const_cast<void*>(inputs.forces.const_data_ptr());  // the field forces_kick writes; read only here
   params.model_float64 = dtype == at::kDouble;
-  at::Tensor out = at::empty(positions.sizes(), positions.options().dtype(dtype));
-  set_kick_drift(params, positions, out, drift);
+  at::Tensor out = set_kick_drift(params, positions, drift, dtype);
   check_launch(kVerletKickDrift, cuda::launch_verlet_kick_drift(params, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
@@ -98,9 +99,9 @@ at::Tensor verlet_forces_kick_drift_cuda(at::Tensor& positions, at::Tensor& velo
   Inputs inputs;
   cuda::VerletParams params = state_params(velocities, inputs, inverse_masses, kick);
   set_forces_kick(params, inputs, forces, energy, grad, model_energy, pair_count, pair_count_range);
-  at::Tensor out = at::empty(positions.sizes(), positions.options().dtype(dtype));
-  set_kick_drift(params, positions, out, drift);
-  check_launch(kVerletForcesKickDrift, cuda::launch_verlet_forces_kick_drift(params, c10::cuda::getCurrentCUDAStream()));
+  at::Tensor out = set_kick_drift(params, positions, drift, dtype);
+  check_launch(kVerletForcesKickDrift,
+               cuda::launch_verlet_forces_kick_drift(params, c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
