@@ -34,7 +34,9 @@ struct FloatArena {
 
 // schnet_energy's atom-wise weights transposed, for its backward's products, in floats from the
 // start of their block: readout.0 [F][Kr], then per interaction f2out.2 [K][F], f2out.0 [M][K],
-// in2f [F][M] (each interaction's matrix padded_matrix(...) floats after the last one's).
+// and per interaction but the first in2f [F][M] (each interaction's matrix padded_matrix(...)
+// floats after the last one's). The backward never goes through the first in2f: its input is
+// the embedding, which has no gradient in the positions.
 struct SchnetTransposed {
   int64_t readout1, f2out2, f2out1, in2f, total;
 };
@@ -48,7 +50,7 @@ MIRAGE_HOST_DEVICE inline SchnetTransposed schnet_transposed(int64_t interaction
   l.readout1 = arena.take(F * readout_hidden);
   l.f2out2 = arena.take(T * padded_matrix(K, F));
   l.f2out1 = arena.take(T * padded_matrix(M, K));
-  l.in2f = arena.take(T * padded_matrix(F, M));
+  l.in2f = arena.take((T - 1) * padded_matrix(F, M));
   l.total = arena.size;
   return l;
 }
@@ -59,10 +61,30 @@ MIRAGE_HOST_DEVICE inline int64_t schnet_table_intervals(int64_t rbf) {
 }
 
 // schnet_energy_prepare's output starts with each interaction's filter network as radial_cfconv's
-// table (filter_table.h; SchNet's Gaussians and cosine cutoff), [T][intervals][6][M]; the
-// transposed weights (SchnetTransposed) follow from this offset.
+// table (filter_table.h; SchNet's Gaussians and cosine cutoff), [T][intervals][6][M], this many
+// floats.
 MIRAGE_HOST_DEVICE inline int64_t schnet_tables_floats(int64_t interactions, int64_t rbf, int64_t message_width) {
   return pad4(interactions * schnet_table_intervals(rbf) * filter_table::kCoefficients * message_width);
+}
+
+// The rest of schnet_energy_prepare's output, in floats from its start: the transposed weights
+// (SchnetTransposed), then the first interaction's in2f of every embedding row, [Z][M]. An atom's
+// first h depends on its species alone, so the op looks it up instead of computing it.
+struct SchnetPrepared {
+  int64_t transposed, first_h, total;
+};
+
+MIRAGE_HOST_DEVICE inline SchnetPrepared schnet_prepared(int64_t interactions, int64_t rbf, int64_t embeddings,
+                                                         int64_t features, int64_t message_width,
+                                                         int64_t update_hidden, int64_t readout_hidden) {
+  FloatArena arena;
+  arena.take(schnet_tables_floats(interactions, rbf, message_width));
+  SchnetPrepared l{};
+  l.transposed = arena.take(
+      schnet_transposed(interactions, features, message_width, update_hidden, readout_hidden).total);
+  l.first_h = arena.take(embeddings * message_width);
+  l.total = arena.size;
+  return l;
 }
 
 }  // namespace mirage::cuda::atomwise

@@ -70,7 +70,7 @@ struct Layout {
   int64_t filter_slope;   // [T][P][M4]: their derivative in the distance
   int64_t x;            // [N][F4]: atom features
   int64_t h;            // [T][N][M4]: in2f(x), read by every block
-  int64_t grad_h;       // [T][N][M4]: added to by every block
+  int64_t grad_h;       // [T - 1][N][M4]: added to by every block (none for interaction 0: see the backward)
   int64_t m;            // [N][M4]: messages, later their gradient
   int64_t q;            // [T][N][K4]: f2out's hidden layer before the activation
   int64_t u;            // [N][K4]: after it, later the gradient before it
@@ -84,8 +84,9 @@ struct Layout {
 __host__ __device__ inline SchnetTransposed transposed_of(const SchnetEnergyParams& p) {
   return schnet_transposed(p.num_interactions, p.features, p.message_width, p.update_hidden, p.readout_hidden);
 }
-__host__ __device__ inline int64_t tables_floats(const SchnetEnergyParams& p) {
-  return schnet_tables_floats(p.num_interactions, p.num_rbf, p.message_width);
+__host__ __device__ inline SchnetPrepared prepared_of(const SchnetEnergyParams& p) {
+  return schnet_prepared(p.num_interactions, p.num_rbf, p.num_embeddings, p.features, p.message_width,
+                         p.update_hidden, p.readout_hidden);
 }
 
 __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
@@ -105,7 +106,7 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   l.filter_slope = arena.take(T * P * l.M4);
   l.x = arena.take(N * l.F4);
   l.h = arena.take(T * N * l.M4);
-  l.grad_h = arena.take(T * N * l.M4);
+  l.grad_h = arena.take((T - 1) * N * l.M4);
   l.m = arena.take(N * l.M4);
   l.q = arena.take(T * N * l.K4);
   l.u = arena.take(N * l.K4);
@@ -146,7 +147,7 @@ __device__ void transpose_weights(const SchnetEnergyParams& p, float* out) {
     const SchnetInteraction& layer = p.interactions[t];
     tiles = transpose(layer.f2out2_w, F, K, out + L.f2out2 + t * padded_matrix(K, F), F, tiles);
     tiles = transpose(layer.f2out1_w, K, M, out + L.f2out1 + t * padded_matrix(M, K), K, tiles);
-    tiles = transpose(layer.in2f_w, M, F, out + L.in2f + t * padded_matrix(F, M), M, tiles);
+    if (t > 0) tiles = transpose(layer.in2f_w, M, F, out + L.in2f + (t - 1) * padded_matrix(F, M), M, tiles);
   }
 }
 
@@ -154,6 +155,20 @@ __global__ void __launch_bounds__(kThreads) schnet_transpose_kernel(const __grid
                                                                     float* out) {
   start_after_prior_grid();
   transpose_weights(p, out);
+}
+
+// The first interaction's in2f of every embedding row [Z][M] (SchnetPrepared::first_h), a thread
+// an element, summed in float64 as the CPU's prepare does.
+__global__ void __launch_bounds__(kThreads) schnet_first_h_kernel(const __grid_constant__ SchnetEnergyParams p,
+                                                                   float* first_h) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t M = p.message_width, F = p.features;
+  if (e >= p.num_embeddings * M) return;
+  const int64_t z = e / M, o = e % M;
+  const SchnetInteraction& layer = p.interactions[0];
+  double sum = layer.in2f_b != nullptr ? layer.in2f_b[o] : 0.0;
+  for (int64_t k = 0; k < F; ++k) sum += static_cast<double>(p.embedding[z * F + k]) * layer.in2f_w[o * F + k];
+  first_h[e] = static_cast<float>(sum);
 }
 
 // A prepared call's filters (the cutoff included) and their slopes in the distance, for the
@@ -279,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const auto filter_out = [&](int t) { return ws + L.filter_out + t * P * M4; };
   const auto filter_slope = [&](int t) { return ws + L.filter_slope + t * P * M4; };
   const auto h = [&](int t) { return ws + L.h + t * N * M4; };
-  const auto grad_h = [&](int t) { return ws + L.grad_h + t * N * M4; };
+  const auto grad_h = [&](int t) { return ws + L.grad_h + (t - 1) * N * M4; };  // t >= 1
   const auto q = [&](int t) { return ws + L.q + t * N * K4; };
 
   const int64_t a0 = block * N / blocks, a1 = (block + 1) * N / blocks;
@@ -289,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   const AtomRows atom_row{a0};
   const auto to = [&](float* out, int64_t stride) { return AtomStore{out, stride, a0}; };
 
-  for (int e = tid; e < T * na * M; e += threads) {
-    const int t = e / (na * M), rest = e % (na * M);
+  for (int e = tid; e < (T - 1) * na * M; e += threads) {
+    const int t = 1 + e / (na * M), rest = e % (na * M);
     grad_h(t)[(a0 + rest / M) * M4 + rest % M] = 0.0f;
   }
   // Geometry of the block's pairs (read by the messages, after the barriers below). Prepared
@@ -305,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     __syncthreads();  // the distances
     filters_from_tables(p, L, own, np, geometry);
   }
-  const float* transposed = prepared ? p.prepared + tables_floats(p) : ws + L.transposed;
+  const float* transposed = prepared ? p.prepared + prepared_of(p).transposed : ws + L.transposed;
   const SchnetTransposed TL = transposed_of(p);
 
   // Forward over the atoms. m, where the messages are added up, is zeroed here and after each
@@ -323,7 +338,15 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const SchnetInteraction& layer = p.interactions[t];
     linear_product(na, atom_row, x, F4, F, layer.in2f_w, layer.in2f_b, M, to(h(t), M4));
   };
-  features_to_h(0);
+  if (prepared) {  // the first h by species, one of the ~20 products less (M4 == M: tables need M % 4 == 0)
+    const float* first_h = p.prepared + prepared_of(p).first_h;
+    for (int e = tid; e < na * M; e += threads) {
+      const int64_t a = a0 + e / M;
+      h(0)[a * M + e % M] = first_h[p.atomic_numbers[a] * M + e % M];
+    }
+  } else {
+    features_to_h(0);
+  }
   wait_for_prior_grid();  // the filters and the transposed weights (the writes above are the cluster's own)
   cluster_sync();
   for (int t = 0; t < T; ++t) {
@@ -364,9 +387,11 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
                    to_grad_q);
     linear_product(na, atom_row, u, K4, K, transposed + TL.f2out1 + t * padded_matrix(M, K), nullptr, M, to(m, M4));
     // Per pair (i <- j), w = filter * fcut: grad_h[j] += grad_m[i] * w, and d energy / d distance
-    // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair.
+    // += sum over features of grad_m[i] * h[j] * dw/dd. One warp a pair. Interaction 0's h is
+    // in2f of the embedding, which has no gradient in the positions: no grad_h there, and no
+    // backward through its in2f (one product and one cluster barrier less).
     const float* ht = h(t);
-    float* ght = grad_h(t);
+    float* ght = t > 0 ? grad_h(t) : nullptr;
     const float *filters = filter_out(t), *slopes = filter_slope(t);
     const int lane = tid % 32;
     for (int r = tid / 32; r < np; r += threads / 32) {
@@ -376,12 +401,13 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       float distance_sum = 0.0f;
       for (int o = lane; o < M; o += 32) {
         const float gm = m[i * M4 + o], f = filters[pair * M4 + o];
-        atomicAdd(&ght[j * M4 + o], gm * f * fcut);
+        if (ght != nullptr) atomicAdd(&ght[j * M4 + o], gm * f * fcut);
         distance_sum += gm * __ldcg(&ht[j * M4 + o]) * (f * fcut_slope + slopes[pair * M4 + o] * fcut);
       }
       distance_sum = warp_sum(distance_sum);
       if (lane == 0) geometry[r].grad_distance += distance_sum;
     }
+    if (t == 0) break;
     cluster_sync();  // grad_h(t) complete; every block's energy share written
     if (t == T - 1) total_energy(p.energy, ws + L.parts);
     for (int e = tid; e < na * M; e += threads) {
@@ -389,7 +415,14 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
       m[at] = __ldcg(&ght[at]);
     }
     __syncthreads();
-    linear_product(na, atom_row, m, M4, M, transposed + TL.in2f + t * padded_matrix(F, M), nullptr, F, add_to_grad_x);
+    linear_product(na, atom_row, m, M4, M, transposed + TL.in2f + (t - 1) * padded_matrix(F, M), nullptr, F,
+                   add_to_grad_x);
+  }
+  if (T == 1) {  // no cluster barrier above followed the blocks' energy shares
+    cluster_sync();
+    total_energy(p.energy, ws + L.parts);
+  } else {
+    __syncthreads();  // the pairs' distance gradients
   }
 
   // d energy / d vectors = (d energy / d distance) * v / |v| (0 at |v| = 0, as PyTorch's norm).
@@ -437,10 +470,6 @@ cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t 
   return launch_cluster<schnet_energy_kernel>(blocks, params, stream, prepared ? overlapped_launches() : true);
 }
 
-int64_t schnet_prepared_floats(const SchnetEnergyParams& params) {
-  return tables_floats(params) + transposed_of(params).total;
-}
-
 bool schnet_prepare_supported(const SchnetEnergyParams& params) {
   return params.filter_activation != Activation::kRelu &&
          radial_cfconv_supported(params.num_rbf, params.filter_hidden, params.message_width);
@@ -467,8 +496,14 @@ cudaError_t launch_schnet_prepare(const SchnetEnergyParams& params, float* prepa
     const cudaError_t error = launch_filter_table(table, stream);
     if (error != cudaSuccess) return error;
   }
-  return launch_overlapped(schnet_transpose_kernel, dim3(kTransposeBlocks * 4), dim3(kThreads), 0, stream, false,
-                           params, prepared + tables_floats(params));
+  const SchnetPrepared layout = prepared_of(params);
+  const cudaError_t error = launch_overlapped(schnet_transpose_kernel, dim3(kTransposeBlocks * 4), dim3(kThreads), 0,
+                                              stream, false, params, prepared + layout.transposed);
+  if (error != cudaSuccess) return error;
+  const int64_t first_h = params.num_embeddings * params.message_width;
+  schnet_first_h_kernel<<<static_cast<unsigned>(ceil_div(first_h, kThreads)), kThreads, 0, stream>>>(
+      params, prepared + layout.first_h);
+  return cudaGetLastError();
 }
 
 }  // namespace mirage::cuda

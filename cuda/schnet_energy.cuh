@@ -41,8 +41,8 @@ struct SchnetEnergyParams {
   const float *readout1_w, *readout1_b;  // [Kr, F], [Kr]
   const float *readout2_w, *readout2_b;  // [1, Kr], [1]
   // launch_schnet_prepare's output for these weights, or null. With it the op is one kernel: each
-  // block reads its pairs' filters and their slopes (the cutoff included) from the prepared tables
-  // and the backward's transposed weights from it. Without it a first kernel forms both every call.
+  // block reads its pairs' filters and their slopes (the cutoff included) from the prepared tables,
+  // its atoms' first h by species and the backward's transposed weights from it. Without it a first kernel forms both every call.
   const float* prepared;
 };
 
@@ -51,12 +51,12 @@ size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params);
 // Needs num_atoms >= 1. Out-of-range atomic numbers or pair indices give NaN outputs.
 cudaError_t launch_schnet_energy(const SchnetEnergyParams& params, cudaStream_t stream);
 
-// What a prepared launch reads (the weights, the filter activation, cutoff and basis of `params`;
-// its atoms and pairs are not used): each interaction's filter network as radial_cfconv's table
-// (filter_table.h, Gaussians, the cosine cutoff included), [T][intervals][6][M] at the start,
-// then the atom-wise weights transposed. Tables need M % 4 == 0 and a smooth filter activation
+// What a prepared launch reads (the embedding, the weights, the filter activation, cutoff and
+// basis of `params`; its atoms and pairs are not used), laid out as float_arena.h's
+// SchnetPrepared: each interaction's filter network as radial_cfconv's table (filter_table.h,
+// Gaussians, the cosine cutoff included), the atom-wise weights transposed, and the first in2f
+// of every embedding row. Tables need M % 4 == 0 and a smooth filter activation
 // (schnet_prepare_supported); the caller checks.
-int64_t schnet_prepared_floats(const SchnetEnergyParams& params);
 bool schnet_prepare_supported(const SchnetEnergyParams& params);
 cudaError_t launch_schnet_prepare(const SchnetEnergyParams& params, float* prepared, cudaStream_t stream);
 

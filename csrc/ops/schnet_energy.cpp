@@ -167,6 +167,7 @@ SchnetShape check_schnet_weights(std::string_view op, const at::Tensor& embeddin
 
   SchnetShape s{};
   s.interactions = interactions;
+  s.embeddings = embedding.size(0);
   s.features = embedding.size(1);
   const at::Tensor& first = weights[0];
   MIRAGE_CHECK(first.dim() == 2, op, ": ", weight_name(0, interactions), " must be 2-D [H, R], got ", first.sizes());
@@ -208,12 +209,15 @@ void check_tables_possible(std::string_view op, const SchnetShape& s, std::strin
                "that is a multiple of 4, got ", s.message_width);
 }
 
+cuda::atomwise::SchnetPrepared prepared_layout(const SchnetShape& s) {
+  return cuda::atomwise::schnet_prepared(s.interactions, s.rbf, s.embeddings, s.features, s.message_width,
+                                         s.update_hidden, s.readout_hidden);
+}
+
 }  // namespace
 
 int64_t schnet_prepared_size(const SchnetShape& s) {
-  using namespace cuda::atomwise;
-  return schnet_tables_floats(s.interactions, s.rbf, s.message_width) +
-         schnet_transposed(s.interactions, s.features, s.message_width, s.update_hidden, s.readout_hidden).total;
+  return prepared_layout(s).total;
 }
 
 SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
@@ -229,7 +233,7 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
     const int64_t size = schnet_prepared_size(s);
     MIRAGE_CHECK(prepared->dim() == 1 && prepared->size(0) == size && prepared->scalar_type() == embedding.scalar_type()
                      && prepared->device() == embedding.device(),
-                 kSchnetEnergy, ": prepared must be schnet_energy_prepare's output for these weights, a 1-D ",
+                 kSchnetEnergy, ": prepared must be schnet_energy_prepare's output for this embedding and these weights, a 1-D ",
                  embedding.scalar_type(), " tensor of ", size, " elements on ", embedding.device(), ", got ",
                  prepared->scalar_type(), " of shape ", prepared->sizes(), " on ", prepared->device());
   }
@@ -253,6 +257,12 @@ at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional
                                   std::string_view activation, std::string_view basis, double cutoff,
                                   std::string_view envelope);
 
+// The first interaction's in2f of every embedding row in a prepared tensor, [Z, M].
+at::Tensor prepared_first_h(const at::Tensor& prepared, const SchnetShape& s) {
+  return prepared.narrow(0, prepared_layout(s).first_h, s.embeddings * s.message_width)
+      .view({s.embeddings, s.message_width});
+}
+
 // Interaction t's table in a prepared tensor, [intervals, 6, M].
 at::Tensor prepared_table(const at::Tensor& prepared, const SchnetShape& s, int64_t t) {
   const int64_t intervals = cuda::atomwise::schnet_table_intervals(s.rbf);
@@ -261,7 +271,8 @@ at::Tensor prepared_table(const at::Tensor& prepared, const SchnetShape& s, int6
 }
 
 // The reference: the forward, then its gradient written out layer by layer, in float64. Prepared,
-// the filters (the cutoff in them) and their slopes come from its tables.
+// the filters (the cutoff in them) and their slopes come from its tables, and the first h from
+// its rows by species.
 EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                 const at::Tensor& pairs, const at::Tensor& vectors,
                                 double cutoff, int64_t num_rbf, at::TensorList weights,
@@ -301,7 +312,8 @@ EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tens
       filter_pre.push_back(at::linear(basis, weight(t, 0), weight(t, 1)));
       filter.push_back(at::linear(reference_activation(filter_pre[t], act[0]), weight(t, 2), weight(t, 3)));
     }
-    h.push_back(at::linear(x, weight(t, 4), weight(t, 5)));
+    h.push_back(tables && t == 0 ? f64(prepared_first_h(*prepared, s)).index_select(0, atomic_numbers)
+                                 : at::linear(x, weight(t, 4), weight(t, 5)));
     const at::Tensor messages = at::zeros_like(h[t]).index_add_(0, i, h[t].index_select(0, j) * filter[t] *
                                                                           per_pair_cutoff.unsqueeze(1));
     q.push_back(at::linear(messages, weight(t, 6), weight(t, 7)));
@@ -343,8 +355,8 @@ EnergyOutputs schnet_energy_meta(const at::Tensor& atomic_numbers, const at::Ten
   return empty_energy_outputs(s.atoms, s.pairs, embedding.options());
 }
 
-// The tables by the float64 reference (rounded to embedding's dtype once), the weights transposed
-// by ATen, in cuda/float_arena.h's layout.
+// The tables and the first h by the float64 reference (rounded to embedding's dtype once), the
+// weights transposed by ATen, in cuda/float_arena.h's layout.
 at::Tensor schnet_energy_prepare_cpu(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
                                      at::TensorList weights, c10::string_view activations) {
   const SchnetShape s = check_schnet_energy_prepare(embedding, cutoff, num_rbf, weights, activations);
@@ -361,7 +373,7 @@ at::Tensor schnet_energy_prepare_cpu(const at::Tensor& embedding, double cutoff,
   using namespace cuda::atomwise;
   const cuda::atomwise::SchnetTransposed l =
       schnet_transposed(T, s.features, s.message_width, s.update_hidden, s.readout_hidden);
-  at::Tensor transposed = prepared.narrow(0, schnet_tables_floats(T, s.rbf, s.message_width), l.total);
+  at::Tensor transposed = prepared.narrow(0, prepared_layout(s).transposed, l.total);
   const auto put = [&](int64_t offset, const at::Tensor& w) {
     transposed.narrow(0, offset, w.numel()).copy_(w.t().reshape(-1));
   };
@@ -370,8 +382,11 @@ at::Tensor schnet_energy_prepare_cpu(const at::Tensor& embedding, double cutoff,
     const int64_t b = t * kSchnetWeightsPerInteraction;
     put(l.f2out2 + t * padded_matrix(s.update_hidden, s.features), weights[b + 8]);
     put(l.f2out1 + t * padded_matrix(s.message_width, s.update_hidden), weights[b + 6]);
-    put(l.in2f + t * padded_matrix(s.features, s.message_width), weights[b + 4]);
+    if (t > 0) put(l.in2f + (t - 1) * padded_matrix(s.features, s.message_width), weights[b + 4]);
   }
+  const auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
+  prepared_first_h(prepared, s).copy_(at::linear(f64(embedding), f64(weights[4]),
+                                                 weights[5].numel() == 0 ? at::Tensor() : f64(weights[5])));
   return prepared;
 }
 

@@ -24,7 +24,7 @@ inline constexpr int64_t kSchnetWeightsPerInteraction = 10;
 inline constexpr int64_t kEnergyReadoutWeights = 4;
 
 struct SchnetShape {
-  int64_t atoms, pairs, interactions;
+  int64_t atoms, pairs, interactions, embeddings;
   int64_t rbf, filter_hidden, message_width, features, update_hidden, readout_hidden;
 };
 

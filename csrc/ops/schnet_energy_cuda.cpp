@@ -136,6 +136,8 @@ at::Tensor schnet_energy_prepare_cuda(const at::Tensor& embedding, double cutoff
   HeldInputs ptr;
   cuda::SchnetEnergyParams p{};
   fill_schnet(p, s, weights, ptr, split_activations(activations));
+  p.embedding = ptr(embedding);
+  p.num_embeddings = s.embeddings;
   p.readout1_w = ptr(weights[s.interactions * kSchnetWeightsPerInteraction]);
   p.cutoff = static_cast<float>(cutoff);
   MIRAGE_CHECK(cuda::schnet_prepare_supported(p), kSchnetEnergyPrepare,

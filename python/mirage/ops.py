@@ -678,9 +678,11 @@ def schnet_energy(
 def schnet_energy_prepare(embedding: Tensor, cutoff: float, num_rbf: int, weights: Sequence[Tensor],
                           activations: Union[str, Sequence[str]]) -> Tensor:
     """What :func:`schnet_energy` would form from its weights in every call, formed once: each
-    interaction's filter network tabulated over the distance, and the atom-wise weights transposed
-    for the backward. For a run of many calls with the same weights (``mirage.ff.md`` prepares
-    them at the start of each run). Arguments as :func:`schnet_energy`'s.
+    interaction's filter network tabulated over the distance, the atom-wise weights transposed
+    for the backward, and the first interaction's ``in2f`` of every embedding row (an atom's
+    first features depend on its species alone; summed in float64, rounded once). For a run of
+    many calls with the same embedding and weights (``mirage.ff.md`` prepares them at the start
+    of each run). Arguments as :func:`schnet_energy`'s.
 
     The tables are ``radial_cfconv``'s (docs/ops.md): the filters times the cosine cutoff, and
     their slopes, as piecewise quintics over 1,024 pieces of ``[0, cutoff]`` for 20 Gaussians,

@@ -337,10 +337,13 @@ def test_schnet_energy_prepared_tables_are_radial_cfconvs():
                                                   "gaussian", cutoff, "cosine")
         size = table.numel()
         torch.testing.assert_close(prepared[t * size:(t + 1) * size], table.reshape(-1), rtol=0, atol=0)
-    # The rest holds the atom-wise weights transposed: the weights' values, each once.
-    rest = prepared[3 * size:]
-    transposed = [weights[r0] for r0 in (30,)] + [weights[10 * t + k] for t in range(3) for k in (4, 6, 8)]
+    # Then the atom-wise weights transposed (the weights' values, each once; the first in2f's
+    # not, the backward never reaching it), and last the first in2f of every embedding row.
+    first_h = F.linear(embedding, weights[4], weights[5])
+    rest, last = prepared[3 * size:-first_h.numel()], prepared[-first_h.numel():]
+    transposed = [weights[30]] + [weights[10 * t + k] for t in range(3) for k in (6, 8)] + [weights[14], weights[24]]
     assert sorted(rest[rest != 0].tolist()) == sorted(torch.cat([w.reshape(-1) for w in transposed]).tolist())
+    torch.testing.assert_close(last, first_h.reshape(-1), rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.cuda
@@ -367,7 +370,7 @@ def test_schnet_energy_prepared_cuda_graph_replays_new_vectors():
 
 
 PREPARED_BAD = [
-    (lambda p: p[:-1], "prepared must be schnet_energy_prepare's output for these weights, a 1-D"),
+    (lambda p: p[:-1], "prepared must be schnet_energy_prepare's output for this embedding and these weights, a 1-D"),
     (lambda p: p.reshape(2, -1), "prepared must be schnet_energy_prepare's output"),
     (lambda p: p.to(torch.float16), "prepared must be schnet_energy_prepare's output"),
 ]
@@ -470,6 +473,15 @@ def test_fused_schnet_prepared_weights():
     with model.prepared_weights():
         graph.replay()
     torch.testing.assert_close(energy, changed[0], rtol=1e-5, atol=1e-5)
+
+    # The embedding is among what the tensor was made from (it holds the first in2f of its rows).
+    model.embedding.weight.data[6].mul_(1.5)
+    changed = model.energy_and_gradient(numbers, positions)
+    with OpCounter() as ops, model.prepared_weights():
+        graph.replay()
+    assert ops.calls.count("mirage.schnet_energy_prepare") == 1
+    torch.testing.assert_close(energy, changed[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, changed[1], rtol=1e-4, atol=1e-5 * scale)
     assert len(pickle.dumps(model)) < 4 * 2**20
     assert copy.deepcopy(model)._prepared_weights is None
 
@@ -489,6 +501,24 @@ def test_schnet_energy_prepare_is_not_differentiable():
     args[6][2].requires_grad_(True)
     with pytest.raises(RuntimeError, match="schnet_energy_prepare"):
         _prepare(args).sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_reads_the_first_h_from_prepared(device):
+    # prepared made from another first in2f: the op's first h is that one's, looked up by species
+    # (as documented); the embedding itself still enters the residual from `embedding`.
+    dtype = torch.float32 if device == "cuda" else torch.float64
+    args = list(make_inputs("benzene", device, dtype))
+    other = [w.clone() for w in args[6]]
+    other[4], other[5] = other[4] * 1.3 + 0.05, other[5] - 0.2
+    prepared = mirage.ops.schnet_energy_prepare(args[1], args[4], args[5], other, args[7])
+    energy, grad, _ = mirage.ops.schnet_energy(*args, prepared=prepared)
+    want_energy, want_grad = schnet_composite(*args[:6], other, args[7])
+    plain_energy, _ = schnet_composite(*args)
+    assert abs(want_energy.item() - plain_energy.item()) > 1e-2 * max(abs(plain_energy.item()), 1.0)
+    rtol = 1e-9 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(energy.double(), want_energy.double(), rtol=rtol, atol=rtol)
+    torch.testing.assert_close(grad.double(), want_grad.double(), rtol=0, atol=rtol * want_grad.abs().max().item())
 
 
 @pytest.mark.parametrize("device", DEVICES)

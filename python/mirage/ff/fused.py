@@ -814,14 +814,16 @@ class SchNet(_FusedModel):
     @contextlib.contextmanager
     def prepared_weights(self) -> Iterator[None]:
         """A context in which the whole-model op (mirage::schnet_energy: :meth:`forward` and
-        :meth:`energy_and_gradient` on small systems in eval mode) reads its filter tables and
-        transposed weights from :func:`mirage.ops.schnet_energy_prepare`'s output, made on entry,
-        instead of forming them in every call: one CUDA kernel a call instead of two. For runs of
+        :meth:`energy_and_gradient` on small systems in eval mode) reads its filter tables, its
+        transposed weights and the first interaction's in2f of each embedding row from
+        :func:`mirage.ops.schnet_energy_prepare`'s output, made on entry, instead of forming them
+        in every call: one CUDA kernel a call instead of two, and one product less. For runs of
         many calls with weights that do not change: :class:`mirage.ff.md.VelocityVerlet` enters it
         for each run.
 
-        On entry the weights are compared with those the tensor was made from (one comparison on
-        the device, which waits for it): if any differs, however it was changed, the tensor is made
+        On entry the weights, the embedding's included, are compared with those the tensor was made
+        from (one comparison on the device, which waits for it): if any differs, however it was
+        changed, the tensor is made
         again, into the same memory where it can, so that CUDA graphs captured inside an earlier
         entry and replayed inside a later one read it. Weights must not change *inside* the
         context: the op would then mix them with the prepared ones (the forward reads the current
@@ -853,8 +855,9 @@ class SchNet(_FusedModel):
         # entry outside it; without autograd (it is a constant of the weights).
         with torch.inference_mode(False), torch.no_grad():
             # By value: an in-place change through .data keeps the version counter, and a new
-            # Parameter may be given a freed one's address.
-            current = torch.cat([w.detach().reshape(-1) for w in weights])
+            # Parameter may be given a freed one's address. The embedding too: the tensor holds
+            # the first interaction's in2f of its rows.
+            current = torch.cat([w.detach().reshape(-1) for w in [weight, *weights]])
             old = self._prepared_from
             if old is not None and old.shape == current.shape and old.device == current.device \
                     and torch.equal(old, current):
