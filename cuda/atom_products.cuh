@@ -30,6 +30,22 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// cluster_sync in two halves (its release, then its acquire): what a block does between them,
+// on what only it reads, runs while the other blocks arrive. Every thread calls both.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().barrier_arrive();
+#else
+  __syncthreads();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().barrier_wait();
+#endif
+}
+
 // p[k .. k + 3], zero from n on. kVector: p + k is 16-byte aligned and n % 4 == 0, so one float4
 // load, predicated (branch-free: the kernel is large enough that its code is fetched from L2 at
 // every call, and each branch path of an unrolled loop adds to it).
