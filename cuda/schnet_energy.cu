@@ -8,9 +8,11 @@
 // backward. Block b owns a contiguous range of atoms and every pair whose receiving atom it owns,
 // so messages, updates and their backward stay inside the block; blocks meet at a cluster
 // barrier twice per interaction: after the in2f features h_t (read by every block through the
-// pairs' senders) and after the senders' gradients grad_h_t (added by every block).
+// pairs' senders) and after the senders' gradients grad_h_t (added by every block; none for the
+// first interaction, whose h is of the embedding, without a gradient in the positions).
 // Intermediates live in a global workspace (L2-resident at these sizes); data written by another
-// block is read with __ldcg, past the non-coherent L1.
+// block is read with __ldcg, past the L1, or in place after the cluster barrier whose acquire
+// makes it visible.
 // The filters' derivative in the distance is carried forward (a tangent row beside each pair's
 // row in the filter network's products) instead of back-propagated: the backward then needs no
 // product through the filter networks, only a dot product per pair.
@@ -19,8 +21,10 @@
 // Below sm_90 (no clusters) the launcher runs one block, where the barrier is __syncthreads.
 // Prepared (mirage::schnet_energy_prepare, for runs of calls with the same weights: an MD run), the
 // filters kernel's work is done once: the filter networks as radial_cfconv's tables (the cosine
-// cutoff in them), which each block reads for its own pairs, and the transposed weights. The op is
-// then the cluster kernel alone: an MD step of SchNet on benzene 66 -> 59.5 us (H200, 2026-11-29).
+// cutoff in them), which each block reads for its own pairs, and the transposed weights; and the
+// first in2f of every embedding row, looked up by species. The op is then the cluster kernel
+// alone: an MD step of SchNet on benzene 66 -> 59.5 us (H200, 2026-11-29); its phases' times are
+// in docs/perf/forcefield.md ("Work the cluster kernel no longer does").
 //
 // Tried and not kept (H200, 2026-11-27, benzene, every -m cuda schnet_energy test passing in each
 // version): the cluster's blocks splitting every Linear by its outputs instead of the atoms, each

@@ -40,9 +40,10 @@ struct SchnetEnergyParams {
   SchnetInteraction interactions[kSchnetMaxInteractions];
   const float *readout1_w, *readout1_b;  // [Kr, F], [Kr]
   const float *readout2_w, *readout2_b;  // [1, Kr], [1]
-  // launch_schnet_prepare's output for these weights, or null. With it the op is one kernel: each
-  // block reads its pairs' filters and their slopes (the cutoff included) from the prepared tables,
-  // its atoms' first h by species and the backward's transposed weights from it. Without it a first kernel forms both every call.
+  // launch_schnet_prepare's output for this embedding and these weights, or null. With it the op
+  // is one kernel: each block reads its pairs' filters and their slopes (the cutoff included) from
+  // the prepared tables, its atoms' first h by species and the backward's transposed weights from
+  // it. Without it a first kernel forms the filters and the transposed weights every call.
   const float* prepared;
 };
 

@@ -233,7 +233,8 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
     const int64_t size = schnet_prepared_size(s);
     MIRAGE_CHECK(prepared->dim() == 1 && prepared->size(0) == size && prepared->scalar_type() == embedding.scalar_type()
                      && prepared->device() == embedding.device(),
-                 kSchnetEnergy, ": prepared must be schnet_energy_prepare's output for this embedding and these weights, a 1-D ",
+                 kSchnetEnergy, ": prepared must be schnet_energy_prepare's output for this embedding and these "
+                 "weights, a 1-D ",
                  embedding.scalar_type(), " tensor of ", size, " elements on ", embedding.device(), ", got ",
                  prepared->scalar_type(), " of shape ", prepared->sizes(), " on ", prepared->device());
   }

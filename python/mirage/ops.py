@@ -654,11 +654,12 @@ def schnet_energy(
         activations: ``interactions + 2`` names (a sequence, or one comma-separated string) from
             ``shifted_softplus, softplus, silu, tanh, gelu, relu``: the filters', each
             interaction's ``f2out``, the readout's.
-        prepared: :func:`schnet_energy_prepare`'s output for these same weights, or None. With it
-            the filters and their distance derivatives come from its tables and CUDA runs one
-            kernel instead of two (a few µs less a call on small molecules); the weights must not
-            have changed since it was made (it is not checked: the results would be those of
-            the weights it was made from, in its filters and the backward's products).
+        prepared: :func:`schnet_energy_prepare`'s output for this same embedding and weights, or
+            None. With it the filters and their distance derivatives come from its tables, the
+            atoms' first ``h`` from its rows by species, and CUDA runs one kernel instead of two
+            (a few µs less a call on small molecules); the embedding and weights must not have
+            changed since it was made (it is not checked: the results would be those of the
+            ones it was made from, in its filters, first ``h`` and the backward's products).
 
     Returns:
         ``(energy, grad_vectors, grad_positions)``: a 0-dim tensor, ``d energy / d vectors``

@@ -337,12 +337,14 @@ def test_schnet_energy_prepared_tables_are_radial_cfconvs():
                                                   "gaussian", cutoff, "cosine")
         size = table.numel()
         torch.testing.assert_close(prepared[t * size:(t + 1) * size], table.reshape(-1), rtol=0, atol=0)
-    # Then the atom-wise weights transposed (the weights' values, each once; the first in2f's
-    # not, the backward never reaching it), and last the first in2f of every embedding row.
+    # Then the atom-wise weights transposed as cuda/float_arena.h lays them out (benzene's sizes
+    # need no padding): readout.0, f2out.2 and f2out.0 of each interaction, in2f of each but the
+    # first (the backward never reaches it); last the first in2f of every embedding row.
     first_h = F.linear(embedding, weights[4], weights[5])
     rest, last = prepared[3 * size:-first_h.numel()], prepared[-first_h.numel():]
-    transposed = [weights[30]] + [weights[10 * t + k] for t in range(3) for k in (6, 8)] + [weights[14], weights[24]]
-    assert sorted(rest[rest != 0].tolist()) == sorted(torch.cat([w.reshape(-1) for w in transposed]).tolist())
+    transposed = ([weights[30]] + [weights[10 * t + 8] for t in range(3)] + [weights[10 * t + 6] for t in range(3)]
+                  + [weights[10 * t + 4] for t in (1, 2)])
+    torch.testing.assert_close(rest, torch.cat([w.t().reshape(-1) for w in transposed]), rtol=0, atol=0)
     torch.testing.assert_close(last, first_h.reshape(-1), rtol=1e-14, atol=1e-14)
 
 
@@ -383,6 +385,15 @@ def test_schnet_energy_bad_prepared(device, change, message):
     prepared = change(_prepare(args))
     assert_error(lambda d: mirage.ops.schnet_energy(*args, prepared=prepared), device,
                  "mirage::schnet_energy: " + message)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schnet_energy_refuses_what_another_embedding_prepared(device):
+    # The prepared tensor holds a row per species: one made for an embedding of fewer rows is refused.
+    args = list(make_inputs("benzene", device, torch.float32 if device == "cuda" else torch.float64))
+    prepared = mirage.ops.schnet_energy_prepare(args[1][:-1], *args[4:])
+    assert_error(lambda d: mirage.ops.schnet_energy(*args, prepared=prepared), device,
+                 "mirage::schnet_energy: prepared must be schnet_energy_prepare's output for this embedding")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -514,8 +525,10 @@ def test_schnet_energy_reads_the_first_h_from_prepared(device):
     prepared = mirage.ops.schnet_energy_prepare(args[1], args[4], args[5], other, args[7])
     energy, grad, _ = mirage.ops.schnet_energy(*args, prepared=prepared)
     want_energy, want_grad = schnet_composite(*args[:6], other, args[7])
-    plain_energy, _ = schnet_composite(*args)
-    assert abs(want_energy.item() - plain_energy.item()) > 1e-2 * max(abs(plain_energy.item()), 1.0)
+    # The other first in2f moves the gradient by at least 9.6% of its largest value over 300 seeds,
+    # far past the bound below (the energy, for some inputs, by less than 1%).
+    _, plain_grad = schnet_composite(*args)
+    assert (want_grad - plain_grad).abs().max().item() > 0.02 * plain_grad.abs().max().item()
     rtol = 1e-9 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(energy.double(), want_energy.double(), rtol=rtol, atol=rtol)
     torch.testing.assert_close(grad.double(), want_grad.double(), rtol=0, atol=rtol * want_grad.abs().max().item())
