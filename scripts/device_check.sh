@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU-machine run: build against the device's torch for sm_90a, run every test (the
 # `cuda`-marked ones included) and Catch2, then the benchmarks. Results and logs go to $OUT (one
-# archive, results.tar.gz, when they are more than the 8 files the device tool brings back).
+# archive, results.tar.gz, when they are more than the 8 files the device tool brings back: that
+# archive takes everything under $OUT and deletes the rest, so a calling script that keeps files of
+# its own under the device tool's $OUT runs this with OUT set to a folder of this script's own).
 #   usage (device tool): [STEPS="build pytest ..."] bash scripts/device_check.sh [pytest args...]
 # STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff profile_ff
 # validate_nve (default: all; together they outlast one 10-minute device call: split them; the
