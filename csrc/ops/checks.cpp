@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
@@ -58,7 +60,15 @@ at::ScalarType param_dtype(std::string_view op, const std::optional<at::Tensor>&
 }
 
 at::MemoryFormat channels_layout(const at::Tensor& x) {
-  return x.dim() == 4 || x.dim() == 5 ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
+  if (x.dim() != 4 && x.dim() != 5) return at::MemoryFormat::Contiguous;
+  const c10::SymIntArrayRef sizes = x.sym_sizes();
+  if (std::all_of(sizes.begin(), sizes.end(), [](const c10::SymInt& n) { return n.has_hint(); }))
+    return x.suggest_memory_format();
+  // An unbacked size (a data-dependent batch under torch.compile) allows no guard, which
+  // suggest_memory_format would add: channels-last where the strides are certainly a dense
+  // channels-last tensor's, else contiguous.
+  const at::MemoryFormat last = x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
+  return x.is_contiguous_or_false(last) ? last : at::MemoryFormat::Contiguous;
 }
 
 at::Tensor empty_in_channels_layout(const at::Tensor& x, at::MemoryFormat layout) {
