@@ -823,12 +823,11 @@ class SchNet(_FusedModel):
 
         On entry the weights, the embedding's included, are compared with those the tensor was made
         from (one comparison on the device, which waits for it): if any differs, however it was
-        changed, the tensor is made
-        again, into the same memory where it can, so that CUDA graphs captured inside an earlier
-        entry and replayed inside a later one read it. Weights must not change *inside* the
-        context: the op would then mix them with the prepared ones (the forward reads the current
-        atom-wise weights, the filters, the first h and the backward's products the prepared), and its forces
-        would not be its energy's gradient. Where the op could not take it, nothing is made: in
+        changed, the tensor is made again, into the same memory where it can, so that CUDA graphs
+        captured inside an earlier entry and replayed inside a later one read it. Weights must not
+        change *inside* the context: the op would then mix them with the prepared ones (the
+        forward reads the current atom-wise weights, the filters, the first h and the backward's
+        products the prepared), and its forces would not be its energy's gradient. Where the op could not take it, nothing is made: in
         training mode, off CUDA, not float32, a ``relu`` filter activation (the tables
         interpolate), a filter width that is not a multiple of 4, sizes the table kernel does not
         take, or interactions the whole-model op does not take. Entering it during a CUDA-graph
