@@ -257,6 +257,8 @@ at::Tensor reference_filter_table(const at::Tensor& weight1, const std::optional
                                   const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
                                   std::string_view activation, std::string_view basis, double cutoff,
                                   std::string_view envelope);
+// t in float64, or undefined where t is absent (defined below).
+at::Tensor optional_f64(const std::optional<at::Tensor>& t);
 
 // The first interaction's in2f of every embedding row in a prepared tensor, [Z, M].
 at::Tensor prepared_first_h(const at::Tensor& prepared, const SchnetShape& s) {
@@ -385,9 +387,8 @@ at::Tensor schnet_energy_prepare_cpu(const at::Tensor& embedding, double cutoff,
     put(l.f2out1 + t * padded_matrix(s.message_width, s.update_hidden), weights[b + 6]);
     if (t > 0) put(l.in2f + (t - 1) * padded_matrix(s.features, s.message_width), weights[b + 4]);
   }
-  const auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
-  prepared_first_h(prepared, s).copy_(at::linear(f64(embedding), f64(weights[4]),
-                                                 weights[5].numel() == 0 ? at::Tensor() : f64(weights[5])));
+  prepared_first_h(prepared, s).copy_(at::linear(embedding.to(at::kDouble), weights[4].to(at::kDouble),
+                                                 optional_f64(bias(weights[5]))));
   return prepared;
 }
 

@@ -827,12 +827,12 @@ class SchNet(_FusedModel):
         captured inside an earlier entry and replayed inside a later one read it. Weights must not
         change *inside* the context: the op would then mix them with the prepared ones (the
         forward reads the current atom-wise weights, the filters, the first h and the backward's
-        products the prepared), and its forces would not be its energy's gradient. Where the op could not take it, nothing is made: in
-        training mode, off CUDA, not float32, a ``relu`` filter activation (the tables
-        interpolate), a filter width that is not a multiple of 4, sizes the table kernel does not
-        take, or interactions the whole-model op does not take. Entering it during a CUDA-graph
-        capture raises ``RuntimeError``. The tensor is derived state: copies, pickles and
-        ``.to()`` drop it (it is made again at the next entry)."""
+        products the prepared), and its forces would not be its energy's gradient. Where the op
+        could not take it, nothing is made: in training mode, off CUDA, not float32, a ``relu``
+        filter activation (the tables interpolate), a filter width that is not a multiple of 4,
+        sizes the table kernel does not take, or interactions the whole-model op does not take.
+        Entering it during a CUDA-graph capture raises ``RuntimeError``. The tensor is derived
+        state: copies, pickles and ``.to()`` drop it (it is made again at the next entry)."""
         self._refresh_prepared()
         outer, self._use_prepared = self._use_prepared, self._prepared_weights is not None
         try:
