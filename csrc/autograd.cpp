@@ -970,29 +970,32 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 }
 
 // mirage::schnet_energy and mirage::painn_energy compute the energy's gradient in the pair vectors
-// with the energy, so their backward is one product (it serves forces, -dE/dr, and the stress).
+// with the energy (schnet_energy_all_pairs: in the positions), so their backward is one product
+// (it serves forces, -dE/dr, and the stress).
 // They have no gradient in the model's parameters and no double backward: training on forces
 // takes the layer-by-layer path (mirage.ff.fused.SchNet and PaiNN in training mode). Asking for either
 // is an error, never a silent zero.
 namespace {
 
-using EnergyCall = std::function<ops::EnergyOutputs()>;
+// The op's outputs: the energy, its gradient in the differentiable input, then any others.
+using EnergyCall = std::function<variable_list()>;
 
 struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
-  // `energy` runs the op (below autograd) on these tensors; `op` names it in errors.
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& vectors, const at::Tensor& embedding,
+  // `energy` runs the op (below autograd) on these tensors, `input` the one with a gradient (the
+  // vectors or positions); `op` names it in errors.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& embedding,
                                at::TensorList weights, std::string_view op, const EnergyCall& energy_call) {
-    at::Tensor energy, grad_vectors, grad_positions;
+    variable_list out;
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(energy, grad_vectors, grad_positions) = energy_call();
+      out = energy_call();
     }
-    ctx->save_for_backward({grad_vectors});
+    ctx->save_for_backward({out[1]});
     ctx->saved_data["parameters"] = static_cast<int64_t>(1 + weights.size());
     ctx->saved_data["op"] = std::string(op);
-    ctx->mark_non_differentiable({grad_vectors, grad_positions});
+    ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     ctx->set_materialize_grads(false);  // the gradients' gradients: undefined, not fills of zeros
-    return {energy, grad_vectors, grad_positions};
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -1005,7 +1008,7 @@ struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
       MIRAGE_CHECK(!ctx->needs_input_grad(k), op,
                    ": no gradient in the model's parameters (embedding, weights); put the model in training "
                    "mode (model.train()) to take the layer-by-layer path");
-    variable_list grads(parameters + 3);  // vectors, the parameters, two non-tensors
+    variable_list grads(parameters + 3);  // the input, the parameters, two non-tensors
     if (grad_outputs[0].defined()) grads[0] = grad_outputs[0] * ctx->get_saved_variables()[0];
     return grads;
   }
@@ -1017,10 +1020,24 @@ ops::EnergyOutputs schnet_energy_autograd(const at::Tensor& atomic_numbers, cons
                                           const std::optional<at::Tensor>& prepared) {
   // prepared is a function of the weights, whose gradient the op refuses: it needs none of its own.
   const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kSchnetEnergy, EnergyCall([&] {
-    return handles::schnet_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                         activations, prepared);
+    const auto [energy, grad_vectors, grad_positions] = handles::schnet_energy().call(
+        atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, prepared);
+    return variable_list{energy, grad_vectors, grad_positions};
   }));
   return {out[0], out[1], out[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_autograd(
+    const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& positions, double cutoff,
+    int64_t num_rbf, at::TensorList weights, c10::string_view activations, const std::optional<at::Tensor>& prepared,
+    const std::optional<at::Tensor>& num_pairs) {
+  const variable_list out =
+      EnergyFunction::apply(positions, embedding, weights, ops::kSchnetEnergyAllPairs, EnergyCall([&] {
+        const auto [energy, grad_positions] = handles::schnet_energy_all_pairs().call(
+            atomic_numbers, embedding, positions, cutoff, num_rbf, weights, activations, prepared, num_pairs);
+        return variable_list{energy, grad_positions};
+      }));
+  return {out[0], out[1]};
 }
 
 ops::EnergyOutputs painn_energy_autograd(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
@@ -1028,8 +1045,9 @@ ops::EnergyOutputs painn_energy_autograd(const at::Tensor& atomic_numbers, const
                                          int64_t num_rbf, at::TensorList weights, c10::string_view activations,
                                          double norm_eps) {
   const variable_list out = EnergyFunction::apply(vectors, embedding, weights, ops::kPainnEnergy, EnergyCall([&] {
-    return handles::painn_energy().call(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                        activations, norm_eps);
+    const auto [energy, grad_vectors, grad_positions] = handles::painn_energy().call(
+        atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, norm_eps);
+    return variable_list{energy, grad_vectors, grad_positions};
   }));
   return {out[0], out[1], out[2]};
 }
@@ -1038,6 +1056,7 @@ ops::EnergyOutputs painn_energy_autograd(const at::Tensor& atomic_numbers, const
 
 TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("schnet_energy", given<&handles::schnet_energy, &schnet_energy_autograd>);
+  m.impl("schnet_energy_all_pairs", given<&handles::schnet_energy_all_pairs, &schnet_energy_all_pairs_autograd>);
   m.impl("painn_energy", given<&handles::painn_energy, &painn_energy_autograd>);
 }
 

@@ -46,6 +46,9 @@ using SchnetEnergySig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at:
                                                             const at::Tensor&, const at::Tensor&, double,
                                                             int64_t, at::TensorList, c10::string_view,
                                                             const std::optional<at::Tensor>&);
+using SchnetEnergyAllPairsSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, at::TensorList, c10::string_view,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 using SchnetEnergyPrepareSig = at::Tensor(const at::Tensor&, double, int64_t, at::TensorList, c10::string_view);
 
 using PainnEnergySig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -115,6 +118,7 @@ MIRAGE_OP_HANDLE(vector_message_passing, VectorMessagePassingSig)
 MIRAGE_OP_HANDLE(vector_message_passing_backward, VectorMessagePassingBackwardSig)
 MIRAGE_OP_HANDLE(schnet_energy, SchnetEnergySig)
 MIRAGE_OP_HANDLE(schnet_energy_prepare, SchnetEnergyPrepareSig)
+MIRAGE_OP_HANDLE(schnet_energy_all_pairs, SchnetEnergyAllPairsSig)
 MIRAGE_OP_HANDLE(painn_energy, PainnEnergySig)
 MIRAGE_OP_HANDLE(cfconv, CfconvSig)
 MIRAGE_OP_HANDLE(cfconv_backward, CfconvBackwardSig)

@@ -67,6 +67,12 @@ TORCH_LIBRARY(mirage, m) {
   m.def("schnet_energy(Tensor atomic_numbers, Tensor embedding, Tensor pairs, Tensor vectors, "
         "float cutoff, int num_rbf, Tensor[] weights, str activations, Tensor? prepared=None) -> (Tensor energy, "
         "Tensor grad_vectors, Tensor grad_positions)");
+  // The same on every pair of an open system (no pair list: the search is in the kernel), its
+  // gradient in the positions; num_pairs, if given, gets the pairs within the cutoff (-1 for
+  // positions that are not finite), as neighbor_list's count.
+  m.def("schnet_energy_all_pairs(Tensor atomic_numbers, Tensor embedding, Tensor positions, float cutoff, "
+        "int num_rbf, Tensor[] weights, str activations, Tensor? prepared=None, Tensor(a!)? num_pairs=None) -> "
+        "(Tensor energy, Tensor grad_positions)");
   m.def("schnet_energy_prepare(Tensor embedding, float cutoff, int num_rbf, Tensor[] weights, str activations) "
         "-> Tensor");
   // A whole PaiNN energy and its gradient in the pair vectors and the positions, in one kernel

@@ -60,6 +60,7 @@ TORCH_LIBRARY_IMPL(mirage, BackendSelect, m) {
   checked<&handles::vector_message_passing_backward>(m, "vector_message_passing_backward");
   checked<&handles::schnet_energy>(m, "schnet_energy");
   checked<&handles::schnet_energy_prepare>(m, "schnet_energy_prepare");
+  checked<&handles::schnet_energy_all_pairs>(m, "schnet_energy_all_pairs");
   checked<&handles::painn_energy>(m, "painn_energy");
   checked<&handles::cfconv>(m, "cfconv");
   checked<&handles::cfconv_backward>(m, "cfconv_backward");

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 
@@ -289,46 +290,118 @@ __device__ inline int transpose(const float* a, int rows, int cols, float* a_t, 
 
 // A pair the block owns: its receiver is one of the block's atoms.
 struct alignas(16) OwnPair {
-  int pair, receiver, sender, unused;
+  int pair, receiver, sender;
+  float distance;  // its pair_distance
 };
 
-// |vectors[e]|, computed the same way by every kernel of a call, so that they agree on which
-// pairs count.
+// Whole-model kernels whose params may give every pair of an open system instead of a pair list
+// (a `positions` field; schnet_energy_all_pairs): with positions set, pair e = i (N - 1) + k is
+// atom i receiving from atom k + (k >= i), and its vector r_j - r_i is formed here.
+template <class Params, class = void>
+constexpr bool kTakesAllPairs = false;
+template <class Params>
+constexpr bool kTakesAllPairs<Params, std::void_t<decltype(Params::positions)>> = true;
+
+template <class Params>
+__device__ __forceinline__ bool all_pairs(const Params& p) {
+  if constexpr (kTakesAllPairs<Params>) return p.positions != nullptr;
+  return false;
+}
+
+// Pair e's receiver i and sender j.
+template <class Params>
+__device__ __forceinline__ void pair_atoms(const Params& p, int64_t e, int64_t& i, int64_t& j) {
+  if constexpr (kTakesAllPairs<Params>) {
+    if (p.positions != nullptr) {  // 32-bit division: the op takes at most 46,340 atoms
+      const int others = static_cast<int>(p.num_atoms - 1), k = static_cast<int>(e) % others;
+      i = static_cast<int>(e) / others;
+      j = k + (k >= i ? 1 : 0);
+      return;
+    }
+  }
+  i = p.pairs[e];
+  j = p.pairs[p.num_pairs + e];
+}
+
+// Pair e's vector r_j - r_i (+ shift).
+template <class Params>
+__device__ __forceinline__ float3 pair_vector(const Params& p, int64_t e) {
+  if constexpr (kTakesAllPairs<Params>) {
+    if (p.positions != nullptr) {
+      int64_t i, j;
+      pair_atoms(p, e, i, j);
+      const float* ri = p.positions + 3 * i;
+      const float* rj = p.positions + 3 * j;
+      return make_float3(rj[0] - ri[0], rj[1] - ri[1], rj[2] - ri[2]);
+    }
+  }
+  return make_float3(p.vectors[3 * e], p.vectors[3 * e + 1], p.vectors[3 * e + 2]);
+}
+
+// |v|, computed the same way by every kernel of a call (pair_distance), so that they agree on
+// which pairs count.
+__device__ __forceinline__ float length(float3 v) { return sqrtf(v.x * v.x + v.y * v.y + v.z * v.z); }
+
 template <class Params>
 __device__ __forceinline__ float pair_distance(const Params& p, int64_t e) {
-  const float vx = p.vectors[3 * e], vy = p.vectors[3 * e + 1], vz = p.vectors[3 * e + 2];
-  return sqrtf(vx * vx + vy * vy + vz * vz);
+  return length(pair_vector(p, e));
 }
 
 // Pairs at or beyond the cutoff add exactly nothing (the cosine cutoff's value and slope are 0
 // there); finite distances only: NaN and Inf stay in, to come out as NaN.
+__device__ __forceinline__ bool beyond_cutoff(float distance, float cutoff) {
+  return distance >= cutoff && distance <= FLT_MAX;
+}
 template <class Params>
 __device__ __forceinline__ bool beyond_cutoff(const Params& p, int64_t e) {
-  const float d = pair_distance(p, e);
-  return d >= p.cutoff && d <= FLT_MAX;
+  return beyond_cutoff(pair_distance(p, e), p.cutoff);
 }
 
 // Lists into `own` the pairs that atoms [a0, a1) (this block's, an even split) receive within
-// the cutoff and returns their count; `counters` is 2 ints of shared memory. Pairs at or beyond
+// the cutoff and returns their count; `counters` is 2 ints of shared memory (3 with all pairs: the
+// third, set to whether a position is not finite, which every block checks). Pairs at or beyond
 // the cutoff add exactly nothing, so they are left out, their gradient set to 0 here: the
 // neighbor list's padding, pair (0, 0) at the cutoff, would otherwise pile onto atom 0's block
 // (in MD, where molecules move apart, most of the capacity can be padding). An index out of
 // range: every output NaN and -1 returned. Every block checks every index, so all of them agree
-// on leaving early (none waits at a barrier alone). Not inlined: inlined, it took the schnet_energy
-// kernel's register spills from 20 to 44 bytes.
+// on leaving early (none waits at a barrier alone). All pairs of an open system (all_pairs): the
+// block scans its own receivers' pairs only, and writes the vectors of those it keeps into
+// own_vectors (by pair; the block alone reads them). Not inlined: inlined, it took the
+// schnet_energy kernel's register spills from 20 to 44 bytes.
 template <class Params>
-__device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1, OwnPair* own, int* counters) {
+__device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1, OwnPair* own, int* counters,
+                                         float* own_vectors = nullptr) {
   const int tid = threadIdx.x, threads = blockDim.x, block = blockIdx.x, blocks = gridDim.x;
   const int64_t N = p.num_atoms, P = p.num_pairs;
-  const int64_t* senders = p.pairs + P;
   int &count = counters[0], &invalid = counters[1];
   if (tid == 0) count = invalid = 0;
   __syncthreads();
-  for (int64_t e = tid; e < P; e += threads) {
-    const int64_t i = p.pairs[e], j = senders[e];
-    if (i < 0 || i >= N || j < 0 || j >= N) invalid = 1;
-    else if (i >= a0 && i < a1 && !beyond_cutoff(p, e))
-      own[atomicAdd(&count, 1)] = OwnPair{static_cast<int>(e), static_cast<int>(i), static_cast<int>(j), 0};
+  // All pairs of an open system: only the block's receivers' pairs, whose indices are in range.
+  const int64_t e0 = all_pairs(p) ? a0 * (N - 1) : 0, e1 = all_pairs(p) ? a1 * (N - 1) : P;
+  for (int64_t e = e0 + tid; e < e1; e += threads) {
+    int64_t i, j;
+    pair_atoms(p, e, i, j);
+    if (i < 0 || i >= N || j < 0 || j >= N) {
+      invalid = 1;
+    } else if (i >= a0 && i < a1) {
+      const float3 v = pair_vector(p, e);
+      const float distance = length(v);
+      if (beyond_cutoff(distance, p.cutoff)) continue;
+      own[atomicAdd(&count, 1)] = OwnPair{static_cast<int>(e), static_cast<int>(i), static_cast<int>(j), distance};
+      if (own_vectors != nullptr) {
+        own_vectors[3 * e] = v.x;
+        own_vectors[3 * e + 1] = v.y;
+        own_vectors[3 * e + 2] = v.z;
+      }
+    }
+  }
+  if constexpr (kTakesAllPairs<Params>) {
+    if (p.positions != nullptr) {
+      if (tid == 0) counters[2] = 0;
+      __syncthreads();
+      for (int64_t e = tid; e < 3 * N; e += threads)
+        if (!isfinite(p.positions[e])) counters[2] = 1;
+    }
   }
   for (int64_t a = tid; a < N; a += threads)
     if (p.atomic_numbers[a] < 0 || p.atomic_numbers[a] >= p.num_embeddings) invalid = 1;
@@ -340,10 +413,16 @@ __device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1
   if (invalid) {
     for (int64_t e = block + static_cast<int64_t>(blocks) * tid; e < P; e += static_cast<int64_t>(blocks) * threads)
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = __int_as_float(0x7fc00000);
-    if (block == 0 && tid == 0) *p.energy = __int_as_float(0x7fc00000);
+    if (block == 0 && tid == 0) {
+      *p.energy = __int_as_float(0x7fc00000);
+      if constexpr (kTakesAllPairs<Params>)
+        if (p.found_pairs != nullptr) *p.found_pairs = -1;
+    }
     return -1;
   }
-  for (int64_t e = tid; e < P; e += threads)  // after the index check: its NaNs must not race these
+  // After the index check: its NaNs must not race these. All pairs: the gradient in the vectors is
+  // the workspace's, which nothing reads.
+  for (int64_t e = tid; e < P && !all_pairs(p); e += threads)
     if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(p, e))
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;
   return count;
@@ -384,12 +463,17 @@ __device__ void readout_and_gradient(const Params& p, int64_t a0, int na, const 
                  AtomStore{grad_x, grad_stride, a0});
 }
 
-// Block 0 adds the blocks' energies, behind a cluster barrier that follows every block's part.
+// Block 0 adds the blocks' energies, behind a cluster barrier that follows every block's part: a
+// lane a part (at most kMaxCluster), so that their loads are in flight together. One thread
+// adding them in a loop waited for each L2 round trip in turn, and the rest of block 0 for it at
+// its next barrier, on the path of every block's next cluster barrier: SchNet's MD on benzene
+// 19,908-19,945 -> 20,721-20,728 steps/s (H200, 2026-11-30, A/B on one machine, with
+// total_pairs). PaiNN's kernel keeps the loop (painn_energy.cu).
 __device__ inline void total_energy(float* energy, const float* parts) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  float total = 0.0f;
-  for (int b = 0; b < static_cast<int>(gridDim.x); ++b) total += __ldcg(&parts[b]);
-  *energy = total;
+  static_assert(kMaxCluster <= 32, "a lane a block");
+  if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+  const float total = warp_sum(threadIdx.x < gridDim.x ? __ldcg(&parts[threadIdx.x]) : 0.0f);
+  if (threadIdx.x == 0) *energy = total;
 }
 
 // The largest cluster (at most kMaxCluster blocks of kThreads) this device runs kKernel in, 1

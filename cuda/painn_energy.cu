@@ -152,6 +152,16 @@ __global__ void __launch_bounds__(kThreads) painn_transpose_kernel(const __grid_
   }
 }
 
+// atom_products.cuh's total_energy, one thread adding the parts in a loop: the lane-parallel sum
+// took PaiNN's kernel on benzene from 198.5 to 213 us (H200, 2026-11-30, A/B on one machine; its
+// register spills 496 -> 532 bytes), where it made SchNet's faster.
+__device__ inline void total_energy_in_a_loop(float* energy, const float* parts) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  float total = 0.0f;
+  for (int b = 0; b < static_cast<int>(gridDim.x); ++b) total += __ldcg(&parts[b]);
+  *energy = total;
+}
+
 __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_constant__ PainnEnergyParams p) {
   __shared__ int counters[2];
   __shared__ OwnPair shared_own_pairs[kSharedPairs];
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
       }
     }
     cluster_sync();  // gphi(t) and gvs(t) complete; every block's energy share written
-    if (t == T - 1) total_energy(p.energy, ws + L.parts);
+    if (t == T - 1) total_energy_in_a_loop(p.energy, ws + L.parts);
     for (int e = tid; e < 3 * na * F; e += threads) {
       const int64_t at = (3 * a0 + e / F) * F4 + e % F;
       gv[at] += __ldcg(&gvst[at]);

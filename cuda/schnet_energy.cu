@@ -81,6 +81,8 @@ struct Layout {
   int64_t readout;      // [N][Kr4]: the readout's hidden layer, later its gradient
   int64_t grad_x;       // [N][F4]
   int64_t parts;        // [kMaxCluster]: each block's share of the energy
+  int64_t pair_counts;  // [kMaxCluster] ints: each block's pairs within the cutoff (all pairs, found_pairs)
+  int64_t vectors;      // [P][3], all pairs: the vectors of its pairs each block keeps (own_pairs_of)
   int64_t transposed;   // the atom-wise weights transposed (SchnetTransposed), unless prepared
   int64_t total;
 };
@@ -117,6 +119,8 @@ __host__ __device__ inline Layout layout_of(const SchnetEnergyParams& p) {
   l.readout = arena.take(N * l.Kr4);
   l.grad_x = arena.take(N * l.F4);
   l.parts = arena.take(kMaxCluster);
+  l.pair_counts = arena.take(kMaxCluster);
+  l.vectors = arena.take(p.positions != nullptr ? 3 * P : 0);
   l.transposed = arena.take(p.prepared != nullptr ? 0 : transposed_of(p).total);
   l.total = arena.size;
   return l;
@@ -275,8 +279,17 @@ __global__ void __launch_bounds__(kThreads) schnet_filters_kernel(const __grid_c
   });
 }
 
+// Block 0 adds the blocks' pair counts into found_pairs (-1 where own_pairs_of found a position
+// that is not finite), behind a cluster barrier that follows them; a lane a block, as total_energy.
+// Not inlined, as the other rare phases: the kernel's registers.
+__device__ __noinline__ void total_pairs(const SchnetEnergyParams& p, const int* pair_counts, bool infinite) {
+  if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+  const int found = warp_sum(threadIdx.x < gridDim.x ? __ldcg(&pair_counts[threadIdx.x]) : 0);
+  if (threadIdx.x == 0) *p.found_pairs = infinite ? -1 : found;
+}
+
 __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_constant__ SchnetEnergyParams p) {
-  __shared__ int counters[2];
+  __shared__ int counters[3];
   __shared__ OwnPair shared_own_pairs[kSharedPairs];
   __shared__ PairGeometry shared_geometry[kSharedPairs];
   __shared__ float scratch[32];
@@ -303,8 +316,18 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
 
   const int64_t a0 = block * N / blocks, a1 = (block + 1) * N / blocks;
   const int na = static_cast<int>(a1 - a0);
-  const int np = own_pairs_of(p, a0, a1, own, counters);
+  // All pairs: each block forms its pairs' vectors from the positions, for itself.
+  float* own_vectors = p.positions != nullptr ? ws + L.vectors : nullptr;
+  const float* vectors = own_vectors != nullptr ? own_vectors : p.vectors;
+  const int np = own_pairs_of(p, a0, a1, own, counters, own_vectors);
+  int* pair_counts = reinterpret_cast<int*>(ws + L.pair_counts);
   if (np < 0) return;
+  if (p.found_pairs != nullptr && tid == 0) pair_counts[block] = np;
+  // Block 0's totals, behind a cluster barrier that follows every block's part.
+  const auto totals = [&] {
+    total_energy(p.energy, ws + L.parts);
+    if (p.found_pairs != nullptr) total_pairs(p, pair_counts, counters[2] != 0);
+  };
   const AtomRows atom_row{a0};
   const auto to = [&](float* out, int64_t stride) { return AtomStore{out, stride, a0}; };
 
@@ -316,7 +339,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   // filters have the cutoff in them: it is 1 here, its slope 0.
   const bool prepared = p.prepared != nullptr;
   for (int r = tid; r < np; r += threads) {
-    const float d = pair_distance(p, own[r].pair);
+    const float d = own[r].distance;
     geometry[r] = PairGeometry{d, prepared ? 1.0f : envelope(CutoffFn::kCosine, d, p.cutoff),
                                prepared ? 0.0f : envelope_derivative(CutoffFn::kCosine, d, p.cutoff), 0.0f};
   }
@@ -417,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     }
     if (t == 0) break;
     cluster_sync();  // grad_h(t) complete; every block's energy share written
-    if (t == T - 1) total_energy(p.energy, ws + L.parts);
+    if (t == T - 1) totals();
     // The product reads grad_h(t) as it is: the barrier's acquire makes the other blocks' atomics
     // visible, and no load of this call has brought its rows into the L1 before.
     linear_product(na, atom_row, ght, M4, M, transposed + TL.in2f + (t - 1) * padded_matrix(F, M), nullptr, F,
@@ -425,7 +448,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
   }
   if (T == 1) {  // no cluster barrier above followed the blocks' energy shares
     cluster_sync();
-    total_energy(p.energy, ws + L.parts);
+    totals();
   } else {
     __syncthreads();  // the pairs' distance gradients
   }
@@ -435,7 +458,7 @@ __global__ void __launch_bounds__(kThreads) schnet_energy_kernel(const __grid_co
     const int64_t pair = own[r].pair;
     const float d = geometry[r].distance;
     const float scale = d > 0.0f ? geometry[r].grad_distance / d : 0.0f;
-    const float g[3] = {scale * p.vectors[3 * pair], scale * p.vectors[3 * pair + 1], scale * p.vectors[3 * pair + 2]};
+    const float g[3] = {scale * vectors[3 * pair], scale * vectors[3 * pair + 1], scale * vectors[3 * pair + 2]};
     store_pair_gradient(p, own[r], g);
   }
 }

@@ -45,6 +45,13 @@ struct SchnetEnergyParams {
   // the prepared tables, its atoms' first h by species and the backward's transposed weights from
   // it. Without it a first kernel forms the filters and the transposed weights every call.
   const float* prepared;
+  // All pairs of an open system instead of a pair list (schnet_energy_all_pairs): positions [N, 3]
+  // set, pairs and vectors null, num_pairs N (N - 1), pair e = i (N - 1) + k atom i receiving from
+  // atom k + (k >= i) (atom_products.cuh's pair_atoms), grad_vectors the workspace's. found_pairs
+  // [1], or null: the pairs within the cutoff, -1 where a position is not finite, as
+  // neighbor_list counts them. Null positions: the pair list.
+  const float* positions;
+  int64_t* found_pairs;
 };
 
 size_t schnet_energy_workspace_bytes(const SchnetEnergyParams& params);

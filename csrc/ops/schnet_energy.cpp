@@ -220,6 +220,23 @@ int64_t schnet_prepared_size(const SchnetShape& s) {
   return prepared_layout(s).total;
 }
 
+namespace {
+
+// `prepared`, where given, for the weights of `s` (`op` names the caller).
+void check_prepared(std::string_view op, const SchnetShape& s, const at::Tensor& embedding,
+                    std::string_view activations, const std::optional<at::Tensor>& prepared) {
+  if (!present(prepared)) return;
+  check_tables_possible(op, s, activations);
+  const int64_t size = schnet_prepared_size(s);
+  MIRAGE_CHECK(prepared->dim() == 1 && prepared->size(0) == size && prepared->scalar_type() == embedding.scalar_type()
+                   && prepared->device() == embedding.device(),
+               op, ": prepared must be schnet_energy_prepare's output for this embedding and these weights, a 1-D ",
+               embedding.scalar_type(), " tensor of ", size, " elements on ", embedding.device(), ", got ",
+               prepared->scalar_type(), " of shape ", prepared->sizes(), " on ", prepared->device());
+}
+
+}  // namespace
+
 SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
                                 const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
                                 int64_t num_rbf, at::TensorList weights, std::string_view activations,
@@ -228,16 +245,44 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
   SchnetShape s = check_schnet_weights(kSchnetEnergy, embedding, num_rbf, weights, activations);
   s.atoms = atomic_numbers.size(0);
   s.pairs = pairs.size(1);
-  if (present(prepared)) {
-    check_tables_possible(kSchnetEnergy, s, activations);
-    const int64_t size = schnet_prepared_size(s);
-    MIRAGE_CHECK(prepared->dim() == 1 && prepared->size(0) == size && prepared->scalar_type() == embedding.scalar_type()
-                     && prepared->device() == embedding.device(),
-                 kSchnetEnergy, ": prepared must be schnet_energy_prepare's output for this embedding and these "
-                 "weights, a 1-D ",
-                 embedding.scalar_type(), " tensor of ", size, " elements on ", embedding.device(), ", got ",
-                 prepared->scalar_type(), " of shape ", prepared->sizes(), " on ", prepared->device());
-  }
+  check_prepared(kSchnetEnergy, s, embedding, activations, prepared);
+  return s;
+}
+
+SchnetShape check_schnet_energy_all_pairs(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                          const at::Tensor& positions, double cutoff, int64_t num_rbf,
+                                          at::TensorList weights, std::string_view activations,
+                                          const std::optional<at::Tensor>& prepared,
+                                          const std::optional<at::Tensor>& num_pairs) {
+  constexpr std::string_view op = kSchnetEnergyAllPairs;
+  check_embedding_and_cutoff(op, embedding, cutoff);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{atomic_numbers, "atomic_numbers"},
+                                {positions, "positions"}})
+    MIRAGE_CHECK(t.device() == embedding.device(), op, ": ", name, " must be on embedding's device (",
+                 embedding.device(), "), got ", t.device());
+  MIRAGE_CHECK(atomic_numbers.scalar_type() == at::kLong && atomic_numbers.dim() == 1, op,
+               ": atomic_numbers must be a 1-D int64 tensor [N], got ", atomic_numbers.scalar_type(), " of shape ",
+               atomic_numbers.sizes());
+  const int64_t atoms = atomic_numbers.size(0);
+  MIRAGE_CHECK(positions.scalar_type() == embedding.scalar_type(), op, ": positions must have embedding's dtype (",
+               embedding.scalar_type(), "), got ", positions.scalar_type());
+  MIRAGE_CHECK(positions.dim() == 2 && positions.size(0) == atoms && positions.size(1) == 3, op,
+               ": positions must have shape [N, 3] = [", atoms, ", 3] (N from atomic_numbers), got ",
+               positions.sizes());
+  // The kernels index the N (N - 1) pairs with 32-bit integers; the search is quadratic anyway,
+  // meant for molecules (neighbor_list and schnet_energy otherwise).
+  constexpr int64_t kMostAtoms = 46340;
+  MIRAGE_CHECK(atoms <= kMostAtoms, op, ": at most ", kMostAtoms, " atoms (every pair is searched: use "
+               "neighbor_list and schnet_energy for large systems), got ", atoms);
+  if (present(num_pairs))
+    MIRAGE_CHECK(num_pairs->scalar_type() == at::kLong && num_pairs->numel() == 1 &&
+                     num_pairs->device() == embedding.device(),
+                 op, ": num_pairs must be a one-element int64 tensor on ", embedding.device(), ", got ",
+                 num_pairs->scalar_type(), " of shape ", num_pairs->sizes(), " on ", num_pairs->device());
+  SchnetShape s = check_schnet_weights(op, embedding, num_rbf, weights, activations);
+  s.atoms = atoms;
+  s.pairs = atoms * std::max<int64_t>(atoms - 1, 0);
+  check_prepared(op, s, embedding, activations, prepared);
   return s;
 }
 
@@ -346,6 +391,42 @@ EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tens
   const at::Tensor grad_d = (grad_basis * basis * (-zk / spacing)).sum(1) + grad_fcut * dfcut + grad_table;
   const at::Tensor grad_vectors = at::where(d > 0, grad_d / d, 0.0).unsqueeze(1) * v;
   return reference_energy_outputs(energy, grad_vectors, idx, s.atoms, embedding.scalar_type());
+}
+
+// Every pair (i, j), i != j, of `atoms` atoms, [2, N (N - 1)], in the CUDA kernel's order.
+at::Tensor all_pairs(int64_t atoms, const at::TensorOptions& options) {
+  const int64_t others = std::max<int64_t>(atoms - 1, 0);
+  const at::Tensor i = at::arange(atoms, options).repeat_interleave(others);
+  const at::Tensor k = at::arange(others, options).repeat({atoms});
+  return at::stack({i, k + (k >= i).to(at::kLong)});
+}
+
+// schnet_energy on all_pairs: the CPU reference is schnet_energy's. num_pairs gets the pairs
+// within the cutoff, or -1 where a position is not finite.
+std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_cpu(
+    const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& positions, double cutoff,
+    int64_t num_rbf, at::TensorList weights, c10::string_view activations, const std::optional<at::Tensor>& prepared,
+    const std::optional<at::Tensor>& num_pairs) {
+  const SchnetShape s = check_schnet_energy_all_pairs(atomic_numbers, embedding, positions, cutoff, num_rbf, weights,
+                                                      activations, prepared, num_pairs);
+  const at::Tensor pairs = all_pairs(s.atoms, atomic_numbers.options());
+  const at::Tensor vectors = positions.index_select(0, pairs[1]) - positions.index_select(0, pairs[0]);
+  auto [energy, grad_vectors, grad_positions] =
+      schnet_energy_cpu(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, prepared);
+  if (present(num_pairs)) {
+    const bool finite = positions.isfinite().all().item<bool>();
+    num_pairs->fill_(finite ? (vectors.norm(2, {1}) < cutoff).sum().item<int64_t>() : -1);
+  }
+  return {energy, grad_positions};
+}
+
+std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_meta(
+    const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& positions, double cutoff,
+    int64_t num_rbf, at::TensorList weights, c10::string_view activations, const std::optional<at::Tensor>& prepared,
+    const std::optional<at::Tensor>& num_pairs) {
+  const SchnetShape s = check_schnet_energy_all_pairs(atomic_numbers, embedding, positions, cutoff, num_rbf, weights,
+                                                      activations, prepared, num_pairs);
+  return {at::empty({}, embedding.options()), at::empty({s.atoms, 3}, embedding.options())};
 }
 
 EnergyOutputs schnet_energy_meta(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
@@ -742,6 +823,7 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_backward_meta(const at::Tensor&
 
 TORCH_LIBRARY_IMPL(mirage, CPU, m) {
   m.impl("schnet_energy", &schnet_energy_cpu);
+  m.impl("schnet_energy_all_pairs", &schnet_energy_all_pairs_cpu);
   m.impl("schnet_energy_prepare", &schnet_energy_prepare_cpu);
   m.impl("radial_cfconv", &radial_cfconv_cpu);
   m.impl("radial_cfconv_backward", &radial_cfconv_backward_cpu);
@@ -750,6 +832,7 @@ TORCH_LIBRARY_IMPL(mirage, CPU, m) {
 }
 TORCH_LIBRARY_IMPL(mirage, Meta, m) {
   m.impl("schnet_energy", &schnet_energy_meta);
+  m.impl("schnet_energy_all_pairs", &schnet_energy_all_pairs_meta);
   m.impl("schnet_energy_prepare", &schnet_energy_prepare_meta);
   m.impl("cfconv", &cfconv_meta);
   m.impl("cfconv_backward", &cfconv_backward_meta);

@@ -13,6 +13,7 @@ namespace mirage::ops {
 
 inline constexpr std::string_view kSchnetEnergy = "mirage::schnet_energy";
 inline constexpr std::string_view kSchnetEnergyPrepare = "mirage::schnet_energy_prepare";
+inline constexpr std::string_view kSchnetEnergyAllPairs = "mirage::schnet_energy_all_pairs";
 // The whole-model ops' (schnet_energy, painn_energy) activations between two Linears, by the
 // names mirage.ff.fused.ACTIVATIONS uses.
 inline constexpr std::string_view kEnergyActivations[] = {"shifted_softplus", "softplus", "silu",
@@ -33,6 +34,13 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
                                 const at::Tensor& pairs, const at::Tensor& vectors, double cutoff,
                                 int64_t num_rbf, at::TensorList weights, std::string_view activations,
                                 const std::optional<at::Tensor>& prepared);
+// schnet_energy_all_pairs' arguments (num_pairs: a [1] int64 tensor on the positions' device, or
+// absent); pairs is N (N - 1).
+SchnetShape check_schnet_energy_all_pairs(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                          const at::Tensor& positions, double cutoff, int64_t num_rbf,
+                                          at::TensorList weights, std::string_view activations,
+                                          const std::optional<at::Tensor>& prepared,
+                                          const std::optional<at::Tensor>& num_pairs);
 // schnet_energy_prepare's arguments, the weights' sizes (atoms and pairs 0). Tables need a smooth
 // filter activation and a message width that is a multiple of 4.
 SchnetShape check_schnet_energy_prepare(const at::Tensor& embedding, double cutoff, int64_t num_rbf,

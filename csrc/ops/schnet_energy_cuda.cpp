@@ -41,33 +41,35 @@ class HeldInputs {
 // What the whole-model ops' wrappers share: the outputs, the common fields of their kernel
 // parameters (the readout: the last four weights and the last activation), contiguous copies of
 // the inputs (alive until the launch is queued; `fill` gets the function that makes them, for the
-// interactions' weights, and the activations by name), the workspace and the launch.
+// interactions' weights, and the activations by name), the workspace and the launch. `pairs`
+// [2, P] and `vectors` [P, 3], or both undefined for every pair of an open system, P = N (N - 1)
+// (schnet_energy_all_pairs: its fill sets the positions).
 template <class Params, class Fill>
-EnergyOutputs run_energy(std::string_view op, int64_t atoms, const at::Tensor& atomic_numbers,
+EnergyOutputs run_energy(std::string_view op, int64_t atoms, int64_t num_pairs, const at::Tensor& atomic_numbers,
                          const at::Tensor& embedding, const at::Tensor& pairs,
                          const at::Tensor& vectors, double cutoff, at::TensorList weights,
                          std::string_view activations, Fill fill,
                          size_t (*workspace_bytes)(const Params&),
                          cudaError_t (*launch)(const Params&, cudaStream_t)) {
   const c10::cuda::CUDAGuard guard(embedding.device());
-  at::Tensor grad_vectors = at::empty({pairs.size(1), 3}, embedding.options());
+  at::Tensor grad_vectors = at::empty({num_pairs, 3}, embedding.options());
   at::Tensor grad_positions = at::empty({atoms, 3}, embedding.options());
   // No atoms: no pairs either (checked), and the energy is 0; otherwise the kernel writes it.
   if (atoms == 0) return {at::zeros({}, embedding.options()), grad_vectors, grad_positions};
   at::Tensor energy = at::empty({}, embedding.options());
 
   HeldInputs ptr;
-  const at::Tensor z = atomic_numbers.contiguous(), idx = pairs.contiguous();
+  const at::Tensor z = atomic_numbers.contiguous(), idx = pairs.defined() ? pairs.contiguous() : at::Tensor();
   Params p{};
   p.atomic_numbers = z.const_data_ptr<int64_t>();
   p.embedding = ptr(embedding);
-  p.pairs = idx.const_data_ptr<int64_t>();
-  p.vectors = ptr(vectors);
+  p.pairs = idx.defined() ? idx.const_data_ptr<int64_t>() : nullptr;
+  p.vectors = vectors.defined() ? ptr(vectors) : nullptr;
   p.energy = energy.mutable_data_ptr<float>();
   p.grad_vectors = grad_vectors.mutable_data_ptr<float>();
   p.grad_positions = grad_positions.mutable_data_ptr<float>();
   p.num_atoms = atoms;
-  p.num_pairs = pairs.size(1);
+  p.num_pairs = num_pairs;
   p.num_embeddings = embedding.size(0);
   p.cutoff = static_cast<float>(cutoff);
   const std::vector<std::string> names = split_activations(activations);
@@ -125,8 +127,31 @@ EnergyOutputs schnet_energy_cuda(const at::Tensor& atomic_numbers, const at::Ten
     fill_schnet(p, s, weights, ptr, names);
     p.prepared = tables.defined() ? ptr(tables) : nullptr;
   };
-  return run_energy(kSchnetEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, weights, activations,
-                    fill, &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
+  return run_energy(kSchnetEnergy, s.atoms, s.pairs, atomic_numbers, embedding, pairs, vectors, cutoff, weights,
+                    activations, fill, &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
+}
+
+std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_cuda(
+    const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& positions, double cutoff,
+    int64_t num_rbf, at::TensorList weights, c10::string_view activations, const std::optional<at::Tensor>& prepared,
+    const std::optional<at::Tensor>& num_pairs) {
+  const SchnetShape s = check_schnet_energy_all_pairs(atomic_numbers, embedding, positions, cutoff, num_rbf, weights,
+                                                      activations, prepared, num_pairs);
+  const at::Tensor tables = present(prepared) ? aligned(*prepared) : at::Tensor();  // read as float4s
+  // The count is written in place by the kernel (the model's buffer: no copy a call); one element,
+  // so contiguous.
+  const bool count = present(num_pairs);
+  const auto fill = [&](cuda::SchnetEnergyParams& p, HeldInputs& ptr, const std::vector<std::string>& names) {
+    fill_schnet(p, s, weights, ptr, names);
+    p.prepared = tables.defined() ? ptr(tables) : nullptr;
+    p.positions = ptr(positions);
+    p.found_pairs = count ? num_pairs->mutable_data_ptr<int64_t>() : nullptr;
+  };
+  auto [energy, grad_vectors, grad_positions] =
+      run_energy(kSchnetEnergyAllPairs, s.atoms, s.pairs, atomic_numbers, embedding, at::Tensor(), at::Tensor(), cutoff,
+                 weights, activations, fill, &cuda::schnet_energy_workspace_bytes, &cuda::launch_schnet_energy);
+  if (count && s.atoms == 0) num_pairs->zero_();  // no launch
+  return {energy, grad_positions};
 }
 
 at::Tensor schnet_energy_prepare_cuda(const at::Tensor& embedding, double cutoff, int64_t num_rbf,
@@ -183,8 +208,8 @@ EnergyOutputs painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tens
       layer.update_activation = kernel_activation(names[s.interactions + t]);
     }
   };
-  return run_energy(kPainnEnergy, s.atoms, atomic_numbers, embedding, pairs, vectors, cutoff, weights, activations,
-                    fill, &cuda::painn_energy_workspace_bytes, &cuda::launch_painn_energy);
+  return run_energy(kPainnEnergy, s.atoms, s.pairs, atomic_numbers, embedding, pairs, vectors, cutoff, weights,
+                    activations, fill, &cuda::painn_energy_workspace_bytes, &cuda::launch_painn_energy);
 }
 
 
@@ -383,6 +408,7 @@ TORCH_LIBRARY_IMPL(mirage, CUDA, m) {
   m.impl("radial_cfconv", &radial_cfconv_cuda);
   m.impl("radial_cfconv_backward", &radial_cfconv_backward_cuda);
   m.impl("schnet_energy", &schnet_energy_cuda);
+  m.impl("schnet_energy_all_pairs", &schnet_energy_all_pairs_cuda);
   m.impl("schnet_energy_prepare", &schnet_energy_prepare_cuda);
   m.impl("painn_energy", &painn_energy_cuda);
   m.impl("cfconv", &cfconv_cuda);

@@ -2,11 +2,13 @@
 
 Every op accepts float32, float16 and bfloat16 inputs (float64 too on the CPU), accumulates in
 float32 (float64 on the CPU reference), returns new tensors (but the MD state updates
-``verlet_kick_drift``, ``verlet_forces_kick`` and ``verlet_forces_kick_drift``, which work in place), and raises
+``verlet_kick_drift``, ``verlet_forces_kick`` and ``verlet_forces_kick_drift``, which work in place, and
+``schnet_energy_all_pairs``' optional pair count), and raises
 ``RuntimeError`` naming the op and the argument on bad input. Weights and biases may be in the input's dtype or float32.
 The force-field ops are the exception on dtypes: ``neighbor_list`` takes float32 positions
 (float64 too on the CPU), ``cfconv``, ``radial_cfconv``, ``schnet_energy`` (and its
-``schnet_energy_prepare``) and ``painn_energy`` take float32 (float64 too on the CPU), and the MD state updates (``verlet_*``)
+``schnet_energy_prepare`` and ``schnet_energy_all_pairs``) and ``painn_energy`` take float32 (float64 too on
+the CPU), and the MD state updates (``verlet_*``)
 take float32 or float64 on every device and compute in the state's dtype; ``neighbor_list``, ``pair_vectors``, ``radial_basis``,
 ``cfconv`` and ``radial_cfconv`` run in float32 under autocast (the message passing ops run in the autocast dtype, like a matmul).
 """
@@ -673,6 +675,46 @@ def schnet_energy(
     return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff),
                                           _integer(num_rbf, "mirage::schnet_energy: num_rbf"),
                                           list(weights), _names(activations), prepared)
+
+
+@_tensors_required
+def schnet_energy_all_pairs(
+    atomic_numbers: Tensor,
+    embedding: Tensor,
+    positions: Tensor,
+    cutoff: float,
+    num_rbf: int,
+    weights: Sequence[Tensor],
+    activations: Union[str, Sequence[str]],
+    prepared: Optional[Tensor] = None,
+    num_pairs: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`schnet_energy` over every pair of atoms of an open system (no cell), the neighbor
+    search inside the op: for small molecules, where :func:`neighbor_list`, the pair count's copy
+    and :func:`pair_vectors` are kernels of a few µs each beside the model's one
+    (``mirage.ff.md`` on benzene: docs/perf/forcefield.md). On CUDA each block of the cluster
+    kernel forms its atoms' pair vectors ``r_j - r_i`` from the positions and keeps those within
+    ``cutoff``. The search is quadratic in the atoms: for molecules, not for large systems (at
+    most 46,340 atoms; :func:`neighbor_list` and :func:`schnet_energy` there).
+
+    Args:
+        positions: ``(N, 3)``, in the embedding's dtype and device.
+        num_pairs: a one-element int64 tensor on that device, or None; written in place with the
+            number of pairs (``i != j``, both orders) closer than ``cutoff``, as
+            :func:`neighbor_list` counts them, or -1 where a position is not finite (or, on CUDA,
+            an atomic number is out of range).
+        atomic_numbers, embedding, cutoff, num_rbf, weights, activations, prepared: as
+            :func:`schnet_energy`'s.
+
+    Returns:
+        ``(energy, grad_positions)``: a 0-dim tensor and ``d energy / d positions`` ``(N, 3)``,
+        equal to :func:`schnet_energy`'s on every pair ``(i, j)``, ``i != j``, with vectors
+        ``positions[j] - positions[i]``. Differentiable in ``positions`` (first order), with
+        :func:`schnet_energy`'s errors for the rest.
+    """
+    return torch.ops.mirage.schnet_energy_all_pairs(atomic_numbers, embedding, positions, float(cutoff),
+                                                    _integer(num_rbf, "mirage::schnet_energy_all_pairs: num_rbf"),
+                                                    list(weights), _names(activations), prepared, num_pairs)
 
 
 @_tensors_required

@@ -136,11 +136,18 @@ def assert_energy_op_matches_composite(op, composite, args, name):
     torch_energy, torch_grad = composite(*args)
     for ours, theirs, ref in ((energy, torch_energy, ref_energy), (grad, torch_grad, ref_grad),
                               (grad_positions, onto_atoms(torch_grad, pairs, atoms), ref_positions)):
-        scale = ref.abs().max().item() if ref.numel() else 0.0
-        ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
-        theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
-        assert ours_error <= REDUCTION_ERROR_FACTOR * theirs_error + tolerance(dtype)["atol"] * max(scale, 1.0), \
-            (name, ours_error, theirs_error, scale)
+        assert_within_pytorch_error(ours, theirs, ref, name)
+
+
+def assert_within_pytorch_error(ours, theirs, ref, name):
+    """ours' max error against the float64 ``ref`` is within REDUCTION_ERROR_FACTOR x PyTorch's own
+    (``theirs``, the same computation in ours' dtype) + the dtype's atol, relative to ref's scale:
+    the bound for a whole network's worth of float32 rounding."""
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    ours_error = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
+    theirs_error = (theirs.double() - ref).abs().max().item() if ref.numel() else 0.0
+    assert ours_error <= REDUCTION_ERROR_FACTOR * theirs_error + tolerance(ours.dtype)["atol"] * max(scale, 1.0), \
+        (name, ours_error, theirs_error, scale)
 
 
 def energy_op_opcheck(op, args):

@@ -990,15 +990,17 @@ def test_fused_model_graph_matches_reference(periodic):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cls, op", [(SchNet, "mirage.schnet_energy"), (PaiNN, "mirage.painn_energy")])
+@pytest.mark.parametrize("cls, ops", [(SchNet, ("mirage.schnet_energy_all_pairs", "mirage.schnet_energy")),
+                                      (PaiNN, ("mirage.painn_energy",) * 2)])
 @pytest.mark.parametrize("periodic", [False, True])
-def test_whole_model_energy_and_gradient_without_autograd(cls, op, periodic):
+def test_whole_model_energy_and_gradient_without_autograd(cls, ops, periodic):
     # A fused model that runs as one op gives its energy and gradient without autograd (its op forms
     # the gradient in the pair vectors with the energy, and scatters it onto the atoms): what
     # forward and torch.autograd.grad give, without autograd's fill of the energy's gradient and
     # product with it, nor a pair_vectors_backward. evaluate (the Calculator's and mirage.ff.md's
     # force call) takes that path.
     torch.manual_seed(0)
+    op = ops[periodic]  # SchNet on a molecule: the op that searches every pair itself
     fast = mirage.ff.optimize(cls(cutoff=4.0).cuda().eval())
     numbers, positions, cell, pbc = structure(periodic_atoms(n=12) if periodic else benzene_atoms())
     with OpCounter() as counter:

@@ -18,7 +18,7 @@ OPS = ["add_layer_norm", "bias_act", "cfconv", "cfconv_backward", "geglu", "grou
        "message_passing", "neighbor_list", "painn_energy", "painn_update", "painn_update_backward",
        "painn_update_input", "painn_update_input_backward", "pair_product", "pair_vectors", "pair_vectors_backward",
        "radial_basis", "radial_basis_backward", "radial_cfconv", "radial_cfconv_backward", "schnet_energy",
-       "schnet_energy_prepare",
+       "schnet_energy_all_pairs", "schnet_energy_prepare",
        "sender_order", "subpixel_shuffle", "vector_message_passing", "vector_message_passing_backward",
        "verlet_forces_kick", "verlet_forces_kick_drift", "verlet_kick_drift"]
 

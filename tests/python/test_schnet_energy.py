@@ -267,16 +267,19 @@ def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
     positions = positions.requires_grad_(True)
 
     layered_energy, layered_forces, layered_ops = energy_forces_and_ops(model, numbers, positions, True)
+    # A molecule whose capacity holds every pair: the op that searches them itself.
     energy, forces, calls = energy_forces_and_ops(model, numbers, positions, False)
-    assert "mirage.schnet_energy" in calls and "mirage.schnet_energy" not in layered_ops
+    assert "mirage.schnet_energy_all_pairs" in calls and "mirage.neighbor_list" not in calls
+    assert "mirage.schnet_energy_all_pairs" not in layered_ops
     torch.testing.assert_close(energy, layered_energy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(forces, layered_forces, rtol=1e-4, atol=1e-5 * layered_forces.abs().max().item())
+    assert int(model.num_pairs) == 132  # benzene's pairs within 5 A: all of them
 
     # The limit is on the capacity: at it the kernel runs, one pair above it the layers do.
     for capacity, one_kernel in ((model.whole_model_max_pairs, True), (model.whole_model_max_pairs + 1, False)):
         model.max_pairs = capacity
         _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
-        assert ("mirage.schnet_energy" in calls) == one_kernel, capacity
+        assert ("mirage.schnet_energy_all_pairs" in calls) == one_kernel, capacity
 
 
 # ---- prepared weights (schnet_energy_prepare) ---------------------------------------------------

@@ -440,14 +440,25 @@ class _FusedModel(nn.Module):
 
     def _whole_model_energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                                          pbc: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
-        self._capacity(positions, *self._boundaries(positions, cell, pbc))
+        boundaries = self._boundaries(positions, cell, pbc)
+        self._capacity(positions, *boundaries)
         if not self._whole_model_kernel(atomic_numbers, positions):
             return None
         with torch.no_grad():
+            searched = self._all_pairs_energy(atomic_numbers, positions, boundaries[0])
+            if searched is not None:
+                return searched
             found = self._neighbors(positions, cell, pbc)
             # The op scatters its pair-vector gradient onto the atoms itself (no pair_vectors_backward).
             energy, _, grad = self._whole_model_op(atomic_numbers, found.pairs, found.vectors)
         return energy, grad
+
+    def _all_pairs_energy(self, atomic_numbers: Tensor, positions: Tensor,
+                          cell: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+        """Where the model has a whole-model op that searches the pairs itself and may use it:
+        (energy, its gradient in the positions), the pair count written into ``num_pairs``; None
+        otherwise (the neighbor list's path). Called where the whole-model op runs."""
+        return None
 
     def _forward_is_plain(self) -> bool:
         """Whether calling the model runs SchNet's or PaiNN's forward as written here: no subclass
@@ -723,6 +734,12 @@ class SchNet(_FusedModel):
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
         """The forward without the capacity check: what a CUDA graph of it records."""
+        boundaries = self._boundaries(positions, cell, pbc)
+        self._capacity(positions, *boundaries)
+        if self._whole_model_kernel(atomic_numbers, positions):
+            searched = self._all_pairs_energy(atomic_numbers, positions, boundaries[0])
+            if searched is not None:
+                return searched[0]
         pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
             return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
@@ -810,6 +827,21 @@ class SchNet(_FusedModel):
         return ops.schnet_energy(atomic_numbers, self.embedding.weight, pairs, vectors, self.cutoff, self.num_rbf,
                                  self._kernel_weights(), self._kernel_activations(),
                                  self._prepared_weights if self._use_prepared else None)
+
+    def _all_pairs_energy(self, atomic_numbers: Tensor, positions: Tensor,
+                          cell: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+        """mirage::schnet_energy_all_pairs for an open system whose capacity holds every pair (a
+        molecule of up to 64 atoms at the default capacity): the search inside the op's kernel,
+        so that the neighbor list, the count's copy into ``num_pairs`` and the pair vectors are
+        no kernels of their own (docs/perf/forcefield.md, "The pair search inside SchNet's
+        kernel"). The op counts the pairs within the cutoff as the neighbor list does."""
+        atoms = positions.shape[0]
+        if cell is not None or self._max_pairs < atoms * (atoms - 1):
+            return None
+        return ops.schnet_energy_all_pairs(atomic_numbers, self.embedding.weight, positions, self.cutoff,
+                                           self.num_rbf, self._kernel_weights(), self._kernel_activations(),
+                                           self._prepared_weights if self._use_prepared else None,
+                                           num_pairs=self.num_pairs)
 
     @contextlib.contextmanager
     def prepared_weights(self) -> Iterator[None]:
