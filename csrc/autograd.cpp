@@ -1037,6 +1037,9 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_autograd(
             atomic_numbers, embedding, positions, cutoff, num_rbf, weights, activations, prepared, num_pairs);
         return variable_list{energy, grad_positions};
       }));
+  // The count was written below ADInplaceOrView, which would have bumped its version (as an
+  // in-place op's output's): bumped here.
+  if (present(num_pairs)) torch::autograd::impl::bump_version(*num_pairs);
   return {out[0], out[1]};
 }
 

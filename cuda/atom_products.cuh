@@ -421,7 +421,7 @@ __device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1
     return -1;
   }
   // After the index check: its NaNs must not race these. All pairs: the gradient in the vectors is
-  // the workspace's, which nothing reads.
+  // a buffer nobody reads.
   for (int64_t e = tid; e < P && !all_pairs(p); e += threads)
     if (p.pairs[e] >= a0 && p.pairs[e] < a1 && beyond_cutoff(p, e))
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = 0.0f;

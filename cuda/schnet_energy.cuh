@@ -47,7 +47,7 @@ struct SchnetEnergyParams {
   const float* prepared;
   // All pairs of an open system instead of a pair list (schnet_energy_all_pairs): positions [N, 3]
   // set, pairs and vectors null, num_pairs N (N - 1), pair e = i (N - 1) + k atom i receiving from
-  // atom k + (k >= i) (atom_products.cuh's pair_atoms), grad_vectors the workspace's. found_pairs
+  // atom k + (k >= i) (atom_products.cuh's pair_atoms), grad_vectors a [P, 3] buffer nobody reads. found_pairs
   // [1], or null: the pairs within the cutoff, -1 where a position is not finite, as
   // neighbor_list counts them. Null positions: the pair list.
   const float* positions;

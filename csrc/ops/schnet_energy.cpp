@@ -222,6 +222,14 @@ int64_t schnet_prepared_size(const SchnetShape& s) {
 
 namespace {
 
+// The whole-model kernels' loops over a block's pairs and their features count in 32 bits; with
+// one block (below sm_90) a block has every pair.
+void check_index_range(std::string_view op, const SchnetShape& s) {
+  MIRAGE_CHECK(s.pairs * std::max<int64_t>(s.message_width, 1) * s.interactions < (int64_t{1} << 31), op,
+               ": pairs x message width x interactions must stay below 2^31 (the kernels index them in 32 "
+               "bits), got ", s.pairs, " x ", s.message_width, " x ", s.interactions);
+}
+
 // `prepared`, where given, for the weights of `s` (`op` names the caller).
 void check_prepared(std::string_view op, const SchnetShape& s, const at::Tensor& embedding,
                     std::string_view activations, const std::optional<at::Tensor>& prepared) {
@@ -245,6 +253,7 @@ SchnetShape check_schnet_energy(const at::Tensor& atomic_numbers, const at::Tens
   SchnetShape s = check_schnet_weights(kSchnetEnergy, embedding, num_rbf, weights, activations);
   s.atoms = atomic_numbers.size(0);
   s.pairs = pairs.size(1);
+  check_index_range(kSchnetEnergy, s);
   check_prepared(kSchnetEnergy, s, embedding, activations, prepared);
   return s;
 }
@@ -269,11 +278,6 @@ SchnetShape check_schnet_energy_all_pairs(const at::Tensor& atomic_numbers, cons
   MIRAGE_CHECK(positions.dim() == 2 && positions.size(0) == atoms && positions.size(1) == 3, op,
                ": positions must have shape [N, 3] = [", atoms, ", 3] (N from atomic_numbers), got ",
                positions.sizes());
-  // The kernels index the N (N - 1) pairs with 32-bit integers; the search is quadratic anyway,
-  // meant for molecules (neighbor_list and schnet_energy otherwise).
-  constexpr int64_t kMostAtoms = 46340;
-  MIRAGE_CHECK(atoms <= kMostAtoms, op, ": at most ", kMostAtoms, " atoms (every pair is searched: use "
-               "neighbor_list and schnet_energy for large systems), got ", atoms);
   if (present(num_pairs))
     MIRAGE_CHECK(num_pairs->scalar_type() == at::kLong && num_pairs->numel() == 1 &&
                      num_pairs->device() == embedding.device(),
@@ -281,7 +285,8 @@ SchnetShape check_schnet_energy_all_pairs(const at::Tensor& atomic_numbers, cons
                  num_pairs->scalar_type(), " of shape ", num_pairs->sizes(), " on ", num_pairs->device());
   SchnetShape s = check_schnet_weights(op, embedding, num_rbf, weights, activations);
   s.atoms = atoms;
-  s.pairs = atoms * std::max<int64_t>(atoms - 1, 0);
+  s.pairs = atoms * std::max<int64_t>(atoms - 1, 0);  // every pair searched: for molecules
+  check_index_range(op, s);
   check_prepared(op, s, embedding, activations, prepared);
   return s;
 }
@@ -410,6 +415,7 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_cpu(
   const SchnetShape s = check_schnet_energy_all_pairs(atomic_numbers, embedding, positions, cutoff, num_rbf, weights,
                                                       activations, prepared, num_pairs);
   const at::Tensor pairs = all_pairs(s.atoms, atomic_numbers.options());
+  check_energy_indices(kSchnetEnergyAllPairs, atomic_numbers, embedding, pairs);  // named as this op
   const at::Tensor vectors = positions.index_select(0, pairs[1]) - positions.index_select(0, pairs[0]);
   auto [energy, grad_vectors, grad_positions] =
       schnet_energy_cpu(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, prepared);

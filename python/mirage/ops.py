@@ -694,8 +694,10 @@ def schnet_energy_all_pairs(
     and :func:`pair_vectors` are kernels of a few µs each beside the model's one
     (``mirage.ff.md`` on benzene: docs/perf/forcefield.md). On CUDA each block of the cluster
     kernel forms its atoms' pair vectors ``r_j - r_i`` from the positions and keeps those within
-    ``cutoff``. The search is quadratic in the atoms: for molecules, not for large systems (at
-    most 46,340 atoms; :func:`neighbor_list` and :func:`schnet_energy` there).
+    ``cutoff``. The search is quadratic in the atoms: for molecules, not for large systems
+    (:func:`neighbor_list` and :func:`schnet_energy` there); ``N (N - 1)`` x the message width x
+    the interactions must stay below 2^31, as :func:`schnet_energy`'s pairs (its kernels count in
+    32 bits).
 
     Args:
         positions: ``(N, 3)``, in the embedding's dtype and device.

@@ -238,6 +238,16 @@ def test_schnet_energy_bad_input(device, changes, message):
     assert_error(lambda d: _call(d, **changes), device, "mirage::schnet_energy: " + message)
 
 
+def test_schnet_energy_refuses_more_pairs_than_its_kernels_index():
+    # "odd": message width 6, 2 interactions: 178,956,970 pairs x 12 < 2^31. On the Meta device:
+    # the checks alone, no memory.
+    def call(pairs):
+        return _call("meta", pairs=lambda p: p.new_zeros(2, pairs), vectors=lambda v: v.new_zeros(pairs, 3))
+
+    assert call(178956970)[1].shape == (178956970, 3)
+    assert_error(lambda d: call(178956971), "meta", "pairs x message width x interactions must stay below 2^31")
+
+
 def test_schnet_energy_cpu_checks_indices():
     assert_energy_op_cpu_index_errors(_call)
 
@@ -280,6 +290,32 @@ def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
         model.max_pairs = capacity
         _, _, calls = energy_forces_and_ops(model, numbers, positions, False)
         assert ("mirage.schnet_energy_all_pairs" in calls) == one_kernel, capacity
+
+
+@pytest.mark.cuda
+def test_fused_schnet_on_a_molecule_below_every_pair_takes_the_neighbor_list():
+    """A molecule whose capacity is below its N (N - 1) pairs (yet holds those within the cutoff:
+    114 of benzene's 132 within 4 A): the neighbor list and schnet_energy on its pairs, with the
+    energy, forces and count of the all-pairs op."""
+    from forcefield.benzene import benzene
+    from forcefield.models import SchNet
+
+    torch.manual_seed(0)
+    model = mirage.ff.optimize(SchNet(cutoff=4.0).cuda()).eval()
+    numbers, positions = benzene(torch.float32, "cuda")
+    results = {}
+    for capacity in (None, 131):  # None: the first call sizes it, every pair
+        model.max_pairs = capacity
+        leaf = positions.clone().requires_grad_(True)
+        energy, forces, calls = energy_forces_and_ops(model, numbers, leaf, False)
+        ops = [name for name in calls if name.startswith(("mirage.schnet_energy", "mirage.neighbor_list"))]
+        results[capacity] = energy, forces, int(model.num_pairs), ops
+    assert results[None][3] == ["mirage.schnet_energy_all_pairs"] and model.max_pairs == 131
+    assert results[131][3] == ["mirage.neighbor_list", "mirage.schnet_energy"]
+    assert results[None][2] == results[131][2] == 114
+    torch.testing.assert_close(results[131][0], results[None][0], rtol=1e-6, atol=1e-6)
+    scale = results[None][1].abs().max().item()
+    torch.testing.assert_close(results[131][1], results[None][1], rtol=0, atol=1e-5 * scale)
 
 
 # ---- prepared weights (schnet_energy_prepare) ---------------------------------------------------

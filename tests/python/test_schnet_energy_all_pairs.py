@@ -147,6 +147,10 @@ def test_all_pairs_opcheck(device, count):
     args[6] = ",".join(args[6])
     num_pairs = torch.zeros(1, dtype=torch.int64, device=device) if count else None
     torch.library.opcheck(torch.ops.mirage.schnet_energy_all_pairs.default, (*args, None, num_pairs))
+    if count:  # written in place, as an in-place op's output: its version moves
+        version = num_pairs._version
+        torch.ops.mirage.schnet_energy_all_pairs.default(*args, None, num_pairs)
+        assert num_pairs._version > version
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,12 +166,14 @@ def test_all_pairs_refuses_parameter_gradients(device):
 
 
 @pytest.mark.cuda
-def test_all_pairs_cuda_graph_replays_new_positions():
+@pytest.mark.parametrize("prepared", [False, True], ids=["weights", "prepared"])
+def test_all_pairs_cuda_graph_replays_new_positions(prepared):
     """Captured with its count, replayed on new positions: the energy, gradient and count of eager
-    calls (float atomics: not bitwise)."""
+    calls (float atomics: not bitwise). Without prepared tables: the filters kernel, which reads
+    the positions too, and the cluster kernel launched beside it."""
     torch.manual_seed(5)
     args = list(make_all_pairs_inputs("benzene", "cuda", torch.float32))
-    table = _prepare(as_pair_list(args))
+    table = _prepare(as_pair_list(args)) if prepared else None
     static = args[2].clone()
     count = torch.zeros(1, dtype=torch.int64, device="cuda")
     graph, (energy, grad) = capture_graph(
@@ -213,15 +219,20 @@ def test_all_pairs_bad_input(device, changes, message):
     assert_error(lambda d: _call(d, **changes), device, "mirage::schnet_energy_all_pairs: " + message)
 
 
-def test_all_pairs_refuses_more_atoms_than_it_indexes():
-    atoms = 46341
-    assert_error(lambda d: _call(d, atomic_numbers=lambda z: z.new_zeros(atoms),
-                                 positions=lambda r: r.new_zeros(atoms, 3)), "cpu", "at most 46340 atoms")
+def test_all_pairs_refuses_more_pairs_than_its_kernels_index():
+    # "odd": message width 6, 2 interactions: 13,377 atoms make 178,930,752 pairs, 12 x that < 2^31;
+    # 13,378 make 178,957,506, past it.
+    # On the Meta device: the checks alone, no memory.
+    def call(atoms):
+        return _call("meta", atomic_numbers=lambda z: z.new_zeros(atoms), positions=lambda r: r.new_zeros(atoms, 3))
+
+    assert call(13377)[1].shape == (13377, 3)
+    assert_error(lambda d: call(13378), "meta", "pairs x message width x interactions must stay below 2^31")
 
 
 def test_all_pairs_cpu_checks_atomic_numbers():
     assert_error(lambda d: _call(d, atomic_numbers=lambda z: z.clone().fill_(99)), "cpu",
-                 "atomic_numbers[0] = 99 is out of range")
+                 "mirage::schnet_energy_all_pairs: atomic_numbers[0] = 99 is out of range")
 
 
 @pytest.mark.cuda
@@ -240,18 +251,28 @@ def test_all_pairs_cuda_device_mismatch():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_all_pairs_compiles(device):
+    """Under torch.compile(fullgraph=True) with its count, and through autograd: the energy, the
+    op's gradient output and autograd's gradient in the positions of eager calls."""
     dtype = torch.float32 if device == "cuda" else torch.float64
     atomic_numbers, embedding, positions, *rest = make_all_pairs_inputs("odd", device, dtype)
     count = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def energy_and_forces(r):
-        energy, grad = mirage.ops.schnet_energy_all_pairs(atomic_numbers, embedding, r, *rest, num_pairs=count)
-        return energy, -grad
+    def energy_and_gradients(r):
+        leaf = r.detach().requires_grad_(True)
+        energy, grad = mirage.ops.schnet_energy_all_pairs(atomic_numbers, embedding, leaf, *rest, num_pairs=count)
+        (autograd,) = torch.autograd.grad(2.0 * energy, leaf)
+        return energy.detach(), grad, autograd
 
-    compiled = torch.compile(energy_and_forces, fullgraph=True)
-    got = compiled(positions)
+    got = torch.compile(energy_and_gradients, fullgraph=False)(positions)
     compiled_count = int(count)
-    want = energy_and_forces(positions)
+    count.zero_()
+    want = energy_and_gradients(positions)
     assert compiled_count == int(count) == within_cutoff(positions, rest[0])
+    torch.testing.assert_close(want[2], 2.0 * want[1])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * max(b.abs().max().item(), 1.0))
+    forward = torch.compile(lambda r: mirage.ops.schnet_energy_all_pairs(atomic_numbers, embedding, r, *rest,
+                                                                         num_pairs=count), fullgraph=True)
+    count.zero_()
+    torch.testing.assert_close(forward(positions)[1], want[1], rtol=1e-6, atol=1e-6 * max(want[1].abs().max().item(), 1.0))
+    assert int(count) == compiled_count

@@ -350,13 +350,13 @@ class _FusedModel(nn.Module):
         capacity = _round_up(int(count * _CAPACITY_HEADROOM) + _CAPACITY_ROUNDING, _CAPACITY_ROUNDING)
         return min(capacity, all_pairs) if cell is None else capacity
 
-    def _neighbors(self, positions: Tensor, cell, pbc) -> _Neighbors:
+    def _neighbors(self, positions: Tensor, cell: Optional[Tensor], pbc: Optional[Tensor]) -> _Neighbors:
         """The pairs [2, P], their shifts [P, 3], their true count, their sender order, the vectors
-        r_j - r_i + shift [P, 3] and distances [P], with P = max_pairs. The order (CUDA only;
+        r_j - r_i + shift [P, 3] and distances [P], with P = max_pairs; ``cell`` and ``pbc`` as
+        :meth:`_boundaries` gives them. The order (CUDA only;
         mirage::sender_order, the padding past the count last) is formed once for the backwards of
         every op over the pairs, which would otherwise each sort them again (three to four times a
         call at 3,000 atoms, ~18 us each on an H200)."""
-        cell, pbc = self._boundaries(positions, cell, pbc)
         pairs, shifts, _, num_pairs = ops.neighbor_list(positions, self.cutoff, cell, pbc,
                                                         max_pairs=self._capacity(positions, cell, pbc))
         self.num_pairs.copy_(num_pairs)
@@ -440,12 +440,12 @@ class _FusedModel(nn.Module):
 
     def _whole_model_energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                                          pbc: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
-        boundaries = self._boundaries(positions, cell, pbc)
-        self._capacity(positions, *boundaries)
+        cell, pbc = self._boundaries(positions, cell, pbc)
+        self._capacity(positions, cell, pbc)
         if not self._whole_model_kernel(atomic_numbers, positions):
             return None
         with torch.no_grad():
-            searched = self._all_pairs_energy(atomic_numbers, positions, boundaries[0])
+            searched = self._all_pairs_energy(atomic_numbers, positions, cell)
             if searched is not None:
                 return searched
             found = self._neighbors(positions, cell, pbc)
@@ -598,7 +598,8 @@ class SchNet(_FusedModel):
         max_pairs: neighbor-list capacity (None: the first forward chooses it).
         num_pairs: ``[1]`` int64 buffer, the true pair count of the last forward.
         whole_model_max_pairs: the largest capacity that runs as one schnet_energy op in eval mode (see
-            :meth:`forward`); 0 turns that path off.
+            :meth:`forward`; schnet_energy_all_pairs for an open system whose capacity holds every
+            pair); 0 turns that path off.
         whole_model_max_atoms: ... and the most atoms. Measured crossover: docs/perf/forcefield.md.
     """
 
@@ -720,8 +721,9 @@ class SchNet(_FusedModel):
         In eval mode, on CUDA in float32 (under autocast too, where these ops run in float32),
         systems of at most :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
         :attr:`whole_model_max_atoms` atoms run as one op,
-        ``mirage::schnet_energy``: energy and forces (and stress), but no gradient in the
-        parameters and no double backward. Larger systems under the same conditions run each
+        ``mirage::schnet_energy`` (``mirage::schnet_energy_all_pairs`` for an open system whose
+        capacity holds every pair: the pair search inside its kernel): energy and forces (and
+        stress), but no gradient in the parameters and no double backward. Larger systems under the same conditions run each
         interaction as one ``mirage::radial_cfconv`` (the filters from a float64-built table of
         the filter network) or ``mirage::cfconv`` (filter network, cutoff and message passing
         fused; :attr:`fused_interactions`, :attr:`radial_interactions`). Training mode takes the
@@ -734,10 +736,10 @@ class SchNet(_FusedModel):
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
         """The forward without the capacity check: what a CUDA graph of it records."""
-        boundaries = self._boundaries(positions, cell, pbc)
-        self._capacity(positions, *boundaries)
+        cell, pbc = self._boundaries(positions, cell, pbc)
+        self._capacity(positions, cell, pbc)
         if self._whole_model_kernel(atomic_numbers, positions):
-            searched = self._all_pairs_energy(atomic_numbers, positions, boundaries[0])
+            searched = self._all_pairs_energy(atomic_numbers, positions, cell)
             if searched is not None:
                 return searched[0]
         pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
@@ -831,7 +833,7 @@ class SchNet(_FusedModel):
     def _all_pairs_energy(self, atomic_numbers: Tensor, positions: Tensor,
                           cell: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
         """mirage::schnet_energy_all_pairs for an open system whose capacity holds every pair (a
-        molecule of up to 64 atoms at the default capacity): the search inside the op's kernel,
+        molecule of up to 51 atoms at the default capacity and limits): the search inside the op's kernel,
         so that the neighbor list, the count's copy into ``num_pairs`` and the pair vectors are
         no kernels of their own (docs/perf/forcefield.md, "The pair search inside SchNet's
         kernel"). The op counts the pairs within the cutoff as the neighbor list does."""
@@ -1102,7 +1104,8 @@ class PaiNN(_FusedModel):
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
         """The forward without the capacity check: what a CUDA graph of it records."""
-        pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
+        pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions,
+                                                                         *self._boundaries(positions, cell, pbc))
         if self._whole_model_kernel(atomic_numbers, positions):
             return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
         directions = vectors / distances.unsqueeze(-1)
