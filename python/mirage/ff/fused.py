@@ -723,8 +723,8 @@ class SchNet(_FusedModel):
         :attr:`whole_model_max_atoms` atoms run as one op,
         ``mirage::schnet_energy`` (``mirage::schnet_energy_all_pairs`` for an open system whose
         capacity holds every pair: the pair search inside its kernel): energy and forces (and
-        stress), but no gradient in the parameters and no double backward. Larger systems under the same conditions run each
-        interaction as one ``mirage::radial_cfconv`` (the filters from a float64-built table of
+        stress), but no gradient in the parameters and no double backward. Larger systems under
+        the same conditions run each interaction as one ``mirage::radial_cfconv`` (the filters from a float64-built table of
         the filter network) or ``mirage::cfconv`` (filter network, cutoff and message passing
         fused; :attr:`fused_interactions`, :attr:`radial_interactions`). Training mode takes the
         layer-by-layer path, which has both.
@@ -833,9 +833,9 @@ class SchNet(_FusedModel):
     def _all_pairs_energy(self, atomic_numbers: Tensor, positions: Tensor,
                           cell: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
         """mirage::schnet_energy_all_pairs for an open system whose capacity holds every pair (a
-        molecule of up to 51 atoms at the default capacity and limits): the search inside the op's kernel,
-        so that the neighbor list, the count's copy into ``num_pairs`` and the pair vectors are
-        no kernels of their own (docs/perf/forcefield.md, "The pair search inside SchNet's
+        molecule of up to 51 atoms at the default capacity and limits): the search inside the
+        op's kernel, so that the neighbor list, the count's copy into ``num_pairs`` and the pair
+        vectors are no kernels of their own (docs/perf/forcefield.md, "The pair search inside SchNet's
         kernel"). The op counts the pairs within the cutoff as the neighbor list does."""
         atoms = positions.shape[0]
         if cell is not None or self._max_pairs < atoms * (atoms - 1):
