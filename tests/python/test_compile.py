@@ -119,41 +119,43 @@ def test_dynamic_shapes_compile_once(name, device):
 
 # The U-Net's ops over a batch of data-dependent size: each maps a batch tensor x to the op's
 # call; inputs that share the batch (a residual) are formed from x, as they would share its size
-# in a model. (4-D input shape, whether it is also tried channels-last.)
-def _unbacked_batch_cases(device):
+# in a model. (Input shape, whether it is also tried channels-last, the dimensions that may be
+# data-dependent: the batch, and the sizes no weight is compared with.)
+def _unbacked_cases(device):
     w8, b8 = randn(8, device=device), randn(8, device=device)
     w16, b16 = randn(16, device=device), randn(16, device=device)
     weight, bias4 = randn(4, 16, device=device), randn(4, device=device)
     ops = torch.ops.mirage
     return {
-        "group_norm": (lambda x: ops.group_norm(x, 4, w8, b8, 1e-5, "silu"), (7, 8, 5, 6), True),
-        "layer_norm": (lambda x: ops.layer_norm(x, w16, b16, 1e-5), (7, 9, 16), False),
-        "add_layer_norm": (lambda x: ops.add_layer_norm(x, x.cos(), w16, b16, 1e-5), (7, 16), False),
-        "geglu": (lambda x: ops.geglu(x, "tanh"), (7, 9, 16), False),
-        "bias_act": (lambda x: ops.bias_act(x, b8, x.sin(), "gelu", 0.5), (7, 8, 5, 6), True),
-        "linear": (lambda x: ops.linear(x, weight, bias4, x[:, :4].cos(), "silu"), (7, 16), False),
-        "subpixel_shuffle": (lambda x: ops.subpixel_shuffle(x, bias4), (7, 16, 5, 6), True),
+        "group_norm": (lambda x: ops.group_norm(x, 4, w8, b8, 1e-5, "silu"), (7, 8, 5, 6), True, (0,)),
+        "layer_norm": (lambda x: ops.layer_norm(x, w16, b16, 1e-5), (7, 9, 16), False, (0, 1)),
+        "add_layer_norm": (lambda x: ops.add_layer_norm(x, x.cos(), w16, b16, 1e-5), (7, 16), False, (0,)),
+        "geglu": (lambda x: ops.geglu(x, "tanh"), (7, 9, 16), False, (0, 1)),
+        "bias_act": (lambda x: ops.bias_act(x, b8, x.sin(), "gelu", 0.5), (7, 8, 5, 6), True, (0, 2, 3)),
+        "linear": (lambda x: ops.linear(x, weight, bias4, x[:, :4].cos(), "silu"), (7, 16), False, (0,)),
+        "subpixel_shuffle": (lambda x: ops.subpixel_shuffle(x, bias4), (7, 16, 5, 6), True, (0,)),
     }
 
 
-UNBACKED_CASES = [(name, layout) for name, (_, _, four_d) in _unbacked_batch_cases("cpu").items()
-                  for layout in (("contiguous", "channels_last") if four_d else ("contiguous",))]
+UNBACKED_CASES = [(name, layout, dim) for name, (_, _, four_d, dims) in _unbacked_cases("cpu").items()
+                  for layout in (("contiguous", "channels_last") if four_d else ("contiguous",)) for dim in dims]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name, layout", UNBACKED_CASES)
-def test_unbacked_batch(name, layout, device):
-    """A batch whose size is data-dependent (mark_unbacked: no guard may be put on it) traces
-    with fullgraph, channels-last input included (its layout read without a guard), and the
-    compiled forward and backward equal eager's, in eager's memory format."""
+@pytest.mark.parametrize("name, layout, dim", UNBACKED_CASES)
+def test_unbacked_sizes(name, layout, dim, device):
+    """A batch (or a sequence length, or bias_act's spatial size) whose size is data-dependent
+    (mark_unbacked: no guard may be put on it) traces with fullgraph, channels-last input
+    included (its layout read without a guard), and the compiled forward and backward equal
+    eager's, in eager's memory format."""
     torch._dynamo.reset()
-    call, shape, _ = _unbacked_batch_cases(device)[name]
+    call, shape, _, _ = _unbacked_cases(device)[name]
     x = randn(*shape, device=device)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     twin = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
-    torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch._dynamo.decorators.mark_unbacked(x, dim)
     got, expected = _outputs(torch.compile(call, backend="aot_eager", fullgraph=True)(x)), _outputs(call(twin))
     for g, e in zip(got, expected):
         assert g.shape == e.shape and g.stride() == e.stride()
