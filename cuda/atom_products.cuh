@@ -312,7 +312,7 @@ __device__ __forceinline__ bool all_pairs(const Params& p) {
 template <class Params>
 __device__ __forceinline__ void pair_atoms(const Params& p, int64_t e, int64_t& i, int64_t& j) {
   if constexpr (kTakesAllPairs<Params>) {
-    if (p.positions != nullptr) {  // 32-bit division: the op takes at most 46,340 atoms
+    if (p.positions != nullptr) {  // 32-bit division: the op keeps N (N - 1) below 2^31
       const int others = static_cast<int>(p.num_atoms - 1), k = static_cast<int>(e) % others;
       i = static_cast<int>(e) / others;
       j = k + (k >= i ? 1 : 0);

@@ -738,12 +738,13 @@ class SchNet(_FusedModel):
         """The forward without the capacity check: what a CUDA graph of it records."""
         cell, pbc = self._boundaries(positions, cell, pbc)
         self._capacity(positions, cell, pbc)
-        if self._whole_model_kernel(atomic_numbers, positions):
+        whole_model = self._whole_model_kernel(atomic_numbers, positions)
+        if whole_model:
             searched = self._all_pairs_energy(atomic_numbers, positions, cell)
             if searched is not None:
                 return searched[0]
         pairs, _, num_pairs, order, vectors, distances = self._neighbors(positions, cell, pbc)
-        if self._whole_model_kernel(atomic_numbers, positions):
+        if whole_model:
             return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
         interactions = self._interaction_op(positions)
         if interactions == "radial_cfconv":
