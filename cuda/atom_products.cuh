@@ -506,11 +506,14 @@ int cluster_limit() {
 // Launches kKernel as one cluster of `blocks` blocks (a plain launch below sm_90). `overlap`: it
 // may start before the kernel ahead of it in the stream has finished (programmatic dependent
 // launch), and must wait for it (wait_for_prior_grid) before reading what that kernel writes.
+// `shared_bytes`: dynamic shared memory a block, as much as the kernel was opted in to.
 template <auto kKernel, class Params>
-cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream, bool overlap = false) {
+cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream, bool overlap = false,
+                           size_t shared_bytes = 0) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(blocks);
   config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute attrs[2]{};
   if (cluster_limit<kKernel>() > 1) {

@@ -213,6 +213,13 @@ cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, 
   return status;
 }
 
+// The dynamic shared memory the running block was launched with, in floats.
+__device__ __forceinline__ int dynamic_shared_floats() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return static_cast<int>(bytes / sizeof(float));
+}
+
 // Waits until the kernel ahead in the stream has finished and its writes are visible (a no-op in
 // a kernel not launched overlapped, and below sm_90).
 __device__ __forceinline__ void wait_for_prior_grid() {

@@ -21,7 +21,13 @@
 // weights on benzene. Correct (the CUDA tests passed), but the kernel took 312 us against 176
 // (H200, 2026-11-24 17:20 UTC, benzene): 18 more barriers a call (each a MEMBAR.GPU, the barrier
 // and an L1 invalidation in SASS) and products of few outputs over every row; which of the two
-// cost more was not measured.
+// cost more was not measured. Nor a cluster whose blocks split the features instead of the atoms
+// (every elementwise phase and the messages inside a block's columns, every product over all
+// rows into the block's columns, reading 1/16 of the weights behind a cluster barrier; 33
+// barriers a call): correct (the CUDA tests passed), but 260-282 us against 171 for the kernel
+// (H200, 2026-11-30 02:33-02:45 UTC). Its clock64 marks: a cluster barrier 1.3-1.9k cycles, a
+// product 6-14k (its weights and its input rows from L2, a round trip or more a 128-input pass),
+// so the barriers were the lesser part; what a block stores, then loads, comes back from L2.
 #include "atom_products.cuh"
 #include "painn_energy.cuh"
 #include "radial_functions.cuh"
@@ -48,7 +54,6 @@ struct alignas(16) PairGeometry {
 struct Layout {
   int64_t R4, F4, H4, M4, K4, Z4, Kr4;  // M = 3F, Z = 2F
   int64_t own_pairs, pair_geometry;     // [kMaxCluster][P] each beyond kSharedPairs pairs
-  int64_t basis;        // [P][2][R4]: each pair's basis and its derivative in the distance
   int64_t filter;       // [T][P][M4]: filter(basis) * fcut
   int64_t filter_slope; // [T][P][M4]: its derivative in the distance
   int64_t s;            // [N][F4]: the scalars
@@ -90,7 +95,6 @@ __host__ __device__ inline Layout layout_of(const PainnEnergyParams& p) {
   const int64_t per_block_pairs = P > kSharedPairs ? kMaxCluster * P : 0;
   l.own_pairs = arena.take_items<OwnPair>(per_block_pairs);
   l.pair_geometry = arena.take_items<PairGeometry>(per_block_pairs);
-  l.basis = arena.take(2 * P * l.R4);
   l.filter = arena.take(T * P * l.M4);
   l.filter_slope = arena.take(T * P * l.M4);
   l.s = arena.take(N * l.F4);
@@ -206,27 +210,16 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
   const auto to = [&](float* out, int64_t stride) { return AtomStore{out, stride, a0}; };
   const auto to_vectors = [&](float* out, int64_t stride) { return AtomStore{out, stride, 3 * a0}; };
 
-  // The block's pairs: geometry, then the basis and its derivative as two rows a pair.
-  const float bessel_scale = sqrtf(2.0f / p.cutoff);
+  // The block's pairs' geometry.
   for (int r = tid; r < np; r += threads) {
     const int64_t e = own[r].pair;
-    const float d = pair_distance(p, e), inverse = 1.0f / d;
+    const float d = own[r].distance, inverse = 1.0f / d;
     PairGeometry g{};
     g.distance = d;
     g.cutoff_value = envelope(CutoffFn::kCosine, d, p.cutoff);
     g.cutoff_slope = envelope_derivative(CutoffFn::kCosine, d, p.cutoff);
     for (int c = 0; c < 3; ++c) g.direction[c] = p.vectors[3 * e + c] * inverse;
     geometry[r] = g;
-  }
-  float* basis = ws + L.basis;
-  for (int e = tid; e < np * R; e += threads) {
-    const int64_t pair = own[e / R].pair;
-    const int k = e % R;
-    const float frequency = (k + 1) * kPi / p.cutoff;
-    float value, slope;
-    sinc_and_derivative(frequency * pair_distance(p, pair), value, slope);
-    basis[2 * pair * R4 + k] = bessel_scale * frequency * value;
-    basis[(2 * pair + 1) * R4 + k] = bessel_scale * frequency * frequency * slope;
   }
   // Zero what the blocks add to; the first atoms' vectors are 0; the scalars are the embedding.
   for (int t = 0; t < T; ++t) {
@@ -243,23 +236,45 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
   }
   __syncthreads();
 
-  // Each interaction's filters on the block's pairs: filter = fcut (W basis + b) and its slope
-  // fcut' (W basis + b) + fcut W basis'. product's thread stores a row tile's rows in order, the
-  // value's row (even) before the derivative's (odd).
-  const auto pair_row = [&](int r) -> int64_t { return 2 * own[r / 2].pair + r % 2; };
-  for (int t = 0; t < T; ++t) {
-    float *out = filter(t), *slope = filter_slope(t);
-    product(2 * np, pair_row, basis, R4, R, p.interactions[t].filter_w, p.interactions[t].filter_b, M,
-            [&](int r, int o, float v, float b) {
-      const PairGeometry& g = geometry[r / 2];
-      const int64_t at = own[r / 2].pair * M4 + o;
-      if (r % 2 == 0) {
-        out[at] = g.cutoff_value * (v + b);
-        slope[at] = g.cutoff_slope * (v + b);
-      } else {
-        slope[at] += g.cutoff_value * v;
-      }
-    }, partial);
+  // Each interaction's filters on the block's pairs, as many pairs at a time as the shared memory
+  // basis_rows holds: their basis and its derivative as two rows a pair there, then filter = fcut
+  // (W basis + b) and its slope fcut' (W basis + b) + fcut W basis'. product's thread stores a row
+  // tile's rows in order, the value's row (even) before the derivative's (odd), so the value's
+  // W basis + b waits in a register for the slope. The basis in the workspace and the slope
+  // stored twice (the value's share, then read back and added to) made this phase ~47k cycles of
+  // the kernel's ~345k on benzene (clock64 marks, H200, 2026-11-30): what a block stores, then
+  // loads, comes back from L2.
+  extern __shared__ float4 basis_quads[];
+  float* basis_rows = reinterpret_cast<float*>(basis_quads);
+  const float bessel_scale = sqrtf(2.0f / p.cutoff);
+  const int chunk = dynamic_shared_floats() / (2 * static_cast<int>(R4));
+  for (int c0 = 0; c0 < np; c0 += chunk) {
+    const int n = min(chunk, np - c0);
+    for (int e = tid; e < n * R; e += threads) {
+      const int q = e / R, k = e % R;
+      const float frequency = (k + 1) * kPi / p.cutoff;
+      float value, slope;
+      sinc_and_derivative(frequency * geometry[c0 + q].distance, value, slope);
+      basis_rows[2 * q * R4 + k] = bessel_scale * frequency * value;
+      basis_rows[(2 * q + 1) * R4 + k] = bessel_scale * frequency * frequency * slope;
+    }
+    __syncthreads();
+    for (int t = 0; t < T; ++t) {
+      float *out = filter(t), *slope = filter_slope(t);
+      float value = 0.0f;
+      product(2 * n, [](int r) -> int64_t { return r; }, basis_rows, R4, R, p.interactions[t].filter_w,
+              p.interactions[t].filter_b, M, [&](int r, int o, float v, float b) {
+        const PairGeometry& g = geometry[c0 + r / 2];
+        const int64_t at = own[c0 + r / 2].pair * M4 + o;
+        if (r % 2 == 0) {
+          value = v + b;
+          out[at] = g.cutoff_value * value;
+        } else {
+          slope[at] = fmaf(g.cutoff_slope, value, g.cutoff_value * v);
+        }
+      }, partial);
+    }
+    __syncthreads();  // basis_rows free for the next pairs
   }
 
   // Forward over the atoms.
@@ -463,13 +478,23 @@ size_t painn_energy_workspace_bytes(const PainnEnergyParams& params) {
 // blocks in sequence (H200, 2026-11-24 17:43-17:48 UTC, A/B in one call).
 constexpr int kTransposeBlocks = 32;
 
+// The filters' basis rows a block keeps in dynamic shared memory: every pair's, up to this many
+// floats (more pairs go a share at a time).
+constexpr int64_t kMaxBasisFloats = 8192;
+
 cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t stream) {
+  const int64_t row = 2 * pad4(params.num_rbf);  // a pair's two rows
+  const int64_t floats = std::max(row, std::min(params.num_pairs * row, kMaxBasisFloats / row * row));
+  const size_t shared_bytes = static_cast<size_t>(floats) * sizeof(float);
+  cudaError_t error = cudaFuncSetAttribute(painn_energy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared_bytes));
+  if (error != cudaSuccess) return error;
   painn_transpose_kernel<<<kTransposeBlocks, kThreads, 0, stream>>>(params);
-  const cudaError_t error = cudaGetLastError();
+  error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   const int limit = cluster_limit<painn_energy_kernel>();
   const int blocks = static_cast<int>(std::min<int64_t>(limit, std::max<int64_t>(params.num_atoms, 1)));
-  return launch_cluster<painn_energy_kernel>(blocks, params, stream, true);
+  return launch_cluster<painn_energy_kernel>(blocks, params, stream, true, shared_bytes);
 }
 
 }  // namespace mirage::cuda
