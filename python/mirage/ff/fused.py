@@ -985,12 +985,13 @@ class PaiNN(_FusedModel):
     norm_eps = 1e-8
     norm_eps_assumed = False  # from_model found no norm_eps on the updates (the report says so)
     fused_filters_min_pairs = 8192
-    # H200, 2026-11-24 16:53 UTC (profile_forcefield.py --models painn --whole-model, molecules at
-    # liquid density, µs per energy+forces, one op vs layers): 205 vs 365 at 132 pairs (12 atoms),
-    # 374 vs 436 at 380 (20), 408 vs 441 at 552 (24), 622 vs 568 at 2,256 (48 atoms). Measured on
-    # Hopper only: before sm_90 the op runs in one block.
-    whole_model_max_pairs = 640
-    whole_model_max_atoms = 32
+    # H200, 2026-11-30 02:53 UTC (profile_forcefield.py --models painn --whole-model, molecules at
+    # liquid density, µs per energy+forces, one op vs layers): 187 vs 330 at 132 pairs (12 atoms),
+    # 219 vs 330 at 240 (16), 344 vs 359 at 306 (18), 362 vs 359 at 380 (20), 387 vs 362 at 552
+    # (24), 569 vs 425 at 2,256 (48 atoms): past 16 atoms a block of the cluster takes two. Measured
+    # on Hopper only: before sm_90 the op runs in one block.
+    whole_model_max_pairs = 320
+    whole_model_max_atoms = 18
     basis_key = "frequencies"
 
     def basis_values(self) -> Tensor:
