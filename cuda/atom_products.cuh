@@ -323,19 +323,24 @@ __device__ __forceinline__ void pair_atoms(const Params& p, int64_t e, int64_t& 
   j = p.pairs[p.num_pairs + e];
 }
 
-// Pair e's vector r_j - r_i (+ shift).
+// Pair e's vector r_j - r_i (+ shift), its atoms i and j given (pair_atoms).
 template <class Params>
-__device__ __forceinline__ float3 pair_vector(const Params& p, int64_t e) {
+__device__ __forceinline__ float3 pair_vector(const Params& p, int64_t e, int64_t i, int64_t j) {
   if constexpr (kTakesAllPairs<Params>) {
     if (p.positions != nullptr) {
-      int64_t i, j;
-      pair_atoms(p, e, i, j);
       const float* ri = p.positions + 3 * i;
       const float* rj = p.positions + 3 * j;
       return make_float3(rj[0] - ri[0], rj[1] - ri[1], rj[2] - ri[2]);
     }
   }
   return make_float3(p.vectors[3 * e], p.vectors[3 * e + 1], p.vectors[3 * e + 2]);
+}
+
+template <class Params>
+__device__ __forceinline__ float3 pair_vector(const Params& p, int64_t e) {
+  int64_t i = 0, j = 0;
+  if (all_pairs(p)) pair_atoms(p, e, i, j);
+  return pair_vector(p, e, i, j);
 }
 
 // |v|, computed the same way by every kernel of a call (pair_distance), so that they agree on
@@ -384,7 +389,7 @@ __device__ __noinline__ int own_pairs_of(const Params& p, int64_t a0, int64_t a1
     if (i < 0 || i >= N || j < 0 || j >= N) {
       invalid = 1;
     } else if (i >= a0 && i < a1) {
-      const float3 v = pair_vector(p, e);
+      const float3 v = pair_vector(p, e, i, j);
       const float distance = length(v);
       if (beyond_cutoff(distance, p.cutoff)) continue;
       own[atomicAdd(&count, 1)] = OwnPair{static_cast<int>(e), static_cast<int>(i), static_cast<int>(j), distance};

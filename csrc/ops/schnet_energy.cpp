@@ -323,19 +323,16 @@ at::Tensor prepared_table(const at::Tensor& prepared, const SchnetShape& s, int6
   return prepared.narrow(0, t * size, size).reshape({intervals, cuda::filter_table::kCoefficients, s.message_width});
 }
 
-// The reference: the forward, then its gradient written out layer by layer, in float64. Prepared,
-// the filters (the cutoff in them) and their slopes come from its tables, and the first h from
-// its rows by species.
-EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
-                                const at::Tensor& pairs, const at::Tensor& vectors,
-                                double cutoff, int64_t num_rbf, at::TensorList weights,
-                                c10::string_view activations,
-                                const std::optional<at::Tensor>& prepared) {
-  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
-                                            activations, prepared);
+// The reference on checked inputs (shape s, indices in range): the forward, then its gradient
+// written out layer by layer, in float64. Prepared, the filters (the cutoff in them) and their
+// slopes come from its tables, and the first h from its rows by species.
+EnergyOutputs schnet_energy_reference(const SchnetShape& s, const at::Tensor& atomic_numbers,
+                                      const at::Tensor& embedding, const at::Tensor& pairs,
+                                      const at::Tensor& vectors, double cutoff, int64_t num_rbf,
+                                      at::TensorList weights, c10::string_view activations,
+                                      const std::optional<at::Tensor>& prepared) {
   const bool tables = present(prepared);
   const std::vector<std::string> act = split_activations(activations);
-  check_energy_indices(kSchnetEnergy, atomic_numbers, embedding, pairs);
   const at::Tensor idx = pairs.contiguous();
 
   const auto f64 = [](const at::Tensor& t) { return t.to(at::kDouble); };
@@ -398,6 +395,18 @@ EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tens
   return reference_energy_outputs(energy, grad_vectors, idx, s.atoms, embedding.scalar_type());
 }
 
+EnergyOutputs schnet_energy_cpu(const at::Tensor& atomic_numbers, const at::Tensor& embedding,
+                                const at::Tensor& pairs, const at::Tensor& vectors,
+                                double cutoff, int64_t num_rbf, at::TensorList weights,
+                                c10::string_view activations,
+                                const std::optional<at::Tensor>& prepared) {
+  const SchnetShape s = check_schnet_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
+                                            activations, prepared);
+  check_energy_indices(kSchnetEnergy, atomic_numbers, embedding, pairs);
+  return schnet_energy_reference(s, atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations,
+                                 prepared);
+}
+
 // Every pair (i, j), i != j, of `atoms` atoms, [2, N (N - 1)], in the CUDA kernel's order.
 at::Tensor all_pairs(int64_t atoms, const at::TensorOptions& options) {
   const int64_t others = std::max<int64_t>(atoms - 1, 0);
@@ -406,7 +415,8 @@ at::Tensor all_pairs(int64_t atoms, const at::TensorOptions& options) {
   return at::stack({i, k + (k >= i).to(at::kLong)});
 }
 
-// schnet_energy on all_pairs: the CPU reference is schnet_energy's. num_pairs gets the pairs
+// schnet_energy on all_pairs: the CPU reference is schnet_energy's (its checks made here, under
+// this op's name). num_pairs gets the pairs
 // within the cutoff, or -1 where a position is not finite.
 std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_cpu(
     const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& positions, double cutoff,
@@ -415,10 +425,10 @@ std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_cpu(
   const SchnetShape s = check_schnet_energy_all_pairs(atomic_numbers, embedding, positions, cutoff, num_rbf, weights,
                                                       activations, prepared, num_pairs);
   const at::Tensor pairs = all_pairs(s.atoms, atomic_numbers.options());
-  check_energy_indices(kSchnetEnergyAllPairs, atomic_numbers, embedding, pairs);  // named as this op
+  check_energy_indices(kSchnetEnergyAllPairs, atomic_numbers, embedding, pairs);
   const at::Tensor vectors = positions.index_select(0, pairs[1]) - positions.index_select(0, pairs[0]);
-  auto [energy, grad_vectors, grad_positions] =
-      schnet_energy_cpu(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, prepared);
+  auto [energy, grad_vectors, grad_positions] = schnet_energy_reference(
+      s, atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights, activations, prepared);
   if (present(num_pairs)) {
     const bool finite = positions.isfinite().all().item<bool>();
     num_pairs->fill_(finite ? (vectors.norm(2, {1}) < cutoff).sum().item<int64_t>() : -1);
