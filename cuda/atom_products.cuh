@@ -173,7 +173,9 @@ __device__ __noinline__ void linear_product(int rows, RowOf row_of, const float*
 // input rows `in_stride` floats apart and 16-byte aligned: nn.Linear for few inputs (the filters'
 // first, on the radial basis, where most of linear_product's lanes would idle). Thread items are
 // (o, tile of kRowTile rows), o fastest. With fewer items than threads the sum over k is split
-// among threads too, the parts added in `partial`. Every thread of the block calls it.
+// among threads too, the parts added in `partial`. A tile's rows are stored by one thread in
+// order, row after row (the filters' stores rely on it: an even row's value before the odd
+// row of its derivative). Every thread of the block calls it.
 template <class RowOf, class Store>
 __device__ __forceinline__ void product(int rows, RowOf row_of, const float* in, int64_t in_stride, int ins,
                                         const float* w, const float* bias, int outs, Store store, float* partial) {

@@ -242,11 +242,12 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
   // tile's rows in order, the value's row (even) before the derivative's (odd), so the value's
   // W basis + b waits in a register for the slope. The basis in the workspace and the slope
   // stored twice (the value's share, then read back and added to) made this phase ~47k cycles of
-  // the kernel's ~345k on benzene (clock64 marks, H200, 2026-11-30): what a block stores, then
+  // the kernel's ~359k on benzene (clock64 marks, H200, 2026-11-30): what a block stores, then
   // loads, comes back from L2.
   extern __shared__ float4 basis_quads[];
   float* basis_rows = reinterpret_cast<float*>(basis_quads);
   const float bessel_scale = sqrtf(2.0f / p.cutoff);
+  static_assert(kRowTile % 2 == 0, "product's row tiles hold whole pairs (a value's row, then its slope's)");
   const int chunk = dynamic_shared_floats() / (2 * static_cast<int>(R4));
   for (int c0 = 0; c0 < np; c0 += chunk) {
     const int n = min(chunk, np - c0);
@@ -479,15 +480,18 @@ size_t painn_energy_workspace_bytes(const PainnEnergyParams& params) {
 constexpr int kTransposeBlocks = 32;
 
 // The filters' basis rows a block keeps in dynamic shared memory: every pair's, up to this many
-// floats (more pairs go a share at a time).
-constexpr int64_t kMaxBasisFloats = 8192;
+// floats (more pairs go a share at a time); num_rbf <= kPainnMaxRbf keeps a pair's two rows in it.
+constexpr int64_t kMaxBasisFloats = 2 * kPainnMaxRbf;
 
 cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t stream) {
   const int64_t row = 2 * pad4(params.num_rbf);  // a pair's two rows
+  if (row > kMaxBasisFloats) return cudaErrorInvalidValue;  // the op refuses num_rbf > kPainnMaxRbf first
   const int64_t floats = std::max(row, std::min(params.num_pairs * row, kMaxBasisFloats / row * row));
   const size_t shared_bytes = static_cast<size_t>(floats) * sizeof(float);
+  // The kernel's limit is one size for every call, the most any call takes: set to each call's own
+  // size, a smaller one could land between another host thread's setting and its launch.
   cudaError_t error = cudaFuncSetAttribute(painn_energy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared_bytes));
+                                           static_cast<int>(kMaxBasisFloats * sizeof(float)));
   if (error != cudaSuccess) return error;
   painn_transpose_kernel<<<kTransposeBlocks, kThreads, 0, stream>>>(params);
   error = cudaGetLastError();

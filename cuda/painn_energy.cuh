@@ -10,6 +10,9 @@
 namespace mirage::cuda {
 
 constexpr int kPainnMaxInteractions = 8;
+// The most basis functions the CUDA kernel takes: a pair's two basis rows fill a block's 32 KB of
+// dynamic shared memory (launch_painn_energy).
+constexpr int kPainnMaxRbf = 4096;
 
 // One interaction's parameters, nn.Linear layout ([out, in] weights, [out] biases), contiguous;
 // a null bias is zero. F features, H phi's hidden width, K the update MLP's, R basis functions.

@@ -416,8 +416,8 @@ at::Tensor all_pairs(int64_t atoms, const at::TensorOptions& options) {
 }
 
 // schnet_energy on all_pairs: the CPU reference is schnet_energy's (its checks made here, under
-// this op's name). num_pairs gets the pairs
-// within the cutoff, or -1 where a position is not finite.
+// this op's name). num_pairs gets the pairs within the cutoff, or -1 where a position is not
+// finite.
 std::tuple<at::Tensor, at::Tensor> schnet_energy_all_pairs_cpu(
     const at::Tensor& atomic_numbers, const at::Tensor& embedding, const at::Tensor& positions, double cutoff,
     int64_t num_rbf, at::TensorList weights, c10::string_view activations, const std::optional<at::Tensor>& prepared,

@@ -181,6 +181,8 @@ EnergyOutputs painn_energy_cuda(const at::Tensor& atomic_numbers, const at::Tens
                                 c10::string_view activations, double norm_eps) {
   const PainnShape s = check_painn_energy(atomic_numbers, embedding, pairs, vectors, cutoff, num_rbf, weights,
                                           activations, norm_eps);
+  MIRAGE_CHECK(s.rbf <= cuda::kPainnMaxRbf, kPainnEnergy, ": num_rbf must be <= ", cuda::kPainnMaxRbf,
+               " on CUDA (a pair's basis rows in a block's shared memory), got ", s.rbf);
   const auto fill = [&](cuda::PainnEnergyParams& p, HeldInputs& ptr, const std::vector<std::string>& names) {
     p.num_rbf = static_cast<int>(s.rbf);
     p.features = static_cast<int>(s.features);

@@ -19,13 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 # biases). benzene: the benchmark's sizes, every pair. odd: widths that are no multiple of 4 (the
 # kernel's scalar paths), mixed activations, absent biases. many_atoms: more atoms than a cluster
 # has blocks, and more pairs than a block keeps in shared memory. lonely: one atom, no pairs.
-# wide: 3F = 399 outputs (several passes of the products over outputs and inputs).
+# wide: 3F = 399 outputs (several passes of the products over outputs and inputs). many_pairs: a
+# wide basis over many pairs of few atoms (the CUDA kernel's filters take a block's pairs in
+# several shares of its shared memory, the last share's products with split sums).
 CONFIGS = {
     "benzene": (12, 132, 128, 20, 128, 128, 64, ["silu"] * 7, True),
     "odd": (7, 41, 7, 3, 5, 9, 3, ["silu", "tanh", "gelu", "softplus", "shifted_softplus"], False),
     "many_atoms": (40, 600, 32, 8, 24, 16, 16, ["silu", "relu", "tanh"], True),
     "lonely": (1, 0, 16, 4, 8, 8, 4, ["silu"] * 3, True),
     "wide": (30, 300, 133, 5, 131, 129, 130, ["silu", "tanh", "silu", "gelu", "silu"], True),
+    "many_pairs": (3, 600, 4, 64, 5, 6, 3, ["silu"] * 3, True),
 }
 CUTOFF = 4.0
 NORM_EPS = 1e-8
@@ -227,6 +230,16 @@ BAD = [
 @pytest.mark.parametrize("changes, message", BAD)
 def test_painn_energy_bad_input(device, changes, message):
     assert_error(lambda d: _call(d, **changes), device, "mirage::painn_energy: " + message)
+
+
+@pytest.mark.cuda
+def test_painn_energy_cuda_refuses_more_basis_functions_than_shared_memory_holds():
+    r = 4097  # the CPU reference takes them
+    args = list(make_inputs("lonely", "cuda", torch.float32))
+    args[5] = r
+    args[6][4] = torch.zeros(args[6][4].shape[0], r, device="cuda")  # its one interaction's filter.weight
+    with pytest.raises(RuntimeError, match=r"mirage::painn_energy: num_rbf must be <= 4096 on CUDA .*got 4097"):
+        mirage.ops.painn_energy(*args)
 
 
 def test_painn_energy_cpu_checks_indices():
