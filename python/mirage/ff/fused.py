@@ -1111,15 +1111,16 @@ class PaiNN(_FusedModel):
         if self._whole_model_kernel(atomic_numbers, positions):
             return self._whole_model_op(atomic_numbers, pairs, vectors)[0]
         directions = vectors / distances.unsqueeze(-1)
-        rbf = ops.radial_basis(distances, "bessel", self.num_rbf, self.cutoff, "none")
         messages, updates = list(self.messages), list(self.updates)
         count = len(messages)
         # filter(rbf) * fcut = [rbf * fcut, fcut] @ [W; b]^T: the cutoff scales the [P, R] basis
         # and rides in the GEMM as one more input column in place of the bias, instead of a pass
         # over the [T, P, 3F] filters forward and two backward (a third of PaiNN's time at 3,000
-        # atoms went to such passes on the H200).
-        fcut = _cosine_cutoff(distances, self.cutoff)
-        basis = torch.cat([rbf * fcut, fcut], dim=-1) if messages[0].filter.bias is not None else rbf * fcut
+        # atoms went to such passes on the H200). rbf * fcut is radial_basis's own envelope: no
+        # broadcast product, nor its two products and sum backward.
+        basis = ops.radial_basis(distances, "bessel", self.num_rbf, self.cutoff, "cosine")
+        if messages[0].filter.bias is not None:
+            basis = torch.cat([basis, _cosine_cutoff(distances, self.cutoff)], dim=-1)
         weights = [_with_bias_column(m.filter) for m in messages]
         if pairs.shape[1] >= self.fused_filters_min_pairs and self._forms_filters(positions, basis.shape[1]):
             # Each layer's filter formed from the basis inside vector_message_passing's kernels,
