@@ -163,17 +163,28 @@ def test_schnet_energy_pairs_beyond_the_cutoff_add_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_schnet_energy_non_finite_vectors(device):
-    """An Inf vector is outside the cutoff but gives a NaN gradient (its Gaussians' slope is
-    inf * 0), a NaN vector makes everything NaN: on CUDA as in the float64 reference."""
+@pytest.mark.parametrize("prepared", [False, True], ids=["weights", "prepared"])
+def test_schnet_energy_non_finite_vectors(device, prepared):
+    """An Inf vector is outside the cutoff (the energy as with the pair just past it) but gives a
+    NaN gradient (its Gaussians' slope is inf * 0), a NaN vector makes everything NaN: on CUDA as
+    in the float64 reference, and from prepared tables too (their filters are 0 past the cutoff,
+    at an infinite distance as well)."""
+    name = "padded" if prepared else "odd"
+    if prepared and not _preparable_on(device, name):
+        pytest.skip("no tables for this filter network")
     dtype = torch.float32 if device == "cuda" else torch.float64
-    args = list(make_inputs("odd", device, dtype))
+    args = list(make_inputs(name, device, dtype))
+    table = _prepare(args) if prepared else None
     vectors = args[3].clone()
+    vectors[2] = torch.tensor([0.0, 2.0 * args[4], 0.0], dtype=dtype)
+    past = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:], prepared=table)[0]
     vectors[2, 1] = float("inf")
-    energy, grad, _ = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])
+    energy, grad, _ = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:], prepared=table)
     assert torch.isfinite(energy) and torch.isnan(grad[2]).all() and torch.isfinite(grad[:2]).all()
+    # (on CUDA the sums over a receiver's pairs run in the order the block lists them: not bitwise)
+    torch.testing.assert_close(energy, past, rtol=1e-6 if device == "cuda" else 1e-12, atol=1e-6)
     vectors[5, 0] = float("nan")
-    energy = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:])[0]
+    energy = mirage.ops.schnet_energy(*args[:3], vectors, *args[4:], prepared=table)[0]
     assert torch.isnan(energy)
 
 
