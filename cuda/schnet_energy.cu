@@ -192,9 +192,10 @@ __device__ void filters_from_tables(const SchnetEnergyParams& p, const Layout& L
   float* ws = static_cast<float*>(p.workspace);
   for (int e = threadIdx.x; e < T * np * columns; e += blockDim.x) {
     const int t = e / (np * columns), r = e / columns % np, c = 4 * (e % columns);
-    // The pairs here lie inside the cutoff, or at an infinite distance, past it: filters and
-    // slopes 0 there, as the CPU's tables give (own_pairs_of keeps those pairs, to come out NaN
-    // through their directions).
+    // The pairs here lie inside the cutoff, or at an infinite distance (own_pairs_of keeps those):
+    // there the filter is 0, as the CPU's tables give, and its slope NaN, so that the pair's
+    // gradient is NaN in every component, as the CPU's (a slope of 0 times the direction, inf /
+    // inf, would leave the finite components' 0).
     const float d = geometry[r].distance;
     const filter_table::Place at_d = filter_table::place(d, scale, intervals);
     const float* a = p.prepared + ((t * intervals + at_d.piece) * kCoefficients) * M + c;
@@ -205,7 +206,7 @@ __device__ void filters_from_tables(const SchnetEnergyParams& p, const Layout& L
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       value[x] = d >= p.cutoff ? 0.0f : value[x];
-      slope[x] = d >= p.cutoff ? 0.0f : slope[x] * scale;
+      slope[x] = d >= p.cutoff ? __int_as_float(0x7fc00000) : slope[x] * scale;
     }
     const int64_t at = (t * P + own[r].pair) * M4 + c;
     store_packed<float, 4>(ws + L.filter_out + at, value);
