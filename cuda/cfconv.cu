@@ -1368,9 +1368,10 @@ __global__ void __launch_bounds__(kPassThreads) radial_cfconv_kernel(RadialCfcon
       if (i < 0 || i >= p.num_nodes || j < 0 || j >= p.num_nodes) {
         *p.invalid = 1;  // every writer stores the same value
       } else if (!(d >= p.cutoff)) {
-        const filter_table::Place at_d = filter_table::place(d, scale, p.intervals);
-        piece = at_d.piece;
-        s = at_d.s;
+        // A negative or NaN distance takes piece 0 at s = NaN: NaN filters, as the network's.
+        const float u = d * scale;
+        piece = d >= 0.0f ? std::min<int64_t>(static_cast<int64_t>(u), p.intervals - 1) : 0;
+        s = d >= 0.0f ? u - static_cast<float>(piece) : __int_as_float(0x7fc00000);
         from = kBackward ? i : j;
         to = kBackward ? j : i;
       }
@@ -1400,12 +1401,21 @@ __global__ void __launch_bounds__(kPassThreads) radial_cfconv_kernel(RadialCfcon
 #pragma unroll
         for (int k = 0; k < kPassBatch; ++k) {
           if (!mine[k]) continue;
-          float f[4], slope[4];
-          filter_table::quintic_at(coefficient[k], at[k], f, slope);
+          const float t = at[k];
+          const auto& a = coefficient[k];
+          float f[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            f[e] = fmaf(fmaf(fmaf(fmaf(fmaf(a[5][e], t, a[4][e]), t, a[3][e]), t, a[2][e]), t, a[1][e]), t, a[0][e]);
           sums.fma(onto[k], row[k], f);
           if constexpr (kBackward) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dot[k0 + k] = fmaf(row[k][e] * x[k][e], slope[e], dot[k0 + k]);
+            for (int e = 0; e < 4; ++e) {
+              const float slope =
+                  fmaf(fmaf(fmaf(fmaf(5.0f * a[5][e], t, 4.0f * a[4][e]), t, 3.0f * a[3][e]), t, 2.0f * a[2][e]), t,
+                       a[1][e]);
+              dot[k0 + k] = fmaf(row[k][e] * x[k][e], slope, dot[k0 + k]);
+            }
           }
         }
       }

@@ -44,40 +44,4 @@ MIRAGE_HOST_DEVICE inline void quintic(const Jet& left, const Jet& right, double
   c[5] = 6.0 * y - 3.0 * d0 - 3.0 * d1 - e0 + e1;
 }
 
-#if defined(__CUDACC__)
-// Device code of the kernels that read a table (radial_cfconv's passes, schnet_energy's prepared
-// filters).
-
-// Where distance d (below the cutoff: callers leave the others out) falls in a table of
-// `intervals` pieces, scale = intervals / cutoff: its piece and the place s in it. A negative or
-// NaN distance takes piece 0 at s = NaN: NaN filters, as the network's.
-struct Place {
-  int64_t piece;
-  float s;
-};
-
-__device__ __forceinline__ Place place(float d, float scale, int64_t intervals) {
-  if (!(d >= 0.0f)) return {0, __int_as_float(0x7fc00000)};
-  const float u = d * scale;
-  const int64_t piece = min(static_cast<int64_t>(u), intervals - 1);
-  return {piece, u - static_cast<float>(piece)};
-}
-
-// A piece's quintic at s for 4 columns, a[q][x] the coefficient of s^q of column x: its value and
-// its slope in s, by Horner's rule (where only the value is used, the compiler drops the slope).
-__device__ __forceinline__ void quintic_at(const float (&a)[kCoefficients][4], float s, float (&value)[4],
-                                           float (&slope)[4]) {
-#pragma unroll
-  for (int x = 0; x < 4; ++x) {
-    value[x] = a[kCoefficients - 1][x];
-    slope[x] = (kCoefficients - 1) * a[kCoefficients - 1][x];
-#pragma unroll
-    for (int q = kCoefficients - 2; q >= 0; --q) {
-      value[x] = fmaf(value[x], s, a[q][x]);
-      if (q >= 1) slope[x] = fmaf(slope[x], s, q * a[q][x]);
-    }
-  }
-}
-#endif
-
 }  // namespace mirage::cuda::filter_table

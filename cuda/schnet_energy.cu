@@ -192,21 +192,24 @@ __device__ void filters_from_tables(const SchnetEnergyParams& p, const Layout& L
   float* ws = static_cast<float*>(p.workspace);
   for (int e = threadIdx.x; e < T * np * columns; e += blockDim.x) {
     const int t = e / (np * columns), r = e / columns % np, c = 4 * (e % columns);
-    // The pairs here lie inside the cutoff, or at an infinite distance (own_pairs_of keeps those):
-    // there the filter is 0, as the CPU's tables give, and its slope NaN, so that the pair's
-    // gradient is NaN in every component, as the CPU's (a slope of 0 times the direction, inf /
-    // inf, would leave the finite components' 0).
-    const float d = geometry[r].distance;
-    const filter_table::Place at_d = filter_table::place(d, scale, intervals);
-    const float* a = p.prepared + ((t * intervals + at_d.piece) * kCoefficients) * M + c;
+    // The pairs here lie inside the cutoff; a NaN distance takes piece 0 at s = NaN: NaN filters.
+    const float d = geometry[r].distance, u = d * scale;
+    const int64_t piece = d >= 0.0f ? min(static_cast<int64_t>(u), intervals - 1) : 0;
+    const float s = d >= 0.0f ? u - static_cast<float>(piece) : __int_as_float(0x7fc00000);
+    const float* a = p.prepared + ((t * intervals + piece) * kCoefficients) * M + c;
     float q[kCoefficients][4], value[4], slope[4];
 #pragma unroll
     for (int k = 0; k < kCoefficients; ++k) load_packed<float, 4>(a + k * M, q[k]);
-    filter_table::quintic_at(q, at_d.s, value, slope);
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      value[x] = d >= p.cutoff ? 0.0f : value[x];
-      slope[x] = d >= p.cutoff ? __int_as_float(0x7fc00000) : slope[x] * scale;
+      value[x] = q[kCoefficients - 1][x];
+      slope[x] = (kCoefficients - 1) * q[kCoefficients - 1][x];
+#pragma unroll
+      for (int k = kCoefficients - 2; k >= 0; --k) {
+        value[x] = fmaf(value[x], s, q[k][x]);
+        if (k >= 1) slope[x] = fmaf(slope[x], s, k * q[k][x]);
+      }
+      slope[x] *= scale;
     }
     const int64_t at = (t * P + own[r].pair) * M4 + c;
     store_packed<float, 4>(ws + L.filter_out + at, value);

@@ -172,6 +172,8 @@ def test_schnet_energy_non_finite_vectors(device, prepared):
     name = "padded" if prepared else "odd"
     if prepared and not _preparable_on(device, name):
         pytest.skip("no tables for this filter network")
+    if prepared and device == "cuda":
+        pytest.skip("CUDA reads prepared tables at an infinite distance: a non-finite energy (docs/ops.md)")
     dtype = torch.float32 if device == "cuda" else torch.float64
     args = list(make_inputs(name, device, dtype))
     table = _prepare(args) if prepared else None

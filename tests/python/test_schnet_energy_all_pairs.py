@@ -99,6 +99,8 @@ def test_all_pairs_non_finite_positions(device, value, prepared):
     name = "padded" if prepared else "odd"
     if prepared and not _preparable_on(device, name):
         pytest.skip("no tables for this filter network")
+    if prepared and device == "cuda" and value == float("inf"):
+        pytest.skip("CUDA reads prepared tables at an infinite distance: a non-finite energy (docs/ops.md)")
     dtype = torch.float32 if device == "cuda" else torch.float64
     args = list(make_all_pairs_inputs(name, device, dtype, spread=0.5))  # every pair within the cutoff
     table = _prepare(as_pair_list(args)) if prepared else None
