@@ -102,6 +102,32 @@ std::optional<at::Tensor> in_dtype_of(const at::Tensor& p, const at::Tensor& x) 
   return p.defined() ? std::optional<at::Tensor>(p.to(x.scalar_type())) : std::nullopt;
 }
 
+// group_norm's composite: PyTorch's group_norm, except where the batch is unbacked (torch.compile
+// with mark_unbacked): on CUDA at::group_norm copies channels-last input to contiguous first, a copy
+// that guards on the batch, which an unbacked size forbids (torch 2.11, H200, 2026-11-30). There the
+// statistics are reductions over a grouped view of x (no copy, no guard), in float32 for float16 and
+// bfloat16, rounded once at the end. Backed symbolic sizes keep PyTorch's: its gradients are what
+// eager gives to the last bits, which torch.library.opcheck compares.
+at::Tensor group_norm_composite(const at::Tensor& x, int64_t num_groups, const at::Tensor& weight,
+                                const at::Tensor& bias, double eps) {
+  const c10::SymInt batch = x.sym_size(0);
+  if (!batch.is_symbolic() || batch.has_hint()) {
+    return at::group_norm(x, num_groups, in_dtype_of(weight, x), in_dtype_of(bias, x), eps);
+  }
+  const at::ScalarType compute = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor grouped = x.to(compute).unflatten_symint(1, {num_groups, x.sym_size(1) / num_groups});
+  std::vector<int64_t> reduced;
+  for (int64_t d = 2; d < grouped.dim(); ++d) reduced.push_back(d);
+  const at::Tensor centered = grouped - grouped.mean(reduced, /*keepdim=*/true);
+  const at::Tensor variance = (centered * centered).mean(reduced, /*keepdim=*/true);
+  at::Tensor y = (centered * at::rsqrt(variance + eps)).flatten(1, 2);
+  std::vector<int64_t> per_channel(x.dim() - 1, 1);
+  per_channel[0] = -1;
+  if (weight.defined()) y = y * weight.to(compute).view(per_channel);
+  if (bias.defined()) y = y + bias.to(compute).view(per_channel);
+  return y.to(x.scalar_type());
+}
+
 struct GroupNormFunction : torch::autograd::Function<GroupNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t num_groups,
                             const std::optional<at::Tensor>& weight,
@@ -120,8 +146,7 @@ struct GroupNormFunction : torch::autograd::Function<GroupNormFunction> {
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool silu = ctx->saved_data["activation"].toStringRef() == "silu";
     const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
-      at::Tensor y = at::group_norm(in[0], num_groups, in_dtype_of(in[1], in[0]),
-                                    in_dtype_of(in[2], in[0]), eps);
+      const at::Tensor y = group_norm_composite(in[0], num_groups, in[1], in[2], eps);
       return variable_list{silu ? at::silu(y) : y};
     });
     return {grads[0], at::Tensor(), grads[1], grads[2], at::Tensor(), at::Tensor()};

@@ -148,11 +148,6 @@ def test_unbacked_sizes(name, layout, dim, device):
     (mark_unbacked: no guard may be put on it) traces with fullgraph, channels-last input
     included (its layout read without a guard), and the compiled forward and backward equal
     eager's, in eager's memory format."""
-    if (name, layout, device) == ("group_norm", "channels_last", "cuda"):
-        # Its backward differentiates PyTorch's at::group_norm, which copies channels-last CUDA input
-        # to contiguous first, a copy that guards on the batch (torch 2.11, H200, 2026-11-30); on the
-        # CPU it keeps the layout. docs/ops.md lists it among the sizes that do not trace.
-        pytest.skip("group_norm's backward on channels-last CUDA input guards on the batch (PyTorch's group_norm)")
     torch._dynamo.reset()
     call, shape, _, _ = _unbacked_cases(device)[name]
     x = randn(*shape, device=device)
