@@ -167,8 +167,8 @@ def test_schnet_energy_pairs_beyond_the_cutoff_add_nothing(device):
 def test_schnet_energy_non_finite_vectors(device, prepared):
     """An Inf vector is outside the cutoff (the energy as with the pair just past it) but gives a
     NaN gradient (its Gaussians' slope is inf * 0), a NaN vector makes everything NaN: on CUDA as
-    in the float64 reference, and from prepared tables too (their filters are 0 past the cutoff,
-    at an infinite distance as well)."""
+    in the float64 reference, and from prepared tables on the CPU (their filters are 0 past the
+    cutoff, at an infinite distance as well; CUDA's kernels read them there: docs/ops.md)."""
     name = "padded" if prepared else "odd"
     if prepared and not _preparable_on(device, name):
         pytest.skip("no tables for this filter network")

@@ -95,7 +95,7 @@ def test_all_pairs_non_finite_positions(device, value, prepared):
     """NaN or Inf in a position: a count of -1 (what the neighbor list reports, and mirage.ff.md
     turns into an error) and NaN in the gradient; with NaN, a NaN energy; with Inf, the energy of
     the atom far away (an infinite vector lies beyond the cutoff, as in schnet_energy), from
-    prepared tables too."""
+    prepared tables too but on CUDA (docs/ops.md)."""
     name = "padded" if prepared else "odd"
     if prepared and not _preparable_on(device, name):
         pytest.skip("no tables for this filter network")
