@@ -475,12 +475,11 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kBasisWarps + threadIdx.y; w < windows;
        w += static_cast<int64_t>(gridDim.x) * kBasisWarps) {
     // Lane q < 16: the window's q-th pair, its atoms; rows outside the walk or with an index out
-    // of range take no part (the latter raise the flag: every output NaN).
-    // (32-bit: the walk's order is int32, so P < 2^31, and N < 2^31 where an index is in range.)
+    // of range take no part (the latter raise the flag: every output NaN). 32-bit: the launcher
+    // takes lists that use_sender_order admits (an int32 order, fewer than 2^31 nodes).
     int my_pair = 0, my_i = 0, my_j = -1;
     if (lane < kBasisRows && kBasisRows * w + lane < walked) {
-      const int64_t at = kBasisRows * w + lane;
-      my_pair = order != nullptr ? order[at] : static_cast<int>(at);
+      my_pair = order[kBasisRows * w + lane];
       const int64_t i = p.pairs[my_pair], j = p.pairs[P + my_pair];
       if (in_range(i, N) && in_range(j, N)) {
         my_i = static_cast<int>(i);
@@ -544,17 +543,18 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
         float4 vj[3];
 #pragma unroll
         for (int c3 = 0; c3 < 3; ++c3) vj[c3] = *reinterpret_cast<const float4*>(vec + (sender * 3 + c3) * F + f);
-        float grad_filter[3][2][4];  // [part][row][feature f + e]
-        float sums[6][4] = {};       // the sender's: x's three parts, then its vectors' three components
+        float grad_filter[3][2][4] = {};  // [part][row][feature f + e]: 0 on rows outside the run
+        float sums[6][4] = {};            // the sender's: x's three parts, then its vectors' three components
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float4 g_s4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), g_v4[3] = {g_s4, g_s4, g_s4};
-          if (valid[r]) {
-            g_s4 = *reinterpret_cast<const float4*>(gs + static_cast<int64_t>(receiver[r]) * F + f);
+          // Rows outside the run add nothing; skipped rather than multiplied by zeros, so that an
+          // infinite x[j] or vectors[j] reaches the sender's sums as an infinity, not NaN.
+          if (!valid[r]) continue;
+          const float4 g_s4 = *reinterpret_cast<const float4*>(gs + static_cast<int64_t>(receiver[r]) * F + f);
+          float4 g_v4[3];
 #pragma unroll
-            for (int c3 = 0; c3 < 3; ++c3)
-              g_v4[c3] = *reinterpret_cast<const float4*>(gv + (static_cast<int64_t>(receiver[r]) * 3 + c3) * F + f);
-          }
+          for (int c3 = 0; c3 < 3; ++c3)
+            g_v4[c3] = *reinterpret_cast<const float4*>(gv + (static_cast<int64_t>(receiver[r]) * 3 + c3) * F + f);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int h = e / 2, o = 2 * r + e % 2;
@@ -812,7 +812,8 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
                              p.dtype, {grad_x, grad_vectors});
   if (p.grad_basis != nullptr) {  // the basis' gradient on tensor cores
-    if (p.fused.basis == nullptr || !pack || !basis_gradient_supported(p.features, p.fused.width, p.dtype))
+    if (p.fused.basis == nullptr || !pack || walk.order == nullptr ||
+        !basis_gradient_supported(p.features, p.fused.width, p.dtype))
       return cudaErrorInvalidValue;
     if (p.num_pairs > 0) {
       const size_t shared = basis_shared_bytes(p.features);

@@ -66,8 +66,9 @@ struct VectorMessagePassingBackwardParams {
   int64_t features;
   DType dtype;
   FusedFilter fused;        // the filter formed from a basis (grad_filter is still [P, 3F])
-  // [P, K] out, or null: with a fused filter where basis_gradient_supported, the basis' gradient
-  // (grad_filter @ weight) formed on tensor cores in place of grad_filter, which is then not written.
+  // [P, K] out, or null: with a fused filter where basis_gradient_supported, on a list walked in
+  // sender order (use_sender_order), the basis' gradient (grad_filter @ weight) formed on tensor
+  // cores in place of grad_filter, which is then not written.
   void* grad_basis = nullptr;
 };
 
@@ -77,7 +78,7 @@ bool fused_filter_supported(int64_t features, int64_t width, DType dtype);
 
 // Whether the backward forms the basis' gradient itself (grad_basis) for F features and a basis of
 // K on the current device: a fused filter with F % 16 == 0, K <= 24, and 1152 F bytes of shared
-// memory a block (F <= 192 on compute capability 8.0 and 9.0).
+// memory a block (F <= 192 on compute capability 9.0, 144 on 8.0, 80 on 8.6 and 8.9).
 bool basis_gradient_supported(int64_t features, int64_t width, DType dtype);
 
 // Bytes of device scratch the launchers need: float32 accumulators for float16/bfloat16 outputs

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../../cuda/sender_order.h"
 #include "../../cuda/vector_message_passing.cuh"
 #include "../op_handles.h"
 #include "checks.h"
@@ -97,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   // With filter_weight the second output is the basis' gradient: formed by the kernel on tensor
   // cores where it can, else the formed filter's gradient [P, 3F] times the weight (mirage::linear:
   // its narrow kernel takes these products of many pairs).
-  const bool basis_in_kernel =
-      source.fused.basis != nullptr && cuda::basis_gradient_supported(s.features, s.width, to_kernel_dtype(x.scalar_type()));
+  const bool basis_in_kernel = source.fused.basis != nullptr && cuda::use_sender_order(s.nodes, s.pairs) &&
+                               cuda::basis_gradient_supported(s.features, s.width, to_kernel_dtype(x.scalar_type()));
   const at::Tensor formed_gradient = present(filter_weight) && !basis_in_kernel
                                          ? at::empty({s.pairs, 3 * s.features}, x.options())
                                          : grad_filter;

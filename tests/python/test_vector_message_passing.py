@@ -516,6 +516,16 @@ def assert_formed_matches(inputs, dtype):
             assert_close_to(g, w, dtype, m)
         except AssertionError as error:
             raise AssertionError(f"gradient of {name}: {error}") from None
+    # The weight a constant (forces): the backward op then returns the basis' gradient itself (on
+    # CUDA, on tensor cores where it can), not the path above through the formed filter's.
+    constant = weight.detach()
+    got = gradients(lambda *a: mirage_formed(*a[:4], constant, a[4]), (x, basis, vectors, directions, pairs),
+                    grad_scalar, grad_vector)
+    for name, g, w, m in zip(["x", "basis", "vectors", "directions"], got, want, magnitudes):
+        try:
+            assert_close_to(g, w, dtype, m)
+        except AssertionError as error:
+            raise AssertionError(f"gradient of {name} (a constant weight): {error}") from None
 
 
 # (nodes, F, P, K): F % 4 == 0 and K <= 32 are formed inside the CUDA kernels, the others by a
@@ -533,13 +543,25 @@ def test_formed_filter_matches_composite(device, dtype, nodes, features, count, 
     assert_formed_matches(make_formed_inputs(nodes, features, count, width, dtype, device), dtype)
 
 
+def basis_gradient_on_tensor_cores(features, width, count):
+    """Whether the CUDA backward forms the basis' gradient on tensor cores (docs/ops.md): the
+    fused filter, sender order, F % 16 == 0, K <= 24, 1152 F bytes of shared memory a block."""
+    shared = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    return (mirage.ops.fused_filter_supported(features, width, "cuda") and count >= SENDER_ORDER_MIN_PAIRS
+            and features % 16 == 0 and width <= 24 and 1152 * features <= shared)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("order", ["sorted", "random"])
-# The backward walks sender order from 8,192 pairs; from 131,072 the basis gradient is linear's
-# narrow kernel.
-@pytest.mark.parametrize("count", [9000, 140_000])
-def test_cuda_formed_filter_large(order, count):
-    assert_formed_matches(make_formed_inputs(3000, 128, count, 21, torch.float32, "cuda", order), torch.float32)
+# The backward walks sender order from 8,192 pairs (there, on tensor cores, F % 16 == 0 and K <= 24:
+# one chunk of 16 features, K = 1 and 24, more chunks (12) than a column of lanes (8) where shared
+# memory allows; else the former kernel and linear's product, which from 131,072 rows is its narrow
+# kernel).
+@pytest.mark.parametrize("count,features,width", [(9000, 128, 21), (140_000, 128, 21), (9000, 16, 24),
+                                                  (9000, 48, 1), (9000, 192, 9), (9000, 8, 5)])
+def test_cuda_formed_filter_large(order, count, features, width):
+    assert_formed_matches(make_formed_inputs(3000, features, count, width, torch.float32, "cuda", order),
+                          torch.float32)
 
 
 def test_formed_filter_gradcheck_and_gradgradcheck():
@@ -587,16 +609,17 @@ def test_fused_filter_supported_is_false_off_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("features,width,fused,on_tensor_cores", [(128, 21, True, True), (16, 24, True, True),
-                                                                  (4, 32, True, False), (128, 33, False, False),
-                                                                  (7, 21, False, False)])
-def test_cuda_formed_filter_kernel_choice(features, width, fused, on_tensor_cores):
+@pytest.mark.parametrize("features,width,count,fused", [(128, 21, 9000, True), (16, 24, 9000, True),
+                                                        (128, 21, 900, True), (4, 32, 9000, True),
+                                                        (128, 33, 900, False), (7, 21, 900, False)])
+def test_cuda_formed_filter_kernel_choice(features, width, count, fused):
     """The kernels form the filter themselves where fused_filter_supported says so (no GEMM then);
     otherwise a GEMM forms it first. The backward then forms the basis' gradient on tensor cores
-    where F % 16 == 0 and K <= 24 (one kernel, no GEMM at all), else a product of the formed
-    filter's gradient follows its kernel."""
+    where basis_gradient_on_tensor_cores says so (one kernel, no GEMM at all), else a product of
+    the formed filter's gradient follows its kernel."""
     assert mirage.ops.fused_filter_supported(features, width, "cuda") == fused
-    inputs = make_formed_inputs(40, features, 900, width, torch.float32, "cuda")
+    on_tensor_cores = basis_gradient_on_tensor_cores(features, width, count)
+    inputs = make_formed_inputs(300, features, count, width, torch.float32, "cuda")
     x, basis, vectors, directions, pairs, weight = inputs
     leaves = [t.requires_grad_() for t in (x, basis, vectors, directions)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -617,15 +640,17 @@ def test_cuda_formed_filter_kernel_choice(features, width, fused, on_tensor_core
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("bad", [-1, 7])
-@pytest.mark.parametrize("count", [50, SENDER_ORDER_MIN_PAIRS])
-def test_cuda_basis_gradient_out_of_range_pairs_give_nan(bad, count):
-    """The backward that forms the basis' gradient on tensor cores flags an index out of range as
-    the other kernels do: every output NaN, the next call unaffected."""
+@pytest.mark.parametrize("bad", [-1, 7, 2**40])
+@pytest.mark.parametrize("row", [0, 1])  # a receiver, a sender
+@pytest.mark.parametrize("count", [50, SENDER_ORDER_MIN_PAIRS])  # the former kernel, on tensor cores
+def test_cuda_basis_gradient_out_of_range_pairs_give_nan(bad, row, count):
+    """The backward that returns the basis' gradient flags an index out of range as the other
+    kernels do: every output NaN, the next call unaffected."""
     x, basis, vectors, directions, pairs, weight = make_formed_inputs(7, 16, count, 5, torch.float32, "cuda")
+    assert basis_gradient_on_tensor_cores(16, 5, count) == (count >= SENDER_ORDER_MIN_PAIRS)
     grad_scalar, grad_vector = randn(7, 16, device="cuda"), randn(7, 3, 16, device="cuda")
     good = pairs.clone()
-    pairs[1, 31] = bad
+    pairs[row, 31] = bad
     grads = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, pairs, weight)
     torch.cuda.synchronize()
     assert grads[1].shape == basis.shape and all(torch.isnan(t).all() for t in grads)
