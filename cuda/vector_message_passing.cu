@@ -581,7 +581,11 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
             }
           }
         }
-        // d basis += d filter [16 x (the chunk's 4 features a lane, 3 parts)] x W: two k8 steps a part.
+        // d basis += d filter [16 x (the chunk's 4 features a lane, 3 parts)] x W: two k8 steps a
+        // part, into accumulators of the chunk's own, added in float32 after. The tensor cores
+        // truncate every accumulation; a chain of all the chunks' (144 MMAs at F = 128) drifts toward
+        // zero past float32's bound (seen on an H200, 2026-11-30: 7 units of the terms' magnitude).
+        float chunk_grad[kBasisSteps][4] = {};
 #pragma unroll
         for (int part = 0; part < 3; ++part)
 #pragma unroll
@@ -595,11 +599,15 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
             for (int nt = 0; nt < kBasisSteps; ++nt) {
               const uint4 b = grad_b[(((part * C + c) * 2 + e) * kBasisSteps + nt) * 32 + lane];
               const uint32_t b_hi[2] = {b.x, b.y}, b_lo[2] = {b.z, b.w};
-              mma_tf32(basis_grad[nt], lo, b_hi);
-              mma_tf32(basis_grad[nt], hi, b_lo);
-              mma_tf32(basis_grad[nt], hi, b_hi);
+              mma_tf32(chunk_grad[nt], lo, b_hi);
+              mma_tf32(chunk_grad[nt], hi, b_lo);
+              mma_tf32(chunk_grad[nt], hi, b_hi);
             }
           }
+#pragma unroll
+        for (int nt = 0; nt < kBasisSteps; ++nt)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) basis_grad[nt][q] += chunk_grad[nt][q];
         // The sender's sums over the run (the 8 lanes of one t); lanes g == c % 8 add them.
 #pragma unroll
         for (int k = 0; k < 6; ++k)
