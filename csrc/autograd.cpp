@@ -613,8 +613,9 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
 // mirage::vector_message_passing. Its backward is a fused op of its own (forces are this
 // gradient, so it must not cost a composite recompute); that op's backward in turn recomputes
 // the gradient formulas below with PyTorch ops, which gives double backward (force training).
-// With filter_weight the fused ops form the filter from the basis; the gradients of the basis
-// and of the weight are then products of the formed filter's gradient (grad_filter).
+// With filter_weight the fused ops form the filter from the basis, and the backward op returns
+// the basis' gradient; where the weight's gradient is wanted, the formed filter's gradient is
+// taken instead (the op on a filter formed by a PyTorch product) and both are products of it.
 namespace {
 
 // The gradients of vector_message_passing (docs/ops.md) as differentiable PyTorch ops, float32
@@ -653,8 +654,11 @@ variable_list vector_message_passing_backward_composite(const variable_list& in)
       at::zeros({nodes, 3 * features}, filter.options()).index_add(0, j, grad_m * filter);
   const at::Tensor grad_vectors =
       at::zeros({nodes, 3, features}, filter.options()).index_add(0, j, grad_vector_i * m_vv);
+  // The filter argument's gradient: the formed filter's, or with filter_weight the basis'.
+  at::Tensor grad_filter = grad_m * x_j;
+  if (in[7].defined()) grad_filter = grad_filter.matmul(to_compute_dtype(in[7]));
   const auto dtype = x.scalar_type();
-  return {grad_x.to(dtype), (grad_m * x_j).to(dtype), grad_vectors.to(dtype),
+  return {grad_x.to(dtype), grad_filter.to(dtype), grad_vectors.to(dtype),
           (grad_vector_i * m_vs).sum(-1).to(dtype)};
 }
 
@@ -706,9 +710,10 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
     std::optional<at::Tensor> fused_weight;
     at::Tensor filter = basis;
     if (weight.defined()) {
-      // For double backward the formed filter must be a PyTorch product (differentiable in the
-      // basis and the weight); for forces alone the fused op forms it.
-      if (at::GradMode::is_enabled()) {
+      // For forces alone the fused op forms the filter and returns the basis' gradient itself (on
+      // tensor cores where it can). The weight's gradient needs the formed filter's, and double
+      // backward a differentiable filter: there the filter is a PyTorch product of the two.
+      if (at::GradMode::is_enabled() || ctx->needs_input_grad(5)) {
         filter = ops::formed_filter(basis, weight);
       } else {
         fused_weight = weight;
@@ -720,7 +725,7 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
         handles::vector_message_passing_backward().call(grad_outputs[0], grad_outputs[1], saved[0], filter,
                                                         saved[2], saved[3], saved[4], fused_weight,
                                                         defined_or_none(saved[6]), defined_or_none(saved[7]));
-    if (!weight.defined()) {
+    if (!weight.defined() || fused_weight.has_value()) {  // grad_filter: the filter argument's (the basis')
       return {grad_x, grad_filter, grad_vectors, grad_directions, at::Tensor(), at::Tensor(), at::Tensor(),
               at::Tensor()};
     }

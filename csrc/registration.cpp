@@ -43,7 +43,7 @@ TORCH_LIBRARY(mirage, m) {
   m.def("pair_product(Tensor a, Tensor b, Tensor pairs) -> Tensor");
   // PaiNN's scalar/vector messages; its backward is an op of its own (the forces' hot path). With
   // filter_weight, `filter` is the basis its Linear maps to the filter (formed in the kernel);
-  // grad_filter is then the formed filter's gradient.
+  // grad_filter is then the basis' gradient.
   m.def("vector_message_passing(Tensor x, Tensor filter, Tensor vectors, Tensor directions, "
         "Tensor pairs, Tensor? filter_weight=None, Tensor? sender_order=None, Tensor? num_pairs=None) -> "
         "(Tensor scalar, Tensor vector)");

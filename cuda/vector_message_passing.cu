@@ -29,6 +29,7 @@
 
 #include "kernel_utils.cuh"
 #include "pair_order.cuh"
+#include "tf32.cuh"
 #include "vector_message_passing.cuh"
 
 namespace mirage::cuda {
@@ -397,6 +398,284 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
   });
 }
 
+// ---- The backward with the basis' gradient on tensor cores (grad_basis) --------------------------
+// A warp takes a window of 16 consecutive places of the walk (sender order for long lists) and each
+// run of one sender that starts in it, walked to its end in tiles of 16 places (any permutation is
+// correct, a scattered one only slower). Tiles aligned to the runs' starts, rather than each
+// window's pieces of the runs that cross it, take a sixth fewer MMA passes on the 3,000-atom box
+// (139,046 pairs in runs of 46 on average: 9,714 tiles against 11,504 pieces). The run's pairs are
+// the M side of TF32 MMAs (three products with split operands: float32's accuracy): lane (g, t)
+// holds pairs g and g + 8. The filter, basis [16 x K] times W^T, comes out with lane t holding, in
+// chunk c of 16 features, features 16 c + 4 t .. + 3 of each part (the weight's columns permuted
+// so: n8 tile j = 2 c + h of a part, column n, is feature 16 c + 4 (n / 2) + 2 h + n % 2), so that
+// the loads of x, vectors and the gradients stay 16 bytes a lane. The filter's gradient then sits
+// in the accumulator layout, which is the A layout of the next product: d basis [16 x K] = d filter
+// [16 x 3F] x W, straight from the registers (a k8 step: features 16 c + 4 t + 2 e and + 1 as k = t
+// and t + 4). No [P, 3F] tensor, no GEMM after it: on the 3,000-atom box (PaiNN, H200, 2026-11-30)
+// a prototype took 176 against 282 us for the former backward kernel and linear's narrow kernel
+// together.
+constexpr int kBasisWarps = 12;  // one block an SM (168 registers, 1152 F bytes of shared memory)
+constexpr int kBasisSteps = 3;   // K <= 24: three k8 steps of the filter, three n8 tiles of its gradient
+constexpr int kBasisRows = 16;   // a window: the MMAs' M
+
+// Shared memory: each weight fragment a lane reads, split, as uint4 {hi0, hi1, lo0, lo1}: the
+// filter's B fragments [3][F / 8][kBasisSteps][32] (k = basis, n = feature), then the gradient
+// product's [3][F / 16][2][kBasisSteps][32] (k = feature, n = basis).
+size_t basis_shared_bytes(int64_t features) {
+  return static_cast<size_t>(3 * (features / 8) * kBasisSteps * 32 + 3 * (features / 16) * 2 * kBasisSteps * 32) *
+         sizeof(uint4);
+}
+
+__device__ __forceinline__ float lane_of(const float4& v, int e) {
+  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint4 split_pair(float v0, float v1) {
+  uint4 out;
+  split<true>(v0, out.x, out.z);
+  split<true>(v1, out.y, out.w);
+  return out;
+}
+
+__global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
+    basis_backward_kernel(VectorMessagePassingBackwardParams p, const int* order,
+                          float* grad_x,           // [N, 3F], zeroed
+                          float* grad_vectors,     // [N, 3, F], zeroed
+                          float* grad_directions,  // [P, 3], zeroed
+                          int* invalid,            // [1]
+                          int* taken) {            // [1], zeroed: windows handed out
+  start_after_prior_grid();
+  const int64_t F = p.features, N = p.nodes, P = p.num_pairs;
+  const int K = p.fused.width, J = static_cast<int>(F / 8), C = static_cast<int>(F / 16);
+  const float* weight = p.fused.weight;
+  extern __shared__ uint4 fragments[];
+  uint4* filter_b = fragments;                           // [3][J][kBasisSteps][32]
+  uint4* grad_b = fragments + 3 * J * kBasisSteps * 32;  // [3][C][2][kBasisSteps][32]
+  const int tid = threadIdx.y * kLanes + threadIdx.x;
+  for (int idx = tid; idx < 3 * J * kBasisSteps * 32; idx += kLanes * kBasisWarps) {
+    const int l = idx % 32, ks = idx / 32 % kBasisSteps, j = idx / (32 * kBasisSteps) % J,
+              part = idx / (32 * kBasisSteps * J);
+    const int col = part * static_cast<int>(F) + 16 * (j / 2) + 4 * (l / 8) + 2 * (j % 2) + l / 4 % 2;
+    const int k0 = 8 * ks + l % 4, k1 = k0 + 4;
+    filter_b[idx] = split_pair(k0 < K ? weight[col * K + k0] : 0.0f, k1 < K ? weight[col * K + k1] : 0.0f);
+  }
+  for (int idx = tid; idx < 3 * C * 2 * kBasisSteps * 32; idx += kLanes * kBasisWarps) {
+    const int l = idx % 32, nt = idx / 32 % kBasisSteps, e = idx / (32 * kBasisSteps) % 2,
+              c = idx / (32 * kBasisSteps * 2) % C, part = idx / (32 * kBasisSteps * 2 * C);
+    const int k = 8 * nt + l / 4, col = part * static_cast<int>(F) + 16 * c + 4 * (l % 4) + 2 * e;
+    grad_b[idx] = split_pair(k < K ? weight[col * K + k] : 0.0f, k < K ? weight[(col + 1) * K + k] : 0.0f);
+  }
+  __syncthreads();
+  const int64_t walked = pairs_to_walk(p.live_pairs, P);
+  zero_padding(static_cast<float*>(p.grad_basis), walked, P, K);
+  const float* gs = static_cast<const float*>(p.grad_scalar);
+  const float* gv = static_cast<const float*>(p.grad_vector);
+  const float* x = static_cast<const float*>(p.x);
+  const float* vec = static_cast<const float*>(p.vectors);
+  const float* dirs = static_cast<const float*>(p.directions);
+  float* grad_basis = static_cast<float*>(p.grad_basis);
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  const int windows = static_cast<int>(ceil_div(walked, int64_t{kBasisRows}));
+  // Windows are handed out one at a time: the work of one is the tiles of the runs starting in it
+  // (none to several), so with a fixed share a warp the kernel waits on its unluckiest warp: PaiNN
+  // on the 3,000-atom box took 2.26 ms a call so, against 1.90 with each window's pieces of runs
+  // (H200, 2026-11-30).
+  for (;;) {
+    const int w = __shfl_sync(kFullMask, lane == 0 ? atomicAdd(taken, 1) : 0, 0);
+    if (w >= windows) break;
+    // Lane q < 16: the sender of the window's q-th walk position, -1 outside the walk or for an
+    // index out of range (which raises the flag: every output NaN); lane 16 the position's before
+    // the window. 32-bit: the launcher takes lists that use_sender_order admits (an int32 order,
+    // fewer than 2^31 nodes).
+    const int64_t first = kBasisRows * static_cast<int64_t>(w);
+    const int64_t pos = lane < kBasisRows ? first + lane : first - 1;
+    int key = -1;
+    if (lane <= kBasisRows && pos >= 0 && pos < walked) {
+      const int pair = order[pos];
+      const int64_t i = p.pairs[pair], j = p.pairs[P + pair];
+      if (in_range(i, N) && in_range(j, N)) {
+        key = static_cast<int>(j);
+      } else if (lane < kBasisRows) {
+        *invalid = 1;  // every writer stores the same value
+      }
+    }
+    // The runs (of one sender) that start in the window, each walked to its end in tiles of 16.
+    const int before = __shfl_sync(kFullMask, key, lane == 0 ? kBasisRows : lane - 1);
+    unsigned starts = __ballot_sync(kFullMask, lane < kBasisRows && key >= 0 && key != before);
+    while (starts != 0) {  // uniform over the warp
+      const int start = __ffs(starts) - 1;
+      starts &= starts - 1;
+      const int sender32 = __shfl_sync(kFullMask, key, start);
+      const int64_t sender = sender32;
+      for (int64_t base = first + start;; base += kBasisRows) {
+        // Lane q < 16: the tile's q-th pair and receiver; the run is the tile's first rows of the sender.
+        int my_pair = 0, my_i = 0;
+        bool same = false;
+        if (lane < kBasisRows && base + lane < walked) {
+          my_pair = order[base + lane];
+          const int64_t i = p.pairs[my_pair];
+          same = in_range(i, N) && p.pairs[P + my_pair] == sender;
+          my_i = static_cast<int>(i);
+        }
+        const unsigned same_rows = __ballot_sync(kFullMask, same);
+        const unsigned run = (~same_rows & (same_rows + 1)) - 1;  // the ones below the lowest zero
+        if (run == 0) break;
+        // This lane's rows g and g + 8 of the run: pair, receiver, direction, basis (split).
+        int pair[2], receiver[2];
+        bool valid[2];
+        float d[2][3];
+        uint32_t a_hi[kBasisSteps][4], a_lo[kBasisSteps][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int q = g + 8 * r;
+          valid[r] = (run >> q) & 1u;
+          pair[r] = __shfl_sync(kFullMask, my_pair, q);
+          receiver[r] = __shfl_sync(kFullMask, my_i, q);
+#pragma unroll
+          for (int c3 = 0; c3 < 3; ++c3) d[r][c3] = valid[r] ? dirs[3 * static_cast<int64_t>(pair[r]) + c3] : 0.0f;
+#pragma unroll
+          for (int ks = 0; ks < kBasisSteps; ++ks)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {  // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
+              const int k = 8 * ks + t + 4 * u;
+              const float b = valid[r] && k < K ? p.fused.basis[static_cast<int64_t>(pair[r]) * K + k] : 0.0f;
+              split<true>(b, a_hi[ks][r + 2 * u], a_lo[ks][r + 2 * u]);
+            }
+        }
+        float basis_grad[kBasisSteps][4] = {};
+        float dir_grad[2][3] = {};
+#pragma unroll 1
+        for (int c = 0; c < C; ++c) {
+          float filt[3][2][4];  // [part][h][accumulator]: rows g, g + 8 at features 16 c + 4 t + 2 h (+ 1)
+#pragma unroll
+          for (int part = 0; part < 3; ++part)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float(&acc)[4] = filt[part][h];
+              acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+#pragma unroll
+              for (int ks = 0; ks < kBasisSteps; ++ks) {
+                const uint4 b = filter_b[((part * J + 2 * c + h) * kBasisSteps + ks) * 32 + lane];
+                const uint32_t b_hi[2] = {b.x, b.y}, b_lo[2] = {b.z, b.w};
+                mma_tf32(acc, a_lo[ks], b_hi);
+                mma_tf32(acc, a_hi[ks], b_lo);
+                mma_tf32(acc, a_hi[ks], b_hi);
+              }
+            }
+          const int64_t f = 16 * c + 4 * t;
+          const float4 xs = *reinterpret_cast<const float4*>(x + sender * 3 * F + f);
+          const float4 xvv = *reinterpret_cast<const float4*>(x + sender * 3 * F + F + f);
+          const float4 xvs = *reinterpret_cast<const float4*>(x + sender * 3 * F + 2 * F + f);
+          float4 vj[3];
+#pragma unroll
+          for (int c3 = 0; c3 < 3; ++c3) vj[c3] = *reinterpret_cast<const float4*>(vec + (sender * 3 + c3) * F + f);
+          float grad_filter[3][2][4] = {};  // [part][row][feature f + e]: 0 on rows outside the run
+          float sums[6][4] = {};            // the sender's: x's three parts, then its vectors' three components
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // Rows outside the run add nothing; skipped rather than multiplied by zeros, so that an
+            // infinite x[j] or vectors[j] reaches the sender's sums as an infinity, not NaN.
+            if (!valid[r]) continue;
+            const float4 g_s4 = *reinterpret_cast<const float4*>(gs + static_cast<int64_t>(receiver[r]) * F + f);
+            float4 g_v4[3];
+#pragma unroll
+            for (int c3 = 0; c3 < 3; ++c3)
+              g_v4[c3] = *reinterpret_cast<const float4*>(gv + (static_cast<int64_t>(receiver[r]) * 3 + c3) * F + f);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int h = e / 2, o = 2 * r + e % 2;
+              const float f_s = filt[0][h][o], f_vv = filt[1][h][o], f_vs = filt[2][h][o];
+              // Gradients of the message parts m_s, m_vv, m_vs of this pair.
+              const float g_s = lane_of(g_s4, e);
+              float g_vv = 0.0f, g_vs = 0.0f;
+#pragma unroll
+              for (int c3 = 0; c3 < 3; ++c3) {
+                g_vv += lane_of(g_v4[c3], e) * lane_of(vj[c3], e);
+                g_vs += lane_of(g_v4[c3], e) * d[r][c3];
+              }
+              grad_filter[0][r][e] = g_s * lane_of(xs, e);
+              grad_filter[1][r][e] = g_vv * lane_of(xvv, e);
+              grad_filter[2][r][e] = g_vs * lane_of(xvs, e);
+              sums[0][e] += g_s * f_s;
+              sums[1][e] += g_vv * f_vv;
+              sums[2][e] += g_vs * f_vs;
+              const float m_vv = lane_of(xvv, e) * f_vv, m_vs = lane_of(xvs, e) * f_vs;
+#pragma unroll
+              for (int c3 = 0; c3 < 3; ++c3) {
+                sums[3 + c3][e] += lane_of(g_v4[c3], e) * m_vv;
+                dir_grad[r][c3] += lane_of(g_v4[c3], e) * m_vs;
+              }
+            }
+          }
+          // d basis += d filter [16 x (the chunk's 4 features a lane, 3 parts)] x W: two k8 steps a
+          // part, into accumulators of the chunk's own, added in float32 after. The tensor cores
+          // truncate every accumulation; a chain of all the chunks' (144 MMAs at F = 128) drifts toward
+          // zero past float32's bound (seen on an H200, 2026-11-30: 7 units of the terms' magnitude).
+          float chunk_grad[kBasisSteps][4] = {};
+#pragma unroll
+          for (int part = 0; part < 3; ++part)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              uint32_t hi[4], lo[4];
+              split<true>(grad_filter[part][0][2 * e], hi[0], lo[0]);
+              split<true>(grad_filter[part][1][2 * e], hi[1], lo[1]);
+              split<true>(grad_filter[part][0][2 * e + 1], hi[2], lo[2]);
+              split<true>(grad_filter[part][1][2 * e + 1], hi[3], lo[3]);
+#pragma unroll
+              for (int nt = 0; nt < kBasisSteps; ++nt) {
+                const uint4 b = grad_b[(((part * C + c) * 2 + e) * kBasisSteps + nt) * 32 + lane];
+                const uint32_t b_hi[2] = {b.x, b.y}, b_lo[2] = {b.z, b.w};
+                mma_tf32(chunk_grad[nt], lo, b_hi);
+                mma_tf32(chunk_grad[nt], hi, b_lo);
+                mma_tf32(chunk_grad[nt], hi, b_hi);
+              }
+            }
+#pragma unroll
+          for (int nt = 0; nt < kBasisSteps; ++nt)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) basis_grad[nt][q] += chunk_grad[nt][q];
+          // The sender's sums over the run (the 8 lanes of one t); lanes g == c % 8 add them.
+#pragma unroll
+          for (int k = 0; k < 6; ++k)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float v = sums[k][e];
+              v += __shfl_xor_sync(kFullMask, v, 4);
+              v += __shfl_xor_sync(kFullMask, v, 8);
+              v += __shfl_xor_sync(kFullMask, v, 16);
+              sums[k][e] = v;
+            }
+          if (g == c % 8) {
+#pragma unroll
+            for (int k = 0; k < 3; ++k) atomic_add<4>(grad_x + sender * 3 * F + k * F + f, sums[k]);
+#pragma unroll
+            for (int c3 = 0; c3 < 3; ++c3) atomic_add<4>(grad_vectors + (sender * 3 + c3) * F + f, sums[3 + c3]);
+          }
+        }
+        // Each pair's direction gradient: its row's features, summed over the four lanes of the row.
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int c3 = 0; c3 < 3; ++c3) {
+            float v = dir_grad[r][c3];
+            v += __shfl_xor_sync(kFullMask, v, 1);
+            v += __shfl_xor_sync(kFullMask, v, 2);
+            if (t == 0 && valid[r]) grad_directions[3 * static_cast<int64_t>(pair[r]) + c3] = v;
+          }
+        // The basis' gradient: accumulator q of tile nt is row g + 8 (q / 2), column 8 nt + 2 t + q % 2.
+#pragma unroll
+        for (int nt = 0; nt < kBasisSteps; ++nt)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int r = q / 2, k = 8 * nt + 2 * t + q % 2;
+            if (valid[r] && k < K) grad_basis[static_cast<int64_t>(pair[r]) * K + k] = basis_grad[nt][q];
+          }
+        if (run != (1u << kBasisRows) - 1) break;  // the run ended inside this tile
+      }
+    }
+  }
+}
+
 // Pairs per warp: enough warps to fill the GPU a few times over before runs get long (long runs
 // merge more atomics in the forward, short ones spread a small system over more SMs).
 int pick_pairs_per_warp(int64_t num_pairs, int64_t tiles) {
@@ -417,7 +696,8 @@ bool can_pack(int64_t features, std::initializer_list<const void*> inputs, DType
   return true;
 }
 
-// Workspace: the flag, then (float16/bfloat16 only) the float32 accumulators.
+// Workspace: the flag (and after it basis_backward_kernel's count of windows handed out), then
+// (float16/bfloat16 only) the float32 accumulators.
 struct Workspace {
   int* invalid;
   float* acc[3];
@@ -495,6 +775,11 @@ cudaError_t with_kernel_kind(bool pack, bool fused, F&& kernel) {
 
 }  // namespace
 
+bool basis_gradient_supported(int64_t features, int64_t width, DType dtype) {
+  return fused_filter_supported(features, width, dtype) && features % 16 == 0 && width <= 8 * kBasisSteps &&
+         basis_shared_bytes(features) <= max_shared_bytes_per_block();
+}
+
 bool fused_filter_supported(int64_t features, int64_t width, DType dtype) {
   if (dtype != DType::kFloat32 || features < 4 || features % 4 != 0 || width < 1 || width > kMaxFusedFilterWidth)
     return false;
@@ -548,7 +833,7 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   float* grad_x = float32 ? static_cast<float*>(p.grad_x) : w.acc[0];
   float* grad_vectors = float32 ? static_cast<float*>(p.grad_vectors) : w.acc[1];
   float* grad_directions = float32 ? static_cast<float*>(p.grad_directions) : w.acc[2];
-  cudaError_t status = zero(w.invalid, 1, sizeof(int), stream);
+  cudaError_t status = zero(w.invalid, 2, sizeof(int), stream);  // the flag, basis_backward_kernel's `taken`
   if (status == cudaSuccess) status = zero(grad_x, n_node, sizeof(float), stream);
   if (status == cudaSuccess) status = zero(grad_vectors, n_node, sizeof(float), stream);
   if (status == cudaSuccess) status = zero(grad_directions, n_dir, sizeof(float), stream);
@@ -563,6 +848,28 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   const bool pack = can_pack(p.features,
                              {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
                              p.dtype, {grad_x, grad_vectors});
+  if (p.grad_basis != nullptr) {  // the basis' gradient on tensor cores
+    if (p.fused.basis == nullptr || !pack || walk.order == nullptr ||
+        !basis_gradient_supported(p.features, p.fused.width, p.dtype))
+      return cudaErrorInvalidValue;
+    if (p.num_pairs > 0) {
+      const size_t shared = basis_shared_bytes(p.features);
+      int64_t wave = 0;
+      status = blocks_per_wave(basis_backward_kernel, kLanes * kBasisWarps, shared, wave);
+      if (status != cudaSuccess) return status;
+      const int64_t windows = ceil_div(p.num_pairs, int64_t{kBasisRows});
+      const int64_t blocks = std::max<int64_t>(1, std::min(wave, ceil_div(windows, int64_t{kBasisWarps})));
+      status = launch_overlapped(basis_backward_kernel, dim3(static_cast<unsigned>(blocks)),
+                                 dim3(kLanes, kBasisWarps), shared, stream, false, p, walk.order, grad_x,
+                                 grad_vectors, grad_directions, w.invalid, w.invalid + 1);
+      if (status != cudaSuccess) return status;
+    }
+    Segments segments{{{nullptr, p.grad_x, n_node},
+                       {nullptr, p.grad_vectors, n_node},
+                       {nullptr, p.grad_directions, n_dir},
+                       {nullptr, p.grad_basis, p.num_pairs * p.fused.width}}};
+    return launch_finish<float>(segments, w.invalid, stream, walk.check);
+  }
   const int64_t tiles = std::max<int64_t>(1, ceil_div(p.features, kLanes * (pack ? 4 : 1)));
   MIRAGE_DISPATCH_FLOAT(p.dtype, [&] {
     if (p.num_pairs > 0) {

@@ -56,7 +56,7 @@ struct VectorMessagePassingBackwardParams {
   const void* directions;   // [P, 3]
   const int64_t* pairs;     // [2, P]
   void* grad_x;             // [N, 3F] out
-  void* grad_filter;        // [P, 3F] out
+  void* grad_filter;        // [P, 3F] out (null with grad_basis)
   void* grad_vectors;       // [N, 3, F] out
   void* grad_directions;    // [P, 3] out
   const int* sender_order;  // [P] mirage::sender_order's, checked (pair_order.cuh), or null: sorted here
@@ -66,11 +66,20 @@ struct VectorMessagePassingBackwardParams {
   int64_t features;
   DType dtype;
   FusedFilter fused;        // the filter formed from a basis (grad_filter is still [P, 3F])
+  // [P, K] out, or null: with a fused filter where basis_gradient_supported, on a list walked in
+  // sender order (use_sender_order), the basis' gradient (grad_filter @ weight) formed on tensor
+  // cores in place of grad_filter, which is then not written.
+  void* grad_basis = nullptr;
 };
 
 // Whether the kernels form the filter of F features from a basis of K on the current device
 // (float32, F % 4 == 0, 1 <= K <= kMaxFusedFilterWidth, the weight fits in shared memory).
 bool fused_filter_supported(int64_t features, int64_t width, DType dtype);
+
+// Whether the backward forms the basis' gradient itself (grad_basis) for F features and a basis of
+// K on the current device: a fused filter with F % 16 == 0, K <= 24, and 1152 F bytes of shared
+// memory a block (F <= 192 on compute capability 9.0, 144 on 8.0, 80 on 8.6 and 8.9).
+bool basis_gradient_supported(int64_t features, int64_t width, DType dtype);
 
 // Bytes of device scratch the launchers need: float32 accumulators for float16/bfloat16 outputs
 // and the invalid-index flag.

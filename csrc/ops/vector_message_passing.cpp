@@ -21,7 +21,7 @@ std::tuple<at::Tensor, at::Tensor> empty_vector_message_passing_outputs(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_vector_message_passing_gradients(
     const VectorMessagePassingShape& s, const at::TensorOptions& options) {
   return {at::empty({s.nodes, 3 * s.features}, options),
-          at::empty({s.pairs, 3 * s.features}, options),
+          at::empty({s.pairs, s.width}, options),
           at::empty({s.nodes, 3, s.features}, options),
           at::empty({s.pairs, 3}, options)};
 }
@@ -59,7 +59,10 @@ VectorMessagePassingShape check_vector_message_passing(std::string_view op, cons
                pairs.scalar_type());
   MIRAGE_CHECK(pairs.dim() == 2 && pairs.size(0) == 2, op, ": pairs must be [2, P], got ",
                pairs.sizes());
-  const VectorMessagePassingShape s{x.size(0), pairs.size(1), x.size(1) / 3};
+  const int64_t features = x.size(1) / 3;
+  const VectorMessagePassingShape s{x.size(0), pairs.size(1), features,
+                                    present(filter_weight) && filter_weight->dim() == 2 ? filter_weight->size(1)
+                                                                                        : 3 * features};
   check_floating(op, "vectors", vectors, x);
   check_shape(op, "vectors", vectors, "[N, 3, F]", {s.nodes, 3, s.features});
   check_floating(op, "filter", filter, x);
@@ -176,9 +179,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   const at::Tensor gs64 = as_double(grad_scalar), gv64 = as_double(grad_vector), x64 = as_double(x),
                    f64 = filter_as_double(filter, filter_weight), v64 = as_double(vectors),
                    d64 = as_double(directions);
-  auto [grad_x, grad_filter, grad_vectors, grad_directions] =
-      empty_vector_message_passing_gradients(s, x64.options());
-  for (at::Tensor* grad : {&grad_x, &grad_filter, &grad_vectors, &grad_directions}) grad->zero_();
+  // The formed filter's gradient [P, 3F]; with filter_weight the basis' is its product with the weight.
+  const auto options = x64.options();
+  at::Tensor grad_x = at::zeros({s.nodes, 3 * s.features}, options);
+  at::Tensor grad_filter = at::zeros({s.pairs, 3 * s.features}, options);
+  at::Tensor grad_vectors = at::zeros({s.nodes, 3, s.features}, options);
+  at::Tensor grad_directions = at::zeros({s.pairs, 3}, options);
   const double *gs = gs64.const_data_ptr<double>(), *gv = gv64.const_data_ptr<double>(),
                *xs = x64.const_data_ptr<double>(), *fs = f64.const_data_ptr<double>(),
                *vs = v64.const_data_ptr<double>(), *ds = d64.const_data_ptr<double>();
@@ -212,6 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
     }
   }
   const auto dtype = x.scalar_type();
+  if (present(filter_weight)) grad_filter = grad_filter.matmul(as_double(*filter_weight));
   return {grad_x.to(dtype), grad_filter.to(dtype), grad_vectors.to(dtype), grad_directions.to(dtype)};
 }
 

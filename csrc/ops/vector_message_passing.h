@@ -18,6 +18,7 @@ struct VectorMessagePassingShape {
   int64_t nodes;     // N
   int64_t pairs;     // P
   int64_t features;  // F
+  int64_t width;     // the filter argument's columns: 3F, or K with filter_weight (the basis)
 };
 
 // Checks x [N, 3F], filter [P, 3F] (with filter_weight [3F, K]: filter is the basis [P, K]),
@@ -47,8 +48,9 @@ at::Tensor formed_filter(const at::Tensor& filter, const std::optional<at::Tenso
 std::tuple<at::Tensor, at::Tensor> empty_vector_message_passing_outputs(
     const VectorMessagePassingShape& s, const at::TensorOptions& options);
 
-// (grad_x [N, 3F], grad_filter [P, 3F], grad_vectors [N, 3, F], grad_directions [P, 3]),
-// uninitialized: the backward's outputs.
+// (grad_x [N, 3F], grad_filter [P, width], grad_vectors [N, 3, F], grad_directions [P, 3]),
+// uninitialized: the backward's outputs (grad_filter the gradient of the filter argument: with
+// filter_weight, of the basis).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_vector_message_passing_gradients(
     const VectorMessagePassingShape& s, const at::TensorOptions& options);
 

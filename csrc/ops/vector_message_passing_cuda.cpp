@@ -5,7 +5,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../../cuda/sender_order.h"
 #include "../../cuda/vector_message_passing.cuh"
+#include "../op_handles.h"
 #include "checks.h"
 #include "cuda_utils.h"
 #include "pair_order.h"
@@ -93,6 +95,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   const FilterSource source(filter, filter_weight, {&gsc, &gvc, &xc, &vc});
   auto [grad_x, grad_filter, grad_vectors, grad_directions] =
       empty_vector_message_passing_gradients(s, x.options());
+  // With filter_weight the second output is the basis' gradient: formed by the kernel on tensor
+  // cores where it can, else the formed filter's gradient [P, 3F] times the weight (mirage::linear:
+  // its narrow kernel takes these products of many pairs).
+  const bool basis_in_kernel = source.fused.basis != nullptr && cuda::use_sender_order(s.nodes, s.pairs) &&
+                               cuda::basis_gradient_supported(s.features, s.width, to_kernel_dtype(x.scalar_type()));
+  const at::Tensor formed_gradient = present(filter_weight) && !basis_in_kernel
+                                         ? at::empty({s.pairs, 3 * s.features}, x.options())
+                                         : grad_filter;
   cuda::VectorMessagePassingBackwardParams params{};
   params.grad_scalar = gsc.const_data_ptr();
   params.grad_vector = gvc.const_data_ptr();
@@ -103,7 +113,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   params.directions = dc.const_data_ptr();
   params.pairs = pc.const_data_ptr<int64_t>();
   params.grad_x = grad_x.mutable_data_ptr();
-  params.grad_filter = grad_filter.mutable_data_ptr();
+  params.grad_filter = basis_in_kernel ? nullptr : formed_gradient.mutable_data_ptr();
+  params.grad_basis = basis_in_kernel ? grad_filter.mutable_data_ptr() : nullptr;
   params.grad_vectors = grad_vectors.mutable_data_ptr();
   params.grad_directions = grad_directions.mutable_data_ptr();
   params.sender_order = static_cast<const int*>(data_or_null(order));
@@ -117,6 +128,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vector_message_passin
   check_launch(kVectorMessagePassingBackward,
                cuda::launch_vector_message_passing_backward(params, workspace.mutable_data_ptr(),
                                                             c10::cuda::getCurrentCUDAStream()));
+  if (present(filter_weight) && !basis_in_kernel) {
+    grad_filter = handles::linear().call(formed_gradient, filter_weight->t(), std::nullopt, std::nullopt, "none");
+  }
   return {grad_x, grad_filter, grad_vectors, grad_directions};
 }
 

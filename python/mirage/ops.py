@@ -486,8 +486,9 @@ def vector_message_passing(
         (float64 on the CPU). Differentiable in ``x``, ``filter``, ``vectors``, ``directions``
         and ``filter_weight``, to second order (forces and force training); the first-order
         backward is a fused kernel of its own (``torch.ops.mirage.vector_message_passing_backward``,
-        which with ``filter_weight`` forms the filter again and returns its gradient, of which
-        the basis' and the weight's gradients are products).
+        which with ``filter_weight`` forms the filter again and returns the basis' gradient; where
+        the weight's gradient is wanted, autograd forms the filter by a matmul first and takes
+        both from the formed filter's gradient).
         Under autocast it runs in the autocast dtype (every floating input cast to it).
 
     An index outside ``[0, N)``: the CPU raises ``RuntimeError``; CUDA, which never reads

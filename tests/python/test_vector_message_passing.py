@@ -516,12 +516,24 @@ def assert_formed_matches(inputs, dtype):
             assert_close_to(g, w, dtype, m)
         except AssertionError as error:
             raise AssertionError(f"gradient of {name}: {error}") from None
+    # The weight a constant (forces): the backward op then returns the basis' gradient itself (on
+    # CUDA, on tensor cores where it can), not the path above through the formed filter's.
+    constant = weight.detach()
+    got = gradients(lambda *a: mirage_formed(*a[:4], constant, a[4]), (x, basis, vectors, directions, pairs),
+                    grad_scalar, grad_vector)
+    for name, g, w, m in zip(["x", "basis", "vectors", "directions"], got, want, magnitudes):
+        try:
+            assert_close_to(g, w, dtype, m)
+        except AssertionError as error:
+            raise AssertionError(f"gradient of {name} (a constant weight): {error}") from None
 
 
 # (nodes, F, P, K): F % 4 == 0 and K <= 32 are formed inside the CUDA kernels, the others by a
-# GEMM first; sizes past one tile of 128 features, runs not a multiple of 4 pairs, no pairs.
+# GEMM first; sizes past one tile of 128 features, runs not a multiple of 4 pairs, no pairs. Of
+# those, F % 16 == 0, K <= 24 and F <= 192 (shared memory) get the basis' gradient on tensor cores:
+# one chunk of 16 features, K = 1 and 24, more chunks (12) than a column of lanes (8).
 FORMED_SHAPES = [(1, 1, 1, 1), (5, 7, 23, 3), (12, 128, 133, 21), (9, 8, 61, 32), (9, 8, 61, 33),
-                 (30, 256, 1000, 21), (4, 4, 0, 5)]
+                 (30, 256, 1000, 21), (4, 4, 0, 5), (7, 16, 50, 1), (11, 48, 301, 24), (5, 192, 77, 9)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -531,13 +543,25 @@ def test_formed_filter_matches_composite(device, dtype, nodes, features, count, 
     assert_formed_matches(make_formed_inputs(nodes, features, count, width, dtype, device), dtype)
 
 
+def basis_gradient_on_tensor_cores(features, width, count):
+    """Whether the CUDA backward forms the basis' gradient on tensor cores (docs/ops.md): the
+    fused filter, sender order, F % 16 == 0, K <= 24, 1152 F bytes of shared memory a block."""
+    shared = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    return (mirage.ops.fused_filter_supported(features, width, "cuda") and count >= SENDER_ORDER_MIN_PAIRS
+            and features % 16 == 0 and width <= 24 and 1152 * features <= shared)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("order", ["sorted", "random"])
-# The backward walks sender order from 8,192 pairs; from 131,072 the basis gradient is linear's
-# narrow kernel.
-@pytest.mark.parametrize("count", [9000, 140_000])
-def test_cuda_formed_filter_large(order, count):
-    assert_formed_matches(make_formed_inputs(3000, 128, count, 21, torch.float32, "cuda", order), torch.float32)
+# The backward walks sender order from 8,192 pairs (there, on tensor cores, F % 16 == 0 and K <= 24:
+# one chunk of 16 features, K = 1 and 24, more chunks (12) than a column of lanes (8) where shared
+# memory allows; else the former kernel and linear's product, which from 131,072 rows is its narrow
+# kernel).
+@pytest.mark.parametrize("count,features,width", [(9000, 128, 21), (140_000, 128, 21), (9000, 16, 24),
+                                                  (9000, 48, 1), (9000, 192, 9), (9000, 8, 5)])
+def test_cuda_formed_filter_large(order, count, features, width):
+    assert_formed_matches(make_formed_inputs(3000, features, count, width, torch.float32, "cuda", order),
+                          torch.float32)
 
 
 def test_formed_filter_gradcheck_and_gradgradcheck():
@@ -585,26 +609,53 @@ def test_fused_filter_supported_is_false_off_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("features,width,fused", [(128, 21, True), (4, 32, True), (128, 33, False),
-                                                  (7, 21, False)])
-def test_cuda_formed_filter_kernel_choice(features, width, fused):
-    """The kernels form the filter themselves where fused_filter_supported says so (no GEMM then,
-    forward or backward, besides the basis' gradient); otherwise a GEMM forms it first."""
+@pytest.mark.parametrize("features,width,count,fused", [(128, 21, 9000, True), (16, 24, 9000, True),
+                                                        (128, 21, 900, True), (4, 32, 9000, True),
+                                                        (128, 33, 900, False), (7, 21, 900, False)])
+def test_cuda_formed_filter_kernel_choice(features, width, count, fused):
+    """The kernels form the filter themselves where fused_filter_supported says so (no GEMM then);
+    otherwise a GEMM forms it first. The backward then forms the basis' gradient on tensor cores
+    where basis_gradient_on_tensor_cores says so (one kernel, no GEMM at all), else a product of
+    the formed filter's gradient follows its kernel."""
     assert mirage.ops.fused_filter_supported(features, width, "cuda") == fused
-    inputs = make_formed_inputs(40, features, 900, width, torch.float32, "cuda")
+    on_tensor_cores = basis_gradient_on_tensor_cores(features, width, count)
+    inputs = make_formed_inputs(300, features, count, width, torch.float32, "cuda")
     x, basis, vectors, directions, pairs, weight = inputs
-    leaves = [t.requires_grad_() for t in (x, vectors, directions)]
+    leaves = [t.requires_grad_() for t in (x, basis, vectors, directions)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         scalar, vector = mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, weight)
         torch.autograd.grad((scalar.sum() + vector.sum()), leaves)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
-    kernels = [n for n in names if "forward_kernel<float, 4, true" in n or "backward_kernel<float, 4, true" in n]
+    forward = [n for n in names if "forward_kernel<float, 4, true" in n]
+    backward = [n for n in names if "backward_kernel<float, 4, true" in n]
+    basis_kernel = [n for n in names if "basis_backward_kernel" in n]
     gemms = [n for n in names if "gemm" in n.lower() or "xmma" in n or "nvjet" in n]
-    if fused:
-        assert len(kernels) == 2 and not gemms, names
+    if on_tensor_cores:
+        assert len(forward) == len(basis_kernel) == 1 and not backward and not gemms, names
+    elif fused:
+        assert len(forward) == len(backward) == 1 and not basis_kernel, names
     else:
-        assert not kernels and gemms, names
+        assert not forward and not backward and not basis_kernel and gemms, names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bad", [-1, 7, 2**40])
+@pytest.mark.parametrize("row", [0, 1])  # a receiver, a sender
+@pytest.mark.parametrize("count", [50, SENDER_ORDER_MIN_PAIRS])  # the former kernel, on tensor cores
+def test_cuda_basis_gradient_out_of_range_pairs_give_nan(bad, row, count):
+    """The backward that returns the basis' gradient flags an index out of range as the other
+    kernels do: every output NaN, the next call unaffected."""
+    x, basis, vectors, directions, pairs, weight = make_formed_inputs(7, 16, count, 5, torch.float32, "cuda")
+    assert basis_gradient_on_tensor_cores(16, 5, count) == (count >= SENDER_ORDER_MIN_PAIRS)
+    grad_scalar, grad_vector = randn(7, 16, device="cuda"), randn(7, 3, 16, device="cuda")
+    good = pairs.clone()
+    pairs[row, 31] = bad
+    grads = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, pairs, weight)
+    torch.cuda.synchronize()
+    assert grads[1].shape == basis.shape and all(torch.isnan(t).all() for t in grads)
+    grads = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, good, weight)
+    assert all(torch.isfinite(t).all() for t in grads)
 
 
 @pytest.mark.cuda
@@ -663,8 +714,8 @@ def test_num_pairs_skips_the_padding(device, count, formed_filter):
     one past P walks every pair."""
     nodes, features, padding = 300, 8, 137
     total = count + padding
-    if formed_filter:
-        *inputs, weight = make_formed_inputs(nodes, features, total, 16, device=device)
+    if formed_filter:  # F = 16: on CUDA the basis' gradient on tensor cores
+        *inputs, weight = make_formed_inputs(nodes, 2 * features, total, 16, device=device)
     else:
         inputs, weight = list(make_inputs(nodes, features, total, device=device, order="sorted")), None
     order = mirage.ops.sender_order(inputs[4], nodes, torch.tensor([count], device=device))
