@@ -18,11 +18,12 @@
 // weight load from shared memory serves several pairs: the block keeps the weight transposed in
 // shared memory and each warp its run's basis rows; the grid is then one wave of blocks, each
 // warp walking runs, so that the weight is staged once per block.
-// Tried and not kept (2026-11-28, docs/perf/forcefield.md): the backward contracting the filter's
-// gradient with the weight itself, in its loop over the basis, to return the basis' gradient
-// [P, K] instead of writing [P, 3F] for linear's narrow kernel. Twice the FFMAs on CUDA cores
-// (the narrow kernel's contraction runs on tensor cores); PaiNN at 3,000 atoms, 897-1063 against
-// 869 us for the three backwards and basis gradients on an H200.
+// With a fused filter on a list walked in sender order, the backward returns the basis' gradient
+// [P, K] instead of the filter's [P, 3F]: basis_backward_kernel forms it on tensor cores from the
+// filter's gradient in registers (see there). Tried before and not kept (2026-11-28,
+// docs/perf/forcefield.md): the same contraction on CUDA cores inside the former backward's loop
+// over the basis, twice its FFMAs; PaiNN at 3,000 atoms, 897-1063 against 869 us for the three
+// backwards and basis gradients on an H200.
 #include <algorithm>
 #include <initializer_list>
 #include <type_traits>

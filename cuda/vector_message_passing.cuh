@@ -65,7 +65,7 @@ struct VectorMessagePassingBackwardParams {
   int64_t num_pairs;
   int64_t features;
   DType dtype;
-  FusedFilter fused;        // the filter formed from a basis (grad_filter is still [P, 3F])
+  FusedFilter fused;        // the filter formed from a basis (grad_filter [P, 3F] unless grad_basis)
   // [P, K] out, or null: with a fused filter where basis_gradient_supported, on a list walked in
   // sender order (use_sender_order), the basis' gradient (grad_filter @ weight) formed on tensor
   // cores in place of grad_filter, which is then not written.
@@ -81,8 +81,8 @@ bool fused_filter_supported(int64_t features, int64_t width, DType dtype);
 // memory a block (F <= 192 on compute capability 9.0, 144 on 8.0, 80 on 8.6 and 8.9).
 bool basis_gradient_supported(int64_t features, int64_t width, DType dtype);
 
-// Bytes of device scratch the launchers need: float32 accumulators for float16/bfloat16 outputs
-// and the invalid-index flag.
+// Bytes of device scratch the launchers need: the invalid-index flag (and the basis kernel's count
+// of windows handed out), float32 accumulators for float16/bfloat16 outputs, the sender order.
 size_t vector_message_passing_workspace_bytes(const VectorMessagePassingParams& params);
 size_t vector_message_passing_backward_workspace_bytes(const VectorMessagePassingBackwardParams& params);
 

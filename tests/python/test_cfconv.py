@@ -733,6 +733,7 @@ def test_radial_cfconv_backward_cuda_matches_the_reference(width, num_pairs):
     pairs = torch.randint(0, n, (2, num_pairs))
     x, grad = torch.randn(n, width, dtype=torch.float64), torch.randn(n, width, dtype=torch.float64)
     piece = torch.randint(0, intervals + 4, (num_pairs,), dtype=torch.float64)  # the last 4: past the cutoff
+    piece[:4] = intervals + torch.arange(4.0, dtype=torch.float64)  # some past it in every draw
     distances = (piece + 0.01 + 0.98 * torch.rand(num_pairs, dtype=torch.float64)) * RADIAL_CUTOFF / intervals
     # Coefficient q of a real table is ~ h^q F^(q) / q!: small past the first (a random one's
     # second derivative would make float32's rounding of s = d K / c an error of ~1e-3).

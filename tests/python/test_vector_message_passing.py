@@ -484,8 +484,8 @@ def formed(x, basis, vectors, directions, weight, pairs):
     return composite(x, basis @ weight.T, vectors, directions, pairs)
 
 
-def mirage_formed(x, basis, vectors, directions, weight, pairs):
-    return mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, weight)
+def mirage_formed(x, basis, vectors, directions, weight, pairs, order=None):
+    return mirage.ops.vector_message_passing(x, basis, vectors, directions, pairs, weight, sender_order=order)
 
 
 def make_formed_inputs(nodes, features, count, width, dtype=torch.float32, device="cpu", order="sorted"):
@@ -496,19 +496,20 @@ def make_formed_inputs(nodes, features, count, width, dtype=torch.float32, devic
     return x, basis, vectors, directions, pairs, weight
 
 
-def assert_formed_matches(inputs, dtype):
-    """Forward and every gradient against `formed` in float64 (bounds as assert_forward_matches)."""
+def assert_formed_matches(inputs, dtype, order=None):
+    """Forward and every gradient against `formed` in float64 (bounds as assert_forward_matches);
+    order: the sender order handed to the op (None: its own)."""
     x, basis, vectors, directions, pairs, weight = inputs
     ordered = (x, basis, vectors, directions, weight, pairs)
     as64 = lambda t: t.detach().double().cpu()  # noqa: E731
     exact = [as64(t) for t in ordered[:5]] + [pairs.cpu()]
     bound = [as64(t).abs() for t in ordered[:5]] + [pairs.cpu()]
-    got = mirage.ops.vector_message_passing(*inputs)
+    got = mirage.ops.vector_message_passing(*inputs, sender_order=order)
     for g, w, m in zip(got, formed(*exact), formed(*bound)):
         assert_close_to(g, w, dtype, m)
     grad_scalar = randn(x.shape[0], vectors.shape[-1], dtype=dtype, device=x.device)
     grad_vector = randn(*vectors.shape, dtype=dtype, device=x.device)
-    got = gradients(mirage_formed, ordered, grad_scalar, grad_vector)
+    got = gradients(lambda *a: mirage_formed(*a, order), ordered, grad_scalar, grad_vector)
     want = gradients(formed, exact, as64(grad_scalar), as64(grad_vector))
     magnitudes = gradients(formed, bound, as64(grad_scalar).abs(), as64(grad_vector).abs())
     for name, g, w, m in zip(["x", "basis", "vectors", "directions", "filter_weight"], got, want, magnitudes):
@@ -519,7 +520,7 @@ def assert_formed_matches(inputs, dtype):
     # The weight a constant (forces): the backward op then returns the basis' gradient itself (on
     # CUDA, on tensor cores where it can), not the path above through the formed filter's.
     constant = weight.detach()
-    got = gradients(lambda *a: mirage_formed(*a[:4], constant, a[4]), (x, basis, vectors, directions, pairs),
+    got = gradients(lambda *a: mirage_formed(*a[:4], constant, a[4], order), (x, basis, vectors, directions, pairs),
                     grad_scalar, grad_vector)
     for name, g, w, m in zip(["x", "basis", "vectors", "directions"], got, want, magnitudes):
         try:
@@ -529,9 +530,11 @@ def assert_formed_matches(inputs, dtype):
 
 
 # (nodes, F, P, K): F % 4 == 0 and K <= 32 are formed inside the CUDA kernels, the others by a
-# GEMM first; sizes past one tile of 128 features, runs not a multiple of 4 pairs, no pairs. Of
-# those, F % 16 == 0, K <= 24 and F <= 192 (shared memory) get the basis' gradient on tensor cores:
-# one chunk of 16 features, K = 1 and 24, more chunks (12) than a column of lanes (8).
+# GEMM first; sizes past one tile of 128 features, runs not a multiple of 4 pairs, no pairs. The
+# last three have the sizes whose basis' gradient the CUDA backward forms on tensor cores (one
+# chunk of 16 features, K = 1 and 24, more chunks (12) than a column of lanes (8)), but under
+# 8,192 pairs they take the former kernel and linear's product: test_cuda_formed_filter_large and
+# test_formed_filter_runs_of_every_length take them on tensor cores.
 FORMED_SHAPES = [(1, 1, 1, 1), (5, 7, 23, 3), (12, 128, 133, 21), (9, 8, 61, 32), (9, 8, 61, 33),
                  (30, 256, 1000, 21), (4, 4, 0, 5), (7, 16, 50, 1), (11, 48, 301, 24), (5, 192, 77, 9)]
 
@@ -562,6 +565,37 @@ def basis_gradient_on_tensor_cores(features, width, count):
 def test_cuda_formed_filter_large(order, count, features, width):
     assert_formed_matches(make_formed_inputs(3000, features, count, width, torch.float32, "cuda", order),
                           torch.float32)
+
+
+def runs_of_every_length(features, width, device):
+    """make_formed_inputs' tensors over a list whose senders have runs of chosen lengths (in
+    sender order): 1, under, at and over a tile of 16, several tiles, starting at many places of
+    a window of 16 (15 among them); over 8,192 pairs (sender order on CUDA), in shuffled list order."""
+    lengths = [1, 15, 16, 17, 32, 33, 100, 3, 300, 2, 47, 16, 31, 14, 64, 5]
+    senders = []
+    while len(senders) < SENDER_ORDER_MIN_PAIRS + 500:
+        for n in lengths:
+            senders += [senders[-1] + 1 if senders else 0] * n
+    count, nodes = len(senders), senders[-1] + 1
+    j = torch.tensor(senders)
+    pairs = torch.stack([torch.randint(0, nodes, (count,)), j])[:, torch.randperm(count)].to(device)
+    x, basis, vectors, directions, _, weight = make_formed_inputs(nodes, features, count, width, device=device)
+    return x, basis, vectors, directions, pairs, weight
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("given_order", [False, True])
+def test_formed_filter_runs_of_every_length(device, given_order):
+    """On CUDA the backward with a constant weight forms the basis' gradient on tensor cores in
+    tiles of 16 pairs from each run's start (docs/ops.md): runs of every length against the
+    float64 reference, in the op's own sender order and in a handed-in scattered one (a valid
+    permutation; its runs are mostly single pairs)."""
+    inputs = runs_of_every_length(128, 21, device)
+    if device == "cuda":
+        assert basis_gradient_on_tensor_cores(128, 21, inputs[1].shape[0])
+    count = inputs[1].shape[0]
+    order = torch.randperm(count, dtype=torch.int32).to(device) if given_order else None
+    assert_formed_matches(inputs, torch.float32, order)
 
 
 def test_formed_filter_gradcheck_and_gradgradcheck():
@@ -654,8 +688,13 @@ def test_cuda_basis_gradient_out_of_range_pairs_give_nan(bad, row, count):
     grads = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, pairs, weight)
     torch.cuda.synchronize()
     assert grads[1].shape == basis.shape and all(torch.isnan(t).all() for t in grads)
-    grads = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, good, weight)
-    assert all(torch.isfinite(t).all() for t in grads)
+    after = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, good, weight)
+    # Against the float64 CPU reference: a call that skipped pairs (say a stale count of windows
+    # handed out) would still be finite.
+    want = BACKWARD_OP(*[t.double().cpu() for t in (grad_scalar, grad_vector, x, basis, vectors, directions)],
+                       good.cpu(), weight.double().cpu())
+    for g, w in zip(after, want):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda
