@@ -609,9 +609,10 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
             }
           }
           // d basis += d filter [16 x (the chunk's 4 features a lane, 3 parts)] x W: two k8 steps a
-          // part, into accumulators of the chunk's own, added in float32 after. The tensor cores
-          // truncate every accumulation; a chain of all the chunks' (144 MMAs at F = 128) drifts toward
-          // zero past float32's bound (seen on an H200, 2026-11-30: 6.2 units of the terms' magnitude).
+          // part, into accumulators of the chunk's own, added in float32 after. The tensor cores'
+          // accumulation rounds less exactly than an FFMA (it truncates, by published measurements):
+          // a chain of all the chunks' (144 MMAs at F = 128) drifted past float32's bound (an H200,
+          // 2026-11-30: 6.2 units of the terms' magnitude; 2.1 with a chain a chunk).
           float chunk_grad[kBasisSteps][4] = {};
 #pragma unroll
           for (int part = 0; part < 3; ++part)
