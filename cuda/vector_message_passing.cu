@@ -506,8 +506,7 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
     while (starts != 0) {  // uniform over the warp
       const int start = __ffs(starts) - 1;
       starts &= starts - 1;
-      const int sender32 = __shfl_sync(kFullMask, key, start);
-      const int64_t sender = sender32;
+      const int64_t sender = __shfl_sync(kFullMask, key, start);
       for (int64_t base = first + start;; base += kBasisRows) {
         // Lane q < 16: the tile's q-th pair and receiver; the run is the tile's first rows of the sender.
         int my_pair = 0, my_i = 0;
