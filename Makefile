@@ -23,7 +23,7 @@ TORCHSCRIPT_MODULE := $(CURDIR)/$(BUILD_DIR)/scripted_group_norm.pt
 # Re-run when this file changes (a new pinned dependency); pip skips what is installed.
 $(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=0.10" pytest pytest-xdist numpy expecttest \
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) "scikit-build-core>=1.0" pytest pytest-xdist numpy expecttest \
 	  diffusers==$(DIFFUSERS_VERSION) ase==$(ASE_VERSION)
 	touch $@
 

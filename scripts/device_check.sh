@@ -8,7 +8,8 @@
 # STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff profile_ff
 # validate_nve (default: all; together they outlast one 10-minute device call: split them; the
 # pytest step alone takes longer than that since opcheck runs on every sample: pass test files).
-# Wheels the device lacks (diffusers, ase) travel in .whl/ with the device tool's `carry`.
+# Wheels the device lacks (diffusers, ase, scikit-build-core >= 1.0) travel in .whl/ with the device
+# tool's `carry` (README: GPU checks).
 set -uo pipefail
 OUT="${OUT:-/tmp/mirage-out}"
 mkdir -p "$OUT"

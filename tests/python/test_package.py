@@ -1,4 +1,6 @@
 import contextlib
+import importlib.metadata
+import importlib.util
 import inspect
 import os
 import re
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 import mirage
 from mirage.info import registered_ops
@@ -64,6 +67,26 @@ def test_isolated_builds_use_the_torch_the_makefile_installs():
     build = re.search(r'"torch==([^"]+)"', (root / "pyproject.toml").read_text()).group(1)
     make = re.search(r"^TORCH_VERSION \?= (\S+)$", (root / "Makefile").read_text(), re.MULTILINE).group(1)
     assert build == make
+
+
+def test_the_installed_package_requires_exactly_the_torch_it_was_built_against():
+    """A range would let pip keep or install another torch beside the compiled library."""
+    release = mirage.build_info()["torch_version"].split("+")[0]
+    torch_requirements = [r for r in importlib.metadata.requires("mirage-ops") if re.match(r"torch\b", r)]
+    assert torch_requirements == [f"torch=={release}"]
+
+
+def test_the_torch_pin_drops_only_the_local_label():
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("torch_pin", root / "build_support" / "torch_pin.py")
+    torch_pin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(torch_pin)
+    assert torch_pin.torch_requirement("2.14.1") == "torch==2.14.1"
+    assert torch_pin.torch_requirement("2.14.1+cu130") == "torch==2.14.1"
+    assert torch_pin.torch_requirement("2.15.0.dev20261201+cpu") == "torch==2.15.0.dev20261201"
+    # PEP 440: a pin without a local label accepts every local build of that release, and no other.
+    pin = Requirement(torch_pin.torch_requirement("2.14.1+cu130")).specifier
+    assert pin.contains("2.14.1+cpu") and pin.contains("2.14.1") and not pin.contains("2.14.10")
 
 
 def test_mismatched_torch_is_refused_with_rebuild_advice():
