@@ -27,7 +27,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Sequence, Set, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -53,13 +53,13 @@ def _leaves(tree: Any, root: str) -> Tuple[List[Any], List[str], pytree.TreeSpec
     """Leaves of ``tree``, their names for messages (``root[0]['x']``) and the spec.
 
     Pytree nodes registered without key functions (diffusers' output classes) have no paths;
-    their leaves are named by position.
+    then the leaves are numbered: ``root (leaf 2)``.
     """
     try:
         with_paths, spec = pytree.tree_flatten_with_path(tree)
     except ValueError:
         leaves, spec = pytree.tree_flatten(tree)
-        return leaves, [f"{root} leaf {i}" for i in range(len(leaves))], spec
+        return leaves, [f"{root} (leaf {i})" for i in range(len(leaves))], spec
     return [leaf for _, leaf in with_paths], [root + pytree.keystr(path) for path, _ in with_paths], spec
 
 
@@ -70,9 +70,12 @@ def _flatten(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], Li
     The names cost more than the flattening (their paths): a call that replays a graph takes
     :func:`_tree`, and names are worked out only for a message.
     """
-    leaves, names, spec = _leaves(_arguments(args, kwargs), "")
-    names = [name.replace("[0]", "args", 1) if name.startswith("[0]") else name.replace("[1]", "kwargs", 1)
-             for name in names]
+    arguments = _arguments(args, kwargs)
+    leaves, spec = pytree.tree_flatten(arguments)
+    # Named argument by argument, so that one without paths numbers only its own leaves.
+    named = [*((f"args[{i}]", arg) for i, arg in enumerate(arguments[0])),
+             *((f"kwargs[{key!r}]", value) for key, value in arguments[1].items())]
+    names = [name for root, arg in named for name in _leaves(arg, root)[1]]
     return leaves, names, spec
 
 
@@ -115,9 +118,9 @@ def _leaf_key(leaf: Any) -> Hashable:
     # their bits, so that NaN is equal to itself and -0.0 differs from 0.0.
     value = leaf.item() if _numpy_scalar(leaf) else leaf
     if isinstance(value, float):
-        return ("value", type(leaf), value.hex())
+        return ("float", type(leaf), value.hex())
     if isinstance(value, complex):
-        return ("value", type(leaf), value.real.hex(), value.imag.hex())
+        return ("complex", type(leaf), value.real.hex(), value.imag.hex())
     return ("value", type(leaf), value)
 
 
@@ -220,9 +223,9 @@ def _difference(captured: Hashable, given: Hashable, args: Sequence[Any], kwargs
         if key[0] == "tensor":
             _, shape, stride, dtype, device = key
             return f"a {str(dtype).replace('torch.', '')}{list(shape)} tensor on {device} with strides {stride}"
-        if key[1] is float:
+        if key[0] == "float":
             value = float.fromhex(key[2])
-        elif key[1] is complex:
+        elif key[0] == "complex":
             value = complex(float.fromhex(key[2]), float.fromhex(key[3]))
         else:
             value = key[2]
@@ -527,7 +530,7 @@ class GraphCache:
         self._entries: "OrderedDict[Hashable, Any]" = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self.capture_seconds = 0.0
-        self._fresh: Any = None  # captured by prepare() and not replayed yet
+        self._fresh: Set[Hashable] = set()  # keys of graphs captured by prepare() and not replayed yet
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` by replaying the graph for this signature (captured if new)."""
@@ -536,14 +539,9 @@ class GraphCache:
         leaves, key = _keyed(args, kwargs, "mirage.graphs.GraphCache")
         entry = self._entries.get(key)
         if entry is None:
-            self._fresh = None
             entry = self._capture_new(key, args, kwargs)
         else:
-            if self._fresh is entry:
-                self._fresh = None
-            else:
-                self.hits += 1
-            self._entries.move_to_end(key)
+            self._count_replay(key)
         _load(entry.static_inputs, leaves)
         return entry.replay()
 
@@ -559,7 +557,7 @@ class GraphCache:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._capture_new(key, args, kwargs)
-            self._fresh = entry
+            self._fresh.add(key)
         return key, entry
 
     def holds(self, key: Hashable, entry: Any) -> bool:
@@ -574,12 +572,16 @@ class GraphCache:
         """
         if self._entries.get(key) is not entry:
             raise RuntimeError("mirage.graphs.GraphCache.replay: this graph was evicted or cleared; prepare again")
-        if self._fresh is entry:
-            self._fresh = None
+        self._count_replay(key)
+        return entry.replay()
+
+    def _count_replay(self, key: Hashable) -> None:
+        """A replay of a held graph: a hit, but for the first one after prepare() captured it."""
+        if key in self._fresh:
+            self._fresh.discard(key)
         else:
             self.hits += 1
         self._entries.move_to_end(key)
-        return entry.replay()
 
     def _capture_new(self, key: Hashable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if self._pool is None:
@@ -602,7 +604,8 @@ class GraphCache:
         return entry
 
     def _evict_oldest(self) -> None:
-        _, entry = self._entries.popitem(last=False)
+        key, entry = self._entries.popitem(last=False)
+        self._fresh.discard(key)
         entry.reset()
         self.evictions += 1
 
@@ -612,7 +615,7 @@ class GraphCache:
             _, entry = self._entries.popitem(last=False)
             entry.reset()
         self._pool = None
-        self._fresh = None
+        self._fresh.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -179,6 +179,26 @@ def test_prepare_and_replay_count_like_calls_and_follow_evictions():
     assert not cache.holds(key4, entry4)
 
 
+def test_each_prepared_graph_counts_its_first_replay_as_its_capture():
+    # Each capture by prepare() is owed one uncounted replay, whatever is captured in between.
+    cache, _ = fake_cache(lambda x: x * 2, 4)
+    first, second = cache.prepare(randn(3)), cache.prepare(randn(4))
+    cache(randn(5))  # a third signature, captured by a call
+    cache.replay(*first)
+    cache(randn(4))  # second's first replay, through a call
+    assert (cache.stats().misses, cache.stats().hits) == (3, 0)
+    cache.replay(*first)
+    cache.replay(*second)
+    assert cache.stats().hits == 2
+    # An evicted graph owes nothing: captured again, its first replay is its capture call's.
+    small, _ = fake_cache(lambda x: x * 2, 1)
+    small.prepare(randn(3))
+    small(randn(4))
+    key, entry = small.prepare(randn(3))
+    small.replay(key, entry)
+    assert (small.stats().misses, small.stats().hits, small.stats().evictions) == (3, 0, 2)
+
+
 def test_replay_of_a_freshly_prepared_graph_makes_it_the_most_recent():
     cache, _ = fake_cache(lambda x: x * 2, 2)
     b = randn(2)
@@ -199,10 +219,31 @@ def test_a_signature_mismatch_names_the_argument_and_both_sides():
               r"float32\[4, 6\] tensor on cpu with strides \(6, 1\)"),
              ((x,), {"mode": 2}, r"argument kwargs\['mode'\] is int 2, captured as int 1"),
              ((x,), {"mode": 1.0}, r"argument kwargs\['mode'\] is float 1.0, captured as int 1"),
+             ((x,), {"mode": np.float32(0.25)}, r"argument kwargs\['mode'\] is float32 0.25, captured as int 1"),
              ((x,), {"other": 1}, r"called with \(args\[0\]: float32\[4, 6\]\), whose structure \(containers, "
                                   r"keyword names\) is not the captured one's")]
     for args, kwargs, message in cases:
         assert re.fullmatch(message, graphs._difference(captured, graphs.signature(args, kwargs), args, kwargs))
+
+
+class _PathlessPair:
+    """A pytree node registered without key functions, as diffusers' output classes are."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+torch.utils._pytree.register_pytree_node(_PathlessPair, lambda pair: ([pair.first, pair.second], None),
+                                         lambda values, _: _PathlessPair(*values))
+
+
+def test_arguments_without_paths_are_numbered_within_their_own_argument():
+    x = randn(2)
+    captured = graphs.signature((x, _PathlessPair(x, 1)), {"k": 3})
+    given = (x, _PathlessPair(x, 2)), {"k": 3}
+    assert graphs._difference(captured, graphs.signature(*given), *given) == \
+        "argument args[1] (leaf 1) is int 2, captured as int 1"
+    assert graphs._describe(*given) == "args[0]: float32[2], args[1] (leaf 0): float32[2]"
 
 
 def test_cache_refuses_bad_max_entries():
