@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ._arguments import count
-from .graphs import GraphCache, GraphCacheStats, progress
+from .graphs import GraphCache, GraphCacheStats, _flatten, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
 from .nn.attention import from_diffusers_attention
@@ -168,26 +168,30 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             return module
         replacement = module
         swap = by_type.get(type(module))
+        left_alone_by: Optional[Swap] = None  # the swap that had to leave the module alone
         if swap is not None and swap.candidate is not None and not swap.candidate(module):
             pass  # not a candidate: nothing to swap, nothing to report
         elif swap is not None and (hooked := hooked_submodule(module)) is not None:
             where = qualified_name(name, hooked) or "(model)"
             result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement would "
                                             "not run"))
+            left_alone_by = swap
         elif swap is not None:
             try:
                 replacement = swap.build(module)
                 result.swaps.append((swap.kind, name))
             except ValueError as reason:
                 result.left_alone.append((name, f"{swap.kind}: {reason}"))
-                if swap.opaque:
-                    sealed[id(module)] = module
-                    return module
+                left_alone_by = swap
         else:
             base = next((cls for cls in by_type if isinstance(module, cls)), None)
             if base is not None:
                 result.left_alone.append(
                     (name, f"{type(module).__name__} subclasses {base.__name__} and may compute differently"))
+                left_alone_by = by_type[base]
+        if left_alone_by is not None and left_alone_by.opaque:
+            sealed[id(module)] = module
+            return module
         if _searched(replacement):
             for child_name, child in list(replacement.named_children()):
                 new_child = visit(child, qualified_name(name, child_name))
@@ -373,6 +377,7 @@ class OptimizedModule(nn.Module):
         self.channels_last = channels_last
         self._layout_proven = False  # whether a call has gone through with channels-last tensors
         self.graphs: Optional[GraphCache] = GraphCache(self._run, max_graphs, verbose=verbose) if max_graphs else None
+        self._graphs_paused = False  # while the model is moved off one CUDA device (cpu()): eager calls
         # Modules holding weights derived from others (mirage.nn.Upsample2D's folded kernels):
         # a graph replay skips their forward, so they check for changed weights here.
         self._derived = [m for m in module.modules() if hasattr(m, "refresh_derived_weights")]
@@ -390,9 +395,10 @@ class OptimizedModule(nn.Module):
             return self._forward(args, kwargs)
         except RuntimeError as error:
             hint = self._input_dtype_hint(args, kwargs, error)
-            if hint is None:
-                raise
-            raise RuntimeError(f"{error}\n{hint}") from error
+            if hint is not None and error.args and isinstance(error.args[0], str):
+                # The hint joins the message of the error itself, which keeps its type (CaptureError).
+                error.args = (f"{error.args[0]}\n{hint}", *error.args[1:])
+            raise
 
     def _input_dtype_hint(self, args: Sequence[Any], kwargs: Dict[str, Any], error: RuntimeError) -> Optional[str]:
         """For a dtype mismatch that inputs in another floating dtype than the weights explain
@@ -401,14 +407,18 @@ class OptimizedModule(nn.Module):
         if self.autocast_dtype is not None or not re.search(r"dtype|scalar type|type \(", str(error)):
             return None  # under autocast the inputs' dtype does not matter
         weights = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), None)
-        named = [(f"args[{i}]", a) for i, a in enumerate(args)] + [(f"kwargs['{k}']", v) for k, v in kwargs.items()]
-        for name, value in named:
-            if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != weights:
-                return (f"mirage.optimize: the model's weights are {_dtype_name(weights)} (optimize's dtype) and input "
-                        f"{name} is {_dtype_name(value.dtype)}; mirage does not cast inputs: pass them in "
-                        f"{_dtype_name(weights)} ({name}.to({weights})), or optimize with dtype=None to keep "
-                        "float32 weights under autocast")
-        return None
+        leaves, names, _ = _flatten(args, kwargs)
+        other = [(name, leaf) for leaf, name in zip(leaves, names)
+                 if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.dtype != weights]
+        # Scalars and vectors (a diffusers timestep) are mostly cast by the model itself: named
+        # only when no larger input is in another dtype.
+        other = [(name, leaf) for name, leaf in other if leaf.dim() >= 2] or other
+        if not other:
+            return None
+        listed = ", ".join(f"{name} is {_dtype_name(leaf.dtype)}" for name, leaf in other)
+        return (f"mirage.optimize: the model's weights are {_dtype_name(weights)} (optimize's dtype) and input "
+                f"{listed}; mirage does not cast inputs: pass them in {_dtype_name(weights)} "
+                f"({other[0][0]}.to({weights})), or optimize with dtype=None to keep float32 weights under autocast")
 
     def _forward(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if not torch.compiler.is_compiling():  # compiled, the modules fold inside the graph
@@ -439,7 +449,7 @@ class OptimizedModule(nn.Module):
         return out
 
     def _call(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        if self.graphs is not None:
+        if self.graphs is not None and not self._graphs_paused:
             return self.graphs(*args, **kwargs)
         return self._run(*args, **kwargs)
 
@@ -484,11 +494,16 @@ class OptimizedModule(nn.Module):
         return tensors[0].device.type if tensors else "cpu"
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "OptimizedModule":
-        # A graph reads the parameters at their captured addresses; to(), half(), cuda() replace
-        # those tensors, so the graphs are released and captured again on the next call.
-        if self.graphs is not None:
+        # A graph reads the parameters at their captured addresses. to(), half(), cuda() that
+        # replace those tensors release the graphs, captured again at the next call; a to() that
+        # changes nothing keeps them (accelerate's CPU offload calls one before every forward).
+        # Off one CUDA device (cpu()), the model runs eagerly until it is moved back.
+        before = _addresses(self.module)
+        super()._apply(fn, *args, **kwargs)
+        if self.graphs is not None and _addresses(self.module) != before:
             self.graphs.clear()
-        return super()._apply(fn, *args, **kwargs)
+            self._graphs_paused = not _on_one_cuda_device(self.module)
+        return self
 
     # Pickling and copy.deepcopy: the swapped model, the settings and the report travel; the graphs
     # do not (a CUDA graph cannot be copied): the copy captures its own at its first calls.
@@ -504,6 +519,8 @@ class OptimizedModule(nn.Module):
         settings, result = state.pop("_graph_settings"), state.pop("_report")
         super().__setstate__(state)
         self.graphs = GraphCache(self._run, settings[0], verbose=settings[1]) if settings else None
+        # torch.load's map_location may have moved the tensors.
+        self._graphs_paused = not _on_one_cuda_device(self.module)
         if result is not None:
             _REPORTS[self] = result
 
@@ -533,6 +550,15 @@ class OptimizedModule(nn.Module):
 
 def _devices(model: nn.Module) -> set:
     return {t.device for t in list(model.parameters()) + list(model.buffers())}
+
+
+def _on_one_cuda_device(model: nn.Module) -> bool:
+    devices = _devices(model)
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+def _addresses(model: nn.Module) -> List[Tuple[torch.device, int]]:
+    return [(t.device, t.data_ptr()) for t in list(model.parameters()) + list(model.buffers())]
 
 
 def _conv_weights_to(model: nn.Module, memory_format: torch.memory_format) -> None:
@@ -656,6 +682,9 @@ def optimize(
     devices = _devices(model)
     if not cuda_graph:
         result.cuda_graph_note = "cuda_graph=False"
+    elif not devices:
+        result.cuda_graph_note = ("skipped: the model has no parameters or buffers, so nothing places it on a "
+                                  "CUDA device; capture its calls with mirage.graphs.capture")
     elif len(devices) != 1:
         result.cuda_graph_note = (f"skipped: the model's tensors are on {sorted(map(str, devices))}; "
                                   "graphs need the whole model on one CUDA device")

@@ -413,6 +413,38 @@ def test_an_attention_left_alone_keeps_its_norms():
         torch.testing.assert_close(optimized(*inputs).sample, original(*inputs).sample, atol=1e-5, rtol=1e-5)
 
 
+class _SubclassedAttention(Attention):
+    pass
+
+
+@pytest.mark.parametrize("why", ["hooked", "subclassed"])
+def test_an_attention_left_alone_for_hooks_or_its_class_keeps_what_is_inside(why):
+    # Left alone for a reason other than its configuration, it was once still searched: its
+    # norm_cross became mirage's LayerNorm and diffusers' processor refused it.
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            cls = _SubclassedAttention if why == "subclassed" else Attention
+            self.attn = cls(query_dim=8, cross_attention_dim=6, heads=2, dim_head=4, cross_attention_norm="layer_norm")
+
+        def forward(self, hidden, context):
+            return self.attn(hidden, encoder_hidden_states=context)
+
+    model = Wrapper()
+    calls = []
+    if why == "hooked":
+        model.attn.register_forward_hook(lambda module, args, output: calls.append(1))
+    optimized, original = optimized_and_original(model, cuda_graph=False)
+    report = mirage.report(optimized)
+    assert report.swaps == [] and [where for where, _ in report.left_alone] == ["attn"]
+    assert type(optimized.module.attn.norm_cross) is nn.LayerNorm
+    hidden, context = randn(2, 5, 8), randn(2, 3, 6)
+    with torch.no_grad():
+        output = optimized(hidden, context)
+        assert calls == ([1] if why == "hooked" else [])  # the hook ran in the optimized model
+        torch.testing.assert_close(output, original(hidden, context))
+
+
 def test_an_attention_left_alone_is_not_searched_by_the_pattern_pass():
     from diffusers.models.attention_processor import SlicedAttnProcessor
 
@@ -644,6 +676,7 @@ def test_stderr_of_a_failing_first_call_is_not_lost(capfd):
             raise ValueError("the model's own error")
 
     optimized = mirage.optimize(Noisy().eval(), dtype=torch.float32, verbose=False)
+    capfd.readouterr()  # optimize's trace of the forward printed the warning too
     with pytest.raises(ValueError, match="the model's own error"):
         optimized(randn(2, 3, 8, 8))
     assert "the model's own warning" in capfd.readouterr().err
@@ -847,6 +880,75 @@ def test_a_copy_of_a_graphed_model_captures_its_own_graphs():
     assert copied.graphs is not optimized.graphs and len(copied.graphs) == 1 and len(optimized.graphs) == 1
     assert next(copied.parameters()).data_ptr() != next(optimized.parameters()).data_ptr()
     torch.testing.assert_close(again, first)
+
+
+def test_a_to_that_changes_nothing_keeps_the_graphs_and_a_move_off_cuda_pauses_them():
+    # accelerate's CPU offload (diffusers' enable_model_cpu_offload) calls .to(device) before
+    # every forward: the graphs were once released each time, a capture per step.
+    optimized, original = optimized_and_original(PlainNet(), cuda_graph=False)
+    optimized.graphs = graphs.GraphCache(optimized._run, 2, capture=GraphStandIn, new_pool=object, verbose=False)
+    image = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            optimized.to("cpu")
+            optimized(image)
+        assert (optimized.graphs.stats().misses, optimized.graphs.stats().hits) == (1, 2)
+        # A conversion replaces the tensors: the graphs go. The model is on the CPU, off CUDA: the
+        # next calls run eagerly (on a GPU, until the model is back on one device: the cuda test).
+        optimized.double()
+        assert len(optimized.graphs) == 0
+        torch.testing.assert_close(optimized(image.double()), original.double()(image.double()), **MODEL_TOLERANCE)
+        assert optimized.graphs.stats().misses == 1
+
+
+@pytest.mark.cuda
+def test_a_model_moved_to_the_cpu_runs_eagerly_and_captures_again_back_on_the_gpu():
+    optimized, original = optimized_and_original(PlainNet().cuda(), cuda_graph=True)
+    image = randn(2, 3, 8, 8, device="cuda")
+    with torch.no_grad():
+        expected = original(image)
+        torch.testing.assert_close(optimized(image), expected, **MODEL_TOLERANCE)
+        optimized.cpu()
+        torch.testing.assert_close(optimized(image.cpu()), expected.cpu(), **MODEL_TOLERANCE)
+        assert len(optimized.graphs) == 0
+        optimized.cuda()
+        torch.testing.assert_close(optimized(image), expected, **MODEL_TOLERANCE)
+    assert (len(optimized.graphs), optimized.graphs.stats().misses) == (1, 2)
+
+
+def test_a_model_without_tensors_says_why_it_gets_no_graphs():
+    optimized = mirage.optimize(nn.Sequential(nn.GroupNorm(2, 4, affine=False), nn.SiLU()), verbose=False)
+    assert mirage.report(optimized).cuda_graph_note == (
+        "skipped: the model has no parameters or buffers, so nothing places it on a CUDA device; capture its "
+        "calls with mirage.graphs.capture")
+
+
+def test_the_dtype_hint_names_the_inputs_in_another_dtype_and_keeps_the_error_type():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = nn.GroupNorm(2, 4), nn.Linear(8, 4)
+
+        def forward(self, x, scale, context):
+            return self.norm(x) * scale + self.proj(context["text"]).mean()
+
+    optimized = mirage.optimize(TwoInputs(), cuda_graph=False, channels_last=False, verbose=False)
+    x = torch.randn(1, 4, 2, 2, dtype=torch.float16)
+    # A float32 scalar (a timestep, which the model may well cast itself) is not blamed beside a
+    # nested float32 matrix.
+    with pytest.raises(RuntimeError, match=r"input args\[2\]\['text'\] is float32; mirage does not cast") as error:
+        optimized(x, torch.tensor(0.5), {"text": torch.randn(1, 8)})
+    assert "args[1]" not in str(error.value)
+
+    class Refusal(RuntimeError):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Refusal("expected scalar type Half")
+
+    optimized._run = refuse
+    with pytest.raises(Refusal, match=r"(?s)expected scalar type Half\n.*input args\[0\] is float32"):
+        optimized(torch.randn(1, 4, 2, 2))
 
 
 def test_inputs_in_another_dtype_than_the_weights_get_a_hint():
