@@ -791,7 +791,8 @@ class _AttentionMatch:
         for factor, divides in self.factors:
             if isinstance(factor, fx.Node):
                 if default_scale or not self._is_inverse_sqrt_head_dim(factor, divides):
-                    return "the scale is computed at run time in a form that is not matched"
+                    return ("the scale is computed at run time in a form that is not matched (matched: a "
+                            "constant, or q.shape[-1] ** -0.5 or / math.sqrt(q.shape[-1]))")
                 default_scale = True
             else:
                 scale = scale / factor if divides else scale * factor

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -44,3 +45,15 @@ def test_md_benzene_runs_both_integrators_and_writes_a_trajectory(device, tmp_pa
     out = run_example("md_benzene.py", "--device", device, "--ase-steps", "2", "--steps", "20",
                       "--steps-per-replay", "10", "--write-every", "10", "--langevin", "0.01")
     assert len(re.findall(r"total-energy drift", out)) == 1 and re.search(r"mean temperature \d+ K \(target", out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_force_field_guide_opens_with_code_that_runs(device):
+    """docs/ff.md's first code block, as a user pastes it (from the repository's root); on the CPU
+    without its .cuda() calls."""
+    code = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "ff.md").read_text(), re.DOTALL).group(1)
+    if device == "cpu":
+        code = code.replace(".cuda()", "")
+    code += "\nassert forces.shape == (12, 3) and bool(torch.isfinite(forces).all())\n"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -268,6 +268,10 @@ class ManualAttention(nn.Module):
             q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
             probs = (q @ k.mT * q.shape[-1] ** -0.5).softmax(-1)
             out = (probs @ v).transpose(1, 2).flatten(2)
+        elif form == "runtime_width_scale":  # the head size from x's width: not matched
+            q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
+            probs = (q @ k.mT * (x.shape[-1] // self.heads) ** -0.5).softmax(-1)
+            out = (probs @ v).transpose(1, 2).flatten(2)
         elif form == "runtime_sqrt_scale":
             q, k, v = (self.split(proj(x), B, N) for proj in (self.q, self.k, self.v))
             probs = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).softmax(-1)
@@ -322,6 +326,8 @@ _OTHER_OPERATIONS = ("the scores go through other operations than a scale, a mas
     ("causal", "the scores are masked or get an additive term (a mask or bias) before the softmax, which is not matched"),
     ("cast", _OTHER_OPERATIONS),
     ("temperature", _OTHER_OPERATIONS),
+    ("runtime_width_scale", "the scale is computed at run time in a form that is not matched (matched: a constant, "
+                            "or q.shape[-1] ** -0.5 or / math.sqrt(q.shape[-1]))"),
 ])
 def test_attention_left_alone_with_reason(form, reason):
     model = prepared(ManualAttention(form))
