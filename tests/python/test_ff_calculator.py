@@ -81,7 +81,7 @@ class StandIn(GraphStandIn):
 
     def __init__(self, fn, args, kwargs, **settings):
         assert not settings["copy_outputs"]
-        self.model = fn.__self__.model
+        self.model = fn.__self__._counted  # what the driver found holding the capacity, or None
         super().__init__(fn, args, kwargs, **settings)
         self.max_pairs = getattr(self.model, "max_pairs", None)
 
@@ -95,7 +95,7 @@ def graphed_on_cpu(driver, fn, max_entries):
     driver.cuda_graph = True
     driver._graphs = graphs.GraphCache(fn, max_entries, copy_outputs=False, capture=StandIn, new_pool=object,
                                        verbose=False)
-    driver._watch = CapacityWatch(driver.model, driver._graphs)
+    driver._watch = CapacityWatch(driver._counted, driver._graphs)  # as the drivers make it
     return driver
 
 
@@ -534,6 +534,81 @@ def test_a_wrapped_fused_model_has_its_capacity_checked(graphed, capfd):
     np.testing.assert_allclose(got[1], want[1], atol=1e-6 * np.abs(want[1]).max(), rtol=0)
     with pytest.raises(ValueError, match="the model holds 2 modules with a neighbor capacity"):
         mirage.ff.Calculator(nn.ModuleList([fused, mirage.ff.optimize(small(SchNet))]))
+
+
+@pytest.mark.parametrize("holder", ["function", "list"])
+def test_a_fused_model_the_calculator_cannot_see_grows_its_own_capacity(holder, capfd):
+    # Called through a plain function (or held in a list), the fused model is not found by the
+    # calculator, which once still told it to leave its overflow to the caller: the energy was
+    # computed from the pairs that fit in the old capacity.
+    reference = small(SchNet, torch.float32)  # a plain callable's positions come in float32
+    atoms = periodic_atoms(n=12)
+    want = mirage.ff.Calculator(reference).get_potential_energy(atoms)
+    fused = mirage.ff.optimize(reference)
+    fused.max_pairs = 6
+    if holder == "function":
+        def model(*args):
+            return fused(*args)
+    else:
+        class Ensemble:
+            members = [fused]
+
+            def __call__(self, *args):
+                return self.members[0](*args)
+
+        model = Ensemble()
+    got = mirage.ff.Calculator(model).get_potential_energy(atoms)
+    assert "exceed the capacity of 6 (max_pairs); growing it" in capfd.readouterr().err
+    assert got == pytest.approx(want, rel=1e-5)  # 0.32 against 0.36 from the pairs that fit in 6
+
+
+@pytest.mark.cuda
+def test_a_fused_model_the_calculator_cannot_see_is_not_captured():
+    fused = mirage.ff.optimize(small(SchNet, torch.float32)).cuda()
+    calc = mirage.ff.Calculator(lambda *args: fused(*args))
+    with pytest.raises(ValueError, match=r"mirage.ff.Calculator: the model calls mirage.ff.fused.SchNet, which has a "
+                                         r"neighbor capacity, but holds it where the capacity cannot be checked"):
+        calc.get_potential_energy(periodic_atoms(n=12))
+    eager = mirage.ff.Calculator(lambda *args: fused(*args), cuda_graph=False)
+    assert np.isfinite(eager.get_potential_energy(periodic_atoms(n=12)))
+
+
+def test_unchecked_by_refuses_a_capture_only_inside_it():
+    capacity.refuse_unchecked_capture("a model")  # nobody said they would not check
+    with capacity.unchecked_by("a driver"):
+        with capacity.checked_by_caller():
+            assert capacity.caller_checks()
+        with pytest.raises(ValueError, match="a driver: the model calls a model, which has a neighbor capacity"):
+            capacity.refuse_unchecked_capture("a model")
+    capacity.refuse_unchecked_capture("a model")
+
+
+def test_reset_forgets_the_atomic_numbers_it_checked():
+    # docs/ff.md: after replacing parameters, call reset(); a smaller embedding is then checked
+    # again (it once kept the former check and failed in PyTorch with a bare IndexError).
+    model = small(SchNet)
+    atoms = benzene_atoms()
+    atoms.numbers[0] = 60
+    atoms.calc = calc = mirage.ff.Calculator(model)
+    atoms.get_potential_energy()
+    model.embedding = nn.Embedding(50, model.embedding.embedding_dim).double()
+    calc.reset()
+    with pytest.raises(ValueError, match=r"atoms.numbers must be in \[0, 50\)"):
+        atoms.get_potential_energy()
+
+
+def test_a_reset_that_raises_leaves_no_graph_of_the_former_model():
+    fused = mirage.ff.optimize(small(SchNet, torch.float32))
+    atoms = benzene_atoms()
+    calc = mirage.ff.Calculator(fused, precision="tf32")
+    atoms.calc = graphed_on_cpu(calc, calc._packed, 2)
+    atoms.get_potential_energy()
+    fused.double()
+    with pytest.raises(ValueError, match="precision='tf32' changes float32 arithmetic only"):
+        calc.reset()
+    calc.precision = "fp32"
+    fresh = mirage.ff.Calculator(fused)
+    assert atoms.get_potential_energy() == fresh.get_potential_energy(atoms)
 
 
 def test_reset_reads_the_models_dtype_again():

@@ -263,6 +263,7 @@ def test_overflow_restores_grows_and_redoes(wrapped):
     model.max_pairs = 5  # overflow in the middle of a run: the replay is undone and redone
     run.run(8, write_every=4)
     assert model.max_pairs >= int(model.num_pairs) > 5
+    assert len(run.records) == len(expected.records)
     for a, b in zip(run.records, expected.records):
         assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(run.atoms.positions, expected.atoms.positions, atol=1e-12, rtol=0)

@@ -714,6 +714,20 @@ def test_16_bit_models_are_left_alone_with_the_way_out(name, dtype):
         mirage.ff.optimize(model, strict=True)
 
 
+def test_a_model_without_parameters_is_left_alone():
+    class Shaped(nn.Module):  # a reference model's attribute names, no network
+        def __init__(self):
+            super().__init__()
+            self.embedding, self.interactions, self.cutoff = nn.Identity(), nn.Identity(), 5.0
+
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            return positions.sum()
+
+    model = Shaped()
+    assert mirage.ff.optimize(model) is model
+    assert "it has no parameters" in str(mirage.ff.report(model))
+
+
 def test_bad_arguments():
     model = make_reference("SchNet")
     with pytest.raises(TypeError, match="mirage.ff.optimize: model must be an nn.Module"):

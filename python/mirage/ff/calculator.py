@@ -84,6 +84,7 @@ def evaluate(
     stress: bool = False,
     precision: str = "fp32",
     who: str = "mirage.ff.Calculator",
+    capacity_checked: bool = False,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Energy, forces and (optionally) stress of one structure, by autograd (see
     :func:`energy_and_gradients`). Graph-safe.
@@ -97,6 +98,8 @@ def evaluate(
             (xx, yy, zz, yz, xz, xy), eV/Å^3. Needs ``cell``.
         precision: one of :data:`PRECISIONS`; here only autocast is applied (the caller holds
             :func:`matmul_precision` around the call and any capture).
+        capacity_checked: whether the caller checks the neighbor capacity of ``model`` after the
+            call (see :func:`energy_and_gradients`).
 
     Returns:
         ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
@@ -110,7 +113,7 @@ def evaluate(
     if stress and cell is None:
         raise ValueError(f"{who}: the stress needs the cell (strain derivative over its volume); pass cell")
     energy, grads = energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress=stress,
-                                         precision=precision, who=who)
+                                         precision=precision, who=who, capacity_checked=capacity_checked)
     energy = energy.to(positions.dtype)
     forces = grads[0].neg().to(positions.dtype)
     if not stress:
@@ -150,14 +153,18 @@ def check_atomic_numbers(model, numbers: np.ndarray, who: str) -> None:
 
 def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                          pbc: Optional[Tensor] = None, *, stress: bool = False, precision: str = "fp32",
-                         who: str = "mirage.ff.Calculator") -> Tuple[Tensor, List[Tensor]]:
+                         who: str = "mirage.ff.Calculator", capacity_checked: bool = False
+                         ) -> Tuple[Tensor, List[Tensor]]:
     """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the dtype the
     model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
     positions and, with ``stress``, the strain (never None), as autograd returns them. mirage's
     fused models that run as one op give the same without autograd
-    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). The caller checks the neighbor capacity
-    (:func:`mirage.ff.capacity.checked_by_caller`: a fused model does not grow its own here)."""
-    with capacity.checked_by_caller():
+    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). With ``capacity_checked`` the caller
+    checks the neighbor capacity of ``model`` (the module :func:`mirage.ff.capacity.holder` finds)
+    after the call, and a fused model does not grow its own
+    (:func:`mirage.ff.capacity.checked_by_caller`); without, one the caller cannot see grows its
+    own, or refuses a CUDA-graph capture (:func:`mirage.ff.capacity.unchecked_by`)."""
+    with capacity.checked_by_caller() if capacity_checked else capacity.unchecked_by(who):
         return _energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress, precision, who)
 
 
@@ -349,17 +356,19 @@ class Calculator(_AseCalculator):
         The model's dtype is read again (after ``model.double()``, say); a model moved to another
         kind of device needs a new calculator."""
         super().reset()
-        if getattr(self, "model", None) is not None:  # ASE's __init__ resets before ours has run
-            device, self.dtype = model_device_dtype(self.model, None, self.who)
-            if device.type != self.device.type:
-                raise ValueError(f"{self.who}: the model moved from {self.device} to {device} since this calculator "
-                                 "was made; make a new mirage.ff.Calculator for it")
-            self.device = device
-            check_precision(self.precision, self.who, self.dtype)  # "tf32" means nothing for a float64 model
-        if getattr(self, "_graphs", None) is not None:  # ASE's __init__ resets before ours has run
+        if getattr(self, "model", None) is None:  # ASE's __init__ resets before ours has run
+            return
+        # Dropped first, so that a reset that raises below leaves nothing of the former model.
+        if self._graphs is not None:
             self._graphs.clear()
-        if getattr(self, "_buffers", None) is not None:
-            self._buffers.clear()
+        self._buffers.clear()
+        self._checked_numbers = None  # a replaced embedding may have other rows
+        device, self.dtype = model_device_dtype(self.model, None, self.who)
+        if device.type != self.device.type:
+            raise ValueError(f"{self.who}: the model moved from {self.device} to {device} since this calculator "
+                             "was made; make a new mirage.ff.Calculator for it")
+        self.device = device
+        check_precision(self.precision, self.who, self.dtype)  # "tf32" means nothing for a float64 model
 
     @property
     def precision(self) -> str:
@@ -488,7 +497,8 @@ class Calculator(_AseCalculator):
                   periodic: bool) -> Dict[str, Tensor]:
         """What one graph computes. ``periodic`` is part of the graph's key (pbc's values are not)."""
         energy, forces, stress = evaluate(self.model, numbers, positions, cell, pbc, stress=periodic,
-                                          precision=self.precision, who=self.who)
+                                          precision=self.precision, who=self.who,
+                                          capacity_checked=self._counted is not None)
         out = {"energy": energy, "forces": forces}
         if stress is not None:
             out["stress"] = stress

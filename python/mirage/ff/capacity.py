@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 __all__ = ["GROWTH", "MARGIN", "MAX_GROWS", "caller_checks", "checked_by_caller", "has_capacity", "holder",
-           "needed_pairs"]
+           "needed_pairs", "refuse_unchecked_capture", "unchecked_by"]
 
 #: An overflowing capacity grows at least by this factor, so that a slowly densifying system
 #: (a compressed box, a cluster forming) recaptures a logarithmic number of times.
@@ -52,6 +52,38 @@ def checked_by_caller() -> Iterator[None]:
 def caller_checks() -> bool:
     """Whether the current call is inside :func:`checked_by_caller` (on this thread)."""
     return getattr(_callers, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def unchecked_by(who: str) -> Iterator[None]:
+    """Within it, the caller ``who`` (the Calculator, the MD driver) checks no capacity: it found no
+    module implementing the protocol in its model, which may still call one it cannot see (a
+    fused model in a plain function or a list). Called directly, such a model grows its own
+    capacity; captured in a CUDA graph, where it cannot, it raises (:func:`refuse_unchecked_capture`)
+    rather than replay with an overflow nobody would notice."""
+    previous = getattr(_callers, "unchecked_by", None)
+    _callers.unchecked_by = who
+    try:
+        yield
+    finally:
+        _callers.unchecked_by = previous
+
+
+def refuse_unchecked_capture(model_who: str) -> None:
+    """For a model with a capacity, captured in a CUDA graph outside :func:`checked_by_caller`:
+    raises inside :func:`unchecked_by` (a caller that will not check it); elsewhere the one who
+    captures checks ``num_pairs`` (the protocol).
+
+    Raises:
+        ValueError: inside :func:`unchecked_by`.
+    """
+    caller = getattr(_callers, "unchecked_by", None)
+    if caller is not None:
+        raise ValueError(
+            f"{caller}: the model calls {model_who}, which has a neighbor capacity, but holds it where the "
+            "capacity cannot be checked (not the model itself nor one of its submodules: a plain function, a "
+            "list); in a CUDA graph an overflow would drop pairs unnoticed. Pass the fused model, or an "
+            "nn.Module holding it as a submodule, or use cuda_graph=False")
 
 
 def has_capacity(model) -> bool:

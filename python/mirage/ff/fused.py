@@ -236,7 +236,11 @@ class _FusedModel(nn.Module):
         torch.compile, where reading the count back (one host sync) is allowed, and outside
         :func:`mirage.ff.capacity.checked_by_caller`; there the caller checks ``num_pairs`` (the
         capacity protocol)."""
-        if not self._may_sync(positions) or capacity.caller_checks():
+        if capacity.caller_checks():
+            return False
+        if not self._may_sync(positions):
+            if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+                capacity.refuse_unchecked_capture(self._who)
             return False
         found = int(self.num_pairs)
         needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag

@@ -259,7 +259,8 @@ class VelocityVerlet:
     def _evaluate(self, state: Dict[str, Tensor], model_positions: Tensor) -> Tuple[Tensor, Tensor]:
         """The model's (energy, gradient) at ``model_positions``, for a verlet op to take in."""
         energy, (grad,) = energy_and_gradients(self.model, state["numbers"], model_positions, state.get("cell"),
-                                               state.get("pbc"), precision=self.precision, who=_WHO)
+                                               state.get("pbc"), precision=self.precision, who=_WHO,
+                                               capacity_checked=self._counting)
         return energy, grad
 
     def _pair_counting(self, state: Dict[str, Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:

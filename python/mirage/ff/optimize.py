@@ -312,7 +312,12 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
         result.left_alone.append((hooked or "(model)", "has forward hooks or pre-hooks (weight_norm's among them), "
                                   "which mirage's model would not run; remove them to optimize it"))
         return _untouched(model, result, strict, start)
-    dtype = next(model.parameters()).dtype
+    parameter = next(model.parameters(), None)
+    if parameter is None:
+        result.left_alone.append(("(model)", "it has no parameters: there is no network for mirage's fused "
+                                  "models to take over"))
+        return _untouched(model, result, strict, start)
+    dtype = parameter.dtype
     if dtype not in (torch.float32, torch.float64):
         # Positions need float32 at least (the neighbor search takes no less); the products in
         # 16 bits are what precision="bf16-mixed" (autocast over a float32 model) gives.
@@ -327,7 +332,7 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
         # The probe compares in the model's dtype at full precision: under the caller's autocast
         # or TF32 setting the two would differ by bfloat16's or TF32's rounding (and user code that
         # autocast breaks would be left alone).
-        device_type = next(model.parameters()).device.type
+        device_type = parameter.device.type
         with torch.enable_grad(), torch.autocast(device_type, enabled=False), matmul_precision("fp32"):
             result.verification = _verify(model, fused)
     except ValueError as reason:
