@@ -173,8 +173,9 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             pass  # not a candidate: nothing to swap, nothing to report
         elif swap is not None and (hooked := hooked_submodule(module)) is not None:
             where = qualified_name(name, hooked) or "(model)"
-            result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement would "
-                                            "not run"))
+            if all(reported != name for reported, _ in result.left_alone):  # the pattern pass may have said so
+                result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement "
+                                                "would not run"))
             left_alone_by = swap
         elif swap is not None:
             try:
@@ -238,7 +239,10 @@ class OptimizeReport:
         model: the class name of the model passed in.
         swaps: ``(kind, qualified name)`` of every swap.
         left_alone: ``(qualified name, reason)`` of every candidate that was not swapped.
-        dtype: the weights' dtype set by optimize, or None when they were kept.
+        dtype: the weights' dtype set by optimize (or converted to since: ``precision_note``), or
+            None when they were kept.
+        precision_note: the conversion of the weights after optimize (``.float()``, ``.to(dtype)``),
+            or "".
         autocast_dtype: the dtype the forward autocasts to, or None.
         channels_last: 4-D weights and inputs converted to channels_last.
         channels_last_note: why channels_last was turned off after optimize (the forward failed
@@ -254,6 +258,7 @@ class OptimizeReport:
     swaps: List[Tuple[str, str]] = field(default_factory=list)
     left_alone: List[Tuple[str, str]] = field(default_factory=list)
     dtype: Optional[torch.dtype] = None
+    precision_note: str = ""
     autocast_dtype: Optional[torch.dtype] = None
     channels_last: bool = False
     channels_last_note: str = ""
@@ -290,7 +295,8 @@ class OptimizeReport:
             precision = f"{_dtype_name(self.dtype)} weights and buffers"
         else:
             precision = f"weights kept, forward under torch.autocast({_dtype_name(self.autocast_dtype)})"
-        lines.append(f"  precision: {precision} (mirage norms keep float32 statistics)")
+        lines.append(f"  precision: {precision} (mirage norms keep float32 statistics)"
+                     + (f"; {self.precision_note}" if self.precision_note else ""))
         layout = "4-D weights and 4-D inputs" if self.channels_last else "off"
         lines.append(f"  channels_last: {layout}" + (f" ({self.channels_last_note})" if self.channels_last_note else ""))
         if self.cuda_graph:
@@ -338,9 +344,12 @@ def report(model: nn.Module) -> OptimizeReport:
     found = _REPORTS.get(model) if isinstance(model, nn.Module) else None
     if found is None:
         raise ValueError(f"mirage.report: this {type(model).__name__} was not returned by mirage.optimize")
-    if isinstance(model, OptimizedModule) and model.graphs is not None:
-        return replace(found, graphs=model.graphs.stats())
-    return found
+    if not isinstance(model, OptimizedModule):
+        return found
+    now = _weights_dtype(model.module)
+    if found.dtype is not None and now is not None and now != found.dtype:
+        found = replace(found, dtype=now, precision_note=f"converted from {_dtype_name(found.dtype)} after optimize")
+    return replace(found, graphs=model.graphs.stats()) if model.graphs is not None else found
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,7 +415,7 @@ class OptimizedModule(nn.Module):
         None otherwise. PyTorch's own message names neither mirage nor the input."""
         if self.autocast_dtype is not None or not re.search(r"dtype|scalar type|type \(", str(error)):
             return None  # under autocast the inputs' dtype does not matter
-        weights = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), None)
+        weights = _weights_dtype(self.module)
         leaves, names, _ = _flatten(args, kwargs)
         other = [(name, leaf) for leaf, name in zip(leaves, names)
                  if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.dtype != weights]
@@ -416,9 +425,12 @@ class OptimizedModule(nn.Module):
         if not other:
             return None
         listed = ", ".join(f"{name} is {_dtype_name(leaf.dtype)}" for name, leaf in other)
-        return (f"mirage.optimize: the model's weights are {_dtype_name(weights)} (optimize's dtype) and input "
-                f"{listed}; mirage does not cast inputs: pass them in {_dtype_name(weights)} "
-                f"({other[0][0]}.to({weights})), or optimize with dtype=None to keep float32 weights under autocast")
+        result = _REPORTS.get(self)
+        whose = " (optimize's dtype)" if result is not None and result.dtype == weights else ""
+        instead = (", or optimize with dtype=None to keep float32 weights under autocast"
+                   if weights in (torch.float16, torch.bfloat16) else "")
+        return (f"mirage.optimize: the model's weights are {_dtype_name(weights)}{whose} and input {listed}; mirage "
+                f"does not cast inputs: pass them in {_dtype_name(weights)} ({other[0][0]}.to({weights})){instead}")
 
     def _forward(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if not torch.compiler.is_compiling():  # compiled, the modules fold inside the graph
@@ -546,6 +558,10 @@ class OptimizedModule(nn.Module):
 
 # ----------------------------------------------------------------------------------------------
 # optimize
+
+
+def _weights_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _devices(model: nn.Module) -> set:

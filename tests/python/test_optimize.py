@@ -736,6 +736,14 @@ def test_modules_with_forward_hooks_are_left_alone_and_their_hooks_run():
     assert len(calls) == 2  # the hook runs in the optimized model too
 
 
+def test_a_hooked_module_two_passes_could_swap_is_reported_once():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.GroupNorm(2, 4), nn.SiLU())
+    model[1].register_forward_hook(lambda module, inputs, output: output)
+    optimized, _ = optimized_and_original(model)
+    # The pattern pass (GroupNorm -> SiLU) says so; the norm pass, which would swap it alone, not again.
+    assert mirage.report(optimized).left_alone == [("1", "1 has forward hooks, which the fused module would not run")]
+
+
 def test_the_model_passed_in_is_converted_whole_when_its_forward_is_traced():
     model = PlainNet()
     optimized = mirage.optimize(model, dtype=torch.float16, channels_last=True, cuda_graph=False, verbose=False)
@@ -921,6 +929,20 @@ def test_a_model_without_tensors_says_why_it_gets_no_graphs():
     assert mirage.report(optimized).cuda_graph_note == (
         "skipped: the model has no parameters or buffers, so nothing places it on a CUDA device; capture its "
         "calls with mirage.graphs.capture")
+
+
+def test_a_conversion_after_optimize_shows_in_the_report_and_the_hint():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU())
+    optimized = mirage.optimize(model, cuda_graph=False, verbose=False).float()
+    result = mirage.report(optimized)
+    assert result.dtype == torch.float32 and result.precision_note == "converted from float16 after optimize"
+    assert ("precision: float32 weights and buffers (mirage norms keep float32 statistics); converted from float16 "
+            "after optimize") in str(result)
+    with pytest.raises(RuntimeError) as error:
+        optimized(torch.randn(1, 3, 8, 8, dtype=torch.float16))
+    # float32 is not optimize's dtype, and dtype=None (float32 weights under autocast) is no way out.
+    assert str(error.value).endswith("mirage.optimize: the model's weights are float32 and input args[0] is float16; "
+                                     "mirage does not cast inputs: pass them in float32 (args[0].to(torch.float32))")
 
 
 def test_the_dtype_hint_names_the_inputs_in_another_dtype_and_keeps_the_error_type():
