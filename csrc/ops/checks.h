@@ -2,8 +2,10 @@
 // the argument, what was expected and what was given (ARCHITECTURE.md rule 4).
 #pragma once
 
+#include <initializer_list>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -54,6 +56,16 @@ ChannelsShape channels_shape(const at::Tensor& x);
 // Every entry of pairs ([2, P] int64 on the CPU, contiguous) in [0, num_nodes): the CPU
 // references read the indices anyway, so out-of-range ones raise there.
 void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes);
+
+// A tensor argument and its name, for check_apart.
+using Named = std::pair<std::string_view, const at::Tensor*>;
+
+// What an op writes in place (`written`) must share no memory with its other tensors (`read`) nor
+// with each other: it would read values half updated, or write one element twice. Where PyTorch
+// cannot tell (a strided view of the same storage), the two are refused if their byte spans meet,
+// which may refuse interleaved views that would not collide; tensors without memory (Meta, and
+// the symbolic shapes of torch.compile's tracing) are not checked.
+void check_apart(std::string_view op, std::initializer_list<Named> written, std::initializer_list<Named> read);
 
 // Whether an optional tensor argument is given. An undefined tensor, which C++ callers may pass
 // for "none", counts as absent, as in PyTorch's own ops: read as given, its device would raise

@@ -39,6 +39,8 @@ at::Tensor group_norm_cpu(const at::Tensor& x, int64_t num_groups,
                           c10::string_view activation) {
   check_group_norm(x, num_groups, weight, bias, eps, activation);
   const ChannelsShape shape = channels_shape(x);
+  // Nothing to normalize; C = 0 passes any num_groups, whose empty groups the loops would walk.
+  if (x.numel() == 0) return empty_in_channels_layout(x, shape.layout);
   const at::Tensor x64 = x.to(at::kDouble).contiguous();
   const at::Tensor w64 = present(weight)
                              ? weight->to(at::kDouble).contiguous()

@@ -173,8 +173,9 @@ SchnetShape check_schnet_weights(std::string_view op, const at::Tensor& embeddin
   MIRAGE_CHECK(first.dim() == 2, op, ": ", weight_name(0, interactions), " must be 2-D [H, R], got ", first.sizes());
   s.filter_hidden = first.size(0);
   s.rbf = first.size(1);
-  MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1, op, ": num_rbf (", num_rbf,
-               ") must be >= 1 and equal the filters' input width (", s.rbf, ")");
+  MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1 && num_rbf <= kMaxTableRbf, op, ": num_rbf (", num_rbf,
+               ") must be in [1, ", kMaxTableRbf, "] (the prepared tables grow with it) and equal the filters' input "
+               "width (", s.rbf, ")");
   s.message_width = weights[2].dim() == 2 ? weights[2].size(0) : 0;
   s.update_hidden = weights[6].dim() == 2 ? weights[6].size(0) : 0;
   const int64_t r0 = interactions * kSchnetWeightsPerInteraction;
@@ -225,7 +226,9 @@ namespace {
 // The whole-model kernels' loops over a block's pairs and their features count in 32 bits; with
 // one block (below sm_90) a block has every pair.
 void check_index_range(std::string_view op, const SchnetShape& s) {
-  MIRAGE_CHECK(s.pairs * std::max<int64_t>(s.message_width, 1) * s.interactions < (int64_t{1} << 31), op,
+  // In double: the int64 product of large sizes could wrap past the bound.
+  const double indexed = static_cast<double>(s.pairs) * std::max<int64_t>(s.message_width, 1) * s.interactions;
+  MIRAGE_CHECK(indexed < static_cast<double>(int64_t{1} << 31), op,
                ": pairs x message width x interactions must stay below 2^31 (the kernels index them in 32 "
                "bits), got ", s.pairs, " x ", s.message_width, " x ", s.interactions);
 }
@@ -283,9 +286,16 @@ SchnetShape check_schnet_energy_all_pairs(const at::Tensor& atomic_numbers, cons
                      num_pairs->device() == embedding.device(),
                  op, ": num_pairs must be a one-element int64 tensor on ", embedding.device(), ", got ",
                  num_pairs->scalar_type(), " of shape ", num_pairs->sizes(), " on ", num_pairs->device());
+  if (present(num_pairs)) {
+    check_apart(op, {{"num_pairs", &*num_pairs}},
+                {{"atomic_numbers", &atomic_numbers}, {"positions", &positions}, {"embedding", &embedding}});
+  }
   SchnetShape s = check_schnet_weights(op, embedding, num_rbf, weights, activations);
+  // Every pair is searched (for molecules): N (N - 1) indexed in 32 bits, computed without wrapping.
+  MIRAGE_CHECK(atoms <= 46341, op, ": atomic_numbers must have at most 46,341 atoms (every pair is searched and "
+               "indexed in 32 bits), got N=", atoms);
   s.atoms = atoms;
-  s.pairs = atoms * std::max<int64_t>(atoms - 1, 0);  // every pair searched: for molecules
+  s.pairs = atoms * std::max<int64_t>(atoms - 1, 0);
   check_index_range(op, s);
   check_prepared(op, s, embedding, activations, prepared);
   return s;
@@ -589,6 +599,8 @@ CfconvShape check_radial_cfconv(const at::Tensor& x, const at::Tensor& distances
   check_filter_network(op, x, weight1, bias1, weight2, bias2, activation, s);
   MIRAGE_CHECK(activation != "relu", op, ": activation \"relu\" is not smooth, and the filters' table "
                "interpolates them (cfconv takes it)");
+  MIRAGE_CHECK(s.rbf <= kMaxTableRbf, op, ": weight1 must have at most ", kMaxTableRbf, " columns R (the radial "
+               "functions: the filters' table grows with them), got R=", s.rbf);
   check_like_x(op, distances, "distances", x);
   MIRAGE_CHECK(distances.dim() == 1 && distances.size(0) == s.pairs, op, ": distances must have shape [P] = [",
                s.pairs, "] (P from pairs), got ", distances.sizes());

@@ -22,6 +22,9 @@ inline constexpr std::string_view kEnergyActivations[] = {"shifted_softplus", "s
 // in2f (w, b), f2out.0 (w, b), f2out.2 (w, b). Both whole-model ops' `weights` end with the
 // readout's four: readout.0 (w, b), readout.2 (w, b).
 inline constexpr int64_t kSchnetWeightsPerInteraction = 10;
+// Radial functions a filter table takes at most (radial_cfconv, the prepared SchNet tables): its
+// pieces grow with them (cuda/filter_table.h's intervals_for), 2^19 pieces at 4,096 Bessel functions.
+inline constexpr int64_t kMaxTableRbf = 4096;
 inline constexpr int64_t kEnergyReadoutWeights = 4;
 
 struct SchnetShape {

@@ -9,7 +9,6 @@
 #include <utility>
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -32,43 +31,6 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
                t.scalar_type());
   MIRAGE_CHECK(t.dim() == 2 && t.size(1) == 3, op, ": ", arg, " must be [N, 3], got ", t.sizes());
   check_contiguous(op, arg, t);
-}
-
-using Named = std::pair<std::string_view, const at::Tensor*>;
-
-// The bytes a tensor's elements span, first to one past the last (strides are never negative).
-std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
-  const char* first = static_cast<const char*>(t.const_data_ptr());
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  return {first, first + (last + 1) * static_cast<int64_t>(t.element_size())};
-}
-
-// What the op updates in place must share no memory with its other tensors (it would read values
-// half updated, or write one element twice). Where PyTorch cannot tell (a strided view of the same
-// storage), the two are refused if their byte spans meet, which may refuse interleaved views that
-// would not collide; tensors without memory (Meta, and the symbolic shapes of torch.compile's
-// tracing) are not checked.
-void check_apart(std::string_view op, std::initializer_list<Named> written, std::initializer_list<Named> read) {
-  const auto has_memory = [](const at::Tensor& t) {
-    return !t.is_meta() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-  };
-  for (auto w = written.begin(); w != written.end(); ++w) {
-    auto check = [&](const Named& other) {
-      const at::Tensor &a = *w->second, &b = *other.second;
-      if (!has_memory(a) || !has_memory(b)) return;
-      at::MemOverlapStatus status = at::get_overlap_status(a, b);
-      if (status == at::MemOverlapStatus::TooHard) {
-        const auto [a0, a1] = byte_span(a);
-        const auto [b0, b1] = byte_span(b);
-        status = a0 < b1 && b0 < a1 ? at::MemOverlapStatus::Partial : at::MemOverlapStatus::No;
-      }
-      MIRAGE_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ",
-                   w->first, " (updated in place) must not share memory with ", other.first);
-    };
-    std::for_each(w + 1, written.end(), check);
-    std::for_each(read.begin(), read.end(), check);
-  }
 }
 
 void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,

@@ -43,9 +43,13 @@ def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _integer(value: Any, where: str) -> int:
-    """``value`` as an int (ints, NumPy ints, integer 0-dim tensors); a float or anything else
-    raises, naming ``where`` (``"mirage::op: argument"``), where ``int()`` would truncate 4.7 to 4."""
+    """``value`` as an int (ints, NumPy ints, integer 0-dim tensors); a float, a bool or anything
+    else raises, naming ``where`` (``"mirage::op: argument"``), where ``int()`` would truncate 4.7
+    to 4 and the operators would take True as 1."""
     try:
+        if isinstance(value, bool) or type(value).__name__ == "bool_" or (
+                isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{where} must be an int, got {type(value).__name__} {value!r}") from None
@@ -78,7 +82,8 @@ def group_norm(
     Returns:
         ``x``'s shape and dtype, in ``x``'s memory format (channels-last stays channels-last).
     """
-    return torch.ops.mirage.group_norm(x, num_groups, weight, bias, eps, activation)
+    return torch.ops.mirage.group_norm(x, _integer(num_groups, "mirage::group_norm: num_groups"), weight, bias, eps,
+                                       activation)
 
 
 @_tensors_required
@@ -315,7 +320,7 @@ def neighbor_list(
     distances in every entry and ``num_pairs = -1``.
     """
     return NeighborList(*torch.ops.mirage.neighbor_list(
-        positions, cutoff, cell, pbc, batch, max_pairs, half, method))
+        positions, cutoff, cell, pbc, batch, _integer(max_pairs, "mirage::neighbor_list: max_pairs"), half, method))
 
 
 @_tensors_required
@@ -348,7 +353,7 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
         (``torch.ops.mirage.radial_basis_backward(grad, distances, kind, num, cutoff,
         cutoff_fn)``, forces' hot path); higher orders recompute with PyTorch ops.
     """
-    return torch.ops.mirage.radial_basis(distances, kind, num, cutoff, cutoff_fn)
+    return torch.ops.mirage.radial_basis(distances, kind, _integer(num, "mirage::radial_basis: num"), cutoff, cutoff_fn)
 
 
 @_tensors_required

@@ -812,10 +812,12 @@ RADIAL_BAD = [
     (dict(envelope=lambda a: "none"), "envelope must be \"cosine\" or \"polynomial\" (the filters' table covers"),
     (dict(cutoff=lambda c: -1.0), "cutoff must be finite and > 0"),
     (dict(x=lambda t: t[:0]), "x has no rows (N=0) for pairs to index"),
+    # The table's pieces grow with R (a count past 2^58 once made their doubling loop run for ever).
+    (dict(weight1=lambda t: t[:, :1].expand(-1, 2**50)), "weight1 must have at most 4096 columns R"),
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
 @pytest.mark.parametrize("changes, message", RADIAL_BAD)
 def test_radial_cfconv_bad_input(device, changes, message):
     assert_error(lambda d: _radial_call(d, **changes), device, "mirage::radial_cfconv: " + message)

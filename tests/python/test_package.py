@@ -178,6 +178,20 @@ def test_integer_arguments_are_not_truncated():
         mirage.ops.fused_filter_supported(128, "20", "cpu")
 
 
+@pytest.mark.parametrize("call, where", [
+    (lambda flag: mirage.ops.group_norm(torch.randn(1, 4, 2), flag), "mirage::group_norm: num_groups"),
+    (lambda flag: mirage.ops.neighbor_list(torch.randn(5, 3), 2.0, max_pairs=flag), "mirage::neighbor_list: max_pairs"),
+    (lambda flag: mirage.ops.radial_basis(torch.rand(5), "gaussian", flag, 5.0, "cosine"), "mirage::radial_basis: num"),
+    (lambda flag: mirage.ops.sender_order(torch.zeros(2, 3, dtype=torch.long), flag),
+     "mirage::sender_order: num_nodes"),
+])
+def test_wrappers_refuse_a_bool_for_a_count(call, where):
+    # PyTorch's schemas read True as 1: neighbor_list kept 1 pair, group_norm ran one group.
+    for flag in (True, torch.tensor(True)):
+        with pytest.raises(TypeError, match=f"^{where} must be an int, got"):
+            call(flag)
+
+
 def test_counts_take_numpy_integers_and_refuse_bools():
     """Every count argument is read by one rule (mirage._arguments.count): NumPy's integers are
     ints, True is not 1 (the MD driver refused it while optimize, GraphCache and GroupNorm took it)."""

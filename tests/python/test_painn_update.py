@@ -244,12 +244,15 @@ def test_bad_input(device, name, edit, message):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("eps", [-1e-3, float("nan"), float("inf"), 1e-300, 1e39])
-def test_bad_eps(device, eps):
+@pytest.mark.parametrize("eps, shown", [(-1e-3, "-0.001"), (-1e-8, "-1e-08"), (float("nan"), "nan"),
+                                        (float("inf"), "inf"), (1e-300, "1e-300"), (1e39, "1e+39")])
+def test_bad_eps(device, eps, shown):
+    # The value as given (six fixed decimals once wrote -1e-8 as "-0.000000" and 1e-300 as 0).
     for backward in (False, True):
         op = "painn_update_input_backward" if backward else "painn_update_input"
         assert_error(lambda d: _call("painn_update_input", d, eps=eps, backward=backward), device,
-                     f"mirage::{op}: eps must be 0 or a normal float32")
+                     f"mirage::{op}: eps must be 0 or a normal float32 in [1.2e-38, 3.4e+38] (finite, >= 0), "
+                     f"got {shown}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

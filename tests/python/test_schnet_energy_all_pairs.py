@@ -243,6 +243,26 @@ def test_all_pairs_refuses_more_pairs_than_its_kernels_index():
     assert_error(lambda d: call(13378), "meta", "pairs x message width x interactions must stay below 2^31")
 
 
+def test_all_pairs_refuses_atom_counts_whose_pair_count_would_wrap():
+    # N (N - 1) x width x interactions was once computed in int64 and wrapped past the bound.
+    def call(atoms):
+        return _call("meta", atomic_numbers=lambda z: z.new_zeros(atoms), positions=lambda r: r.new_zeros(atoms, 3))
+
+    assert_error(lambda d: call(2**30 + 1), "meta", "atomic_numbers must have at most 46,341 atoms")
+
+
+@pytest.mark.parametrize("alias", ["atomic_numbers", "positions"])
+def test_all_pairs_refuses_a_count_that_shares_memory_with_an_input(alias):
+    args = dict(zip(["atomic_numbers", "embedding", "positions", "cutoff", "num_rbf", "weights", "activations"],
+                    make_all_pairs_inputs("odd", "cpu", torch.float64)))
+    original = args[alias].clone()
+    count = args[alias].view(-1)[:1] if alias == "atomic_numbers" else args[alias].view(torch.int64).view(-1)[:1]
+    with pytest.raises(RuntimeError, match=f"mirage::schnet_energy_all_pairs: num_pairs \\(updated in place\\) "
+                                           f"must not share memory with {alias}"):
+        mirage.ops.schnet_energy_all_pairs(**args, num_pairs=count)
+    assert torch.equal(args[alias], original)
+
+
 def test_all_pairs_cpu_checks_atomic_numbers():
     assert_error(lambda d: _call(d, atomic_numbers=lambda z: z.clone().fill_(99)), "cpu",
                  "mirage::schnet_energy_all_pairs: atomic_numbers[0] = 99 is out of range")
