@@ -23,8 +23,9 @@ inline constexpr std::string_view kEnergyActivations[] = {"shifted_softplus", "s
 // readout's four: readout.0 (w, b), readout.2 (w, b).
 inline constexpr int64_t kSchnetWeightsPerInteraction = 10;
 // Radial functions a filter table takes at most (radial_cfconv, the prepared SchNet tables): its
-// pieces grow with them (cuda/filter_table.h's intervals_for), 2^19 pieces at 4,096 Bessel functions.
-inline constexpr int64_t kMaxTableRbf = 4096;
+// pieces grow with them (cuda/filter_table.h's intervals_for): 2^17 pieces at 1,024 Bessel functions,
+// whose CPU reference holds the basis at every piece end in float64 (3.2 GB).
+inline constexpr int64_t kMaxTableRbf = 1024;
 inline constexpr int64_t kEnergyReadoutWeights = 4;
 
 struct SchnetShape {

@@ -91,6 +91,11 @@ def _build_geglu(module: nn.Module) -> nn.Module:
         raise ValueError(str(error)) from None
 
 
+def _keep_encoder_layer(layer: nn.Module) -> nn.Module:
+    raise ValueError("PyTorch runs it in inference as one fused op (torch._transformer_encoder_layer_fwd) that "
+                     "reads its norms' weights, not their forward: swapped norms would not run")
+
+
 def _build_layer_norm(norm: nn.Module) -> nn.Module:
     fused = LayerNorm.from_torch(norm)
     if fused.normalized_shape > LAYER_NORM_MAX_WIDTH:
@@ -123,6 +128,10 @@ BLOCK_SWAPS: Tuple[Swap, ...] = (
     Swap("diffusers.models.attention_processor", "Attention", "Attention",
          "mirage fused attention (one QKV GEMM, SDPA)", from_diffusers_attention, opaque=True),
     Swap("diffusers.models.activations", "GEGLU", "GEGLU", "mirage.nn.GEGLU", _build_geglu),
+    # Never swapped (the build refuses): reported as left alone, and opaque, so that its norms are
+    # not swapped either, which its fused inference op would bypass.
+    Swap("torch.nn", "TransformerEncoderLayer", "TransformerEncoderLayer", "(kept: PyTorch's own fused op)",
+         _keep_encoder_layer, opaque=True),
     Swap("diffusers.models.upsampling", "Upsample2D", "Upsample2D",
          "mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)", Upsample2D.from_diffusers,
          candidate=lambda block: block.use_conv and not block.use_conv_transpose),

@@ -736,6 +736,21 @@ def test_modules_with_forward_hooks_are_left_alone_and_their_hooks_run():
     assert len(calls) == 2  # the hook runs in the optimized model too
 
 
+def test_pytorch_encoder_layers_are_left_alone_with_their_norms():
+    # Their fused inference op reads the norms' weights: swapped norms were counted but never ran.
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    optimized, original = optimized_and_original(model, cuda_graph=False)
+    report = mirage.report(optimized)
+    assert report.swaps == []
+    assert [where for where, _ in report.left_alone] == ["1.layers.0", "1.layers.1"]
+    assert "torch._transformer_encoder_layer_fwd" in report.left_alone[0][1]
+    assert not any(type(m).__module__.startswith("mirage") for m in optimized.module.modules())
+    tokens = randn(2, 5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(tokens), original(tokens))
+
+
 def test_a_hooked_module_two_passes_could_swap_is_reported_once():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.GroupNorm(2, 4), nn.SiLU())
     model[1].register_forward_hook(lambda module, inputs, output: output)

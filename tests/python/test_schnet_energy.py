@@ -232,7 +232,7 @@ BAD = [
     (dict(weights=replace_item(20, lambda w: w.t())), "weights[20] (readout.0.weight) must have shape"),
     (dict(weights=replace_item(3, lambda w: w.to(torch.float16))),
      "weights[3] (interactions.0.filter.2.bias) must have embedding's dtype"),
-    (dict(num_rbf=lambda r: r + 1), "num_rbf (4) must be in [1, 4096] (the prepared tables grow with it) and equal "
+    (dict(num_rbf=lambda r: r + 1), "num_rbf (4) must be in [1, 1024] (the prepared tables grow with it) and equal "
                                    "the filters' input width (3)"),
     (dict(cutoff=lambda c: -1.0), "cutoff must be finite and > 0"),
     (dict(cutoff=lambda c: float("nan")), "cutoff must be finite and > 0"),
@@ -472,7 +472,7 @@ def test_schnet_energy_prepare_refuses_what_a_table_cannot_hold(device):
     args = list(make_inputs("benzene", device, dtype))
     args[5], args[6][0] = 2**50, args[6][0][:, :1].expand(-1, 2**50)
     assert_error(lambda d: _prepare(args), device,
-                 "mirage::schnet_energy_prepare: num_rbf (1125899906842624) must be in [1, 4096]")
+                 "mirage::schnet_energy_prepare: num_rbf (1125899906842624) must be in [1, 1024]")
 
 
 @pytest.mark.cuda
