@@ -94,6 +94,17 @@ def test_classic_processor_uses_attn_scale():
     assert from_diffusers_attention(Attention(query_dim=16, heads=2, dim_head=8)).scale == pytest.approx(8 ** -0.5)
 
 
+@pytest.mark.parametrize("how", ["scale_qk=False", "set_processor"])
+def test_classic_processor_with_qk_norms_is_refused(how):
+    # diffusers' classic AttnProcessor never applies norm_q/norm_k; they were once applied here,
+    # outputs 11.6 off on values of about 10.
+    attn = Attention(query_dim=16, heads=2, dim_head=8, qk_norm="layer_norm", scale_qk=how != "scale_qk=False")
+    if how == "set_processor":
+        attn.set_processor(AttnProcessor())
+    with pytest.raises(ValueError, match="the classic AttnProcessor does not apply its norm_q/norm_k"):
+        from_diffusers_attention(attn)
+
+
 def test_image_input_keeps_memory_format():
     kwargs, shape, _ = CONFIGS["image_group_norm"]
     attn = randomized(Attention(**kwargs))

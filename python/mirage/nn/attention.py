@@ -305,6 +305,9 @@ def from_diffusers_attention(attn: nn.Module) -> FusedAttention:
         # AttnProcessor2_0 leaves SDPA's default scale: 1/sqrt of the width of one key head.
         scale = (attn.inner_dim // attn.heads) ** -0.5
     else:
+        if attn.norm_q is not None or attn.norm_k is not None:
+            raise ValueError("the classic AttnProcessor does not apply its norm_q/norm_k (qk_norm), which mirage's "
+                             "attention would")
         scale = attn.scale
 
     group_norm = attn.group_norm
