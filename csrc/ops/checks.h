@@ -4,10 +4,13 @@
 
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+
+#include "message.h"
 
 namespace mirage::ops {
 
@@ -56,6 +59,20 @@ ChannelsShape channels_shape(const at::Tensor& x);
 // Every entry of pairs ([2, P] int64 on the CPU, contiguous) in [0, num_nodes): the CPU
 // references read the indices anyway, so out-of-range ones raise there.
 void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes);
+
+// make()'s result, with an allocation failure (or a size past what a tensor can hold) named: the
+// op and the argument the size comes from (`cause`, "max_pairs = 5"), not only the allocator's
+// message, which names neither.
+template <class Make>
+auto allocate_named(std::string_view op, const std::string& cause, Make&& make) -> decltype(make()) {
+  try {
+    return make();
+  } catch (const c10::Error& error) {
+    const std::string what = error.msg();
+    MIRAGE_CHECK(false, op, ": cannot allocate the outputs for ", cause, " (", what.substr(0, what.find('\n')), ")");
+    throw;
+  }
+}
 
 // A tensor argument and its name, for check_apart.
 using Named = std::pair<std::string_view, const at::Tensor*>;

@@ -82,28 +82,10 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
   return {n, num_molecules, max_pairs == -1 ? n * std::max<int64_t>(n - 1, 0) : max_pairs};
 }
 
-namespace {
-
-// make() with an allocation failure (or a size past what a tensor can hold) named: the op and
-// max_pairs, not only the allocator's message.
-template <class Make>
-auto allocate_outputs(int64_t max_pairs, Make&& make) -> decltype(make()) {
-  try {
-    return make();
-  } catch (const c10::Error& error) {
-    const std::string what = error.msg();
-    MIRAGE_CHECK(false, kNeighborList, ": cannot allocate the outputs for max_pairs = ", max_pairs, " (",
-                 what.substr(0, what.find('\n')), ")");
-    throw;
-  }
-}
-
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_neighbor_list_outputs(
     const at::Tensor& positions, const NeighborListShape& shape) {
   const auto index = positions.options().dtype(at::kLong);
-  return allocate_outputs(shape.max_pairs, [&] {
+  return allocate_named(kNeighborList, message("max_pairs = ", shape.max_pairs), [&] {
     return std::make_tuple(at::empty({2, shape.max_pairs}, index),
                            at::empty({shape.max_pairs, 3}, positions.options()),
                            at::empty({shape.max_pairs}, positions.options()), at::empty({1}, index));
@@ -263,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cpu(
     first = end;
   }
 
-  auto [pairs, shifts64, distances64] = allocate_outputs(capacity, [&] {
+  auto [pairs, shifts64, distances64] = allocate_named(kNeighborList, message("max_pairs = ", capacity), [&] {
     return std::make_tuple(at::zeros({2, capacity}, positions.options().dtype(at::kLong)),
                            at::zeros({capacity, 3}, r64.options()), at::full({capacity}, cutoff, r64.options()));
   });

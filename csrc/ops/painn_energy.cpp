@@ -50,7 +50,12 @@ PainnShape check_painn_energy(const at::Tensor& atomic_numbers, const at::Tensor
   s.features = embedding.size(1);
   s.rbf = num_rbf;
   const int64_t F = s.features, r0 = interactions * kPainnWeightsPerInteraction;
-  const auto rows = [&](int64_t index) { return weights[index].dim() == 2 ? weights[index].size(0) : 0; };
+  // The widths the other weights are checked against: from weights that must be 2-D to give them.
+  const auto rows = [&](int64_t index) {
+    MIRAGE_CHECK(weights[index].dim() == 2, kPainnEnergy, ": ", weight_name(index, interactions), " must be 2-D, got "
+                 "shape ", weights[index].sizes());
+    return weights[index].size(0);
+  };
   s.phi_hidden = rows(0);
   s.update_hidden = rows(8);
   s.readout_hidden = rows(r0);

@@ -176,10 +176,16 @@ SchnetShape check_schnet_weights(std::string_view op, const at::Tensor& embeddin
   MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1 && num_rbf <= kMaxTableRbf, op, ": num_rbf (", num_rbf,
                ") must be in [1, ", kMaxTableRbf, "] (the prepared tables grow with it) and equal the filters' input "
                "width (", s.rbf, ")");
-  s.message_width = weights[2].dim() == 2 ? weights[2].size(0) : 0;
-  s.update_hidden = weights[6].dim() == 2 ? weights[6].size(0) : 0;
+  // The widths the other weights are checked against: from weights that must be 2-D to give them.
+  const auto rows = [&](int64_t index) {
+    MIRAGE_CHECK(weights[index].dim() == 2, op, ": ", weight_name(index, interactions), " must be 2-D, got shape ",
+                 weights[index].sizes());
+    return weights[index].size(0);
+  };
+  s.message_width = rows(2);
+  s.update_hidden = rows(6);
   const int64_t r0 = interactions * kSchnetWeightsPerInteraction;
-  s.readout_hidden = weights[r0].dim() == 2 ? weights[r0].size(0) : 0;
+  s.readout_hidden = rows(r0);
   for (int64_t t = 0; t < interactions; ++t) {
     const int64_t b = t * kSchnetWeightsPerInteraction;
     check_weight(b, {s.filter_hidden, s.rbf});

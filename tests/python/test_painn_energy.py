@@ -212,6 +212,7 @@ BAD = [
     (dict(weights=replace_item(19, lambda w: w[:-1])), "weights[19] (interaction 1: V.weight) must have shape"),
     (dict(weights=replace_item(20, lambda w: w[:, :-1])), "weights[20] (interaction 1: mlp.0.weight) must have shape"),
     (dict(weights=replace_item(24, lambda w: w.t())), "weights[24] (readout.0.weight) must have shape"),
+    (dict(weights=replace_item(0, lambda w: w[:, 0])), "weights[0] (interaction 0: phi.0.weight) must be 2-D, got shape ["),
     (dict(weights=replace_item(1, lambda w: w.to(torch.float16))),
      "weights[1] (interaction 0: phi.0.bias) must have embedding's dtype"),
     (dict(num_rbf=lambda r: r + 1), "weights[4] (interaction 0: filter.weight) must have shape [21, 4]"),

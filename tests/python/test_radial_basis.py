@@ -116,9 +116,12 @@ def test_empty_and_nan(device):
          "mirage::radial_basis: cutoff_fn must be \"cosine\", \"polynomial\" or \"none\", got \"smooth\""),
         (lambda d: mirage.ops.radial_basis(torch.ones(4, dtype=torch.int64, device=d), "bessel", 4, 5.0, "none"),
          "mirage::radial_basis: distances must be float32, float16 or bfloat16"),
+        # Past what a tensor can hold: the allocator's message named neither op nor argument.
+        (lambda d: mirage.ops.radial_basis(torch.rand(5, device=d), "gaussian", 2**62, 5.0, "cosine"),
+         "mirage::radial_basis: cannot allocate the outputs for num = 4611686018427387904"),
     ],
 )
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
 def test_bad_input(call, message, device):
     assert_error(call, device, message)
 

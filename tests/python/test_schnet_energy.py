@@ -228,6 +228,9 @@ BAD = [
     (dict(activations=lambda a: a[:-1]), "activations must name 4 activations"),
     (dict(activations=lambda a: ["swish"] + a[1:]), "activation \"swish\" in activations is not one of"),
     (dict(weights=replace_item(2, lambda w: w[:, :-1])), "weights[2] (interactions.0.filter.2.weight) must have shape"),
+    # A width-giving weight of another rank: its own message, not "[0, H]" worked out from it.
+    (dict(weights=replace_item(2, lambda w: w[:, 0])), "weights[2] (interactions.0.filter.2.weight) must be 2-D, got "
+                                                       "shape ["),
     (dict(weights=replace_item(13, lambda w: w[:-1])), "weights[13] (interactions.1.filter.2.bias) must have shape"),
     (dict(weights=replace_item(20, lambda w: w.t())), "weights[20] (readout.0.weight) must have shape"),
     (dict(weights=replace_item(3, lambda w: w.to(torch.float16))),
