@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "op_handles.h"
+#include "ops/schnet_energy.h"
 
 #if MIRAGE_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -60,6 +61,7 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10:
 }
 
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
+  if (num_rbf > ops::kMaxTableRbf) return false;  // the filter table's bound, on every device
 #if MIRAGE_WITH_CUDA
   if (!device.is_cuda()) return device.is_cpu();
   if (!usable(device)) return false;

@@ -60,17 +60,23 @@ ChannelsShape channels_shape(const at::Tensor& x);
 // references read the indices anyway, so out-of-range ones raise there.
 void check_pair_indices(std::string_view op, const at::Tensor& pairs, int64_t num_nodes);
 
-// make()'s result, with an allocation failure (or a size past what a tensor can hold) named: the
-// op and the argument the size comes from (`cause`, "max_pairs = 5"), not only the allocator's
-// message, which names neither.
+// make()'s result, with a failure to allocate (out of memory, or a size past what a tensor can
+// hold) named: the op and the argument the size comes from (`arg` = `value`), not only the
+// allocator's message, which names neither. Out of memory stays torch.OutOfMemoryError, which
+// callers catch by type.
 template <class Make>
-auto allocate_named(std::string_view op, const std::string& cause, Make&& make) -> decltype(make()) {
+auto allocate_named(std::string_view op, std::string_view arg, int64_t value, Make&& make) -> decltype(make()) {
+  const auto named = [&](const c10::Error& error) {
+    const std::string what = error.msg();
+    return message(op, ": cannot allocate the outputs for ", arg, " = ", value, " (", what.substr(0, what.find('\n')),
+                   ")");
+  };
   try {
     return make();
+  } catch (const c10::OutOfMemoryError& error) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, named(error));
   } catch (const c10::Error& error) {
-    const std::string what = error.msg();
-    MIRAGE_CHECK(false, op, ": cannot allocate the outputs for ", cause, " (", what.substr(0, what.find('\n')), ")");
-    throw;
+    TORCH_CHECK(false, named(error));
   }
 }
 

@@ -85,7 +85,7 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> empty_neighbor_list_outputs(
     const at::Tensor& positions, const NeighborListShape& shape) {
   const auto index = positions.options().dtype(at::kLong);
-  return allocate_named(kNeighborList, message("max_pairs = ", shape.max_pairs), [&] {
+  return allocate_named(kNeighborList, "max_pairs", shape.max_pairs, [&] {
     return std::make_tuple(at::empty({2, shape.max_pairs}, index),
                            at::empty({shape.max_pairs, 3}, positions.options()),
                            at::empty({shape.max_pairs}, positions.options()), at::empty({1}, index));
@@ -245,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> neighbor_list_cpu(
     first = end;
   }
 
-  auto [pairs, shifts64, distances64] = allocate_named(kNeighborList, message("max_pairs = ", capacity), [&] {
+  auto [pairs, shifts64, distances64] = allocate_named(kNeighborList, "max_pairs", capacity, [&] {
     return std::make_tuple(at::zeros({2, capacity}, positions.options().dtype(at::kLong)),
                            at::zeros({capacity, 3}, r64.options()), at::full({capacity}, cutoff, r64.options()));
   });

@@ -56,7 +56,7 @@ std::pair<at::Tensor, at::Tensor> reference_basis(const at::Tensor& distances, s
                                                   double cutoff) {
   const at::Tensor d64 = distances.to(at::kDouble).contiguous();
   const int64_t count = d64.numel();
-  auto [values, derivatives] = allocate_named(kRadialBasis, message("num = ", num), [&] {
+  auto [values, derivatives] = allocate_named(kRadialBasis, "num", num, [&] {
     return std::make_pair(at::empty({count, num}, d64.options()), at::empty({count, num}, d64.options()));
   });
   const double* ds = d64.const_data_ptr<double>();
@@ -102,7 +102,7 @@ at::Tensor radial_basis_cpu(const at::Tensor& distances, c10::string_view kind, 
 at::Tensor radial_basis_meta(const at::Tensor& distances, c10::string_view kind, int64_t num,
                              double cutoff, c10::string_view cutoff_fn) {
   const std::vector<int64_t> shape = check_radial_basis(distances, kind, num, cutoff, cutoff_fn);
-  return allocate_named(kRadialBasis, message("num = ", num), [&] { return at::empty(shape, distances.options()); });
+  return allocate_named(kRadialBasis, "num", num, [&] { return at::empty(shape, distances.options()); });
 }
 
 // The reference backward: float64, per distance the sum over k of grad * (basis_k f)', with the

@@ -17,8 +17,7 @@ at::Tensor radial_basis_cuda(const at::Tensor& distances, c10::string_view kind,
   const std::vector<int64_t> shape = check_radial_basis(distances, kind, num, cutoff, cutoff_fn);
   const c10::cuda::CUDAGuard guard(distances.device());
   const at::Tensor input = distances.contiguous();
-  at::Tensor out =
-      allocate_named(kRadialBasis, message("num = ", num), [&] { return at::empty(shape, distances.options()); });
+  at::Tensor out = allocate_named(kRadialBasis, "num", num, [&] { return at::empty(shape, distances.options()); });
   cuda::RadialBasisParams params{};
   params.distances = input.const_data_ptr();
   params.out = out.mutable_data_ptr();

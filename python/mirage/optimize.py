@@ -91,11 +91,6 @@ def _build_geglu(module: nn.Module) -> nn.Module:
         raise ValueError(str(error)) from None
 
 
-def _keep_encoder_layer(layer: nn.Module) -> nn.Module:
-    raise ValueError("PyTorch runs it in inference as one fused op (torch._transformer_encoder_layer_fwd) that "
-                     "reads its norms' weights, not their forward: swapped norms would not run")
-
-
 def _build_layer_norm(norm: nn.Module) -> nn.Module:
     fused = LayerNorm.from_torch(norm)
     if fused.normalized_shape > LAYER_NORM_MAX_WIDTH:
@@ -128,10 +123,6 @@ BLOCK_SWAPS: Tuple[Swap, ...] = (
     Swap("diffusers.models.attention_processor", "Attention", "Attention",
          "mirage fused attention (one QKV GEMM, SDPA)", from_diffusers_attention, opaque=True),
     Swap("diffusers.models.activations", "GEGLU", "GEGLU", "mirage.nn.GEGLU", _build_geglu),
-    # Never swapped (the build refuses): reported as left alone, and opaque, so that its norms are
-    # not swapped either, which its fused inference op would bypass.
-    Swap("torch.nn", "TransformerEncoderLayer", "TransformerEncoderLayer", "(kept: PyTorch's own fused op)",
-         _keep_encoder_layer, opaque=True),
     Swap("diffusers.models.upsampling", "Upsample2D", "Upsample2D",
          "mirage.nn.Upsample2D (2x2 sub-pixel convolutions, no upsampled image)", Upsample2D.from_diffusers,
          candidate=lambda block: block.use_conv and not block.use_conv_transpose),
@@ -152,7 +143,11 @@ def _is_mirage_module(module: nn.Module) -> bool:
 def _searched(module: nn.Module) -> bool:
     """Whether swaps look inside ``module``: any module but mirage's own (they may rely on the
     exact types of their children), except those declaring ``children_swappable`` (their children
-    are the replaced block's modules, only ever called)."""
+    are the replaced block's modules, only ever called); and not PyTorch's encoder layer, already
+    one fused op in inference (``torch._transformer_encoder_layer_fwd``), which reads its norms'
+    weights, not their forward: swapped norms would not run."""
+    if isinstance(module, nn.TransformerEncoderLayer):
+        return False
     return not _is_mirage_module(module) or getattr(type(module), "children_swappable", False)
 
 
@@ -182,7 +177,8 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             pass  # not a candidate: nothing to swap, nothing to report
         elif swap is not None and (hooked := hooked_submodule(module)) is not None:
             where = qualified_name(name, hooked) or "(model)"
-            if all(reported != name for reported, _ in result.left_alone):  # the pattern pass may have said so
+            # Once: the pattern pass may have said so already.
+            if not any(where == name and "has forward hooks" in why for where, why in result.left_alone):
                 result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement "
                                                 "would not run"))
             left_alone_by = swap
@@ -582,8 +578,9 @@ def _on_one_cuda_device(model: nn.Module) -> bool:
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
-def _addresses(model: nn.Module) -> List[Tuple[torch.device, int]]:
-    return [(t.device, t.data_ptr()) for t in list(model.parameters()) + list(model.buffers())]
+def _addresses(model: nn.Module) -> List[Tuple[torch.device, torch.dtype, int]]:
+    # The dtype too: tensor subclasses that wrap others (torchao's) have no data pointer of their own.
+    return [(t.device, t.dtype, t.data_ptr()) for t in list(model.parameters()) + list(model.buffers())]
 
 
 def _conv_weights_to(model: nn.Module, memory_format: torch.memory_format) -> None:

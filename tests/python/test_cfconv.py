@@ -873,6 +873,11 @@ def test_radial_cfconv_nan_and_negative_distances_give_nan(device):
     assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()
 
 
+def test_radial_cfconv_supported_follows_the_tables_bound_on_every_device():
+    assert mirage.ops.radial_cfconv_supported(1024, 8, 8, "cpu")
+    assert not mirage.ops.radial_cfconv_supported(1025, 8, 8, "cpu")  # the op would refuse it
+
+
 @pytest.mark.cuda
 def test_radial_cfconv_cuda_sizes_it_does_not_take():
     args = list(radial_inputs("odd", "cuda", torch.float32))

@@ -736,16 +736,16 @@ def test_modules_with_forward_hooks_are_left_alone_and_their_hooks_run():
     assert len(calls) == 2  # the hook runs in the optimized model too
 
 
-def test_pytorch_encoder_layers_are_left_alone_with_their_norms():
+def test_pytorch_encoder_layers_keep_their_norms():
     # Their fused inference op reads the norms' weights: swapped norms were counted but never ran.
     layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
-    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
-    optimized, original = optimized_and_original(model, cuda_graph=False)
+    model = nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                          nn.LayerNorm(16))
+    optimized, original = optimized_and_original(model, cuda_graph=False, strict=True)
     report = mirage.report(optimized)
-    assert report.swaps == []
-    assert [where for where, _ in report.left_alone] == ["1.layers.0", "1.layers.1"]
-    assert "torch._transformer_encoder_layer_fwd" in report.left_alone[0][1]
-    assert not any(type(m).__module__.startswith("mirage") for m in optimized.module.modules())
+    assert report.swaps == [("LayerNorm", "2")] and report.left_alone == []  # strict passes: nothing refused
+    encoder = optimized.module[1]
+    assert all(type(norm) is nn.LayerNorm for layer in encoder.layers for norm in (layer.norm1, layer.norm2))
     tokens = randn(2, 5, 8)
     with torch.no_grad():
         torch.testing.assert_close(optimized(tokens), original(tokens))
@@ -944,6 +944,23 @@ def test_a_model_without_tensors_says_why_it_gets_no_graphs():
     assert mirage.report(optimized).cuda_graph_note == (
         "skipped: the model has no parameters or buffers, so nothing places it on a CUDA device; capture its "
         "calls with mirage.graphs.capture")
+
+
+def test_a_hooked_norm_the_pattern_pass_reported_for_another_reason_gets_its_hook_reason_too():
+    class Branching(nn.Module):  # the norm's output also used without the SiLU: not a pattern
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.GroupNorm(2, 4)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return F.silu(y) + y
+
+    model = Branching()
+    model.norm.register_forward_hook(lambda module, inputs, output: output)
+    optimized, _ = optimized_and_original(model)
+    reasons = [why for where, why in mirage.report(optimized).left_alone if where == "norm"]
+    assert any("has forward hooks" in why for why in reasons), reasons
 
 
 def test_a_conversion_after_optimize_shows_in_the_report_and_the_hint():

@@ -84,7 +84,7 @@ def evaluate(
     stress: bool = False,
     precision: str = "fp32",
     who: str = "mirage.ff.Calculator",
-    capacity_checked: bool = False,
+    capacity_checked: bool = True,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Energy, forces and (optionally) stress of one structure, by autograd (see
     :func:`energy_and_gradients`). Graph-safe.
@@ -99,7 +99,7 @@ def evaluate(
         precision: one of :data:`PRECISIONS`; here only autocast is applied (the caller holds
             :func:`matmul_precision` around the call and any capture).
         capacity_checked: whether the caller checks the neighbor capacity of ``model`` after the
-            call (see :func:`energy_and_gradients`).
+            call, as the protocol asks (see :func:`energy_and_gradients`); the default.
 
     Returns:
         ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
@@ -153,17 +153,18 @@ def check_atomic_numbers(model, numbers: np.ndarray, who: str) -> None:
 
 def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                          pbc: Optional[Tensor] = None, *, stress: bool = False, precision: str = "fp32",
-                         who: str = "mirage.ff.Calculator", capacity_checked: bool = False
+                         who: str = "mirage.ff.Calculator", capacity_checked: bool = True
                          ) -> Tuple[Tensor, List[Tensor]]:
     """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the dtype the
     model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
     positions and, with ``stress``, the strain (never None), as autograd returns them. mirage's
     fused models that run as one op give the same without autograd
-    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). With ``capacity_checked`` the caller
-    checks the neighbor capacity of ``model`` (the module :func:`mirage.ff.capacity.holder` finds)
-    after the call, and a fused model does not grow its own
-    (:func:`mirage.ff.capacity.checked_by_caller`); without, one the caller cannot see grows its
-    own, or refuses a CUDA-graph capture (:func:`mirage.ff.capacity.unchecked_by`)."""
+    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). With ``capacity_checked`` (the default)
+    the caller checks the neighbor capacity of ``model`` after the call, and a fused model does not
+    grow its own (:func:`mirage.ff.capacity.checked_by_caller`). Without (the Calculator and the MD
+    driver when :func:`mirage.ff.capacity.holder` finds nothing to check), a fused model they
+    cannot see grows its own, or refuses a CUDA-graph capture
+    (:func:`mirage.ff.capacity.unchecked_by`)."""
     with capacity.checked_by_caller() if capacity_checked else capacity.unchecked_by(who):
         return _energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress, precision, who)
 
