@@ -50,11 +50,9 @@ PainnShape check_painn_energy(const at::Tensor& atomic_numbers, const at::Tensor
   s.features = embedding.size(1);
   s.rbf = num_rbf;
   const int64_t F = s.features, r0 = interactions * kPainnWeightsPerInteraction;
-  // The widths the other weights are checked against: from weights that must be 2-D to give them.
+  // The widths the other weights are checked against.
   const auto rows = [&](int64_t index) {
-    MIRAGE_CHECK(weights[index].dim() == 2, kPainnEnergy, ": ", weight_name(index, interactions), " must be 2-D, got "
-                 "shape ", weights[index].sizes());
-    return weights[index].size(0);
+    return energy_weight_rows(kPainnEnergy, weights[index], weight_name(index, interactions));
   };
   s.phi_hidden = rows(0);
   s.update_hidden = rows(8);

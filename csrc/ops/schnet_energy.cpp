@@ -52,6 +52,11 @@ void check_energy_weight(std::string_view op, const at::Tensor& w, const std::st
                shape.size() == 1 ? " (or [0]: no bias)" : "", ", got ", w.sizes());
 }
 
+int64_t energy_weight_rows(std::string_view op, const at::Tensor& w, const std::string& name) {
+  MIRAGE_CHECK(w.dim() == 2, op, ": ", name, " must be 2-D, got shape ", w.sizes());
+  return w.size(0);
+}
+
 namespace {
 
 void check_embedding_and_cutoff(std::string_view op, const at::Tensor& embedding, double cutoff) {
@@ -176,11 +181,9 @@ SchnetShape check_schnet_weights(std::string_view op, const at::Tensor& embeddin
   MIRAGE_CHECK(num_rbf == s.rbf && num_rbf >= 1 && num_rbf <= kMaxTableRbf, op, ": num_rbf (", num_rbf,
                ") must be in [1, ", kMaxTableRbf, "] (the prepared tables grow with it) and equal the filters' input "
                "width (", s.rbf, ")");
-  // The widths the other weights are checked against: from weights that must be 2-D to give them.
+  // The widths the other weights are checked against.
   const auto rows = [&](int64_t index) {
-    MIRAGE_CHECK(weights[index].dim() == 2, op, ": ", weight_name(index, interactions), " must be 2-D, got shape ",
-                 weights[index].sizes());
-    return weights[index].size(0);
+    return energy_weight_rows(op, weights[index], weight_name(index, interactions));
   };
   s.message_width = rows(2);
   s.update_hidden = rows(6);
@@ -287,12 +290,11 @@ SchnetShape check_schnet_energy_all_pairs(const at::Tensor& atomic_numbers, cons
   MIRAGE_CHECK(positions.dim() == 2 && positions.size(0) == atoms && positions.size(1) == 3, op,
                ": positions must have shape [N, 3] = [", atoms, ", 3] (N from atomic_numbers), got ",
                positions.sizes());
-  if (present(num_pairs))
+  if (present(num_pairs)) {
     MIRAGE_CHECK(num_pairs->scalar_type() == at::kLong && num_pairs->numel() == 1 &&
                      num_pairs->device() == embedding.device(),
                  op, ": num_pairs must be a one-element int64 tensor on ", embedding.device(), ", got ",
                  num_pairs->scalar_type(), " of shape ", num_pairs->sizes(), " on ", num_pairs->device());
-  if (present(num_pairs)) {
     check_apart(op, {{"num_pairs", &*num_pairs}},
                 {{"atomic_numbers", &atomic_numbers}, {"positions", &positions}, {"embedding", &embedding}});
   }

@@ -72,6 +72,8 @@ void check_energy_inputs(std::string_view op, const at::Tensor& atomic_numbers, 
                          const at::Tensor& pairs, const at::Tensor& vectors, double cutoff);
 void check_energy_weight(std::string_view op, const at::Tensor& w, const std::string& name,
                          const at::Tensor& embedding, std::vector<int64_t> shape);
+// The rows of a weight whose rows are a width the others are checked against; it must be 2-D.
+int64_t energy_weight_rows(std::string_view op, const at::Tensor& w, const std::string& name);
 std::vector<std::string> check_activations(std::string_view op, std::string_view activations, int64_t count,
                                            std::string_view what);
 void check_energy_indices(std::string_view op, const at::Tensor& atomic_numbers, const at::Tensor& embedding,

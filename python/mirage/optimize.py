@@ -515,9 +515,11 @@ class OptimizedModule(nn.Module):
         # replace those tensors release the graphs, captured again at the next call; a to() that
         # changes nothing keeps them (accelerate's CPU offload calls one before every forward).
         # Off one CUDA device (cpu()), the model runs eagerly until it is moved back.
+        if self.graphs is None:
+            return super()._apply(fn, *args, **kwargs)
         before = _addresses(self.module)
         super()._apply(fn, *args, **kwargs)
-        if self.graphs is not None and _addresses(self.module) != before:
+        if _addresses(self.module) != before:
             self.graphs.clear()
             self._graphs_paused = not _on_one_cuda_device(self.module)
         return self
@@ -569,8 +571,12 @@ def _weights_dtype(model: nn.Module) -> Optional[torch.dtype]:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
+def _tensors(model: nn.Module) -> List[Tensor]:
+    return list(model.parameters()) + list(model.buffers())
+
+
 def _devices(model: nn.Module) -> set:
-    return {t.device for t in list(model.parameters()) + list(model.buffers())}
+    return {t.device for t in _tensors(model)}
 
 
 def _on_one_cuda_device(model: nn.Module) -> bool:
@@ -580,13 +586,13 @@ def _on_one_cuda_device(model: nn.Module) -> bool:
 
 def _addresses(model: nn.Module) -> List[Tuple[torch.device, torch.dtype, int]]:
     # The dtype too: tensor subclasses that wrap others (torchao's) have no data pointer of their own.
-    return [(t.device, t.dtype, t.data_ptr()) for t in list(model.parameters()) + list(model.buffers())]
+    return [(t.device, t.dtype, t.data_ptr()) for t in _tensors(model)]
 
 
 def _conv_weights_to(model: nn.Module, memory_format: torch.memory_format) -> None:
     # 4-D parameters and buffers are convolution kernels; channels_last lets cuDNN run NHWC end
     # to end (nn.Module.to(memory_format=) would also reach 5-D tensors and fail on them).
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    for tensor in _tensors(model):
         if tensor.dim() == 4:
             tensor.data = tensor.data.contiguous(memory_format=memory_format)
 
