@@ -565,11 +565,11 @@ def test_a_fused_model_the_calculator_cannot_see_grows_its_own_capacity(holder, 
 @pytest.mark.cuda
 def test_a_fused_model_the_calculator_cannot_see_is_not_captured():
     fused = mirage.ff.optimize(small(SchNet, torch.float32)).cuda()
-    calc = mirage.ff.Calculator(lambda *args: fused(*args))
+    calc = mirage.ff.Calculator(lambda *args: fused(*args), device="cuda")
     with pytest.raises(ValueError, match=r"mirage.ff.Calculator: the model calls mirage.ff.fused.SchNet, which has a "
                                          r"neighbor capacity, but holds it where the capacity cannot be checked"):
         calc.get_potential_energy(periodic_atoms(n=12))
-    eager = mirage.ff.Calculator(lambda *args: fused(*args), cuda_graph=False)
+    eager = mirage.ff.Calculator(lambda *args: fused(*args), device="cuda", cuda_graph=False)
     assert np.isfinite(eager.get_potential_energy(periodic_atoms(n=12)))
 
 

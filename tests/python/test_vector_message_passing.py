@@ -690,11 +690,12 @@ def test_cuda_basis_gradient_out_of_range_pairs_give_nan(bad, row, count):
     assert grads[1].shape == basis.shape and all(torch.isnan(t).all() for t in grads)
     after = BACKWARD_OP(grad_scalar, grad_vector, x, basis, vectors, directions, good, weight)
     # Against the float64 CPU reference: a call that skipped pairs (say a stale count of windows
-    # handed out) would still be finite.
+    # handed out) would still be finite. Float32 sums of about a thousand pairs per atom agree to
+    # the tolerance of the gradient's scale, not of each (possibly cancelled) element.
     want = BACKWARD_OP(*[t.double().cpu() for t in (grad_scalar, grad_vector, x, basis, vectors, directions)],
                        good.cpu(), weight.double().cpu())
     for g, w in zip(after, want):
-        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-4 * max(w.abs().max().item(), 1.0))
 
 
 @pytest.mark.cuda

@@ -236,11 +236,11 @@ class _FusedModel(nn.Module):
         torch.compile, where reading the count back (one host sync) is allowed, and outside
         :func:`mirage.ff.capacity.checked_by_caller`; there the caller checks ``num_pairs`` (the
         capacity protocol)."""
-        if capacity.caller_checks():
+        if capacity.caller_checks() or torch.compiler.is_compiling():
             return False
-        if not self._may_sync(positions):
-            if positions.is_cuda and torch.cuda.is_current_stream_capturing():
-                capacity.refuse_unchecked_capture(self._who)
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Asked only outside torch.compile, which cannot trace the question.
+            capacity.refuse_unchecked_capture(self._who)
             return False
         found = int(self.num_pairs)
         needed = capacity.needed_pairs(self, found)  # raises on -1, the search's invalid-input flag
