@@ -418,6 +418,12 @@ __global__ void __launch_bounds__(kLanes* kWarps, kFused ? 2 : 1)
 constexpr int kBasisWarps = 12;  // one block an SM (168 registers, 1152 F bytes of shared memory)
 constexpr int kBasisSteps = 3;   // K <= 24: three k8 steps of the filter, three n8 tiles of its gradient
 constexpr int kBasisRows = 16;   // a window: the MMAs' M
+// A segment of the walk: a long run (a hub sender; the padding (0, 0) of a list passed without
+// num_pairs) is walked a segment at a time, by as many warps, not by one warp to its end. A run
+// split at a boundary may take one more tile, so segments are long. Counted on the CPU with these
+// rules (2026-11-30): the 3,000-atom box's list takes 9,765 tiles against 9,714 unsplit; walked
+// with the padding of its 174,000-pair capacity, a warp's longest walk is 64 tiles against 2,188.
+constexpr int kBasisSegment = 64 * kBasisRows;
 
 // Shared memory: each weight fragment a lane reads, split, as uint4 {hi0, hi1, lo0, lo1}: the
 // filter's B fragments [3][F / 8][kBasisSteps][32] (k = basis, n = feature), then the gradient
@@ -485,13 +491,15 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
     const int w = __shfl_sync(kFullMask, lane == 0 ? atomicAdd(taken, 1) : 0, 0);
     if (w >= windows) break;
     // Lane q < 16: the sender of the window's q-th walk position, -1 outside the walk or for an
-    // index out of range (which raises the flag: every output NaN); lane 16 the position's before
-    // the window. 32-bit: the launcher takes lists that use_sender_order admits (an int32 order,
-    // fewer than 2^31 nodes).
+    // index out of range (which raises the flag: every output NaN); lanes 16 + q: the previous
+    // window's (at a segment's first window; else lane 31 alone, the place before this window).
+    // 32-bit: the launcher takes lists that use_sender_order admits (an int32 order, fewer than
+    // 2^31 nodes).
     const int64_t first = kBasisRows * static_cast<int64_t>(w);
-    const int64_t pos = lane < kBasisRows ? first + lane : first - 1;
+    const bool segment_start = first % kBasisSegment == 0;
+    const int64_t pos = lane < kBasisRows ? first + lane : first - 2 * kBasisRows + lane;
     int key = -1;
-    if (lane <= kBasisRows && pos >= 0 && pos < walked) {
+    if ((lane < kBasisRows || segment_start || lane == kLanes - 1) && pos >= 0 && pos < walked) {
       const int pair = order[pos];
       const int64_t i = p.pairs[pair], j = p.pairs[P + pair];
       if (in_range(i, N) && in_range(j, N)) {
@@ -500,18 +508,28 @@ __global__ void __launch_bounds__(kLanes* kBasisWarps, 1)
         *invalid = 1;  // every writer stores the same value
       }
     }
-    // The runs (of one sender) that start in the window, each walked to its end in tiles of 16.
-    const int before = __shfl_sync(kFullMask, key, lane == 0 ? kBasisRows : lane - 1);
-    unsigned starts = __ballot_sync(kFullMask, lane < kBasisRows && key >= 0 && key != before);
+    // The runs (of one sender) that start in the window, each walked in tiles of 16 to its end or
+    // to the first segment boundary 16 places or more after its start. A run that reaches that
+    // boundary covers the 16 places before it, and that is what makes the boundary a start here
+    // (the window before it all the sender's): so one warp walks at most a segment and 16 places
+    // of a run, and each place belongs to exactly one walk.
+    const int before = __shfl_sync(kFullMask, key, lane == 0 ? kLanes - 1 : lane - 1);
+    const int key0 = __shfl_sync(kFullMask, key, 0);
+    const bool resumed = segment_start && key0 >= 0 &&
+                         __ballot_sync(kFullMask, lane >= kBasisRows && key == key0) == ~((1u << kBasisRows) - 1);
+    unsigned starts =
+        __ballot_sync(kFullMask, lane < kBasisRows && key >= 0 && (key != before || (lane == 0 && resumed)));
     while (starts != 0) {  // uniform over the warp
       const int start = __ffs(starts) - 1;
       starts &= starts - 1;
       const int64_t sender = __shfl_sync(kFullMask, key, start);
+      const int64_t end =
+          std::min(walked, ceil_div(first + start + kBasisRows, int64_t{kBasisSegment}) * kBasisSegment);
       for (int64_t base = first + start;; base += kBasisRows) {
         // Lane q < 16: the tile's q-th pair and receiver; the run is the tile's first rows of the sender.
         int my_pair = 0, my_i = 0;
         bool same = false;
-        if (lane < kBasisRows && base + lane < walked) {
+        if (lane < kBasisRows && base + lane < end) {
           my_pair = order[base + lane];
           const int64_t i = p.pairs[my_pair];
           same = in_range(i, N) && p.pairs[P + my_pair] == sender;
@@ -834,6 +852,14 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   float* grad_x = float32 ? static_cast<float*>(p.grad_x) : w.acc[0];
   float* grad_vectors = float32 ? static_cast<float*>(p.grad_vectors) : w.acc[1];
   float* grad_directions = float32 ? static_cast<float*>(p.grad_directions) : w.acc[2];
+  const bool pack = can_pack(p.features,
+                             {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
+                             p.dtype, {grad_x, grad_vectors});
+  // The basis' gradient on tensor cores: refused before anything is queued where it does not apply.
+  if (p.grad_basis != nullptr &&
+      (p.fused.basis == nullptr || !pack || !use_sender_order(p.nodes, p.num_pairs) ||
+       !basis_gradient_supported(p.features, p.fused.width, p.dtype)))
+    return cudaErrorInvalidValue;
   cudaError_t status = zero(w.invalid, 2, sizeof(int), stream);  // the flag, basis_backward_kernel's `taken`
   if (status == cudaSuccess) status = zero(grad_x, n_node, sizeof(float), stream);
   if (status == cudaSuccess) status = zero(grad_vectors, n_node, sizeof(float), stream);
@@ -846,25 +872,17 @@ cudaError_t launch_vector_message_passing_backward(const VectorMessagePassingBac
   status = launch_sender_order(p.pairs, p.nodes, p.num_pairs, p.live_pairs, p.sender_order, order_workspace, &walk,
                                stream);
   if (status != cudaSuccess) return status;
-  const bool pack = can_pack(p.features,
-                             {p.grad_scalar, p.grad_vector, p.x, p.filter, p.vectors, p.grad_filter},
-                             p.dtype, {grad_x, grad_vectors});
-  if (p.grad_basis != nullptr) {  // the basis' gradient on tensor cores
-    if (p.fused.basis == nullptr || !pack || walk.order == nullptr ||
-        !basis_gradient_supported(p.features, p.fused.width, p.dtype))
-      return cudaErrorInvalidValue;
-    if (p.num_pairs > 0) {
-      const size_t shared = basis_shared_bytes(p.features);
-      int64_t wave = 0;
-      status = blocks_per_wave(basis_backward_kernel, kLanes * kBasisWarps, shared, wave);
-      if (status != cudaSuccess) return status;
-      const int64_t windows = ceil_div(p.num_pairs, int64_t{kBasisRows});
-      const int64_t blocks = std::max<int64_t>(1, std::min(wave, ceil_div(windows, int64_t{kBasisWarps})));
-      status = launch_overlapped(basis_backward_kernel, dim3(static_cast<unsigned>(blocks)),
-                                 dim3(kLanes, kBasisWarps), shared, stream, false, p, walk.order, grad_x,
-                                 grad_vectors, grad_directions, w.invalid, w.invalid + 1);
-      if (status != cudaSuccess) return status;
-    }
+  if (p.grad_basis != nullptr) {  // the basis' gradient on tensor cores (walk.order: use_sender_order)
+    const size_t shared = basis_shared_bytes(p.features);
+    int64_t wave = 0;
+    status = blocks_per_wave(basis_backward_kernel, kLanes * kBasisWarps, shared, wave);
+    if (status != cudaSuccess) return status;
+    const int64_t windows = ceil_div(p.num_pairs, int64_t{kBasisRows});
+    const int64_t blocks = std::max<int64_t>(1, std::min(wave, ceil_div(windows, int64_t{kBasisWarps})));
+    status = launch_overlapped(basis_backward_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kLanes, kBasisWarps),
+                               shared, stream, false, p, walk.order, grad_x, grad_vectors, grad_directions,
+                               w.invalid, w.invalid + 1);
+    if (status != cudaSuccess) return status;
     Segments segments{{{nullptr, p.grad_x, n_node},
                        {nullptr, p.grad_vectors, n_node},
                        {nullptr, p.grad_directions, n_dir},

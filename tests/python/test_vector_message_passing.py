@@ -569,9 +569,10 @@ def test_cuda_formed_filter_large(order, count, features, width):
 
 def runs_of_every_length(features, width, device):
     """make_formed_inputs' tensors over a list whose senders have runs of chosen lengths (in
-    sender order): 1, under, at and over a tile of 16, several tiles, starting at many places of
-    a window of 16 (15 among them); over 8,192 pairs (sender order on CUDA), in shuffled list order."""
-    lengths = [1, 15, 16, 17, 32, 33, 100, 3, 300, 2, 47, 16, 31, 14, 64, 5]
+    sender order): 1, under, at and over a tile of 16, several tiles, past a segment of 1,024
+    places (walked by several warps), starting at many places of a window of 16; over 8,192 pairs
+    (sender order on CUDA), in shuffled list order."""
+    lengths = [1, 15, 16, 17, 32, 33, 100, 3, 300, 2, 47, 16, 31, 14, 64, 5, 2500]
     senders = []
     while len(senders) < SENDER_ORDER_MIN_PAIRS + 500:
         for n in lengths:
