@@ -5,6 +5,7 @@
 #include "verlet.h"
 
 #include <algorithm>
+#include <cmath>
 #include <initializer_list>
 #include <utility>
 
@@ -31,6 +32,11 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
                t.scalar_type());
   MIRAGE_CHECK(t.dim() == 2 && t.size(1) == 3, op, ": ", arg, " must be [N, 3], got ", t.sizes());
   check_contiguous(op, arg, t);
+}
+
+// A step's scale: NaN or an infinity would write NaN over the whole state, in place.
+void check_finite(std::string_view op, std::string_view arg, double value) {
+  MIRAGE_CHECK(std::isfinite(value), op, ": ", arg, " must be finite, got ", value);
 }
 
 void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,
@@ -71,7 +77,7 @@ void forces_kick(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy,
 
 at::Tensor verlet_kick_drift_cpu(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
                                  const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
-  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
   return kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
 }
 
@@ -79,7 +85,7 @@ void verlet_forces_kick_cpu(at::Tensor& velocities, at::Tensor& forces, at::Tens
                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
                             const std::optional<at::Tensor>& pair_count,
                             const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count,
                            pair_count_range);
   forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count, pair_count_range);
 }
@@ -89,45 +95,48 @@ at::Tensor verlet_forces_kick_drift_cpu(at::Tensor& positions, at::Tensor& veloc
                                         const at::Tensor& inverse_masses, double kick, double drift,
                                         at::ScalarType dtype, const std::optional<at::Tensor>& pair_count,
                                         const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, dtype,
-                                 pair_count, pair_count_range);
+  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, kick,
+                                 drift, dtype, pair_count, pair_count_range);
   forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count, pair_count_range);
   return kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
 }
 
 at::Tensor verlet_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
-                                  const at::Tensor& inverse_masses, double, double, at::ScalarType dtype) {
-  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+                                  const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
   return at::empty(positions.sizes(), positions.options().dtype(dtype));
 }
 
 void verlet_forces_kick_meta(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy, const at::Tensor& grad,
-                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double,
+                             const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
                              const std::optional<at::Tensor>& pair_count,
                              const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count,
                            pair_count_range);
 }
 
 at::Tensor verlet_forces_kick_drift_meta(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
                                          at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
-                                         const at::Tensor& inverse_masses, double, double, at::ScalarType dtype,
-                                         const std::optional<at::Tensor>& pair_count,
+                                         const at::Tensor& inverse_masses, double kick, double drift,
+                                         at::ScalarType dtype, const std::optional<at::Tensor>& pair_count,
                                          const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, dtype,
-                                 pair_count, pair_count_range);
+  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, kick,
+                                 drift, dtype, pair_count, pair_count_range);
   return at::empty(positions.sizes(), positions.options().dtype(dtype));
 }
 
 }  // namespace
 
 void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
-                             const at::Tensor& inverse_masses, at::ScalarType dtype, std::string_view op) {
+                             const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype,
+                             std::string_view op) {
   check_state(op, "positions", positions);
   check_like(op, "velocities", velocities, "positions'", positions, "[N, 3]", positions.sizes());
   check_contiguous(op, "velocities", velocities);
   check_like(op, "forces", forces, "positions'", positions, "[N, 3]", positions.sizes());
   check_inverse_masses(op, inverse_masses, "positions'", positions);
+  check_finite(op, "kick", kick);
+  check_finite(op, "drift", drift);
   MIRAGE_CHECK(is_float32_or_64(dtype), op, ": dtype must be float32 or float64, got ", dtype);
   check_apart(op, {{"positions", &positions}, {"velocities", &velocities}},
               {{"forces", &forces}, {"inverse_masses", &inverse_masses}});
@@ -135,7 +144,8 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
 
 void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& forces, const at::Tensor& energy,
                               const at::Tensor& grad, const at::Tensor& model_energy,
-                              const at::Tensor& inverse_masses, const std::optional<at::Tensor>& pair_count,
+                              const at::Tensor& inverse_masses, double kick,
+                              const std::optional<at::Tensor>& pair_count,
                               const std::optional<at::Tensor>& pair_count_range, std::string_view op) {
   check_state(op, "velocities", velocities);
   check_like(op, "forces", forces, "velocities'", velocities, "[N, 3]", velocities.sizes());
@@ -154,6 +164,7 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   MIRAGE_CHECK(model_energy.numel() == 1, op, ": model_energy must have one element, got shape ",
                model_energy.sizes());
   check_inverse_masses(op, inverse_masses, "velocities'", velocities);
+  check_finite(op, "kick", kick);
   MIRAGE_CHECK(present(pair_count) == present(pair_count_range), op,
                ": pair_count and pair_count_range must both be given or both be None");
   check_apart(op, {{"velocities", &velocities}, {"forces", &forces}, {"energy", &energy}},
@@ -179,12 +190,12 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
 
 void check_verlet_forces_kick_drift(const at::Tensor& positions, const at::Tensor& velocities, const at::Tensor& forces,
                                     const at::Tensor& energy, const at::Tensor& grad, const at::Tensor& model_energy,
-                                    const at::Tensor& inverse_masses, at::ScalarType dtype,
-                                    const std::optional<at::Tensor>& pair_count,
+                                    const at::Tensor& inverse_masses, double kick, double drift,
+                                    at::ScalarType dtype, const std::optional<at::Tensor>& pair_count,
                                     const std::optional<at::Tensor>& pair_count_range) {
   constexpr std::string_view op = kVerletForcesKickDrift;
-  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype, op);
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype, op);
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count,
                            pair_count_range, op);
   // One kernel reads grad and writes the positions for the model: in the model's one dtype.
   MIRAGE_CHECK(grad.scalar_type() == dtype, op, ": grad must have dtype's dtype (the model's, ", dtype, "), got ",

@@ -63,7 +63,7 @@ cuda::VerletParams state_params(at::Tensor& velocities, Inputs& inputs, const at
 
 at::Tensor verlet_kick_drift_cuda(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
                                   const at::Tensor& inverse_masses, double kick, double drift, at::ScalarType dtype) {
-  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, dtype);
+  check_verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype);
   const c10::cuda::CUDAGuard guard(positions.device());
   Inputs inputs;
   cuda::VerletParams params = state_params(velocities, inputs, inverse_masses, kick);
@@ -79,7 +79,7 @@ void verlet_forces_kick_cuda(at::Tensor& velocities, at::Tensor& forces, at::Ten
                              const at::Tensor& model_energy, const at::Tensor& inverse_masses, double kick,
                              const std::optional<at::Tensor>& pair_count,
                              const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+  check_verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick, pair_count,
                            pair_count_range);
   const c10::cuda::CUDAGuard guard(velocities.device());
   Inputs inputs;
@@ -93,8 +93,8 @@ at::Tensor verlet_forces_kick_drift_cuda(at::Tensor& positions, at::Tensor& velo
                                          const at::Tensor& inverse_masses, double kick, double drift,
                                          at::ScalarType dtype, const std::optional<at::Tensor>& pair_count,
                                          const std::optional<at::Tensor>& pair_count_range) {
-  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, dtype,
-                                 pair_count, pair_count_range);
+  check_verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy, inverse_masses, kick,
+                                 drift, dtype, pair_count, pair_count_range);
   const c10::cuda::CUDAGuard guard(positions.device());
   Inputs inputs;
   cuda::VerletParams params = state_params(velocities, inputs, inverse_masses, kick);

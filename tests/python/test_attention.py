@@ -227,9 +227,33 @@ def test_state_dict_with_parts_missing_reports_them_by_their_names():
                                                              other["to_v.bias"]]))
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"to_k.weight\""):
         fused.load_state_dict(partial)
+    # Every part of a kind absent: still their names, and the values kept.
+    no_weights = {k: v for k, v in other.items() if not k.startswith(("to_q.w", "to_k.w", "to_v.w"))}
+    result = fused.load_state_dict(no_weights, strict=False)
+    assert sorted(result.missing_keys) == ["to_k.weight", "to_q.weight", "to_v.weight"]
+    assert torch.equal(fused.to_qkv.weight.detach().chunk(3)[1], before.chunk(3)[1])
     wrong = dict(other, **{"to_v.weight": other["to_v.weight"][:, :-1]})
-    with pytest.raises(RuntimeError, match=r"size mismatch for to_v.weight: copying a param with shape \(16, 15\)"):
+    with pytest.raises(RuntimeError, match=r"size mismatch for to_v.weight: copying a param with shape \(16, 15\)") as error:
         fused.load_state_dict(wrong)
+    assert "Missing" not in str(error.value)  # not the fused to_qkv.weight either
+    # The parts of the right shape are loaded, as the unfused module loads them; to_v keeps its values.
+    q, k, v = fused.to_qkv.weight.detach().chunk(3)
+    assert torch.equal(q, other["to_q.weight"]) and torch.equal(k, other["to_k.weight"])
+    assert torch.equal(v, other["to_v.weight"])
+
+
+@pytest.mark.cuda
+def test_a_partial_state_dict_on_the_cpu_loads_into_a_model_on_the_gpu():
+    # The parts given are joined with the slices kept, which live on the GPU.
+    attn = randomized(Attention(query_dim=16, heads=2, dim_head=8, bias=True))
+    fused = from_diffusers_attention(copy.deepcopy(attn)).cuda()
+    other = randomized(Attention(query_dim=16, heads=2, dim_head=8, bias=True)).state_dict()
+    before = fused.to_qkv.weight.detach().clone()
+    result = fused.load_state_dict({k: v for k, v in other.items() if k != "to_k.weight"}, strict=False)
+    assert result.missing_keys == ["to_k.weight"]
+    q, k, v = fused.to_qkv.weight.detach().chunk(3)
+    assert fused.to_qkv.weight.is_cuda and torch.equal(q.cpu(), other["to_q.weight"])
+    assert torch.equal(k, before.chunk(3)[1]) and torch.equal(v.cpu(), other["to_v.weight"])
 
 
 def test_fuse_linears_fills_missing_bias_with_zeros():

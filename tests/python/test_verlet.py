@@ -335,7 +335,7 @@ def forces_kick_call(**changes):
         args = dict(velocities=velocities, forces=forces, energy=torch.zeros((), dtype=torch.float64, device=device),
                     grad=randn(4, 3, device=device), model_energy=randn(1, device=device),
                     inverse_masses=inverse_masses, kick=0.5)
-        args.update({k: v(device) for k, v in changes.items()})
+        args.update({k: (v(device) if callable(v) else v) for k, v in changes.items()})
         return torch.ops.mirage.verlet_forces_kick(**args)
     return call
 
@@ -353,6 +353,9 @@ KICK_DRIFT_ERRORS = [
      "inverse_masses must be [N] or [N, 1] with N = 4"),
     (dict(inverse_masses=lambda d: torch.ones(4, dtype=torch.float32, device=d)), "inverse_masses must have positions' dtype"),
     (dict(dtype=torch.float16), "dtype must be float32 or float64"),
+    # A step of NaN or an infinity would write NaN over the whole state.
+    (dict(kick=float("nan")), "kick must be finite, got nan"),
+    (dict(drift=float("-inf")), "drift must be finite, got -inf"),
 ]
 
 FORCES_KICK_ERRORS = [
@@ -370,6 +373,7 @@ FORCES_KICK_ERRORS = [
     (dict(grad=lambda d: torch.zeros(5, 3, device=d)), "grad must have velocities' shape"),
     (dict(model_energy=lambda d: torch.zeros(2, device=d)), "model_energy must have one element"),
     (dict(model_energy=lambda d: torch.zeros(1, dtype=torch.int64, device=d)), "model_energy must be floating point"),
+    (dict(kick=float("inf")), "kick must be finite, got inf"),
     (dict(inverse_masses=lambda d: torch.ones(5, 1, dtype=torch.float64, device=d)),
      "inverse_masses must be [N] or [N, 1] with N = 4"),
     (dict(pair_count=lambda d: torch.tensor([3], device=d)),
@@ -407,6 +411,8 @@ FORCES_KICK_DRIFT_ERRORS = [
     (dict(forces=lambda d: torch.zeros(3, 4, dtype=torch.float64, device=d).t()), "forces must be contiguous"),
     (dict(energy=lambda d: torch.zeros(1, dtype=torch.float64, device=d)), "energy must have shape []"),
     (dict(dtype=torch.float16), "dtype must be float32 or float64"),
+    (dict(kick=float("nan")), "kick must be finite, got nan"),
+    (dict(drift=float("inf")), "drift must be finite, got inf"),
     (dict(pair_count=lambda d: torch.tensor([3], device=d)),
      "pair_count and pair_count_range must both be given or both be None"),
     (dict(grad=lambda d: torch.zeros(4, 3, dtype=torch.float64, device=d)),

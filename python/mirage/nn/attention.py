@@ -64,28 +64,32 @@ def _split_projections(module: "FusedAttention", state_dict, prefix: str, local_
 
 def _join_projections(module: "FusedAttention", state_dict, prefix: str, local_metadata, strict, missing_keys,
                       unexpected_keys, error_msgs) -> None:
-    """The parts' entries joined into the fused projection's. With some parts absent, the ones
-    given are loaded into their slices (the rest keep their values) and the absent ones are
-    reported missing by their own names, as the unfused module would report them; a part of the
-    wrong shape is reported by its name too."""
+    """The parts' entries joined into the fused projection's. With parts absent (all of them
+    too), the ones given are loaded into their slices (the rest keep their values) and the absent
+    ones are reported missing by their own names, as the unfused module would report them, never
+    as the fused projection, a name of mirage's; a part of the wrong shape is reported by its name
+    too, and keeps its values."""
     fused, parts = _fused_projections(module)
     for kind in ("weight", "bias"):
         keys = [f"{prefix}{name}.{kind}" for name in parts]
         current = getattr(getattr(module, fused), kind)
-        if f"{prefix}{fused}.{kind}" in state_dict or current is None or not any(key in state_dict for key in keys):
+        if f"{prefix}{fused}.{kind}" in state_dict or current is None:
             continue
         slices = current.detach().chunk(len(parts))
         wrong = [key for key, old in zip(keys, slices) if key in state_dict and state_dict[key].shape != old.shape]
-        if wrong:
-            error_msgs.extend(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
-                              f"the shape in the current model is {tuple(old.shape)}."
-                              for key, old in zip(keys, slices) if key in wrong)
-            for key in keys:
-                state_dict.pop(key, None)
-            continue
+        error_msgs.extend(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
+                          f"the shape in the current model is {tuple(old.shape)}."
+                          for key, old in zip(keys, slices) if key in wrong)
         missing_keys.extend(key for key in keys if key not in state_dict)
-        state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(key) if key in state_dict else old
-                                                           for key, old in zip(keys, slices)])
+        # A part of the wrong shape keeps its values, as the unfused module's would. Parts given
+        # beside kept ones are joined in the module's dtype and device (load_state_dict's copy
+        # would convert them anyway); all given, as they are (assign=True keeps theirs).
+        given = [key in state_dict and key not in wrong for key in keys]
+        state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(
+            [state_dict[key] for key in keys] if all(given) else
+            [state_dict[key].to(old) if use else old for key, old, use in zip(keys, slices, given)])
+        for key in keys:
+            state_dict.pop(key, None)
 
 
 class FusedAttention(nn.Module):
