@@ -24,3 +24,10 @@ def dynamic_metadata(settings, project):
         raise RuntimeError("mirage-ops: building needs torch installed (pyproject.toml's build requirement "
                            "in an isolated build; your own torch with --no-build-isolation)") from None
     return {"dependencies": [torch_requirement(torch_version)]}
+
+
+def dynamic_wheel(settings):
+    """A wheel built from the sdist pins the torch of its own build, which may not be the sdist's:
+    the sdist's PKG-INFO marks the requirement Dynamic (METADATA 2.2) instead of fixing the sdist
+    builder's torch, which installers may trust for every wheel built from it."""
+    return {"dependencies": True}

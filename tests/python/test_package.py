@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,19 @@ def test_the_torch_pin_drops_only_the_local_label():
     # PEP 440: a pin without a local label accepts every local build of that release, and no other.
     pin = Requirement(torch_pin.torch_requirement("2.14.1+cu130")).specifier
     assert pin.contains("2.14.1+cpu") and pin.contains("2.14.1") and not pin.contains("2.14.10")
+
+
+def test_the_sdist_leaves_the_torch_requirement_to_each_wheel_built_from_it(tmp_path):
+    """METADATA 2.2: a field the sdist does not mark Dynamic must be the same in every wheel built
+    from it, and installers may trust the sdist's; the pin is the torch of each wheel's build."""
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", f"from scikit_build_core.build import build_sdist; build_sdist({str(tmp_path)!r})"],
+                   cwd=root, check=True, capture_output=True)
+    sdist, = tmp_path.glob("mirage_ops-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        info = archive.extractfile(next(m for m in archive.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
+    fields = [line for line in info.splitlines() if line.startswith(("Requires-Dist: torch", "Dynamic:"))]
+    assert "Dynamic: Requires-Dist" in fields and any(f.startswith("Requires-Dist: torch==") for f in fields)
 
 
 def test_mismatched_torch_is_refused_with_rebuild_advice():
