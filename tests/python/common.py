@@ -1,6 +1,7 @@
 """Shared by the tests: devices, dtypes, input makers, the reference comparison, a CPU stand-in
 for a CUDA graph."""
 
+import contextlib
 import math
 import weakref
 
@@ -310,6 +311,32 @@ class WrappedForceField(torch.nn.Module):
 
     def forward(self, atomic_numbers, positions, cell=None, pbc=None):
         return self.inner(atomic_numbers, positions, cell, pbc)
+
+
+class MatmulFlagProbe(torch.nn.Module):
+    """A harmonic force field that records, at each call, whether TF32 matmuls were allowed: the
+    precision a driver ran the model under, which the CPU (no TF32) would not show in its results."""
+
+    def __init__(self):
+        super().__init__()
+        self.stiffness = torch.nn.Parameter(torch.tensor(0.1))
+        self.allowed_tf32 = []
+
+    def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+        self.allowed_tf32.append(torch.backends.cuda.matmul.allow_tf32)
+        return 0.5 * self.stiffness * (positions ** 2).sum()
+
+
+@contextlib.contextmanager
+def tf32_allowed(allowed):
+    """The caller's TF32 setting for the duration, restored after."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = saved
 
 
 class GraphStandIn:

@@ -294,8 +294,8 @@ def test_not_an_attention_is_a_type_error():
 
 
 def test_inside_a_transformer_block():
-    # BasicTransformerBlock calls attn1 (self) with attention_mask and attn2 (cross) with the
-    # encoder mask and the cross_attention_kwargs it was given.
+    # BasicTransformerBlock calls attn1 (self-attention) and attn2 (cross-attention, with the
+    # encoder mask).
     block = randomized(BasicTransformerBlock(32, 4, 8, cross_attention_dim=12, attention_bias=True))
     x, context = randn(2, 6, 32, dtype=torch.float64), randn(2, 5, 12, dtype=torch.float64)
     mask = randn(2, 1, 5, dtype=torch.float64)

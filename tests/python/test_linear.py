@@ -3,13 +3,23 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from mirage.nn.conv import ACTIVATIONS
 from common import DEVICES, DTYPES, assert_error, capture_graph, opcheck, randn, strided
 from tolerances import tolerance
 
 # (x shape, out_features): 1-D x, one row, odd widths (no 16-byte rows), 3-D x, a wide K.
 SHAPES = [((7,), 5), ((1, 1), 1), ((3, 7), 5), ((2, 3, 13), 9), ((4, 769), 24), ((2, 5, 40), 320)]
 LAYOUTS = ["contiguous", "strided", "row_stride", "weight_transposed"]
+
+
+# The activations the op fuses, written here rather than taken from mirage.nn.conv (whose
+# unfused path uses its own table): the reference must not follow an edit of the code under test.
+ACTIVATIONS = {
+    "none": lambda x: x,
+    "relu": F.relu,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def composite(x, weight, bias, residual):
@@ -411,7 +421,10 @@ def test_cuda_tf32_follows_pytorch_setting():
         assert_linear_close(mirage.ops.linear(x, weight, bias, residual), x, weight, bias, residual)
         torch.backends.cuda.matmul.allow_tf32 = True
         got = mirage.ops.linear(x, weight, bias, residual)
-        torch.testing.assert_close(got, composite(x, weight, bias, residual), atol=0.05, rtol=0.01)
+        expected = composite(*(t.double() for t in (x, weight, bias, residual)))
+        torch.testing.assert_close(got.double(), expected, atol=0.05, rtol=0.01)
+        # TF32 taken, not float32 kept: float32 ignoring the flag would pass the bound above.
+        assert (got.double() - expected).abs().max() > 1e-3
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
