@@ -4,7 +4,11 @@ examples/forcefield/models.py (hidden 128, 3 interactions, 20 radial basis funct
 of 3,000 atoms (~130k pairs) and one of ~100,000 atoms, side by side in one process:
 
   eager        the model as written (radius graph from all pairwise distances + nonzero)
-  compile      torch.compile (default mode) of the energy+forces function
+  compile      torch.compile(model) (default mode), forces by torch.autograd.grad outside it, as
+               a user compiles a model (compiling the energy+forces function instead made the
+               harness's own requires_grad_ a graph break)
+  compile-ro   the same with mode="reduce-overhead" (CUDA graphs where PyTorch can use them; the
+               reference's nonzero makes its shapes data-dependent)
   eager+graph  what a user would hand-write to use a CUDA graph: the pair list computed once
                outside with the reference's own radius_graph, the rest of the model (the same
                modules, the same math, written out below in static_pair_energy) captured with
@@ -25,7 +29,7 @@ included), counted over wall time, and ns/day at a 0.5 fs time step; on benzene 
 their MD with the trained students' weights, so the molecule stays bound (see md_weights).
 
     python benchmarks/bench_forcefield.py [--models schnet,painn] [--systems benzene,box3k,box100k]
-        [--peers eager,compile,eager+graph,mirage] [--precision fp32|tf32|bf16-mixed] [--no-md]
+        [--peers eager,compile,compile-ro,eager+graph,mirage] [--precision fp32|tf32|bf16-mixed] [--no-md]
         [--json out.json] [--quick]
 
 --precision (default fp32) holds for every peer alike: fp32 runs float32 matmuls with TF32 off;
@@ -66,10 +70,10 @@ from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet, radius_graph  # noqa: E402
 from forcefield.pair_energy import atom_energies  # noqa: E402
 
-PEERS = ("eager", "compile", "eager+graph", "mirage")
+PEERS = ("eager", "compile", "compile-ro", "eager+graph", "mirage")
 PRECISIONS = ("fp32", "tf32", "bf16-mixed")  # mirage.ff.precision.PRECISIONS (mirage is imported only where needed)
 # mirage runs before the hand-made graph: a failed capture there must not take mirage's row with it.
-RUN_ORDER = ("eager", "compile", "mirage", "eager+graph")
+RUN_ORDER = ("eager", "compile", "compile-ro", "mirage", "eager+graph")
 MODELS = {"schnet": SchNet, "painn": PaiNN}
 CUTOFF = 5.0
 MODEL_CONFIG = dict(hidden=128, num_interactions=3, num_rbf=20, cutoff=CUTOFF)
@@ -380,22 +384,16 @@ def build_peer(peer, model, system, notes, key) -> Peer:
     z, cell, pbc, device = system["z"], system["cell"], system["pbc"], system["pos"].device
     n = z.shape[0]
     t0 = time.perf_counter()
-    if peer in ("eager", "compile"):
+    if peer in ("eager", "compile", "compile-ro"):
         need = radius_graph_bytes(n, system["periodic"], torch.float32)
         free = free_bytes(device)
         if need > MEMORY_MARGIN * free:
             raise Skip(f"needs {human_bytes(need)} for radius_graph's [{27 if system['periodic'] else 1}, N, N] "
                        f"tensors, {human_bytes(free)} free")
-        if peer == "eager":
-            call = functools.partial(energy_and_forces, lambda p: model(z, p, cell, pbc))
-        else:
+        if peer != "eager":
             torch._dynamo.reset()
-
-            def reference_energy_and_forces(atomic_numbers, positions, cell, pbc):
-                return energy_and_forces(lambda p: model(atomic_numbers, p, cell, pbc), positions)
-
-            compiled = torch.compile(reference_energy_and_forces)
-            call = lambda p: compiled(z, p, cell, pbc)  # noqa: E731
+            model = torch.compile(model, mode="reduce-overhead" if peer == "compile-ro" else "default")
+        call = functools.partial(energy_and_forces, lambda p: model(z, p, cell, pbc))
         call(system["pos"])
         sync(device)
         return Peer(call, time.perf_counter() - t0)
@@ -502,7 +500,7 @@ def measure_peer(peer, model, system, ref, opts, notes, reports, key):
         errs = f", F max err {row['f_max_err']:.2e}" if "f_max_err" in row else ""
         log(f"  {peer}: {row['ms']:.4f} ms/call{extra}, first result {row['first_s']:.2f} s{errs}")
     del runner
-    if peer == "compile":
+    if peer.startswith("compile"):
         torch._dynamo.reset()
     release()
     return row

@@ -7,10 +7,13 @@
   compile-ro   torch.compile(model, mode="reduce-overhead")
   mirage       mirage.optimize(model) (fp16, channels_last, CUDA graphs)
 
-Per variant: ms per forward (median of CUDA-event timings of whole calls, Python included),
-frames/s, speedup of mirage over the best peer, the extra GPU memory the variant's calls take
-beyond the weights, the time to the first result (compile / optimize + capture), and the relative
-L2 error against an fp32 eager forward.
+Every variant starts from the same fp16 channels_last model (mirage from a copy of it: the copy
+is its own weights). Per variant: ms per forward (median of CUDA-event timings of whole calls,
+Python included), frames/s, speedup of mirage over the best peer, the extra GPU memory: the peak
+allocated while the variant is prepared and called, beyond what was allocated before (its fp16
+weights included there, so what is extra is graphs' pools, workspaces, caches and any weights
+a variant adds, such as fused projections), the time to the first result (compile / optimize +
+capture), and the relative L2 error against an fp32 eager forward.
 
     python benchmarks/bench_unet.py [--models unet,vae,plain] [--batches 2,1] [--peers ...] [--json out.json]
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -173,6 +177,7 @@ def run_model(name: str, batch: int, peers, iters: int):
 
     def measure(label, make_fn):
         torch.cuda.synchronize()
+        gc.collect()  # the previous variant's garbage out of the baseline, not freed inside the measurement
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -202,9 +207,10 @@ def run_model(name: str, batch: int, peers, iters: int):
         torch._dynamo.reset()
         measure("compile-ro", lambda: torch.compile(fp16, mode="reduce-overhead"))
     torch._dynamo.reset()
-    del fp16
-    mirage_model = copy.deepcopy(reference)
-    del reference
+    # The peers' starting point: an fp32 copy converted by optimize would free half its bytes
+    # inside the measurement and hide that much of mirage's own memory.
+    mirage_model = copy.deepcopy(fp16)
+    del fp16, reference
     holder = {}
 
     def optimized():

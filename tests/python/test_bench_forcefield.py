@@ -99,7 +99,7 @@ def test_the_reference_radius_graph_is_refused_where_it_cannot_fit():
     system = bench.make_system("box100k", quick=False, device=torch.device("cpu"))
     assert system["z"].shape[0] == 98_304
     model = small_model(SchNet, torch.float32)
-    for peer in ("eager", "compile"):
+    for peer in ("eager", "compile", "compile-ro"):
         with pytest.raises(bench.Skip, match=r"needs 5\.\d+ TB for radius_graph's \[27, N, N\] tensors"):
             bench.build_peer(peer, model, system, [], "schnet on box100k")
 
