@@ -55,14 +55,13 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 
 import torch
 
-from harness import capture_graph, device_facts, print_table, write_json
+from harness import capture_graph, code_commit, device_facts, print_table, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
@@ -771,27 +770,14 @@ def environment(device) -> dict:
         facts = device_facts()
     else:
         facts = dict(gpu="none (CPU run)", torch=torch.__version__, cuda=torch.version.cuda,
-                     python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                     python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     commit=code_commit())
     try:
         import mirage
 
         facts["mirage"] = getattr(mirage, "__version__", "?")
     except ImportError as error:
         facts["mirage"] = f"unavailable: {first_line(error)}"
-    # The GPU machine gets a copy of the working tree whose git metadata can be older than the
-    # code (the device tool's copy): the caller names the commit there with MIRAGE_COMMIT. Without
-    # it, a tree that differs from HEAD says so ("+changes"), so that a stale HEAD is never taken
-    # for the code's commit.
-    facts["commit"] = os.environ.get("MIRAGE_COMMIT", "")
-    if not facts["commit"]:
-        def git(*args):
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        try:
-            changed = git("status", "--porcelain", "--untracked-files=no")
-            facts["commit"] = git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
-        except (OSError, subprocess.SubprocessError):
-            facts["commit"] = "unknown"
     return facts
 
 

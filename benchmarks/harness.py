@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -23,7 +25,27 @@ def device_facts() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": code_commit(),
     }
+
+
+def code_commit() -> str:
+    """The commit of the code measured. The GPU machine gets a copy of the working tree whose git
+    metadata can be older than the code (the device tool's copy): the caller names the commit
+    there with MIRAGE_COMMIT. Without it, a tree that differs from HEAD says so ("+changes"), so
+    that a stale HEAD is never taken for the code's commit."""
+    named = os.environ.get("MIRAGE_COMMIT", "")
+    if named:
+        return named
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    try:
+        changed = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 @contextlib.contextmanager
