@@ -3,7 +3,8 @@
 Configures, builds and runs a small CMake project outside the repository: one program calls the
 C++ API (mirage::group_norm on CPU tensors, checked against ATen's composite), another only loads
 a TorchScript module that calls torch.ops.mirage.group_norm (it uses no mirage symbol, so it
-needs the --no-as-needed link that mirage::mirage carries). Also: a torch beside mirage other than
+needs the --no-as-needed link that mirage::mirage carries), linked with --as-needed and again
+behind what TorchConfig's targets put on the line. Also: a torch beside mirage other than
 the one it was built against is refused at configure time.
 """
 
@@ -27,10 +28,20 @@ project(mirage_consumer CXX)
 find_package(mirage 0.1 REQUIRED)
 add_executable(call_api call_api.cpp)
 target_link_libraries(call_api PRIVATE mirage::mirage)
-add_executable(load_script load_script.cpp)
+add_library(load_script_main OBJECT load_script.cpp)
+target_link_libraries(load_script_main PRIVATE mirage::mirage)
+add_executable(load_script $<TARGET_OBJECTS:load_script_main>)
 # As toolchains that link --as-needed by default do (Ubuntu's): mirage::mirage must undo it.
 target_link_options(load_script PRIVATE LINKER:--as-needed)
 target_link_libraries(load_script PRIVATE mirage::mirage)
+# A program linking torch and mirage through one interface target of its own: ahead of mirage's,
+# what TorchConfig's targets put on the line (a library bound to --no-as-needed, then --as-needed).
+add_library(torch_like INTERFACE)
+target_link_libraries(torch_like INTERFACE "-Wl,--no-as-needed,@C10@" "-Wl,--as-needed")
+add_library(dependencies INTERFACE)
+target_link_libraries(dependencies INTERFACE torch_like mirage::mirage)
+add_executable(load_script_after_torch $<TARGET_OBJECTS:load_script_main>)
+target_link_libraries(load_script_after_torch PRIVATE dependencies)
 """
 
 CALL_API = r"""
@@ -104,7 +115,9 @@ def test_package_files_installed():
 
 def test_find_package_builds_and_runs_a_libtorch_program(tmp_path):
     source = tmp_path / "consumer"
-    _write(source, {"CMakeLists.txt": CMAKE_LISTS, "call_api.cpp": CALL_API, "load_script.cpp": LOAD_SCRIPT})
+    c10 = Path(torch.__file__).parent / "lib" / "libc10.so"
+    _write(source, {"CMakeLists.txt": CMAKE_LISTS.replace("@C10@", str(c10)), "call_api.cpp": CALL_API,
+                    "load_script.cpp": LOAD_SCRIPT})
     build = tmp_path / "build"
     configured = _configure(source, build, mirage.cmake_prefix_path)
     assert configured.returncode == 0, configured.stdout + configured.stderr
@@ -117,8 +130,9 @@ def test_find_package_builds_and_runs_a_libtorch_program(tmp_path):
 
     module = tmp_path / "group_norm_silu.pt"
     torch.jit.script(GroupNormSiLU()).save(str(module))
-    ran = subprocess.run([str(build / "load_script"), str(module)], capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0, ran.stdout + ran.stderr
+    for program in ("load_script", "load_script_after_torch"):
+        ran = subprocess.run([str(build / program), str(module)], capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, program + ": " + ran.stdout + ran.stderr
 
 
 def test_find_package_refuses_another_torch(tmp_path):
