@@ -50,6 +50,7 @@ BuildInfo build_info() {
 }
 
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
+  if (num_rbf < 1 || hidden < 1 || width < 1) return false;  // no filter network of these sizes
 #if MIRAGE_WITH_CUDA
   if (!device.is_cuda()) return device.is_cpu();
   if (!usable(device)) return false;
@@ -61,7 +62,8 @@ bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10:
 }
 
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device) {
-  if (num_rbf > ops::kMaxTableRbf) return false;  // the filter table's bound, on every device
+  // No filter network of these sizes, or past the filter table's bound, on every device.
+  if (num_rbf < 1 || hidden < 1 || width < 1 || num_rbf > ops::kMaxTableRbf) return false;
 #if MIRAGE_WITH_CUDA
   if (!device.is_cuda()) return device.is_cpu();
   if (!usable(device)) return false;

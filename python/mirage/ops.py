@@ -1049,7 +1049,7 @@ def tf32_matmuls() -> bool:
 @torch.compiler.assume_constant_result  # a property of the device and the sizes, fixed per process
 def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
     """Whether :func:`cfconv` runs a filter network of ``num_rbf`` inputs, ``hidden`` units and
-    ``width`` outputs on ``device``: always on the CPU; on CUDA when ``hidden == width`` is 64 or
+    ``width`` outputs on ``device`` (False for sizes below 1): on the CPU always; on CUDA when ``hidden == width`` is 64 or
     128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores (sm_80 on) and the shared memory per
     block the kernels keep their operands in: 147-205 KiB at width 128 (R from 1 to 64: Hopper's
     227 KiB takes them all, an A100's 163 KiB R <= 16), 63-105 KiB at width 64."""
@@ -1058,8 +1058,9 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
 
 @torch.compiler.assume_constant_result
 def radial_cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, torch.device]) -> bool:
-    """Whether :func:`radial_cfconv` runs a filter network of these sizes on ``device``: always on
-    the CPU; on CUDA for ``width`` a multiple of 4 where the table kernel's shared memory (about
+    """Whether :func:`radial_cfconv` runs a filter network of these sizes on ``device`` (False for
+    sizes below 1 or ``num_rbf`` above 1,024, the filter table's bound): on the CPU otherwise
+    always; on CUDA for ``width`` a multiple of 4 where the table kernel's shared memory (about
     ``216 * (num_rbf + hidden) + 45,000`` bytes) fits the device's."""
     return _supported("radial_cfconv_supported", num_rbf, hidden, width, device)
 

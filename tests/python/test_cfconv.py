@@ -876,6 +876,8 @@ def test_radial_cfconv_nan_and_negative_distances_give_nan(device):
 def test_radial_cfconv_supported_follows_the_tables_bound_on_every_device():
     assert mirage.ops.radial_cfconv_supported(1024, 8, 8, "cpu")
     assert not mirage.ops.radial_cfconv_supported(1025, 8, 8, "cpu")  # the op would refuse it
+    for sizes in [(0, 8, 8), (8, 0, 8), (8, 8, -1)]:  # no filter network at all
+        assert not mirage.ops.radial_cfconv_supported(*sizes, "cpu") and not mirage.ops.cfconv_supported(*sizes, "cpu")
 
 
 @pytest.mark.cuda

@@ -254,6 +254,24 @@ def test_drift_statistics_recovers_a_known_slope():
     assert stats["fluctuation_rms_eV"] < 1e-9
 
 
+def test_drift_statistics_leave_out_the_start_and_give_the_slopes_error():
+    # Velocity Verlet from the equilibrium geometry: the first sample sits below all the others
+    # (the bottom of the energy's oscillation); on a short run it tilted the fitted slope upward.
+    rng = np.random.default_rng(0)
+    t = np.linspace(0.0, 0.5, 51)
+    noise = 1e-5 * rng.standard_normal(t.shape)
+    total = 1.0 + noise
+    total[0] -= 5e-4
+    stats = validate_nve.drift_statistics(t, total, np.full_like(t, 0.2))
+    fitted = np.polyfit(t[1:], noise[1:], 1)[0]
+    assert stats["drift_rate_eV_per_ps"] == pytest.approx(fitted, rel=1e-9)
+    assert abs(stats["drift_rate_eV_per_ps"]) < 1e-4  # with the start in the fit: about 3e-3
+    # the slope's standard error: sigma / sqrt(sum (t - <t>)^2), relative to <E_kin> over the run
+    spread = np.sum((t[1:] - t[1:].mean()) ** 2)
+    assert stats["drift_standard_error_relative_kinetic"] == pytest.approx(1e-5 / math.sqrt(spread) * 0.5 / 0.2,
+                                                                           rel=0.3)
+
+
 def test_drift_statistics_of_noise_is_small():
     rng = np.random.default_rng()
     t = np.linspace(0.0, 10.0, 5000)
@@ -265,11 +283,11 @@ def test_drift_statistics_of_noise_is_small():
 
 
 @pytest.mark.parametrize("args, match", [
-    (([0.0, 1.0], [1.0, 1.0], [1.0, 1.0]), "at least 3 samples"),
-    (([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]), "positive time span"),
-    (([0.0, 1.0, 2.0], [1.0, 1.0], [1.0, 1.0, 1.0]), "one length"),
-    (([0.0, 1.0, 2.0], [1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]), "non-finite"),
-    (([0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]), "kinetic energy must be positive"),
+    (([0.0, 1.0, 2.0], [1.0] * 3, [1.0] * 3), "at least 4 samples"),
+    (([0.0, 1.0, 1.0, 1.0], [1.0] * 4, [1.0] * 4), "positive time span"),
+    (([0.0, 1.0, 2.0, 3.0], [1.0] * 3, [1.0] * 4), "one length"),
+    (([0.0, 1.0, 2.0, 3.0], [1.0, float("nan"), 1.0, 1.0], [1.0] * 4), "non-finite"),
+    (([0.0, 1.0, 2.0, 3.0], [1.0] * 4, [0.0] * 4), "kinetic energy must be positive"),
 ])
 def test_drift_statistics_bad_input(args, match):
     with pytest.raises(ValueError, match=f"drift_statistics: .*{match}"):
@@ -336,10 +354,11 @@ def test_script_short_run(tmp_path, name):
     check_plot(out, summary)
 
 
-def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path, capfd):
+def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path, capfd, monkeypatch):
+    _as_if_exactly_measured(monkeypatch)
     out, weights = tmp_path / "nve", tmp_path / "student.pt"
     code = validate_nve.main(["--time-ps", "0.02", "--device", "cpu", "--no-optimize", "--record-every", "2",
-                              "--weights", str(weights), "--train-steps", "2", "--max-drift", "1e-15",
+                              "--weights", str(weights), "--train", "--train-steps", "2", "--max-drift", "1e-15",
                               "--out", str(out)])
     assert weights.exists()
     summary, series = read_outputs(out)
@@ -350,8 +369,17 @@ def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path, 
     check_plot(out, summary)
 
 
+def _as_if_exactly_measured(monkeypatch):
+    """The drift's standard error taken as 0: a strict threshold then fails rather than getting no
+    verdict (what a short run's error would give), so that the failure's path can be tested."""
+    measured = validate_nve.drift_statistics
+    monkeypatch.setattr(validate_nve, "drift_statistics",
+                        lambda *args: {**measured(*args), "drift_standard_error_relative_kinetic": 0.0})
+
+
 @needs_student("schnet")
-def test_a_failing_committed_student_points_to_the_drift_sources(tmp_path, capfd):
+def test_a_failing_committed_student_points_to_the_drift_sources(tmp_path, capfd, monkeypatch):
+    _as_if_exactly_measured(monkeypatch)
     code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
                               "--max-drift", "1e-15", "--seed", "3", "--out", str(tmp_path / "nve")])
     assert code == 1
@@ -387,7 +415,26 @@ def test_script_bad_arguments(argv, match, capsys):
 def test_script_refuses_a_student_of_another_model(tmp_path):
     with pytest.raises(SystemExit, match="holds a SchNet, not the --model painn"):
         validate_nve.main(["--model", "painn", "--weights", str(STUDENT), "--time-ps", "0.01", "--device", "cpu",
-                           "--out", str(tmp_path)])
+                           "--record-every", "2", "--out", str(tmp_path)])
+
+
+def test_script_refuses_a_missing_student_without_train(tmp_path):
+    with pytest.raises(SystemExit, match=r"--weights .*typo\.pt does not exist; pass --train"):
+        validate_nve.main(["--weights", str(tmp_path / "typo.pt"), "--time-ps", "0.01", "--device", "cpu",
+                           "--record-every", "2", "--out", str(tmp_path)])
+    assert not (tmp_path / "typo.pt").exists()
+
+
+@needs_student("schnet")
+def test_script_gives_no_verdict_on_a_run_too_short_to_judge(tmp_path, capfd):
+    # 0.02 ps (seed 5): a drift of about 0.03% of <E_kin> with a standard error of about 0.17%
+    code = validate_nve.main(["--time-ps", "0.02", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                              "--seed", "5", "--out", str(tmp_path / "nve")])
+    summary, _ = read_outputs(tmp_path / "nve")
+    results = summary["results"]
+    assert results["drift_relative_kinetic"] < 1e-3 <= 2 * results["drift_standard_error_relative_kinetic"]
+    assert code == 1 and summary["criterion"]["inconclusive"] and not summary["criterion"]["passed"]
+    assert "INCONCLUSIVE" in capfd.readouterr().err
 
 
 def test_script_refuses_too_short_a_run(tmp_path):

@@ -24,13 +24,15 @@ struct BuildInfo {
 BuildInfo build_info();
 
 // Whether mirage::cfconv (registered as torch.ops.mirage.cfconv) runs a filter network of R inputs,
-// H hidden units and M outputs on `device`: always on the CPU; on CUDA when H == M is 64 or 128,
+// H hidden units and M outputs on `device` (false for sizes below 1): on the CPU always; on CUDA
+// when H == M is 64 or 128,
 // R <= 64 and the GPU has TF32 tensor cores and the kernels' shared memory (147-205 KiB per block
 // at width 128, 63-105 KiB at width 64, growing with R).
 bool cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
-// Whether mirage::radial_cfconv runs a filter network of these sizes on `device`: always on the CPU;
-// on CUDA for M a multiple of 4 where its table kernel's shared memory (about 216 (R + H) + 45,000
+// Whether mirage::radial_cfconv runs a filter network of these sizes on `device` (false for sizes
+// below 1 or R above 1,024, the filter table's bound): on the CPU otherwise always; on CUDA for M a
+// multiple of 4 where its table kernel's shared memory (about 216 (R + H) + 45,000
 // bytes) fits the device's.
 bool radial_cfconv_supported(int64_t num_rbf, int64_t hidden, int64_t width, const c10::Device& device);
 
