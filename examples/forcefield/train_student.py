@@ -247,6 +247,11 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("hidden", "interactions", "steps", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive (got {args.lr})")
     try:
         student_config(args.model, norm_eps=args.norm_eps)
     except ValueError as error:

@@ -1,8 +1,8 @@
 """``python -m mirage demo``: swap mirage's fused modules into a small U-Net-style model and
 report the largest error against the original and the time of both.
 
-The swap here is written out by hand for this one model; ``mirage.optimize`` (a later issue)
-does it for any model from a registry.
+The swap here is written out by hand for this one model, to show the modules themselves;
+``mirage.optimize`` does it for any model (docs/optimize.md).
 """
 
 from __future__ import annotations

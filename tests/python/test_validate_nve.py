@@ -418,6 +418,17 @@ def test_script_refuses_a_student_of_another_model(tmp_path):
                            "--record-every", "2", "--out", str(tmp_path)])
 
 
+@pytest.mark.parametrize("argv, match", [(["--steps", "0"], "--steps must be at least 1 (got 0)"),
+                                         (["--steps", "-5"], "--steps must be at least 1"),
+                                         (["--batch", "0"], "--batch must be at least 1"),
+                                         (["--lr", "0"], "--lr must be positive")])
+def test_training_refuses_bad_options(argv, match, tmp_path, capsys):
+    # --steps 0 had died in the schedule's division; -5 wrote an untrained student.
+    with pytest.raises(SystemExit):
+        train_student.main(argv + ["--out", str(tmp_path / "x.pt")])
+    assert match in capsys.readouterr().err and not (tmp_path / "x.pt").exists()
+
+
 def test_script_refuses_a_missing_student_without_train(tmp_path):
     with pytest.raises(SystemExit, match=r"--weights .*typo\.pt does not exist; pass --train"):
         validate_nve.main(["--weights", str(tmp_path / "typo.pt"), "--time-ps", "0.01", "--device", "cpu",
