@@ -201,6 +201,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to run (default: the GPU if there is one)")
     device = parser.parse_args().device
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        parser.error(f"--device {device!r} is not a torch device: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA GPU is available to this torch; use --device cpu")
     model = PlainNet(width=32, depth=1).to(device).eval()
     randomize_batch_norms(model)
     x = torch.randn(2, 3, 32, 32, device=device)

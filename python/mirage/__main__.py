@@ -21,9 +21,16 @@ def main(argv=None) -> int:
 
         from mirage.demo import run_demo
 
-        if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: no CUDA GPU is available to this torch "
-                         f"({torch.__version__}); run the demo on the CPU (--device cpu, the default here)")
+        if args.device is not None:
+            try:
+                device = torch.device(args.device)
+            except RuntimeError as error:
+                parser.error(f"--device {args.device!r} is not a torch device: {error}")
+            if device.type not in ("cpu", "cuda"):
+                parser.error(f"--device {args.device}: the demo runs on cuda or cpu")
+            if device.type == "cuda" and not torch.cuda.is_available():
+                parser.error(f"--device {args.device}: no CUDA GPU is available to this torch "
+                             f"({torch.__version__}); run the demo on the CPU (--device cpu, the default here)")
         run_demo(args.device)
     return 0
 

@@ -124,6 +124,13 @@ def test_demo_on_cuda_without_a_gpu_says_so():
     assert "--device cuda: no CUDA GPU is available to this torch" in run.stderr
 
 
+@pytest.mark.parametrize("device, message", [("cpux", "--device 'cpux' is not a torch device"),
+                                             ("meta", "--device meta: the demo runs on cuda or cpu")])
+def test_demo_refuses_other_devices_by_name(device, message):
+    run = subprocess.run([sys.executable, "-m", "mirage", "demo", "--device", device], capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and message in run.stderr
+
+
 def _op_wrappers():
     """mirage.ops's functions that take a required tensor (annotated ``Tensor``), with its names."""
     for name, fn in sorted(vars(mirage.ops).items()):
