@@ -38,6 +38,9 @@ def radius_graph(positions, cutoff, cell=None, pbc=None):
         pbc = [bool(p) for p in torch.as_tensor(pbc).reshape(3).tolist()]
         if any(pbc):
             volume = torch.linalg.det(cell).abs()
+            if not volume > 0:  # ASE's zero lattice vector on an open axis included
+                raise ValueError("radius_graph: the cell is singular (volume 0); a periodic axis needs three "
+                                 "independent lattice vectors")
             for k in range(3):
                 if pbc[k]:
                     width = volume / torch.linalg.cross(cell[(k + 1) % 3], cell[(k + 2) % 3]).norm()

@@ -180,3 +180,10 @@ def test_cutoff_larger_than_cell_is_refused():
     model = make_model(SchNet)
     with pytest.raises(ValueError, match="cutoff"):
         model(z, pos, cell * 0.5, pbc)
+
+
+def test_a_singular_cell_with_a_periodic_axis_is_refused():
+    # ASE's slabs carry a zero third vector: with pbc on the other two the cell has no volume.
+    cell = torch.diag(torch.tensor([5.0, 5.0, 0.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="radius_graph: the cell is singular"):
+        radius_graph(torch.rand(4, 3, dtype=torch.float64), 1.0, cell, [True, True, False])
