@@ -242,6 +242,18 @@ def test_state_dict_with_parts_missing_reports_them_by_their_names():
     assert torch.equal(v, other["to_v.weight"])
 
 
+def test_a_partial_state_dict_into_meta_parameters_is_refused_by_name():
+    # Parameters on the meta device have no values to keep beside the parts given.
+    attn = randomized(Attention(query_dim=16, heads=2, dim_head=8, bias=True))
+    fused = from_diffusers_attention(copy.deepcopy(attn)).to("meta")
+    partial = {k: v for k, v in attn.state_dict().items() if k != "to_k.weight"}
+    with pytest.raises(RuntimeError, match=r"cannot load some of to_q.weight, to_k.weight, to_v.weight into "
+                                           r"to_qkv.weight, which is on the meta device"):
+        fused.load_state_dict(partial, assign=True)
+    fused.load_state_dict(attn.state_dict(), assign=True)  # every part given: loaded as given
+    torch.testing.assert_close(fused.to_qkv.weight, torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]))
+
+
 @pytest.mark.cuda
 def test_a_partial_state_dict_on_the_cpu_loads_into_a_model_on_the_gpu():
     # The parts given are joined with the slices kept, which live on the GPU.

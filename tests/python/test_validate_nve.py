@@ -371,7 +371,8 @@ def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path, 
 
 def _as_if_exactly_measured(monkeypatch):
     """The drift's standard error taken as 0: a strict threshold then fails rather than getting no
-    verdict (what a short run's error would give), so that the failure's path can be tested."""
+    verdict (a short run's drift lies within two errors of any small threshold), so that the
+    failure's path can be tested."""
     measured = validate_nve.drift_statistics
     monkeypatch.setattr(validate_nve, "drift_statistics",
                         lambda *args: {**measured(*args), "drift_standard_error_relative_kinetic": 0.0})
@@ -429,6 +430,23 @@ def test_training_refuses_bad_options(argv, match, tmp_path, capsys):
     assert match in capsys.readouterr().err and not (tmp_path / "x.pt").exists()
 
 
+@needs_student("schnet")
+@pytest.mark.parametrize("drift, error, verdict", [(0.05, 0.0006, "fail"),  # far past it: a failure
+                                                   (0.0009, 0.00045, "inconclusive"),  # below, within 2 errors
+                                                   (0.0002, 0.0001, "pass"), (0.0011, 0.00004, "fail")])
+def test_the_verdict_weighs_the_drift_against_its_error(drift, error, verdict, monkeypatch, tmp_path):
+    monkeypatch.setattr(validate_nve, "drift_statistics", lambda *args: {
+        "duration_ps": 0.02, "drift_rate_eV_per_ps": 0.0, "drift_eV": drift * 0.2, "drift_relative_kinetic": drift,
+        "drift_standard_error_relative_kinetic": error, "drift_relative_total": drift / 2,
+        "fluctuation_rms_eV": 1e-4, "fluctuation_relative_kinetic": 5e-4, "max_deviation_eV": 1e-4,
+        "mean_total_eV": 0.4, "mean_kinetic_eV": 0.2})
+    code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                              "--out", str(tmp_path)])
+    criterion = read_outputs(tmp_path)[0]["criterion"]
+    assert (code == 0) == (verdict == "pass") and criterion["passed"] == (verdict == "pass")
+    assert criterion["inconclusive"] == (verdict == "inconclusive")
+
+
 def test_script_refuses_a_missing_student_without_train(tmp_path):
     with pytest.raises(SystemExit, match=r"--weights .*typo\.pt does not exist; pass --train"):
         validate_nve.main(["--weights", str(tmp_path / "typo.pt"), "--time-ps", "0.01", "--device", "cpu",
@@ -443,7 +461,7 @@ def test_script_gives_no_verdict_on_a_run_too_short_to_judge(tmp_path, capfd):
                               "--seed", "5", "--out", str(tmp_path / "nve")])
     summary, _ = read_outputs(tmp_path / "nve")
     results = summary["results"]
-    assert results["drift_relative_kinetic"] < 1e-3 <= 2 * results["drift_standard_error_relative_kinetic"]
+    assert abs(results["drift_relative_kinetic"] - 1e-3) < 2 * results["drift_standard_error_relative_kinetic"]
     assert code == 1 and summary["criterion"]["inconclusive"] and not summary["criterion"]["passed"]
     assert "INCONCLUSIVE" in capfd.readouterr().err
 

@@ -85,6 +85,13 @@ def _join_projections(module: "FusedAttention", state_dict, prefix: str, local_m
         # beside kept ones are joined in the module's dtype and device (load_state_dict's copy
         # would convert them anyway); all given, as they are (assign=True keeps theirs).
         given = [key in state_dict and key not in wrong for key in keys]
+        if current.is_meta and any(given) and not all(given):
+            # Parameters without values (an empty-weights model): nothing to keep beside the parts given.
+            error_msgs.append(f"cannot load some of {', '.join(keys)} into {prefix}{fused}.{kind}, which is on the "
+                              "meta device: give all of them")
+            for key in keys:
+                state_dict.pop(key, None)
+            continue
         state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(
             [state_dict[key] for key in keys] if all(given) else
             [state_dict[key].to(old) if use else old for key, old, use in zip(keys, slices, given)])
