@@ -18,7 +18,8 @@ Definitions (all energies in eV, times in ps; t_0 and t_end the first and last r
 - the slope's standard error (least squares, from the residuals), times (t_end - t_0) and over
   <E_kin>: a run whose drift lies within two standard errors of --max-drift gets no verdict
   ("inconclusive", exit 1: run longer), since its pass or fail would be noise (a 0.02 ps run's
-  error is about 0.1% of <E_kin>, a 100 ps run's about 0.01%). The criterion itself is the
+  error is about 0.1-0.17% of <E_kin>, the 100 ps runs' of 2026-11-30 0.008-0.020%:
+  docs/perf/forcefield.md). The criterion itself is the
   issue's, drift < --max-drift. (The residuals oscillate rather than scatter independently, so
   this underestimates the uncertainty.);
 - drift relative to the mean kinetic energy, |drift| / <E_kin>: the pass criterion
