@@ -1,7 +1,6 @@
 """Shared by the tests: devices, dtypes, input makers, the reference comparison, a CPU stand-in
 for a CUDA graph."""
 
-import contextlib
 import math
 import weakref
 
@@ -327,16 +326,18 @@ class MatmulFlagProbe(torch.nn.Module):
         return 0.5 * self.stiffness * (positions ** 2).sum()
 
 
-@contextlib.contextmanager
-def tf32_allowed(allowed):
-    """The caller's TF32 setting for the duration, restored after."""
-    matmul = torch.backends.cuda.matmul
-    saved = matmul.allow_tf32
-    matmul.allow_tf32 = allowed
+def assert_the_model_runs_with_tf32_as(precision, callers, drive):
+    """drive(model) (a Calculator's or an MD driver's run at ``precision``) with the caller's TF32
+    setting ``callers``: the model saw TF32 allowed exactly for "tf32", and the caller's setting
+    came back. The CPU computes the same either way: the flag the model saw is the evidence."""
+    probe, matmul = MatmulFlagProbe(), torch.backends.cuda.matmul
+    saved, matmul.allow_tf32 = matmul.allow_tf32, callers
     try:
-        yield
+        drive(probe)
+        assert matmul.allow_tf32 == callers
     finally:
         matmul.allow_tf32 = saved
+    assert probe.allowed_tf32 and set(probe.allowed_tf32) == {precision == "tf32"}
 
 
 class GraphStandIn:

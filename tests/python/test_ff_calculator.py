@@ -26,8 +26,8 @@ from mirage.ff.calculator import CapacityWatch  # noqa: E402
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 sys.path.insert(0, EXAMPLES)
 
-from common import (ZERO_FILLS, GraphStandIn, MatmulFlagProbe, OpCounter, WrappedForceField,  # noqa: E402
-                    tf32_allowed)
+from common import (ZERO_FILLS, GraphStandIn, OpCounter, WrappedForceField,  # noqa: E402
+                    assert_the_model_runs_with_tf32_as)
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 
@@ -776,12 +776,8 @@ def test_precision_runs_and_restores_flags(precision, optimized):
 @pytest.mark.parametrize("callers", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_the_model_runs_with_tf32_as_the_precision_says(precision, callers):
-    # The CPU computes the same either way: the flag the model saw is the evidence.
-    probe = MatmulFlagProbe()
-    with tf32_allowed(callers):
-        mirage.ff.Calculator(probe, precision=precision).calculate(benzene_atoms(), ["forces"])
-        assert torch.backends.cuda.matmul.allow_tf32 == callers
-    assert probe.allowed_tf32 and set(probe.allowed_tf32) == {precision == "tf32"}
+    assert_the_model_runs_with_tf32_as(precision, callers, lambda model: mirage.ff.Calculator(
+        model, precision=precision).calculate(benzene_atoms(), ["forces"]))
 
 
 @pytest.mark.parametrize("level", ["highest", "high", "medium"])

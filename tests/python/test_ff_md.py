@@ -22,7 +22,7 @@ from mirage.ff import md  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from common import DEVICES, MatmulFlagProbe, WrappedForceField, tf32_allowed  # noqa: E402
+from common import DEVICES, WrappedForceField, assert_the_model_runs_with_tf32_as  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 from test_ff_calculator import CapacityModel, benzene_atoms, graphed_on_cpu, periodic_atoms, small  # noqa: E402
 
@@ -420,13 +420,9 @@ def test_precision_options(precision, optimized):
 @pytest.mark.parametrize("callers", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_the_model_runs_with_tf32_as_the_precision_says(precision, callers):
-    # The CPU computes the same either way (test_precision_options): the flag the model saw is the evidence.
-    probe = MatmulFlagProbe()
-    with tf32_allowed(callers):
-        md.VelocityVerlet(probe, benzene_atoms(), DT, steps_per_replay=2, precision=precision,
-                          progress_every=None).run(4)
-        assert torch.backends.cuda.matmul.allow_tf32 == callers
-    assert probe.allowed_tf32 and set(probe.allowed_tf32) == {precision == "tf32"}
+    # (test_precision_options: on the CPU tf32 is float32 to the bit)
+    assert_the_model_runs_with_tf32_as(precision, callers, lambda model: md.VelocityVerlet(
+        model, benzene_atoms(), DT, steps_per_replay=2, precision=precision, progress_every=None).run(4))
 
 
 # ------------------------------------------------------------------------------ bad input

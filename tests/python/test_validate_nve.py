@@ -369,13 +369,17 @@ def test_script_trains_a_missing_student_and_fails_a_strict_criterion(tmp_path, 
     check_plot(out, summary)
 
 
+def _measured_as(monkeypatch, **results):
+    """The run's drift statistics with ``results`` in place of the measured ones."""
+    measured = validate_nve.drift_statistics
+    monkeypatch.setattr(validate_nve, "drift_statistics", lambda *args: {**measured(*args), **results})
+
+
 def _as_if_exactly_measured(monkeypatch):
     """The drift's standard error taken as 0: a strict threshold then fails rather than getting no
     verdict (a short run's drift lies within two errors of any small threshold), so that the
     failure's path can be tested."""
-    measured = validate_nve.drift_statistics
-    monkeypatch.setattr(validate_nve, "drift_statistics",
-                        lambda *args: {**measured(*args), "drift_standard_error_relative_kinetic": 0.0})
+    _measured_as(monkeypatch, drift_standard_error_relative_kinetic=0.0)
 
 
 @needs_student("schnet")
@@ -435,11 +439,7 @@ def test_training_refuses_bad_options(argv, match, tmp_path, capsys):
                                                    (0.0009, 0.00045, "inconclusive"),  # below, within 2 errors
                                                    (0.0002, 0.0001, "pass"), (0.0011, 0.00004, "fail")])
 def test_the_verdict_weighs_the_drift_against_its_error(drift, error, verdict, monkeypatch, tmp_path):
-    monkeypatch.setattr(validate_nve, "drift_statistics", lambda *args: {
-        "duration_ps": 0.02, "drift_rate_eV_per_ps": 0.0, "drift_eV": drift * 0.2, "drift_relative_kinetic": drift,
-        "drift_standard_error_relative_kinetic": error, "drift_relative_total": drift / 2,
-        "fluctuation_rms_eV": 1e-4, "fluctuation_relative_kinetic": 5e-4, "max_deviation_eV": 1e-4,
-        "mean_total_eV": 0.4, "mean_kinetic_eV": 0.2})
+    _measured_as(monkeypatch, drift_relative_kinetic=drift, drift_standard_error_relative_kinetic=error)
     code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
                               "--out", str(tmp_path)])
     criterion = read_outputs(tmp_path)[0]["criterion"]

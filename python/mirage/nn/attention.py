@@ -89,12 +89,10 @@ def _join_projections(module: "FusedAttention", state_dict, prefix: str, local_m
             # Parameters without values (an empty-weights model): nothing to keep beside the parts given.
             error_msgs.append(f"cannot load some of {', '.join(keys)} into {prefix}{fused}.{kind}, which is on the "
                               "meta device: give all of them")
-            for key in keys:
-                state_dict.pop(key, None)
-            continue
-        state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(
-            [state_dict[key] for key in keys] if all(given) else
-            [state_dict[key].to(old) if use else old for key, old, use in zip(keys, slices, given)])
+        else:
+            state_dict[f"{prefix}{fused}.{kind}"] = torch.cat(
+                [state_dict[key] for key in keys] if all(given) else
+                [state_dict[key].to(old) if use else old for key, old, use in zip(keys, slices, given)])
         for key in keys:
             state_dict.pop(key, None)
 
