@@ -10,7 +10,10 @@
 // op of their own; only that op's backward (double backward) recomputes with a composite.
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -1230,6 +1233,92 @@ std::tuple<at::Tensor, at::Tensor> radial_cfconv_autograd(
   return {out[0], out[1]};
 }
 
+// mirage::verlet_*: not differentiable (docs/ops.md). They write the MD state in place below
+// autograd, so, as PyTorch's in-place ops do:
+//  - under grad mode a written tensor that requires grad is refused by name (its graph would no
+//    longer describe its values; PyTorch's own message named neither the op nor the argument, and
+//    a non-leaf was overwritten with its stale history kept);
+//  - each written tensor's version counter is bumped once: a graph that saved one of them refuses
+//    to backpropagate through the overwritten value instead of reading the new one (the CUDA and
+//    Meta kernels had bumped nothing).
+// The read-only inputs (`grad`, `model_energy`, ...) are taken as constants: mirage.ff.md passes the
+// model's energy, which requires grad.
+using Written = std::initializer_list<std::pair<std::string_view, const at::Tensor*>>;
+
+void refuse_gradients(std::string_view op, Written written) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const auto& [name, t] : written)
+    MIRAGE_CHECK(!(t->defined() && t->requires_grad()), op, ": ", name,
+                 " requires grad, but it is written in place and the Verlet ops are not differentiable; pass it "
+                 "detached, or call under torch.no_grad()");
+}
+
+void bump_versions(Written written) {
+  for (const auto& [name, t] : written)
+    if (t->defined()) torch::autograd::impl::bump_version(*t);
+}
+
+const at::Tensor* or_null(const std::optional<at::Tensor>& t) {
+  static const at::Tensor undefined;
+  return present(t) ? &*t : &undefined;
+}
+
+at::Tensor verlet_kick_drift_autograd(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
+                                      const at::Tensor& inverse_masses, double kick, double drift,
+                                      at::ScalarType dtype) {
+  const Written written{{"positions", &positions}, {"velocities", &velocities}};
+  refuse_gradients("mirage::verlet_kick_drift", written);
+  at::Tensor model_positions;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    model_positions = handles::verlet_kick_drift().call(positions, velocities, forces, inverse_masses, kick, drift,
+                                                        dtype);
+  }
+  bump_versions(written);
+  return model_positions;
+}
+
+void verlet_forces_kick_autograd(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy,
+                                 const at::Tensor& grad, const at::Tensor& model_energy,
+                                 const at::Tensor& inverse_masses, double kick,
+                                 const std::optional<at::Tensor>& pair_count,
+                                 const std::optional<at::Tensor>& pair_count_range) {
+  const Written written{{"velocities", &velocities},
+                        {"forces", &forces},
+                        {"energy", &energy},
+                        {"pair_count_range", or_null(pair_count_range)}};
+  refuse_gradients("mirage::verlet_forces_kick", written);
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    handles::verlet_forces_kick().call(velocities, forces, energy, grad, model_energy, inverse_masses, kick,
+                                       pair_count, pair_count_range);
+  }
+  bump_versions(written);
+}
+
+at::Tensor verlet_forces_kick_drift_autograd(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
+                                             at::Tensor& energy, const at::Tensor& grad,
+                                             const at::Tensor& model_energy, const at::Tensor& inverse_masses,
+                                             double kick, double drift, at::ScalarType dtype,
+                                             const std::optional<at::Tensor>& pair_count,
+                                             const std::optional<at::Tensor>& pair_count_range) {
+  const Written written{{"positions", &positions},
+                        {"velocities", &velocities},
+                        {"forces", &forces},
+                        {"energy", &energy},
+                        {"pair_count_range", or_null(pair_count_range)}};
+  refuse_gradients("mirage::verlet_forces_kick_drift", written);
+  at::Tensor model_positions;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    model_positions = handles::verlet_forces_kick_drift().call(positions, velocities, forces, energy, grad,
+                                                               model_energy, inverse_masses, kick, drift, dtype,
+                                                               pair_count, pair_count_range);
+  }
+  bump_versions(written);
+  return model_positions;
+}
+
 }  // namespace
 
 // The backward ops themselves are not differentiable (see above): a clear error if asked to be.
@@ -1240,6 +1329,9 @@ TORCH_LIBRARY_IMPL(mirage, Autograd, m) {
   m.impl("radial_cfconv_backward", torch::autograd::autogradNotImplementedFallback());
   // A constant of the weights (schnet_energy reads it in place of forming it): not differentiable.
   m.impl("schnet_energy_prepare", torch::autograd::autogradNotImplementedFallback());
+  m.impl("verlet_kick_drift", given<&handles::verlet_kick_drift, &verlet_kick_drift_autograd>);
+  m.impl("verlet_forces_kick", given<&handles::verlet_forces_kick, &verlet_forces_kick_autograd>);
+  m.impl("verlet_forces_kick_drift", given<&handles::verlet_forces_kick_drift, &verlet_forces_kick_drift_autograd>);
 }
 
 }  // namespace mirage::autograd

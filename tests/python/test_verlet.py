@@ -529,3 +529,89 @@ def test_inputs_on_another_device_are_refused():
                  "mirage::verlet_forces_kick_drift: grad must be on velocities' device")
     assert_error(forces_kick_drift_call(forces=lambda d: torch.zeros(4, 3, dtype=torch.float64)), "cuda",
                  "mirage::verlet_forces_kick_drift: forces must be on positions' device")
+
+
+# The tensors each op writes in place (pair_count_range, int64, cannot require grad), with a call
+# that passes a given one for it.
+WRITTEN = [
+    ("verlet_kick_drift", kick_drift_call, "positions"),
+    ("verlet_kick_drift", kick_drift_call, "velocities"),
+    ("verlet_forces_kick", forces_kick_call, "velocities"),
+    ("verlet_forces_kick", forces_kick_call, "forces"),
+    ("verlet_forces_kick", forces_kick_call, "energy"),
+    ("verlet_forces_kick_drift", forces_kick_drift_call, "positions"),
+    ("verlet_forces_kick_drift", forces_kick_drift_call, "velocities"),
+    ("verlet_forces_kick_drift", forces_kick_drift_call, "forces"),
+    ("verlet_forces_kick_drift", forces_kick_drift_call, "energy"),
+]
+
+
+def requiring_grad(name, leaf):
+    """A float64 state tensor for `name` that requires grad: a leaf, or computed from one."""
+    def make(device):
+        t = torch.zeros((), dtype=torch.float64, device=device) if name == "energy" else \
+            randn(4, 3, dtype=torch.float64, device=device)
+        t.requires_grad_()
+        return t if leaf else t * 1.0
+    return make
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("leaf", [True, False])
+@pytest.mark.parametrize("op,call,name", WRITTEN)
+def test_a_written_tensor_that_requires_grad_is_refused(device, leaf, op, call, name):
+    """Not differentiable: a state that requires grad would keep a graph that no longer describes
+    its values (a non-leaf was overwritten silently before). Under no_grad the same call runs."""
+    given = call(**{name: requiring_grad(name, leaf)})
+    assert_error(given, device, f"mirage::{op}: {name} requires grad, but it is written in place and the Verlet "
+                                "ops are not differentiable")
+    with torch.no_grad():
+        given(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_only_inputs_that_require_grad_are_constants(device):
+    """What mirage.ff.md passes: the model's energy and its gradient, which may require grad. The
+    state written from them does not."""
+    model_energy = randn(1, device=device).requires_grad_()
+    grad = randn(4, 3, device=device).requires_grad_()
+    positions = forces_kick_drift_call(model_energy=model_energy, grad=grad)(device)
+    assert not positions.requires_grad
+    assert not kick_drift_call(forces=randn(4, 3, dtype=torch.float64, device=device).requires_grad_())(
+        device).requires_grad
+
+
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
+def test_written_tensors_are_versioned_once(device):
+    """Each tensor written in place is one version later, as after one of PyTorch's in-place ops
+    (the CUDA and Meta kernels had left every version as it was); read-only inputs are not."""
+    positions, velocities, forces, inverse_masses = make_state(4, torch.float64, device)
+    energy = torch.zeros((), dtype=torch.float64, device=device)
+    grad, model_energy = randn(4, 3, device=device), randn(1, device=device)
+    pair_count, pair_count_range = torch.tensor([3], device=device), torch.tensor([0, 9], device=device)
+    everything = [positions, velocities, forces, energy, grad, model_energy, inverse_masses, pair_count,
+                  pair_count_range]
+
+    def versions_after(call, written):
+        before = [t._version for t in everything]
+        call()
+        return [t._version - b for t, b in zip(everything, before)] == [int(any(t is w for w in written)) for t in everything]
+
+    assert versions_after(lambda: mirage.ops.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.5, 1.0),
+                          [positions, velocities])
+    assert versions_after(lambda: mirage.ops.verlet_forces_kick(velocities, forces, energy, grad, model_energy,
+                                                                inverse_masses, 0.5, pair_count, pair_count_range),
+                          [velocities, forces, energy, pair_count_range])
+    assert versions_after(lambda: mirage.ops.verlet_forces_kick_drift(
+        positions, velocities, forces, energy, grad, model_energy, inverse_masses, 0.5, 1.0, torch.float32,
+        pair_count, pair_count_range), [positions, velocities, forces, energy, pair_count_range])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_that_saved_the_state_refuses_to_backpropagate_after_a_step(device):
+    positions, velocities, forces, inverse_masses = make_state(4, torch.float64, device)
+    weight = randn(4, 3, dtype=torch.float64, device=device).requires_grad_()
+    loss = (weight * positions).sum()  # saves positions for weight's gradient
+    torch.ops.mirage.verlet_kick_drift(positions, velocities, forces, inverse_masses, 0.5, 1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
