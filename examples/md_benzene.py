@@ -33,6 +33,7 @@ import mirage.ff.md
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
+from forcefield.options import require_ranges  # noqa: E402
 
 
 def parse_args():
@@ -54,12 +55,8 @@ def parse_args():
                         help="NVT at --temperature with this friction (1/fs, e.g. 0.01) instead of NVE")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for name in ("temperature", "timestep"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name} must be positive (got {getattr(args, name)})")
-    for name in ("ase_steps", "steps", "steps_per_replay", "write_every"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    require_ranges(parser, args, positive=("temperature", "timestep"),
+                   at_least_one=("ase_steps", "steps", "steps_per_replay", "write_every"))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA GPU is available to this torch; use --device cpu")
     return args

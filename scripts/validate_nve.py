@@ -67,6 +67,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 from forcefield import train_student  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
+from forcefield.options import require_ranges  # noqa: E402
 from forcefield.teacher import BenzeneTeacher  # noqa: E402
 
 BOLTZMANN_EV_PER_K = train_student.BOLTZMANN_EV_PER_K
@@ -362,12 +363,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.record_every is None:
         args.record_every = 10 if args.backend == "ase" else 100
-    for name in ("time_ps", "timestep_fs", "temperature", "max_drift", "progress_seconds"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
-    for name in ("record_every", "steps_per_replay", "train_steps", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    require_ranges(parser, args, positive=("time_ps", "timestep_fs", "temperature", "max_drift", "progress_seconds"),
+                   at_least_one=("record_every", "steps_per_replay", "train_steps", "threads"))
     if args.weights is None:
         args.weights, args.train = train_student.STUDENT_PATHS[args.model], True
     return args

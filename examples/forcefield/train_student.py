@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `forcefield` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from forcefield.models import PaiNN, SchNet  # noqa: E402
+from forcefield.options import require_ranges  # noqa: E402
 from forcefield.pair_energy import atom_energies  # noqa: E402
 from forcefield.teacher import BenzeneTeacher, energy_and_forces, normal_modes  # noqa: E402
 
@@ -247,11 +248,7 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("hidden", "interactions", "steps", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    if not args.lr > 0:
-        parser.error(f"--lr must be positive (got {args.lr})")
+    require_ranges(parser, args, positive=("lr",), at_least_one=("hidden", "interactions", "steps", "batch"))
     try:
         student_config(args.model, norm_eps=args.norm_eps)
     except ValueError as error:

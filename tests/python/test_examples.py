@@ -48,6 +48,14 @@ def test_md_benzene_runs_both_integrators_and_writes_a_trajectory(device, tmp_pa
     assert re.search(r"mean temperature \d+ K \(target", out)
 
 
+@pytest.mark.parametrize("args, message", [(["--timestep", "0"], "--timestep must be positive (got 0.0)"),
+                                           (["--temperature", "nan"], "--temperature must be positive (got nan)"),
+                                           (["--steps-per-replay", "0"], "--steps-per-replay must be at least 1")])
+def test_md_benzene_refuses_bad_options_by_name(args, message):
+    result = subprocess.run([sys.executable, str(EXAMPLES / "md_benzene.py"), *args], capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_force_field_guide_opens_with_code_that_runs(device):
     """docs/ff.md's first code block, as a user pastes it (from the repository's root); on the CPU
