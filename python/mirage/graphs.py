@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ._arguments import count
+from ._arguments import count, flag, function
 
 __all__ = ["CaptureError", "CapturedGraph", "GraphCache", "GraphCacheStats", "capture", "signature"]
 
@@ -315,6 +315,8 @@ class CapturedGraph:
         warmup: int = 3,
     ) -> None:
         who = "mirage.graphs.capture"
+        function(fn, f"{who}: fn")
+        copy_outputs = flag(copy_outputs, f"{who}: copy_outputs")
         # The first calls run lazy initialisation (cuBLAS handles, autotuning) that must not be captured.
         warmup = count(warmup, f"{who}: warmup")
         leaves, names, spec = _flatten(args, kwargs)
@@ -519,11 +521,11 @@ class GraphCache:
         capture: Callable[..., Any] = CapturedGraph,
         new_pool: Callable[[], Any] = torch.cuda.graph_pool_handle,
     ) -> None:
-        self.fn = fn
+        self.fn = function(fn, "mirage.graphs.GraphCache: fn")
         self.max_entries = count(max_entries, "mirage.graphs.GraphCache: max_entries")
-        self.copy_outputs = copy_outputs
+        self.copy_outputs = flag(copy_outputs, "mirage.graphs.GraphCache: copy_outputs")
         self.warmup = count(warmup, "mirage.graphs.GraphCache: warmup")
-        self.verbose = verbose
+        self.verbose = flag(verbose, "mirage.graphs.GraphCache: verbose")
         self._capture = capture
         self._new_pool = new_pool
         self._pool: Any = None

@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from ._arguments import count
+from ._arguments import count, flag
 from .graphs import GraphCache, GraphCacheStats, _flatten, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
@@ -390,11 +390,13 @@ class OptimizedModule(nn.Module):
         self.autocast_dtype = autocast_dtype
         self.channels_last = channels_last
         self._layout_proven = False  # whether a call has gone through with channels-last tensors
-        self.graphs: Optional[GraphCache] = GraphCache(self._run, max_graphs, verbose=verbose) if max_graphs else None
+        self.graphs: Optional[GraphCache] = _graph_cache(self, max_graphs, verbose) if max_graphs else None
         self._graphs_paused = False  # while the model is moved off one CUDA device (cpu()): eager calls
         # Modules holding weights derived from others (mirage.nn.Upsample2D's folded kernels):
         # a graph replay skips their forward, so they check for changed weights here.
         self._derived = [m for m in module.modules() if hasattr(m, "refresh_derived_weights")]
+        self.register_load_state_dict_post_hook(_release_graphs_of_replaced_weights)
+        self._weights_at = _addresses(module)  # where the graphs read the weights (see _apply)
 
     def refresh_derived_weights(self, force: bool = False) -> None:
         """Recomputes the weights swapped modules derive from the model's (``mirage.nn.Upsample2D``'s
@@ -494,6 +496,7 @@ class OptimizedModule(nn.Module):
         _conv_weights_to(self.module, torch.channels_last if on else torch.contiguous_format)
         self.refresh_derived_weights(force=True)
         self.channels_last = on
+        self._weights_at = _addresses(self.module)
         if self.graphs is not None:
             self.graphs.clear()
 
@@ -506,8 +509,10 @@ class OptimizedModule(nn.Module):
             return self.module(*args, **kwargs)
 
     def _device_type(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
-        tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)]
-        tensors = tensors or list(self.module.parameters())
+        # The weights' device first: an input may sit on the CPU (a diffusers timestep, which the
+        # model moves itself), and autocast on the CPU would leave the CUDA ops in float32.
+        tensors = list(self.module.parameters()) or [leaf for leaf in pytree.tree_leaves((args, kwargs))
+                                                     if isinstance(leaf, Tensor)]
         return tensors[0].device.type if tensors else "cpu"
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "OptimizedModule":
@@ -515,14 +520,20 @@ class OptimizedModule(nn.Module):
         # replace those tensors release the graphs, captured again at the next call; a to() that
         # changes nothing keeps them (accelerate's CPU offload calls one before every forward).
         # Off one CUDA device (cpu()), the model runs eagerly until it is moved back.
-        if self.graphs is None:
-            return super()._apply(fn, *args, **kwargs)
-        before = _addresses(self.module)
         super()._apply(fn, *args, **kwargs)
-        if _addresses(self.module) != before:
+        self._release_graphs_if_weights_moved()
+        return self
+
+    def _release_graphs_if_weights_moved(self) -> None:
+        """Releases the graphs if the parameters or buffers are no longer where they were captured
+        reading them (a conversion, or load_state_dict(assign=True)); pauses them off one CUDA device."""
+        now = _addresses(self.module)
+        if now == self._weights_at:
+            return
+        self._weights_at = now
+        if self.graphs is not None:
             self.graphs.clear()
             self._graphs_paused = not _on_one_cuda_device(self.module)
-        return self
 
     # Pickling and copy.deepcopy: the swapped model, the settings and the report travel; the graphs
     # do not (a CUDA graph cannot be copied): the copy captures its own at its first calls.
@@ -537,7 +548,8 @@ class OptimizedModule(nn.Module):
         state = dict(state)
         settings, result = state.pop("_graph_settings"), state.pop("_report")
         super().__setstate__(state)
-        self.graphs = GraphCache(self._run, settings[0], verbose=settings[1]) if settings else None
+        self._weights_at = _addresses(self.module)
+        self.graphs = _graph_cache(self, *settings) if settings else None
         # torch.load's map_location may have moved the tensors.
         self._graphs_paused = not _on_one_cuda_device(self.module)
         if result is not None:
@@ -582,6 +594,26 @@ def _devices(model: nn.Module) -> set:
 def _on_one_cuda_device(model: nn.Module) -> bool:
     devices = _devices(model)
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+def _graph_cache(optimized: "OptimizedModule", max_graphs: int, verbose: bool) -> GraphCache:
+    """The graphs of ``optimized``'s forward. Its ``_run`` reached through a weak reference: the
+    bound method would make a cycle (module, cache, method, module) that keeps the model and its
+    GPU memory after the last reference to it goes, until the garbage collector runs."""
+    owner = weakref.ref(optimized)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return owner()._run(*args, **kwargs)
+
+    forward.__qualname__ = f"{type(optimized).__name__}.forward"  # as capture errors name it
+    return GraphCache(forward, max_graphs, verbose=verbose)
+
+
+def _release_graphs_of_replaced_weights(optimized: "OptimizedModule", incompatible_keys: Any) -> None:
+    """load_state_dict's post hook: with assign=True the parameters are replaced, not written in
+    place, and graphs captured earlier would read the old ones. A module-level function, so that
+    pickling the model pickles it by name."""
+    optimized._release_graphs_if_weights_moved()
 
 
 def _addresses(model: nn.Module) -> List[Tuple[torch.device, torch.dtype, int]]:
@@ -648,6 +680,9 @@ def optimize(
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"mirage.optimize: dtype must be None or one of {DTYPES}, got {dtype}")
     max_graphs = count(max_graphs, "mirage.optimize: max_graphs")
+    for option, value in (("channels_last", channels_last), ("cuda_graph", cuda_graph), ("strict", strict),
+                          ("verbose", verbose)):
+        flag(value, f"mirage.optimize: {option}")
     if isinstance(model, OptimizedModule):
         # Its swaps are made: searching again finds nothing, and would replace its report.
         if verbose:

@@ -251,6 +251,18 @@ def test_cache_refuses_bad_max_entries():
         graphs.GraphCache(lambda x: x, 0)
 
 
+def test_bad_options_and_functions_are_refused_by_name():
+    for option in ("copy_outputs", "verbose"):
+        with pytest.raises(ValueError, match=f"mirage.graphs.GraphCache: {option} must be True or False, got 1"):
+            graphs.GraphCache(lambda x: x, **{option: 1})
+    with pytest.raises(TypeError, match="mirage.graphs.GraphCache: fn must be callable, got int"):
+        graphs.GraphCache(3)
+    with pytest.raises(TypeError, match="mirage.graphs.capture: fn must be callable, got str"):
+        graphs.capture("forward", randn(2))
+    with pytest.raises(ValueError, match="mirage.graphs.capture: copy_outputs must be True or False, got 'no'"):
+        graphs.capture(lambda x: x, randn(2), copy_outputs="no")
+
+
 def test_capture_refuses_cpu_inputs_and_grad():
     x = randn(2, 3)
     # Without a GPU the first thing said is that there is none ("move it to the GPU" could not be done).

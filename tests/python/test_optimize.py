@@ -579,6 +579,49 @@ def test_bad_arguments():
         mirage.optimize(nn.Linear(2, 2), max_graphs=0)
     with pytest.raises(TypeError, match="mirage.optimize: model must be an nn.Module, got function"):
         mirage.optimize(lambda x: x)
+    # A string is truthy: "False" would have turned the option on.
+    for option in ("channels_last", "cuda_graph", "strict", "verbose"):
+        with pytest.raises(ValueError, match=f"mirage.optimize: {option} must be True or False, got 'False'"):
+            mirage.optimize(nn.Linear(2, 2), **{option: "False"})
+
+
+class TakesAHostMask(nn.Module):
+    """A model whose first input may sit on the CPU (a mask, or diffusers' timestep)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)  # something for optimize to swap
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, mask, x):
+        return self.proj(self.norm(x)) * mask.to(x.device)
+
+
+@pytest.mark.cuda
+def test_autocast_follows_the_weights_device_not_the_first_input():
+    optimized = mirage.optimize(TakesAHostMask().cuda(), dtype=None, cuda_graph=False, verbose=False)
+    assert isinstance(optimized, mirage.OptimizedModule)
+    with torch.no_grad():
+        out = optimized(torch.ones(8), randn(2, 8, device="cuda"))
+    assert out.dtype == torch.float16  # autocast on the CPU had left the CUDA product in float32
+
+
+def test_an_optimized_model_goes_with_its_last_reference():
+    """No reference cycle through its graph cache: the model and its GPU memory are freed when the
+    last reference goes, not at the garbage collector's next pass (a pipeline swapping models)."""
+    import weakref
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        optimized = mirage.OptimizedModule(nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8)), max_graphs=2,
+                                           verbose=False)
+        gone = weakref.ref(optimized)
+        del optimized
+        assert gone() is None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 # ----------------------------------------------------------------------------------------------

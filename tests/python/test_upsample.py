@@ -295,6 +295,45 @@ def test_upsample2d_refolds_after_in_place_and_replacing_changes():
     assert not fused._folded.requires_grad
 
 
+def test_upsample2d_keeps_its_folded_kernels_through_a_conversion_that_changes_nothing():
+    """accelerate's offload calls .to(device) before every forward, and OptimizedModule keeps its
+    CUDA graphs through one that leaves the weights where they are: the graphs read the folded
+    kernels at their address, so those must stay too (they were dropped, and the graphs kept
+    replaying from freed memory)."""
+    fused = mirage.nn.Upsample2D.from_diffusers(diffusers_block())
+    x = randn(1, 8, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        fused(x)
+        folded = fused._folded
+        fused.to("cpu")
+        fused.double()
+        fused(x)
+        assert fused._folded is folded
+        fused.float()
+        assert fused._folded is None  # converted: folded again at the next call
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_optimized_graphs_follow_weights_loaded_by_the_wrapper(assign):
+    """load_state_dict on the optimized model: in place, its graphs stay (and read the new values);
+    with assign=True the parameters are new tensors, so graphs captured reading the old ones go."""
+    from common import GraphStandIn
+
+    optimized = mirage.optimize(torch.nn.Sequential(DiffusersUpsample2D(8, use_conv=True)), dtype=torch.float32,
+                                cuda_graph=False, verbose=False)
+    optimized.graphs = mirage.graphs.GraphCache(optimized._run, 2, capture=GraphStandIn, new_pool=object,
+                                                verbose=False)
+    x = randn(2, 8, 3, 5)
+    with torch.no_grad():
+        optimized(x)
+        optimized.load_state_dict({k: v * 2 for k, v in optimized.state_dict().items()}, assign=assign)
+        held = len(optimized.graphs)
+        optimized(x)
+    stats = optimized.graphs.stats()
+    # Released by assign=True (then paused: the model is off CUDA here), kept and replayed in place.
+    assert (held, stats.misses, stats.hits) == ((0, 1, 0) if assign else (1, 1, 1))
+
+
 def test_upsample2d_pickles_after_a_call():
     # torch.save of a model: the folded kernels' weakref cannot be pickled; they are folded again.
     fused = mirage.nn.Upsample2D.from_diffusers(diffusers_block())

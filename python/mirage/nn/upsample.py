@@ -27,6 +27,11 @@ def _version(tensor: Tensor) -> Optional[int]:
         return None
 
 
+def _fold_key(weight: Tensor) -> Tuple[Any, ...]:
+    """What the folded kernels depend on, besides the weight's identity."""
+    return weight.data_ptr(), _version(weight), weight.dtype, weight.device, weight.stride()
+
+
 class Upsample2D(nn.Module):
     """diffusers' ``Upsample2D`` (0.42.1) without the upsampled image.
 
@@ -103,12 +108,9 @@ class Upsample2D(nn.Module):
         tensor (graphs must then be captured again, as for the weight itself).
         """
         weight = self._conv.weight
-        version = _version(weight)
-        key = (weight.data_ptr(), version, weight.dtype, weight.device, weight.stride())
-        # The Parameter itself too: a new tensor may be given a freed one's address and version.
-        same_weight = self._folded_from is not None and self._folded_from() is weight
-        if same_weight and key == self._folded_key and not force:
+        if self._folded_is_current(weight) and not force:
             return
+        version = _version(weight)
         # Without autograd (the fold is a constant of the weight), and outside inference mode, so
         # that the kernels stay usable and refoldable outside it; but for an inference weight,
         # which only inference mode can read into a new tensor (it cannot change unseen anyway).
@@ -120,7 +122,13 @@ class Upsample2D(nn.Module):
                 old.copy_(folded)
             else:
                 self._folded = folded
-        self._folded_key, self._folded_from = key, weakref.ref(weight)
+        self._folded_key, self._folded_from = _fold_key(weight), weakref.ref(weight)
+
+    def _folded_is_current(self, weight: Tensor) -> bool:
+        """Whether the kernels were folded from this weight as it is now. The Parameter itself
+        too: a new tensor may be given a freed one's address and version."""
+        return (self._folded_from is not None and self._folded_from() is weight
+                and self._folded_key == _fold_key(weight))
 
     def __getstate__(self):
         # The folded kernels are derived, and their weakref cannot be pickled (torch.save of the
@@ -130,10 +138,14 @@ class Upsample2D(nn.Module):
         return state
 
     def _apply(self, fn, *args, **kwargs):
-        # .to(), .cpu(), .half(): the folded kernels would stay where they were until the next
-        # call; they are folded again from the converted weight instead.
-        self._folded, self._folded_key, self._folded_from = None, None, None
-        return super()._apply(fn, *args, **kwargs)
+        # .to(), .cpu(), .half() that convert the weight: the folded kernels would stay where they
+        # were until the next call; they are folded again from the converted weight instead. A
+        # conversion that leaves the weight as it was (accelerate's offload calls .to(device) before
+        # every forward) keeps them: CUDA graphs kept across it read them at their address.
+        super()._apply(fn, *args, **kwargs)
+        if not self._folded_is_current(self._conv.weight):
+            self._folded, self._folded_key, self._folded_from = None, None, None
+        return self
 
     def _subpixel_weight(self) -> Tensor:
         weight = self._conv.weight
