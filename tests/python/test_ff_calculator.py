@@ -246,10 +246,28 @@ def test_evaluate_refuses_shapes_that_make_no_structure():
              ((z, pos[:, :2]), {}, r"positions must be \[N, 3\], got \[12, 2\]"),
              ((z, pos, torch.eye(2, dtype=pos.dtype), None), {}, r"cell must be \[3, 3\]"),
              ((z, pos, torch.eye(3, dtype=pos.dtype), torch.ones(2, dtype=torch.bool)), {}, r"pbc must be \[3\]"),
-             ((z, pos), {"stress": True}, r"the stress needs the cell")]
+             ((z, pos), {"stress": True}, r"the stress needs the cell"),
+             # pbc=None is an open system whatever the cell: a "stress" over an unrelated volume.
+             ((z, pos, torch.eye(3, dtype=pos.dtype) * 9, None), {"stress": True},
+              r"the stress needs the cell \(strain derivative over its volume\) and pbc .*got cell given, pbc None")]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match="mirage.ff.Calculator: " + message):
             mirage.ff.calculator.evaluate(model, *args, **kwargs)
+
+
+def test_evaluate_called_directly_lets_a_fused_model_grow_its_capacity(capfd):
+    """evaluate is public: its caller checks no neighbor capacity unless it says it does, so a fused
+    model grows its own (by default it had left that to the caller, and returned energy, forces and
+    stress from a truncated pair list)."""
+    reference = small(SchNet)
+    numbers, positions, cell, pbc = structure(periodic_atoms(n=12), "cpu", torch.float64)
+    want = mirage.ff.calculator.evaluate(reference, numbers, positions, cell, pbc, stress=True)
+    fused = mirage.ff.optimize(reference)
+    fused.max_pairs = 6  # as chosen by a smaller system before
+    got = mirage.ff.calculator.evaluate(fused, numbers, positions, cell, pbc, stress=True)
+    assert "exceed the capacity of 6 (max_pairs); growing it" in capfd.readouterr().err
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6 * float(w.abs().max()), rtol=1e-6)
 
 
 def test_setting_precision_checks_it_and_drops_the_graphs():
@@ -582,6 +600,20 @@ def test_unchecked_by_refuses_a_capture_only_inside_it():
         with pytest.raises(ValueError, match="a driver: the model calls a model, which has a neighbor capacity"):
             capacity.refuse_unchecked_capture("a model")
     capacity.refuse_unchecked_capture("a model")
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_atomic_numbers_are_checked_against_a_wrapped_fused_models_embedding(graphed):
+    """A replayed graph runs none of the fused model's own checks: the table it reads is the
+    wrapped model's, and the Calculator checks against it (it looked at the wrapper alone)."""
+    atoms = benzene_atoms()
+    atoms.numbers[0] = 100
+    calc = mirage.ff.Calculator(WrappedForceField(mirage.ff.optimize(small(SchNet))))
+    if graphed:
+        graphed_on_cpu(calc, calc._packed, 2)
+    atoms.calc = calc
+    with pytest.raises(ValueError, match=r"mirage.ff.Calculator: atoms.numbers must be in \[0, 100\) \(the rows of "):
+        atoms.get_forces()
 
 
 def test_reset_forgets_the_atomic_numbers_it_checked():

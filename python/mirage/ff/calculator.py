@@ -84,7 +84,7 @@ def evaluate(
     stress: bool = False,
     precision: str = "fp32",
     who: str = "mirage.ff.Calculator",
-    capacity_checked: bool = True,
+    capacity_checked: bool = False,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Energy, forces and (optionally) stress of one structure, by autograd (see
     :func:`energy_and_gradients`). Graph-safe.
@@ -99,7 +99,10 @@ def evaluate(
         precision: one of :data:`PRECISIONS`; here only autocast is applied (the caller holds
             :func:`matmul_precision` around the call and any capture).
         capacity_checked: whether the caller checks the neighbor capacity of ``model`` after the
-            call, as the protocol asks (see :func:`energy_and_gradients`); the default.
+            call, as the protocol asks (see :func:`energy_and_gradients`; the Calculator and the MD
+            driver do). Not by default: a fused model then grows its own capacity on an overflow
+            (a capacity left to a caller who does not check it gave a truncated pair list, and
+            energy, forces and stress wrong without a word).
 
     Returns:
         ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
@@ -107,11 +110,15 @@ def evaluate(
     Raises:
         ValueError: shapes that do not make one structure (``atomic_numbers`` not ``[N]`` for
             ``positions [N, 3]``, ``cell`` not ``[3, 3]``, ``pbc`` not ``[3]``), or ``stress``
-            without a cell.
+            without a cell and pbc.
     """
     check_structure(atomic_numbers, positions, cell, pbc, who)
-    if stress and cell is None:
-        raise ValueError(f"{who}: the stress needs the cell (strain derivative over its volume); pass cell")
+    if stress and (cell is None or pbc is None):
+        # The models read pbc=None as an open system whatever the cell: the "stress" would be an
+        # open cluster's virial over an unrelated volume.
+        raise ValueError(f"{who}: the stress needs the cell (strain derivative over its volume) and pbc (the "
+                         f"periodic axes; None is an open system); got cell {'None' if cell is None else 'given'}, "
+                         f"pbc {'None' if pbc is None else 'given'}")
     energy, grads = energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress=stress,
                                          precision=precision, who=who, capacity_checked=capacity_checked)
     energy = energy.to(positions.dtype)
@@ -153,18 +160,17 @@ def check_atomic_numbers(model, numbers: np.ndarray, who: str) -> None:
 
 def energy_and_gradients(model, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                          pbc: Optional[Tensor] = None, *, stress: bool = False, precision: str = "fp32",
-                         who: str = "mirage.ff.Calculator", capacity_checked: bool = True
+                         who: str = "mirage.ff.Calculator", capacity_checked: bool = False
                          ) -> Tuple[Tensor, List[Tensor]]:
     """:func:`evaluate`'s autograd part: the model's energy (``[]``, detached, in the dtype the
     model returned it in: bfloat16 under ``precision="bf16-mixed"``, say) and its gradients in the
     positions and, with ``stress``, the strain (never None), as autograd returns them. mirage's
     fused models that run as one op give the same without autograd
-    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). With ``capacity_checked`` (the default)
-    the caller checks the neighbor capacity of ``model`` after the call, and a fused model does not
-    grow its own (:func:`mirage.ff.capacity.checked_by_caller`). Without (the Calculator and the MD
-    driver when :func:`mirage.ff.capacity.holder` finds nothing to check), a fused model they
-    cannot see grows its own, or refuses a CUDA-graph capture
-    (:func:`mirage.ff.capacity.unchecked_by`)."""
+    (:meth:`mirage.ff.fused.SchNet.energy_and_gradient`). With ``capacity_checked`` the caller
+    checks the neighbor capacity of ``model`` after the call, and a fused model does not grow its
+    own (:func:`mirage.ff.capacity.checked_by_caller`; the Calculator and the MD driver, when
+    :func:`mirage.ff.capacity.holder` finds the model to check). Without (the default), a fused
+    model grows its own, or refuses a CUDA-graph capture (:func:`mirage.ff.capacity.unchecked_by`)."""
     with capacity.checked_by_caller() if capacity_checked else capacity.unchecked_by(who):
         return _energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress, precision, who)
 
@@ -440,7 +446,8 @@ class Calculator(_AseCalculator):
                                  "non-periodic axis a length too, e.g. atoms.center(vacuum=10.0, axis=2))")
             self._checked_cell = cell.copy()
         if self._checked_numbers is None or not np.array_equal(atoms.numbers, self._checked_numbers):
-            check_atomic_numbers(self.model, atoms.numbers, who)
+            for model in (self.model, self._counted):  # a fused model inside a wrapper has the table
+                check_atomic_numbers(model, atoms.numbers, who)
             self._checked_numbers = atoms.numbers.copy()
         if self.cuda_graph:
             energy, forces, stress = self._run_graph(atoms, periodic)

@@ -200,7 +200,6 @@ class VelocityVerlet:
                              f"{self._masses.min()} to {self._masses.max()}")
         if not np.isfinite(atoms.get_momenta()).all():
             raise ValueError(f"{_WHO}: atoms' momenta have non-finite values")
-        check_atomic_numbers(model, atoms.numbers, _WHO)
         self._periodic = bool(np.any(atoms.pbc))
         determinant = np.linalg.det(atoms.cell[:]) if self._periodic else 1.0
         if not np.isfinite(determinant) or abs(determinant) < 1e-9:
@@ -209,6 +208,8 @@ class VelocityVerlet:
         if not np.isfinite(atoms.positions).all():
             raise ValueError(f"{_WHO}: atoms.positions has non-finite values")
         self._counted = capacity.holder(model, _WHO)  # what has the neighbor capacity, if anything
+        for checked in (model, self._counted):  # a fused model inside a wrapper has the table
+            check_atomic_numbers(checked, atoms.numbers, _WHO)
         self._counting = self._counted is not None
         counted = self._counted
         if self._counting and (counted.num_pairs.dtype != torch.int64 or counted.num_pairs.device != self.device):
