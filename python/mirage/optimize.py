@@ -354,7 +354,14 @@ def report(model: nn.Module) -> OptimizeReport:
     now = _weights_dtype(model.module)
     if found.dtype is not None and now is not None and now != found.dtype:
         found = replace(found, dtype=now, precision_note=f"converted from {_dtype_name(found.dtype)} after optimize")
-    return replace(found, graphs=model.graphs.stats()) if model.graphs is not None else found
+    elif found.dtype is None and now in (torch.float16, torch.bfloat16):
+        found = replace(found, precision_note=f"the weights were converted to {_dtype_name(now)} after optimize")
+    if model.graphs is None:
+        return found
+    if model._graphs_paused:
+        found = replace(found, cuda_graph=False, cuda_graph_note="paused: the model is not on one CUDA device "
+                                                                 "(.cpu()); captured again once it is")
+    return replace(found, graphs=model.graphs.stats())
 
 
 # ----------------------------------------------------------------------------------------------

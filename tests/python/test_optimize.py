@@ -264,6 +264,9 @@ def test_unet2d_condition_model_scale_shift_and_autocast():
         expected = original(sample, timestep, context).sample
     assert got.dtype == torch.float16
     assert relative_l2(got, expected) < 1e-2
+    # Converted afterwards, the weights are no longer "kept": the report says so.
+    optimized.half()
+    assert "the weights were converted to float16 after optimize" in str(mirage.report(optimized))
 
 
 def test_unet2d_model_with_up_down_resnets_fir_kernels_and_scale_shift():
@@ -963,6 +966,7 @@ def test_a_to_that_changes_nothing_keeps_the_graphs_and_a_move_off_cuda_pauses_t
         # next calls run eagerly (on a GPU, until the model is back on one device: the cuda test).
         optimized.double()
         assert len(optimized.graphs) == 0
+        assert "CUDA graphs: off (paused: the model is not on one CUDA device" in str(mirage.report(optimized))
         torch.testing.assert_close(optimized(image.double()), original.double()(image.double()), **MODEL_TOLERANCE)
         assert optimized.graphs.stats().misses == 1
 
