@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -1263,19 +1264,27 @@ const at::Tensor* or_null(const std::optional<at::Tensor>& t) {
   return present(t) ? &*t : &undefined;
 }
 
+// The three ops' Autograd kernel: the refusal, `call` (the op below autograd), then the versions.
+template <class Call>
+auto written_in_place(std::string_view op, Written written, Call call) {
+  refuse_gradients(op, written);
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  if constexpr (std::is_void_v<decltype(call())>) {
+    call();
+    bump_versions(written);
+  } else {
+    auto result = call();
+    bump_versions(written);
+    return result;
+  }
+}
+
 at::Tensor verlet_kick_drift_autograd(at::Tensor& positions, at::Tensor& velocities, const at::Tensor& forces,
                                       const at::Tensor& inverse_masses, double kick, double drift,
                                       at::ScalarType dtype) {
-  const Written written{{"positions", &positions}, {"velocities", &velocities}};
-  refuse_gradients("mirage::verlet_kick_drift", written);
-  at::Tensor model_positions;
-  {
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    model_positions = handles::verlet_kick_drift().call(positions, velocities, forces, inverse_masses, kick, drift,
-                                                        dtype);
-  }
-  bump_versions(written);
-  return model_positions;
+  return written_in_place("mirage::verlet_kick_drift", {{"positions", &positions}, {"velocities", &velocities}}, [&] {
+    return handles::verlet_kick_drift().call(positions, velocities, forces, inverse_masses, kick, drift, dtype);
+  });
 }
 
 void verlet_forces_kick_autograd(at::Tensor& velocities, at::Tensor& forces, at::Tensor& energy,
@@ -1283,17 +1292,15 @@ void verlet_forces_kick_autograd(at::Tensor& velocities, at::Tensor& forces, at:
                                  const at::Tensor& inverse_masses, double kick,
                                  const std::optional<at::Tensor>& pair_count,
                                  const std::optional<at::Tensor>& pair_count_range) {
-  const Written written{{"velocities", &velocities},
-                        {"forces", &forces},
-                        {"energy", &energy},
-                        {"pair_count_range", or_null(pair_count_range)}};
-  refuse_gradients("mirage::verlet_forces_kick", written);
-  {
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    handles::verlet_forces_kick().call(velocities, forces, energy, grad, model_energy, inverse_masses, kick,
-                                       pair_count, pair_count_range);
-  }
-  bump_versions(written);
+  written_in_place("mirage::verlet_forces_kick",
+                   {{"velocities", &velocities},
+                    {"forces", &forces},
+                    {"energy", &energy},
+                    {"pair_count_range", or_null(pair_count_range)}},
+                   [&] {
+                     handles::verlet_forces_kick().call(velocities, forces, energy, grad, model_energy,
+                                                        inverse_masses, kick, pair_count, pair_count_range);
+                   });
 }
 
 at::Tensor verlet_forces_kick_drift_autograd(at::Tensor& positions, at::Tensor& velocities, at::Tensor& forces,
@@ -1302,21 +1309,17 @@ at::Tensor verlet_forces_kick_drift_autograd(at::Tensor& positions, at::Tensor& 
                                              double kick, double drift, at::ScalarType dtype,
                                              const std::optional<at::Tensor>& pair_count,
                                              const std::optional<at::Tensor>& pair_count_range) {
-  const Written written{{"positions", &positions},
-                        {"velocities", &velocities},
-                        {"forces", &forces},
-                        {"energy", &energy},
-                        {"pair_count_range", or_null(pair_count_range)}};
-  refuse_gradients("mirage::verlet_forces_kick_drift", written);
-  at::Tensor model_positions;
-  {
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    model_positions = handles::verlet_forces_kick_drift().call(positions, velocities, forces, energy, grad,
-                                                               model_energy, inverse_masses, kick, drift, dtype,
-                                                               pair_count, pair_count_range);
-  }
-  bump_versions(written);
-  return model_positions;
+  return written_in_place("mirage::verlet_forces_kick_drift",
+                          {{"positions", &positions},
+                           {"velocities", &velocities},
+                           {"forces", &forces},
+                           {"energy", &energy},
+                           {"pair_count_range", or_null(pair_count_range)}},
+                          [&] {
+                            return handles::verlet_forces_kick_drift().call(
+                                positions, velocities, forces, energy, grad, model_energy, inverse_masses, kick,
+                                drift, dtype, pair_count, pair_count_range);
+                          });
 }
 
 }  // namespace
