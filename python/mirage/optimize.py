@@ -518,9 +518,10 @@ class OptimizedModule(nn.Module):
     def _device_type(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
         # The weights' device first: an input may sit on the CPU (a diffusers timestep, which the
         # model moves itself), and autocast on the CPU would leave the CUDA ops in float32.
-        tensors = list(self.module.parameters()) or [leaf for leaf in pytree.tree_leaves((args, kwargs))
-                                                     if isinstance(leaf, Tensor)]
-        return tensors[0].device.type if tensors else "cpu"
+        first = next(self.module.parameters(), None)
+        if first is None:
+            first = next((leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)), None)
+        return first.device.type if first is not None else "cpu"
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "OptimizedModule":
         # A graph reads the parameters at their captured addresses. to(), half(), cuda() that

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, opcheck, randn, strided
+from common import DEVICES, DTYPES, GraphStandIn, assert_error, assert_matches, capture_graph, opcheck, randn, strided
 from tolerances import REDUCTION_ERROR_FACTOR, tolerance
 
 # (N, C, H, W) of the small image: out is (N, C, 2H, 2W). C = 3 and 13 take the kernel's scalar
@@ -317,8 +317,6 @@ def test_upsample2d_keeps_its_folded_kernels_through_a_conversion_that_changes_n
 def test_optimized_graphs_follow_weights_loaded_by_the_wrapper(assign):
     """load_state_dict on the optimized model: in place, its graphs stay (and read the new values);
     with assign=True the parameters are new tensors, so graphs captured reading the old ones go."""
-    from common import GraphStandIn
-
     optimized = mirage.optimize(torch.nn.Sequential(DiffusersUpsample2D(8, use_conv=True)), dtype=torch.float32,
                                 cuda_graph=False, verbose=False)
     optimized.graphs = mirage.graphs.GraphCache(optimized._run, 2, capture=GraphStandIn, new_pool=object,
