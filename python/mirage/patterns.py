@@ -726,6 +726,8 @@ class _AttentionMatch:
             perms = None
             if parsed is not None and len(operands) == 2 and operands.count(probs) == 1:
                 p_index = operands.index(probs)
+                if self.scores_rank is None:  # the graph did not say it; the probabilities' subscripts do
+                    self.scores_rank = len(parsed[0][p_index])
                 perms = _output_permutations(parsed[0][p_index], parsed[0][1 - p_index], parsed[1], self.scores_rank)
             if perms is None:
                 return f"einsum {user.args[0]!r} does not compute P @ v"

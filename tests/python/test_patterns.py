@@ -288,6 +288,10 @@ class ManualAttention(nn.Module):
             q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
             probs = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
             out = (probs @ v).transpose(1, 2).reshape(B, N, C)
+        elif form == "einsum_output_of_unknown_rank":  # the scores' rank is not in the graph: einsum's subscripts give it
+            q, k, v = (proj(x).unflatten(-1, (h, -1)).transpose(1, 2) for proj in (self.q, self.k, self.v))
+            probs = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
+            out = torch.einsum("bhij,bhjd->bhid", probs, v).transpose(1, 2).flatten(2)
         elif form == "single_head":
             probs = torch.softmax(torch.bmm(self.q(x), self.k(x).transpose(1, 2)) * self.scale, -1)
             out = torch.bmm(probs, self.v(x))
@@ -295,7 +299,8 @@ class ManualAttention(nn.Module):
 
 
 ATTENTION_FORMS = ["matmul", "divide_q_scaled", "bmm", "einsum", "einsum_heads_first", "runtime_scale",
-                   "runtime_sqrt_scale", "dropout_module", "split_by_own_shape", "single_head"]
+                   "runtime_sqrt_scale", "dropout_module", "split_by_own_shape", "single_head",
+                   "einsum_output_of_unknown_rank"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
