@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -55,6 +56,18 @@ def _integer(value: Any, where: str) -> int:
         raise TypeError(f"{where} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def _real(value: Any, where: str) -> Any:
+    """``value`` as the operators' float argument: Python and NumPy reals, or a real 0-dim tensor
+    (passed on as it is); a bool or anything else raises, naming ``where``
+    (``"mirage::op: argument"``), where the operators would take True as 1.0."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.dtype.is_complex and value.dtype != torch.bool:
+            return value
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
+        return float(value)
+    raise TypeError(f"{where} must be a real number, got {type(value).__name__} {value!r}")
+
+
 def _names(names: Union[str, Sequence[str]]) -> str:
     """A list of names as the operators take it: one comma-separated string."""
     return names if isinstance(names, str) else ",".join(names)
@@ -82,8 +95,8 @@ def group_norm(
     Returns:
         ``x``'s shape and dtype, in ``x``'s memory format (channels-last stays channels-last).
     """
-    return torch.ops.mirage.group_norm(x, _integer(num_groups, "mirage::group_norm: num_groups"), weight, bias, eps,
-                                       activation)
+    return torch.ops.mirage.group_norm(x, _integer(num_groups, "mirage::group_norm: num_groups"), weight, bias,
+                                       _real(eps, "mirage::group_norm: eps"), activation)
 
 
 @_tensors_required
@@ -108,8 +121,8 @@ def layer_norm(
         (the pre-norm transformer step: the sum is the next residual stream).
     """
     if residual is None:
-        return torch.ops.mirage.layer_norm(x, weight, bias, eps)
-    return torch.ops.mirage.add_layer_norm(x, residual, weight, bias, eps)
+        return torch.ops.mirage.layer_norm(x, weight, bias, _real(eps, "mirage::layer_norm: eps"))
+    return torch.ops.mirage.add_layer_norm(x, residual, weight, bias, _real(eps, "mirage::add_layer_norm: eps"))
 
 
 @_tensors_required
@@ -151,7 +164,7 @@ def bias_act(
     Returns:
         ``x``'s shape and dtype, in ``x``'s memory format (channels-last stays channels-last).
     """
-    return torch.ops.mirage.bias_act(x, bias, residual, activation, scale)
+    return torch.ops.mirage.bias_act(x, bias, residual, activation, _real(scale, "mirage::bias_act: scale"))
 
 
 @_tensors_required
@@ -320,7 +333,7 @@ def neighbor_list(
     distances in every entry and ``num_pairs = -1``.
     """
     return NeighborList(*torch.ops.mirage.neighbor_list(
-        positions, cutoff, cell, pbc, batch, _integer(max_pairs, "mirage::neighbor_list: max_pairs"), half, method))
+        positions, _real(cutoff, "mirage::neighbor_list: cutoff"), cell, pbc, batch, _integer(max_pairs, "mirage::neighbor_list: max_pairs"), half, method))
 
 
 @_tensors_required
@@ -353,7 +366,8 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
         (``torch.ops.mirage.radial_basis_backward(grad, distances, kind, num, cutoff,
         cutoff_fn)``, forces' hot path); higher orders recompute with PyTorch ops.
     """
-    return torch.ops.mirage.radial_basis(distances, kind, _integer(num, "mirage::radial_basis: num"), cutoff, cutoff_fn)
+    return torch.ops.mirage.radial_basis(distances, kind, _integer(num, "mirage::radial_basis: num"),
+                                       _real(cutoff, "mirage::radial_basis: cutoff"), cutoff_fn)
 
 
 @_tensors_required
@@ -583,7 +597,7 @@ def painn_update_input(s: Tensor, vv: Tensor, eps: float) -> Tensor:
         a fused kernel of its own (``torch.ops.mirage.painn_update_input_backward``). Under
         autocast it runs in the widest dtype of its inputs, as PyTorch's elementwise ops do.
     """
-    return torch.ops.mirage.painn_update_input(s, vv, eps)
+    return torch.ops.mirage.painn_update_input(s, vv, _real(eps, "mirage::painn_update_input: eps"))
 
 
 @_tensors_required
@@ -678,7 +692,8 @@ def schnet_energy(
         ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
-    return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff),
+    return torch.ops.mirage.schnet_energy(atomic_numbers, embedding, pairs, vectors,
+                                          _real(cutoff, "mirage::schnet_energy: cutoff"),
                                           _integer(num_rbf, "mirage::schnet_energy: num_rbf"),
                                           list(weights), _names(activations), prepared)
 
@@ -720,7 +735,8 @@ def schnet_energy_all_pairs(
         ``positions[j] - positions[i]``. Differentiable in ``positions`` (first order), with
         :func:`schnet_energy`'s errors for the rest.
     """
-    return torch.ops.mirage.schnet_energy_all_pairs(atomic_numbers, embedding, positions, float(cutoff),
+    return torch.ops.mirage.schnet_energy_all_pairs(atomic_numbers, embedding, positions,
+                                                    _real(cutoff, "mirage::schnet_energy_all_pairs: cutoff"),
                                                     _integer(num_rbf, "mirage::schnet_energy_all_pairs: num_rbf"),
                                                     list(weights), _names(activations), prepared, num_pairs)
 
@@ -746,7 +762,7 @@ def schnet_energy_prepare(embedding: Tensor, cutoff: float, num_rbf: int, weight
         a 1-D tensor in the embedding's dtype and device (about 10 MiB for SchNet's 3 interactions
         of 128), to pass as :func:`schnet_energy`'s ``prepared``. Not differentiable.
     """
-    return torch.ops.mirage.schnet_energy_prepare(embedding, float(cutoff),
+    return torch.ops.mirage.schnet_energy_prepare(embedding, _real(cutoff, "mirage::schnet_energy_prepare: cutoff"),
                                                   _integer(num_rbf, "mirage::schnet_energy_prepare: num_rbf"),
                                                   list(weights), _names(activations))
 
@@ -813,9 +829,11 @@ def painn_energy(
         ``RuntimeError``. No autocast policy: it runs in the dtype it is given. Indices outside
         their range: the CPU raises ``RuntimeError``; CUDA returns NaN everywhere.
     """
-    return torch.ops.mirage.painn_energy(atomic_numbers, embedding, pairs, vectors, float(cutoff),
+    return torch.ops.mirage.painn_energy(atomic_numbers, embedding, pairs, vectors,
+                                         _real(cutoff, "mirage::painn_energy: cutoff"),
                                          _integer(num_rbf, "mirage::painn_energy: num_rbf"),
-                                         list(weights), _names(activations), float(norm_eps))
+                                         list(weights), _names(activations),
+                                         _real(norm_eps, "mirage::painn_energy: norm_eps"))
 
 
 @_tensors_required
@@ -937,7 +955,7 @@ def radial_cfconv(
         (gradients too).
     """
     return torch.ops.mirage.radial_cfconv(x, distances, pairs, weight1, bias1, weight2, bias2, activation, basis,
-                                          float(cutoff), envelope, sender_order)[0]
+                                          _real(cutoff, "mirage::radial_cfconv: cutoff"), envelope, sender_order)[0]
 
 
 @_tensors_required
@@ -963,7 +981,9 @@ def verlet_kick_drift(positions: Tensor, velocities: Tensor, forces: Tensor, inv
         differentiable. On CUDA the products may be fused into multiply-adds, so the state can
         differ from the PyTorch composite's in the last bit.
     """
-    return torch.ops.mirage.verlet_kick_drift(positions, velocities, forces, inverse_masses, kick, drift, dtype)
+    return torch.ops.mirage.verlet_kick_drift(positions, velocities, forces, inverse_masses,
+                                              _real(kick, "mirage::verlet_kick_drift: kick"),
+                                              _real(drift, "mirage::verlet_kick_drift: drift"), dtype)
 
 
 @_tensors_required
@@ -995,8 +1015,8 @@ def verlet_forces_kick(velocities: Tensor, forces: Tensor, energy: Tensor, grad:
 
     Not differentiable; returns nothing.
     """
-    torch.ops.mirage.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses, kick,
-                                        pair_count, pair_count_range)
+    torch.ops.mirage.verlet_forces_kick(velocities, forces, energy, grad, model_energy, inverse_masses,
+                                        _real(kick, "mirage::verlet_forces_kick: kick"), pair_count, pair_count_range)
 
 
 @_tensors_required
@@ -1023,7 +1043,9 @@ def verlet_forces_kick_drift(positions: Tensor, velocities: Tensor, forces: Tens
         The updated positions as a new ``(N, 3)`` tensor in ``dtype``. Not differentiable.
     """
     return torch.ops.mirage.verlet_forces_kick_drift(positions, velocities, forces, energy, grad, model_energy,
-                                                     inverse_masses, kick, drift, dtype, pair_count, pair_count_range)
+                                                     inverse_masses, _real(kick, "mirage::verlet_forces_kick_drift: kick"),
+                                                     _real(drift, "mirage::verlet_forces_kick_drift: drift"), dtype,
+                                                     pair_count, pair_count_range)
 
 
 # torch.compile cannot trace the precision getters (they are C functions): it runs this at

@@ -213,6 +213,59 @@ def test_wrappers_refuse_a_bool_for_a_count(call, where):
             call(flag)
 
 
+_T = torch.zeros(1)
+_REAL_ARGUMENTS = [
+    (mirage.ops.group_norm, dict(x=_T, num_groups=1), "eps", "group_norm"),
+    (mirage.ops.layer_norm, dict(x=_T), "eps", "layer_norm"),
+    (mirage.ops.layer_norm, dict(x=_T, residual=_T), "eps", "add_layer_norm"),
+    (mirage.ops.bias_act, dict(x=_T), "scale", "bias_act"),
+    (mirage.ops.neighbor_list, dict(positions=_T, max_pairs=4), "cutoff", "neighbor_list"),
+    (mirage.ops.radial_basis, dict(distances=_T, kind="gaussian", num=2, cutoff_fn="cosine"), "cutoff", "radial_basis"),
+    (mirage.ops.painn_update_input, dict(s=_T, vv=_T), "eps", "painn_update_input"),
+    (mirage.ops.schnet_energy, dict(atomic_numbers=_T, embedding=_T, pairs=_T, vectors=_T, num_rbf=2, weights=[],
+                                    activations=[]), "cutoff", "schnet_energy"),
+    (mirage.ops.schnet_energy_all_pairs, dict(atomic_numbers=_T, embedding=_T, positions=_T, num_rbf=2, weights=[],
+                                              activations=[]), "cutoff", "schnet_energy_all_pairs"),
+    (mirage.ops.schnet_energy_prepare, dict(embedding=_T, num_rbf=2, weights=[], activations=[]), "cutoff",
+     "schnet_energy_prepare"),
+    (mirage.ops.painn_energy, dict(atomic_numbers=_T, embedding=_T, pairs=_T, vectors=_T, cutoff=5.0, num_rbf=2,
+                                   weights=[], activations=[]), "norm_eps", "painn_energy"),
+    (mirage.ops.painn_energy, dict(atomic_numbers=_T, embedding=_T, pairs=_T, vectors=_T, num_rbf=2, weights=[],
+                                   activations=[]), "cutoff", "painn_energy"),
+    (mirage.ops.radial_cfconv, dict(x=_T, distances=_T, pairs=_T, weight1=_T, bias1=_T, weight2=_T, bias2=_T),
+     "cutoff", "radial_cfconv"),
+    (mirage.ops.verlet_kick_drift, dict(positions=_T, velocities=_T, forces=_T, inverse_masses=_T, drift=1.0), "kick",
+     "verlet_kick_drift"),
+    (mirage.ops.verlet_kick_drift, dict(positions=_T, velocities=_T, forces=_T, inverse_masses=_T, kick=1.0), "drift",
+     "verlet_kick_drift"),
+    (mirage.ops.verlet_forces_kick, dict(velocities=_T, forces=_T, energy=_T, grad=_T, model_energy=_T,
+                                         inverse_masses=_T), "kick", "verlet_forces_kick"),
+    (mirage.ops.verlet_forces_kick_drift, dict(positions=_T, velocities=_T, forces=_T, energy=_T, grad=_T,
+                                               model_energy=_T, inverse_masses=_T, drift=1.0), "kick",
+     "verlet_forces_kick_drift"),
+    (mirage.ops.verlet_forces_kick_drift, dict(positions=_T, velocities=_T, forces=_T, energy=_T, grad=_T,
+                                               model_energy=_T, inverse_masses=_T, kick=1.0), "drift",
+     "verlet_forces_kick_drift"),
+]
+
+
+@pytest.mark.parametrize("wrapper, arguments, name, op", _REAL_ARGUMENTS,
+                         ids=[f"{op}-{name}" for _, _, name, op in _REAL_ARGUMENTS])
+def test_wrappers_refuse_a_bool_or_a_string_for_a_real(wrapper, arguments, name, op):
+    # PyTorch's schemas read True as 1.0: neighbor_list listed the pairs closer than 1.
+    for value in (True, torch.tensor(True), "5.0", torch.ones(2)):
+        with pytest.raises(TypeError, match=f"^mirage::{op}: {name} must be a real number, got"):
+            wrapper(**arguments, **{name: value})
+
+
+def test_real_arguments_take_numpy_floats_ints_and_0_dim_tensors():
+    np = pytest.importorskip("numpy")
+    positions = torch.tensor([[0.0, 0.0, 0.0], [1.5, 0.0, 0.0], [0.0, 2.5, 0.0]])
+    for cutoff in (2.0, 2, np.float32(2.0), np.int64(2), torch.tensor(2.0)):
+        assert mirage.ops.neighbor_list(positions, cutoff, max_pairs=8).num_pairs.item() == 2, cutoff
+    assert mirage.ops.neighbor_list(positions, 3.0, max_pairs=8).num_pairs.item() == 6  # every pair both ways
+
+
 def test_counts_take_numpy_integers_and_refuse_bools():
     """Every count argument is read by one rule (mirage._arguments.count): NumPy's integers are
     ints, True is not 1 (the MD driver refused it while optimize, GraphCache and GroupNorm took it)."""
