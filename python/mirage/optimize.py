@@ -8,6 +8,7 @@ reported with the reason (:func:`report`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import re
 import sys
@@ -206,7 +207,13 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
         visited[id(module)] = (module, replacement)
         return replacement
 
-    return visit(root, "")
+    try:
+        return visit(root, "")
+    finally:
+        # visit's closure holds visit itself, a cycle only the garbage collector frees: without
+        # this the modules swapped out, weights and all (110 MiB of the SD-1.5 U-Net's attention
+        # projections), would stay allocated until its next run.
+        visited.clear()
 
 
 def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
@@ -227,6 +234,12 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
 def _fuse_patterns(model: nn.Module, result: "OptimizeReport", sealed: Dict[int, nn.Module]) -> nn.Module:
     """Stage 2: plain-PyTorch patterns (conv+BN(+act), GroupNorm→SiLU, q/k/v attention) via FX."""
     fused = fuse(model, sealed=sealed)
+    # torch.fx's Proxy.__iter__ (`B, C, H, W = x.shape` in a traced forward) keeps its own frame in
+    # a local, a reference cycle that holds the whole stack of the trace, the model passed in
+    # included, until the garbage collector's next full pass: the modules this pass replaced,
+    # weights and all, would stay allocated after the caller lets go of them. One pass here
+    # (0.1-0.3 s) frees them now.
+    gc.collect()
     result.swaps.extend(fused.swaps)
     result.left_alone.extend(fused.skipped)
     return fused.module
