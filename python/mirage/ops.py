@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import numbers
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
@@ -216,6 +217,11 @@ class NeighborList(NamedTuple):
     num_pairs: Tensor  #: ``(1,)`` int64: the true count, which may exceed ``P``
 
 
+# _FOLDED_TAPS[parity][offset]: the 3x3 kernel's taps along one axis that read the small image's
+# pixel at that offset (0: the row or column before, 1: the pixel's own) after nearest 2x upsampling.
+_FOLDED_TAPS = (((0,), (1, 2)), ((0, 1), (2,)))
+
+
 @_tensors_required
 def subpixel_weight(weight: Tensor) -> Tensor:
     """A 3x3 convolution kernel that follows nearest 2x upsampling, as four 2x2 kernels on the
@@ -241,15 +247,19 @@ def subpixel_weight(weight: Tensor) -> Tensor:
     if not weight.is_floating_point():
         raise RuntimeError(f"mirage.ops.subpixel_weight: weight must be floating point, got {weight.dtype}")
     compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    # taps[parity, small-image offset, kernel tap]: which kernel taps read each 2x2 offset.
-    taps = torch.tensor([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], dtype=compute, device=weight.device)
-    # Not under autocast, which would run the einsum in float16/bfloat16; on a copy, which views
-    # can be taken of (not of a weight whose storage was made under inference mode).
-    with torch.autocast(weight.device.type, enabled=False):
-        folded = torch.einsum("pay,qbx,oiyx->pqoiab", taps, taps, weight.to(compute, copy=True))
-    folded = folded.reshape(4 * weight.shape[0], weight.shape[1], 2, 2).to(weight.dtype)
-    if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
-        folded = folded.contiguous(memory_format=torch.channels_last)
+    c_out, c_in = weight.shape[:2]
+    layout = (torch.channels_last if weight.is_contiguous(memory_format=torch.channels_last)
+              and not weight.is_contiguous() else torch.contiguous_format)
+    folded = torch.empty(4 * c_out, c_in, 2, 2, dtype=weight.dtype, device=weight.device, memory_format=layout)
+    parts = folded.view(2, 2, c_out, c_in, 2, 2)  # [row parity, column parity, out, in, row tap, column tap]
+    # One (C_out, C_in) sum at a time, written into the result, so that the temporaries are a
+    # few such slices: an einsum formed the whole fold in float32 at once, beside the weight's
+    # float32 copy, and its batched matmul took a cuBLAS workspace of the stream (32 MiB on an H200).
+    # Views are taken of a copy: not of a weight whose storage was made under inference mode.
+    source = weight.clone()
+    for p, q, a, b in itertools.product(range(2), repeat=4):
+        taps = [source[:, :, y, x].to(compute) for y in _FOLDED_TAPS[p][a] for x in _FOLDED_TAPS[q][b]]
+        parts[p, q, :, :, a, b] = functools.reduce(torch.add, taps)
     return folded
 
 
