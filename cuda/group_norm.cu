@@ -799,7 +799,15 @@ bool resident_spans_plan(const GroupNormParams& p, int64_t group_vecs, Plan& pla
   a.chunk_size = ceil_div(group_vecs, sms / ng);
   a.chunks = static_cast<int>(ceil_div(group_vecs, a.chunk_size));
   const int64_t bytes = a.chunk_size * 16 + p.channels / p.groups * sizeof(float2);
-  if (!resident_fits(static_cast<size_t>(bytes))) return false;
+  // The kernel's own __shared__ variables count against the same limit as the tile: without
+  // them a tile within 264 bytes of it passed here and the launch failed ("invalid argument").
+  static const size_t static_bytes = [] {
+    cudaFuncAttributes attributes{};  // the same for every instance: read from one
+    if (cudaFuncGetAttributes(&attributes, group_norm_resident_spans_kernel<float, float, 4>) != cudaSuccess)
+      cudaGetLastError();  // not fatal: the launch reports a real fault
+    return attributes.sharedSizeBytes;
+  }();
+  if (!resident_fits(static_cast<size_t>(bytes) + static_bytes)) return false;
   plan.shared_bytes = static_cast<size_t>(bytes);
   plan.grid = dim3(static_cast<unsigned>(ng * a.chunks));
   plan.block = dim3(kResidentThreads);

@@ -95,6 +95,27 @@ def test_cuda_group_wider_than_the_block(layout):
 
 
 @pytest.mark.cuda
+def test_cuda_spans_at_the_shared_memory_limit():
+    """NCHW groups split over two blocks each, every block's tile sized to end within the resident
+    kernel's own __shared__ bytes (264) of the device's per-block limit: the plan counted the tile
+    alone, so the launch failed ("invalid argument") where the tile fits and the kernel does not.
+    On an H200 (132 SMs, 232,448 bytes) the shape is (2, 1280, 5800, 1)."""
+    properties = torch.cuda.get_device_properties(0)
+    sms, limit = properties.multi_processor_count, properties.shared_memory_per_block_optin
+    if sms < 128:
+        pytest.skip("needs 128 multiprocessors: two blocks for each of 64 groups")
+    # 2 x 32 groups of 40 channels: (5 HW) 16-byte vectors a group, ceil(5 HW / (sms // 64)) a block.
+    blocks = sms // 64
+    hw = ((limit - 320) // 16 * blocks // 5) // 8 * 8
+    tile = -(-5 * hw // blocks) * 16 + 40 * 8
+    assert limit - 264 < tile <= limit, (hw, tile, limit)
+    x = randn(2, 1280, hw, 1, device="cuda", dtype=torch.float16)
+    w, b = randn(1280, device="cuda", dtype=torch.float16), randn(1280, device="cuda", dtype=torch.float16)
+    assert_matches(mirage.ops.group_norm(x, 32, w, b, 1e-5, "silu"), composite, (x, 32, w, b, 1e-5, "silu"),
+                   torch.float16, reduction=True)
+
+
+@pytest.mark.cuda
 def test_cuda_agrees_with_cpu_reference():
     x = randn(2, 48, 9, 11).contiguous(memory_format=torch.channels_last)
     w, b = randn(48), randn(48)
