@@ -17,6 +17,7 @@ namespace {
 void run_layer_norm(std::string_view op, const at::Tensor& x, const at::Tensor& residual,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                     double eps, int64_t dim, at::Tensor& y, at::Tensor& sum) {
+  if (x.numel() == 0) return;  // an empty output, as on the CPU, whatever the last dimension's size
   const auto kernel_dtype = to_kernel_dtype(x.scalar_type());
   MIRAGE_CHECK(dim <= cuda::layer_norm_max_dim(kernel_dtype), op,
               ": x's last dimension must be at most ", cuda::layer_norm_max_dim(kernel_dtype),

@@ -80,6 +80,10 @@ def test_cuda_rejects_rows_longer_than_registers_hold():
 def test_empty_and_nan(device):
     assert mirage.ops.layer_norm(torch.empty(0, 5, device=device)).shape == (0, 5)
     assert mirage.ops.layer_norm(torch.empty(3, 0, device=device)).shape == (3, 0)
+    # No rows: empty whatever the row length, which CUDA would otherwise refuse past 16384.
+    assert mirage.ops.layer_norm(torch.empty(0, 20000, device=device)).shape == (0, 20000)
+    out, total = mirage.ops.layer_norm(torch.empty(0, 20000, device=device), residual=torch.empty(0, 20000, device=device))
+    assert out.shape == total.shape == (0, 20000)
     x = randn(4, 9, device=device)
     x[2, 3] = float("nan")
     y = mirage.ops.layer_norm(x)
