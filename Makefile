@@ -27,12 +27,15 @@ $(VENV)/.ready: Makefile
 	  diffusers==$(DIFFUSERS_VERSION) ase==$(ASE_VERSION)
 	touch $@
 
-# Debian's Catch2 (v2) for the C++ tests and ccache for rebuilds; installed when missing.
+# Debian's Catch2 (v2 or v3) for the C++ tests, ccache for rebuilds, and Python's headers for the
+# extension module (python3-dev; a python3 of its own, pyenv's say, has them); installed when missing.
 system-deps:
-	@if [ ! -f /usr/include/catch2/catch.hpp ] || ! command -v ccache >/dev/null || ! command -v ninja >/dev/null; then \
-	  echo "mirage: installing catch2, ccache and ninja with apt-get"; \
+	@if { [ ! -f /usr/include/catch2/catch.hpp ] && [ ! -f /usr/include/catch2/catch_all.hpp ]; } || \
+	    ! command -v ccache >/dev/null || ! command -v ninja >/dev/null || \
+	    ! $(PYTHON) -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
+	  echo "mirage: installing catch2, ccache, ninja and python3-dev with apt-get"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq catch2 ccache ninja-build >/dev/null; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq catch2 ccache ninja-build python3-dev >/dev/null; \
 	fi
 
 # Builds (incrementally, in $(BUILD_DIR)) and installs the package into the venv, C++ tests too.

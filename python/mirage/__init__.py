@@ -20,8 +20,10 @@ def _check_torch_version(built: str, running: str) -> None:
     if built != running:
         raise ImportError(
             f"mirage was built against torch {built}, but torch {running} is installed. "
-            "Rebuild mirage for this torch: `pip install --no-build-isolation --no-deps "
-            "--force-reinstall mirage-ops` (from a checkout: `pip install --no-build-isolation -e .`)."
+            "Rebuild mirage for this torch: from its checkout, `pip install --no-build-isolation --no-deps "
+            "--force-reinstall .` (or `make install`); from the package index, `pip install --no-build-isolation "
+            "--no-deps --force-reinstall --no-cache-dir mirage-ops` (without --no-cache-dir pip reinstalls the "
+            "wheel it built before)."
         )
 
 
