@@ -362,8 +362,9 @@ struct NeighborListFunction : torch::autograd::Function<NeighborListFunction> {
     const at::Tensor cell_or_undefined = value_or_undefined(cell);
     save_inputs(ctx, {positions, cell_or_undefined, value_or_undefined(batch), pairs, shifts, num_pairs});
     ctx->saved_data["cutoff"] = cutoff;
-    // Without a cell the shifts are constants (zero or padding).
-    if (cell_or_undefined.defined()) {
+    // Without a cell that requires grad the shifts are constants (zero, padding, or images of a
+    // constant cell): no graph behind them.
+    if (cell_or_undefined.defined() && cell_or_undefined.requires_grad()) {
       ctx->mark_non_differentiable({pairs, num_pairs});
     } else {
       ctx->mark_non_differentiable({pairs, shifts, num_pairs});

@@ -312,6 +312,21 @@ def test_gradcheck_positions_and_cell(name, pbc):
     assert torch.autograd.gradgradcheck(fn, (pos, cell))
 
 
+def test_a_constant_cell_gives_constant_shifts():
+    """Positions that require grad in a cell that does not: the distances are differentiable (to
+    second order), the shifts, images of the constant cell, are constants with no graph behind."""
+    cell_values, cutoff = CELLS["triclinic"]
+    pos = random_in_cell(7, cell_values)
+    cell, flags = tensor(cell_values), torch.tensor(PBCS[0])
+    cutoff = cutoff_in_a_gap(pos, cutoff, cell, flags)
+    pos.requires_grad_()
+    result = mirage.ops.neighbor_list(pos, cutoff, cell, flags, max_pairs=200)
+    assert not result.shifts.requires_grad and result.distances.requires_grad
+    fn = lambda pos: mirage.ops.neighbor_list(pos, cutoff, cell, flags, max_pairs=200).distances  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (pos,))
+    assert torch.autograd.gradgradcheck(fn, (pos,))
+
+
 def test_gradcheck_open_batch():
     pos = random_molecule(9, side=3.0)
     batch = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1])
