@@ -44,13 +44,18 @@ def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
+def _is_bool(value: Any) -> bool:
+    """A Python, NumPy or tensor bool, which PyTorch's schemas would take as 1 or 1.0."""
+    return (isinstance(value, bool) or type(value).__name__ == "bool_"
+            or (isinstance(value, torch.Tensor) and value.dtype == torch.bool))
+
+
 def _integer(value: Any, where: str) -> int:
     """``value`` as an int (ints, NumPy ints, integer 0-dim tensors); a float, a bool or anything
     else raises, naming ``where`` (``"mirage::op: argument"``), where ``int()`` would truncate 4.7
     to 4 and the operators would take True as 1."""
     try:
-        if isinstance(value, bool) or type(value).__name__ == "bool_" or (
-                isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        if _is_bool(value):
             raise TypeError
         return operator.index(value)
     except TypeError:
@@ -61,11 +66,11 @@ def _real(value: Any, where: str) -> Any:
     """``value`` as the operators' float argument: Python and NumPy reals, or a real 0-dim tensor
     (passed on as it is); a bool or anything else raises, naming ``where``
     (``"mirage::op: argument"``), where the operators would take True as 1.0."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and not value.dtype.is_complex and value.dtype != torch.bool:
+    if not _is_bool(value):
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
             return value
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_":
-        return float(value)
+        if isinstance(value, numbers.Real):  # Python's and NumPy's; never a tensor
+            return float(value)
     raise TypeError(f"{where} must be a real number, got {type(value).__name__} {value!r}")
 
 
@@ -343,7 +348,8 @@ def neighbor_list(
     distances in every entry and ``num_pairs = -1``.
     """
     return NeighborList(*torch.ops.mirage.neighbor_list(
-        positions, _real(cutoff, "mirage::neighbor_list: cutoff"), cell, pbc, batch, _integer(max_pairs, "mirage::neighbor_list: max_pairs"), half, method))
+        positions, _real(cutoff, "mirage::neighbor_list: cutoff"), cell, pbc, batch,
+        _integer(max_pairs, "mirage::neighbor_list: max_pairs"), half, method))
 
 
 @_tensors_required
