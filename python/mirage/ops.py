@@ -1090,7 +1090,7 @@ def cfconv_supported(num_rbf: int, hidden: int, width: int, device: Union[str, t
     ``width`` outputs on ``device`` (False for sizes below 1): on the CPU always; on CUDA when ``hidden == width`` is 64 or
     128, ``num_rbf <= 64`` and the GPU has TF32 tensor cores (sm_80 on) and the shared memory per
     block the kernels keep their operands in: 147-205 KiB at width 128 (R from 1 to 64: Hopper's
-    227 KiB takes them all, an A100's 163 KiB R <= 16), 63-105 KiB at width 64."""
+    227 KiB takes them all, an A100's 163 KiB R <= 24, RTX 30xx-40xx's 99 KiB none), 63-105 KiB at width 64."""
     return _supported("cfconv_supported", num_rbf, hidden, width, device)
 
 

@@ -179,6 +179,8 @@ ATOMS, COUNT = 700, MIN_PAIRS + 808  # long enough for the CUDA backwards to wal
 
 
 def problem(name, device, dtype=torch.float32, count=COUNT):
+    if name == "cfconv" and device == "cuda" and not mirage.ops.cfconv_supported(20, 128, 128, "cuda"):
+        pytest.skip("cfconv at width 128 needs more shared memory a block than this GPU has (an sm_86/sm_89 GPU)")
     pairs = receiver_sorted_pairs(ATOMS, count, device)
     return pairs, PROBLEMS[name](ATOMS, pairs, dtype)
 
