@@ -198,6 +198,25 @@ def _keyed(args: Sequence[Any], kwargs: Dict[str, Any], who: str) -> Tuple[List[
     return leaves, key
 
 
+class _StreamOrder:
+    """Orders the calls of graphs that share static buffers or a memory pool across CUDA streams:
+    a call on another stream than the last one's first waits for everything queued there (the
+    last replay still reading its inputs, writing the pool), as one stream would. Calls on one
+    stream, the usual case, pay a stream query."""
+
+    def __init__(self) -> None:
+        self._last: Optional[torch.cuda.Stream] = None
+
+    def join(self, leaves: Sequence[Any]) -> None:
+        device = next((leaf.device for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda), None)
+        if device is None:  # no CUDA input (the tests' stand-in for a graph): nothing to order
+            return
+        stream = torch.cuda.current_stream(device)
+        if self._last is not None and self._last != stream:
+            stream.wait_stream(self._last)
+        self._last = stream
+
+
 def _load(buffers: Sequence[Tensor], leaves: Sequence[Any]) -> None:
     """Copies a call's tensors (its leaves, in flattening order) into a graph's static input
     buffers, one per tensor, skipping any that already is its buffer."""
@@ -324,6 +343,7 @@ class CapturedGraph:
         self.signature = signature(args, kwargs, who)
         device = _capture_device(leaves, names, who)
         self.copy_outputs = copy_outputs
+        self._order = _StreamOrder()
         self._fn_name = getattr(fn, "__qualname__", type(fn).__name__)
         tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         # preserve_format keeps the caller's strides for dense inputs; expanded (stride 0) inputs
@@ -392,6 +412,7 @@ class CapturedGraph:
                 "signature (tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
                 "capture a new graph, or use mirage.graphs.GraphCache to do so automatically"
             )
+        self._order.join(leaves)
         _load(self._static_inputs, leaves)
         return self.replay()
 
@@ -533,12 +554,14 @@ class GraphCache:
         self.hits = self.misses = self.evictions = 0
         self.capture_seconds = 0.0
         self._fresh: Set[Hashable] = set()  # keys of graphs captured by prepare() and not replayed yet
+        self._order = _StreamOrder()  # the graphs share one pool
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` by replaying the graph for this signature (captured if new)."""
         # The arguments are flattened once a call: the graph is replayed through the capture
         # protocol (static_inputs, replay), not called, which would flatten them again.
         leaves, key = _keyed(args, kwargs, "mirage.graphs.GraphCache")
+        self._order.join(leaves)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._capture_new(key, args, kwargs)

@@ -415,6 +415,10 @@ class OptimizedModule(nn.Module):
         # Modules holding weights derived from others (mirage.nn.Upsample2D's folded kernels):
         # a graph replay skips their forward, so they check for changed weights here.
         self._derived = [m for m in module.modules() if hasattr(m, "refresh_derived_weights")]
+        # Modules whose forward branches on Python settings a user may change after a graph was
+        # captured (mirage.nn.UpBlock2D's FreeU factors, set by diffusers' enable_freeu): their
+        # graph_key() joins each call's graph signature, so a change captures a new graph.
+        self._keyed = [m for m in module.modules() if hasattr(m, "graph_key")]
         self.register_load_state_dict_post_hook(_release_graphs_of_replaced_weights)
         self._weights_at = _addresses(module)  # where the graphs read the weights (see _apply)
 
@@ -489,7 +493,17 @@ class OptimizedModule(nn.Module):
 
     def _call(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         if self.graphs is not None and not self._graphs_paused:
-            return self.graphs(*args, **kwargs)
+            if self._keyed:
+                kwargs = {**kwargs, _SETTINGS_KEY: tuple(m.graph_key() for m in self._keyed)}
+            try:
+                return self.graphs(*args, **kwargs)
+            except (ValueError, RuntimeError) as error:
+                # mirage.graphs' own refusals (a CPU input, an argument it cannot key) name
+                # mirage.graphs, which the caller of an optimized model never called.
+                if error.args and isinstance(error.args[0], str) and error.args[0].startswith("mirage.graphs"):
+                    error.args = (f"{error.args[0]}\n(mirage.optimize runs the model's forward in CUDA graphs; "
+                                  "optimize(model, cuda_graph=False) runs it without them)", *error.args[1:])
+                raise
         return self._run(*args, **kwargs)
 
     def _without_channels_last(self, args: Sequence[Any], kwargs: Dict[str, Any], error: RuntimeError) -> Any:
@@ -521,6 +535,7 @@ class OptimizedModule(nn.Module):
             self.graphs.clear()
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop(_SETTINGS_KEY, None)  # a part of the graphs' signature only (_call)
         if self.autocast_dtype is None:
             return self.module(*args, **kwargs)
         device_type = self._device_type(args, kwargs)
@@ -617,6 +632,10 @@ def _on_one_cuda_device(model: nn.Module) -> bool:
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
+# The keyword under which OptimizedModule._call passes its modules' graph_key() values to the graphs.
+_SETTINGS_KEY = "_mirage_module_settings"
+
+
 def _graph_cache(optimized: "OptimizedModule", max_graphs: int, verbose: bool) -> GraphCache:
     """The graphs of ``optimized``'s forward. Its ``_run`` reached through a weak reference: the
     bound method would make a cycle (module, cache, method, module) that keeps the model and its
@@ -624,7 +643,11 @@ def _graph_cache(optimized: "OptimizedModule", max_graphs: int, verbose: bool) -
     owner = weakref.ref(optimized)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return owner()._run(*args, **kwargs)
+        model = owner()
+        if model is None:
+            raise RuntimeError("mirage.optimize: this graph cache's model is gone (the cache was kept, the "
+                               "optimized model it belongs to was not); call the model, not its graphs")
+        return model._run(*args, **kwargs)
 
     forward.__qualname__ = f"{type(optimized).__name__}.forward"  # as capture errors name it
     return GraphCache(forward, max_graphs, verbose=verbose)

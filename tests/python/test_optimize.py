@@ -996,6 +996,43 @@ def test_a_to_that_changes_nothing_keeps_the_graphs_and_a_move_off_cuda_pauses_t
         assert optimized.graphs.stats().misses == 1
 
 
+def test_freeu_switched_after_optimize_captures_a_graph_of_its_own():
+    # diffusers' enable_freeu / disable_freeu on an optimized model set the up-blocks' factors,
+    # which their forward reads in Python: a graph captured before once kept its setting.
+    optimized, original = optimized_and_original(tiny_unet2d_condition())
+    optimized.graphs = graphs.GraphCache(optimized._run, 4, capture=GraphStandIn, new_pool=object, verbose=False)
+    sample, timestep, context = unet2d_condition_inputs()
+    factors = dict(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+    with torch.no_grad():
+        plain = optimized(sample, timestep, context).sample
+        optimized.enable_freeu(**factors)
+        original.enable_freeu(**factors)
+        freeu = optimized(sample, timestep, context).sample
+        torch.testing.assert_close(freeu, original(sample, timestep, context).sample, **MODEL_TOLERANCE)
+        assert optimized.graphs.stats().misses == 2
+        optimized.disable_freeu()
+        torch.testing.assert_close(optimized(sample, timestep, context).sample, plain)
+    assert (optimized.graphs.stats().misses, optimized.graphs.stats().hits) == (2, 1)
+    assert (freeu - plain).abs().max() > 1e-3
+
+
+@pytest.mark.cuda
+def test_graph_refusals_of_an_optimized_model_say_how_to_run_without_graphs():
+    optimized, _ = optimized_and_original(PlainNet().cuda(), cuda_graph=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"input args\[0\] is on cpu(.|\n)*cuda_graph=False"):
+        optimized(randn(2, 3, 8, 8))
+
+
+@pytest.mark.cuda
+def test_a_graph_cache_kept_without_its_model_says_so():
+    optimized, _ = optimized_and_original(PlainNet().cuda(), cuda_graph=True)
+    cache = optimized.graphs
+    del optimized
+    gc.collect()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="this graph cache's model is gone"):
+        cache(randn(2, 3, 8, 8, device="cuda"))
+
+
 @pytest.mark.cuda
 def test_a_model_moved_to_the_cpu_runs_eagerly_and_captures_again_back_on_the_gpu():
     optimized, original = optimized_and_original(PlainNet().cuda(), cuda_graph=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +61,12 @@ class UpBlock2D(nn.Module):
             if getattr(block, attribute, None) is not None:
                 setattr(fused, attribute, getattr(block, attribute))
         return fused.train(block.training)
+
+    def graph_key(self) -> Tuple[Any, ...]:
+        """FreeU's factors, which the forward reads in Python: diffusers' enable_freeu and
+        disable_freeu set them on a model already optimized, and a CUDA graph captured before
+        would keep the old ones (mirage.optimize adds this to each call's graph signature)."""
+        return tuple(getattr(self, name, None) for name in ("s1", "s2", "b1", "b2"))
 
     def forward(self, hidden_states: Tensor, res_hidden_states_tuple: Sequence[Tensor], temb: Optional[Tensor] = None,
                 upsample_size: Optional[Sequence[int]] = None, *args, **kwargs) -> Tensor:
