@@ -150,7 +150,8 @@ def time_whole_model(name: str, sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
     """µs per energy+forces (a CUDA graph of 20 calls) of mirage's model `name` in eval mode on
     random molecules at liquid density (open boundaries, 0.1 atoms/Å^3): its one-op path
     (mirage::schnet_energy, mirage::painn_energy) against the layer-by-layer path, which places
-    the model's whole_model_max_pairs and whole_model_max_atoms."""
+    the model's whole_model_max_pairs and whole_model_max_atoms (with MIRAGE_CLUSTER_LIMIT=1 the op
+    runs as one block, as below sm_90: its one_block_max_pairs and one_block_max_atoms)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     fused = mirage.ff.optimize(MODELS[name](**MODEL_CONFIG).to(device)).eval()
@@ -158,8 +159,9 @@ def time_whole_model(name: str, sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
     print(f"{'atoms':>6} {'capacity':>9} {'one op':>11} {'layers':>8}")
     for n in sizes:
         radius = (3 * n / (4 * math.pi * 0.1)) ** (1 / 3)
-        points = torch.randn(4 * n, 3, dtype=torch.float64)
+        points = torch.randn(max(8 * n, 64), 3, dtype=torch.float64)  # about 30% fall in the ball
         points = points[points.norm(dim=1) < 1.2][:n] * radius / 1.2  # uniform enough in a ball
+        assert points.shape[0] == n, "too few draws in the ball"
         positions = points.to(device, torch.float32)
         z = torch.randint(1, 10, (positions.shape[0],), device=device)
         fused.max_pairs = None
@@ -167,10 +169,11 @@ def time_whole_model(name: str, sizes=(12, 16, 18, 20, 24, 48, 96)) -> None:
         times = []
         for limit in (1 << 30, 0):
             fused.whole_model_max_pairs = fused.whole_model_max_atoms = limit
+            fused.one_block_max_pairs = fused.one_block_max_atoms = limit
             times.append(time_in_graph(lambda: energy_and_forces(lambda q: fused(z, q), positions), [()],
                                        calls=20, repeats=5))
         print(f"{positions.shape[0]:>6} {fused.max_pairs:>9} {times[0]:>11.1f} {times[1]:>8.1f}")
-    del fused.whole_model_max_pairs, fused.whole_model_max_atoms
+    del fused.whole_model_max_pairs, fused.whole_model_max_atoms, fused.one_block_max_pairs, fused.one_block_max_atoms
 
 
 def md_timeline(model_name: str, steps: int = 10, listed: int = 40, device: str = "cuda") -> None:
@@ -222,6 +225,8 @@ def main() -> None:
                              "and layers, TF32 off and on")
     parser.add_argument("--whole-model", action="store_true",
                         help="only time each model's one-op path against its layers over molecule sizes")
+    parser.add_argument("--atoms", default="12,16,18,20,24,48,96",
+                        help="--whole-model: comma list of molecule sizes (atoms)")
     parser.add_argument("--md", action="store_true",
                         help="only list the kernels of a mirage.ff.md replay on benzene, as its CUDA graph runs them")
     opts = parser.parse_args()
@@ -234,7 +239,7 @@ def main() -> None:
         return
     if opts.whole_model:
         for name in opts.models:
-            time_whole_model(name)
+            time_whole_model(name, [int(n) for n in opts.atoms.split(",")])
         return
     if opts.fused_interactions:
         time_fused_interactions()

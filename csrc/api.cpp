@@ -96,6 +96,17 @@ bool overlapped_launches(const c10::Device& device) {
 #endif
 }
 
+bool whole_model_clusters(const c10::Device& device) {
+#if MIRAGE_WITH_CUDA
+  if (!usable(device)) return false;
+  const c10::cuda::CUDAGuard guard(device);
+  return cuda::whole_model_clusters();
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps,

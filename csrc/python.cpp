@@ -43,4 +43,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "overlapped_launches", [](const std::string& device) { return mirage::overlapped_launches(c10::Device(device)); },
       "Whether mirage's kernels are launched overlapped on this device (a torch device string).");
+  m.def(
+      "whole_model_clusters", [](const std::string& device) { return mirage::whole_model_clusters(c10::Device(device)); },
+      "Whether the whole-model force-field ops run as a thread-block cluster on this device (a torch device string).");
 }

@@ -484,17 +484,17 @@ __device__ inline void total_energy(float* energy, const float* parts) {
 }
 
 // The largest cluster (at most kMaxCluster blocks of kThreads) this device runs kKernel in, 1
-// below sm_90; cached per kernel (a template instance each) and device.
+// below sm_90 (and at most MIRAGE_CLUSTER_LIMIT); cached per kernel (a template instance each)
+// and device.
 template <auto kKernel>
 int cluster_limit() {
   static std::atomic<int> cached[64] = {};  // 0 unknown (as overlapped_launches' cache)
-  int device = 0, major = 0;
+  int device = 0;
   cudaGetDevice(&device);
   const int known = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
   if (known > 0) return known;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   int limit = 1;
-  if (major >= 9) {
+  if (whole_model_clusters()) {
     limit = 8;  // portable
     if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
       cudaLaunchConfig_t config{};
@@ -505,6 +505,7 @@ int cluster_limit() {
         limit = std::min(most, kMaxCluster);
     }
     cudaGetLastError();  // a refused query leaves the portable size; clear its error
+    if (cluster_limit_from_env() > 1) limit = std::min(limit, cluster_limit_from_env());
   }
   if (device < 64) cached[device].store(limit, std::memory_order_relaxed);
   return limit;

@@ -2,6 +2,7 @@
 // Host-includable: no device code and no torch here (ARCHITECTURE.md rule 1).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -41,6 +42,27 @@ inline bool overlapped_launches() {
   const bool overlap = allowed && major >= 9;
   if (device < 64) cached[device].store(overlap ? 2 : 1, std::memory_order_relaxed);
   return overlap;
+}
+
+// MIRAGE_CLUSTER_LIMIT=n in the environment (read once a process) caps the clusters of the
+// whole-model kernels (schnet_energy, painn_energy) at n blocks; 1 runs them as one block with a
+// plain launch, as below sm_90, so that that path can be tested and timed on Hopper. 0 when unset
+// or not a positive number (no cap).
+inline int cluster_limit_from_env() {
+  static const int limit = [] {
+    const char* env = std::getenv("MIRAGE_CLUSTER_LIMIT");
+    return env != nullptr ? std::max(0, std::atoi(env)) : 0;
+  }();
+  return limit;
+}
+
+// Whether the whole-model kernels run as thread-block clusters on the current device (compute
+// capability 9.0 on, unless MIRAGE_CLUSTER_LIMIT=1), or as one block.
+inline bool whole_model_clusters() {
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  return major >= 9 && cluster_limit_from_env() != 1;
 }
 
 }  // namespace mirage::cuda

@@ -275,6 +275,16 @@ class OpCounter(TorchDispatchMode):
 ZERO_FILLS = frozenset({"aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.fill_", "aten.zero_"})
 
 
+def skip_unless_whole_model_clusters():
+    """For tests of the whole-model ops' limits on Hopper (whole_model_max_pairs, ..._atoms): where
+    those ops run as one block (before sm_90, or MIRAGE_CLUSTER_LIMIT=1) the models use their
+    one_block_max_pairs and one_block_max_atoms instead (test_ff_optimize.py checks that choice)."""
+    from mirage.ff.fused import _whole_model_clusters
+
+    if not _whole_model_clusters(f"cuda:{torch.cuda.current_device()}"):
+        pytest.skip("the whole-model ops run as one block on this GPU (limits of their own)")
+
+
 def energy_forces_and_ops(model, numbers, positions, training):
     """(energy, forces, ops): a force field's call in training or eval mode, with the operators
     its forward and backward ran (OpCounter's ``calls``); positions must require grad."""

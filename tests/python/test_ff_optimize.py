@@ -334,12 +334,30 @@ def test_painn_norm_eps_is_taken_from_the_model(device):
     energy, forces = energy_and_forces(model, z, pos)
     with OpCounter() as ops:
         fused_energy, fused_forces = energy_and_forces(fused, z, pos)
-    assert ("mirage.painn_energy" in ops.calls) == (device == "cuda"), ops.calls
+    # On the GPU as the whole-model op where it runs as a cluster (sm_90 on); before, PaiNN's layers.
+    whole_model = device == "cuda" and mirage.ff.fused._whole_model_clusters(f"cuda:{torch.cuda.current_device()}")
+    assert ("mirage.painn_energy" in ops.calls) == whole_model, ops.calls
     scale = float(forces.abs().max())
     tol = dict(tolerance(dtype)) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_energy, energy, rtol=tol["rtol"], atol=tol["atol"] * max(float(energy.abs()), 1.0))
     torch.testing.assert_close(fused_forces, forces, rtol=tol["rtol"], atol=tol["atol"] * scale)
     assert (default_forces - forces).abs().max() > 100 * tol["atol"] * scale
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("clusters", [True, False], ids=["cluster", "one_block"])
+def test_whole_model_limits_follow_how_the_gpu_runs_the_op(monkeypatch, clusters):
+    """Benzene (12 atoms, 132 pairs) in eval mode: the whole-model ops within the limits of the
+    way the GPU runs them, a cluster from sm_90 on (SchNet 2,560 pairs and 64 atoms, PaiNN 320 and
+    18), one block before (SchNet 132 and 12, PaiNN none: docs/perf/forcefield.md)."""
+    monkeypatch.setattr(mirage.ff.fused, "_whole_model_clusters", lambda device: clusters)
+    for name, op in (("SchNet", "mirage.schnet_energy_all_pairs"), ("PaiNN", "mirage.painn_energy")):
+        fused = swapped(make_reference(name, torch.float32, device="cuda").eval())
+        z, pos, _, _ = system("benzene", torch.float32, "cuda")
+        energy_and_forces(fused, z, pos)  # sizes the capacity
+        with OpCounter() as ops:
+            energy_and_forces(fused, z, pos)
+        assert (op in ops.calls) == (clusters or name == "SchNet"), (name, fused.max_pairs)
 
 
 def test_painn_norm_eps_from_sizes():

@@ -14,7 +14,8 @@ from common import (DEVICES, FF_ACTIVATIONS, OpCounter, ZERO_FILLS, assert_energ
                     assert_energy_op_cuda_index_nans, assert_energy_op_matches_composite,
                     assert_energy_op_pairs_beyond_the_cutoff_add_nothing, assert_energy_op_replays_new_vectors,
                     assert_energy_op_takes_unaligned_weights, assert_error, assert_first_order_only, capture_graph,
-                    energy_forces_and_ops, energy_op_opcheck, onto_atoms, replace_item)
+                    energy_forces_and_ops, energy_op_opcheck, onto_atoms, replace_item,
+                    skip_unless_whole_model_clusters)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -287,6 +288,7 @@ def test_schnet_energy_cuda_device_mismatch():
 
 @pytest.mark.cuda
 def test_fused_schnet_eval_mode_runs_one_kernel_with_the_same_forces():
+    skip_unless_whole_model_clusters()
     from forcefield.benzene import benzene
     from forcefield.models import SchNet
 
@@ -316,6 +318,7 @@ def test_fused_schnet_on_a_molecule_below_every_pair_takes_the_neighbor_list():
     """A molecule whose capacity is below its N (N - 1) pairs (yet holds those within the cutoff:
     114 of benzene's 132 within 4 A): the neighbor list and schnet_energy on its pairs, with the
     energy, forces and count of the all-pairs op."""
+    skip_unless_whole_model_clusters()
     from forcefield.benzene import benzene
     from forcefield.models import SchNet
 
@@ -509,6 +512,7 @@ def test_fused_schnet_prepared_weights_off_cuda_prepare_nothing():
 
 @pytest.mark.cuda
 def test_fused_schnet_prepared_weights():
+    skip_unless_whole_model_clusters()
     model, numbers, positions = _benzene_schnet("cuda")
     plain = model.energy_and_gradient(numbers, positions)
     with OpCounter() as ops, model.prepared_weights():

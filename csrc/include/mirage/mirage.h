@@ -46,6 +46,11 @@ bool fused_filter_supported(int64_t features, int64_t basis, const c10::Device& 
 // unless the environment sets MIRAGE_OVERLAP_LAUNCHES=0 when the library first launches. False off CUDA.
 bool overlapped_launches(const c10::Device& device);
 
+// Whether the whole-model force-field ops (schnet_energy, painn_energy) run as a thread-block
+// cluster on `device` (compute capability 9.0 and later, unless the environment sets
+// MIRAGE_CLUSTER_LIMIT=1) rather than as one block. False off CUDA.
+bool whole_model_clusters(const c10::Device& device);
+
 // GroupNorm over (N, C, *) input, NCHW or channels-last, output in the input's layout;
 // activation is "none" or "silu" (applied after the affine).
 at::Tensor group_norm(const at::Tensor& x, int64_t num_groups,

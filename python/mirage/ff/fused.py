@@ -30,6 +30,7 @@ pair list. Under a capture the caller checks (mirage.ff.Calculator and mirage.ff
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -179,6 +180,16 @@ class _Neighbors(NamedTuple):
     order: Optional[Tensor]
     vectors: Tensor
     distances: Tensor
+
+
+@torch.compiler.assume_constant_result  # a property of the device, fixed per process
+@functools.lru_cache(maxsize=None)  # asked on every forward
+def _whole_model_clusters(device: str) -> bool:
+    """Whether the whole-model ops run as a thread-block cluster on ``device`` (a tensor's device,
+    with its index): sm_90 on, unless MIRAGE_CLUSTER_LIMIT=1; else as one block (docs/ops.md)."""
+    from .. import _C
+
+    return bool(_C.whole_model_clusters(device))
 
 
 class _FusedModel(nn.Module):
@@ -417,12 +428,18 @@ class _FusedModel(nn.Module):
     def _whole_model_kernel(self, atomic_numbers: Tensor, positions: Tensor) -> bool:
         """Whether this forward runs as the model's one whole-model op (mirage::schnet_energy,
         mirage::painn_energy): eval-mode kernels allowed, a capacity and an atom count within the
-        model's whole_model_max_pairs and whole_model_max_atoms, a structure the op takes
-        (:meth:`_whole_model_structure`). Static, never the data, so the choice is graph-safe. The
-        ops take int64 atomic numbers only; nn.Embedding takes int32 too, so those keep the layers."""
-        return (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None
-                and self._max_pairs <= self.whole_model_max_pairs and positions.shape[0] <= self.whole_model_max_atoms
-                and self._whole_model_structure())
+        model's whole_model_max_pairs and whole_model_max_atoms (one_block_max_pairs and
+        one_block_max_atoms where the op runs as one block: GPUs before sm_90), a structure the op
+        takes (:meth:`_whole_model_structure`). Static, never the data, so the choice is
+        graph-safe. The ops take int64 atomic numbers only; nn.Embedding takes int32 too, so those
+        keep the layers."""
+        if not (self._eval_kernels(positions) and atomic_numbers.dtype == torch.int64 and self._max_pairs is not None):
+            return False
+        if _whole_model_clusters(str(positions.device)):
+            max_pairs, max_atoms = self.whole_model_max_pairs, self.whole_model_max_atoms
+        else:
+            max_pairs, max_atoms = self.one_block_max_pairs, self.one_block_max_atoms
+        return self._max_pairs <= max_pairs and positions.shape[0] <= max_atoms and self._whole_model_structure()
 
     def energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                             pbc: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
@@ -605,6 +622,8 @@ class SchNet(_FusedModel):
             :meth:`forward`; schnet_energy_all_pairs for an open system whose capacity holds every
             pair); 0 turns that path off.
         whole_model_max_atoms: ... and the most atoms. Measured crossover: docs/perf/forcefield.md.
+        one_block_max_pairs, one_block_max_atoms: the same limits on GPUs before sm_90, where the
+            op runs as one block instead of a thread-block cluster.
     """
 
     # H200, 2026-11-24 11:50 UTC, with the filter networks in a kernel of their own (profile_forcefield's
@@ -612,9 +631,15 @@ class SchNet(_FusedModel):
     # 75 vs 292 at 132 pairs, 134 vs 329 at 552, 251 vs 349 at 2,256 (48 atoms), 354 vs 391 at 4,032
     # (64 atoms), 440 vs 380 at 3,968 (96 atoms), 599 vs 412 at 5,440 (docs/perf/forcefield.md). The
     # crossover depends on the atoms too (more of them a block, more row tiles a product), hence
-    # both limits. Measured on Hopper only: before sm_90 the op runs in one block.
+    # both limits.
     whole_model_max_pairs = 2560
     whole_model_max_atoms = 64
+    # Before sm_90 the op runs as one block, whose crossover is far lower. Measured as one block
+    # on an H200 (MIRAGE_CLUSTER_LIMIT=1; 2026-11-30 22:26 UTC, the same profile, the layers
+    # beside): 96 vs 236 µs at 3 atoms, 149 vs 254 at 6, 243 vs 257 at 12 (132 pairs), 333 vs 262
+    # at 16 (240), 594 vs 275 at 24. Not measured on an sm_80-sm_89 GPU.
+    one_block_max_pairs = 132
+    one_block_max_atoms = 12
     #: Larger systems in eval mode on CUDA run each interaction as one mirage::cfconv (filter
     #: network, cutoff and message passing fused) where its kernels take the sizes; False keeps
     #: the batched filter GEMMs (for comparisons).
@@ -984,6 +1009,9 @@ class PaiNN(_FusedModel):
             where its kernels can (``mirage.ops.fused_filter_supported``, float32 outside autocast;
             and on the CPU), else its own GEMM; below it the three are one batched GEMM (fewer
             launches for small molecules).
+        whole_model_max_pairs, whole_model_max_atoms: the largest capacity and atom count that run
+            as one painn_energy op in eval mode (see :meth:`forward`); one_block_max_pairs and
+            one_block_max_atoms on GPUs before sm_90, where the op runs as one block (0: never).
     """
 
     norm_eps = 1e-8
@@ -992,10 +1020,14 @@ class PaiNN(_FusedModel):
     # H200, 2026-11-30 02:53 UTC (profile_forcefield.py --models painn --whole-model, molecules at
     # liquid density, µs per energy+forces, one op vs layers): 187 vs 330 at 132 pairs (12 atoms),
     # 219 vs 330 at 240 (16), 344 vs 359 at 306 (18), 362 vs 359 at 380 (20), 387 vs 362 at 552
-    # (24), 569 vs 425 at 2,256 (48 atoms): past 16 atoms a block of the cluster takes two. Measured
-    # on Hopper only: before sm_90 the op runs in one block.
+    # (24), 569 vs 425 at 2,256 (48 atoms): past 16 atoms a block of the cluster takes two.
     whole_model_max_pairs = 320
     whole_model_max_atoms = 18
+    # Before sm_90 (the op as one block) the layers: as one block on an H200 (MIRAGE_CLUSTER_LIMIT=1,
+    # 2026-11-30 22:33 UTC, the same profile) the op took 310 vs 294 µs at 3 atoms, 579 vs 316 at
+    # 6, 1,152 vs 326 at 12. Not measured on an sm_80-sm_89 GPU.
+    one_block_max_pairs = 0
+    one_block_max_atoms = 0
     basis_key = "frequencies"
 
     def basis_values(self) -> Tensor:

@@ -127,7 +127,9 @@ class FFOptimizeReport:
             lines.append("  in eval mode on CUDA (float32 positions and parameters, under autocast too; at most 8 "
                          f"interactions), systems of up to {SchNet.whole_model_max_pairs} pairs of neighbor "
                          f"capacity and {SchNet.whole_model_max_atoms} atoms "
-                         "(SchNet.whole_model_max_pairs, whole_model_max_atoms) "
+                         "(SchNet.whole_model_max_pairs, whole_model_max_atoms; before sm_90, where the op runs "
+                         f"as one block, {SchNet.one_block_max_pairs} and {SchNet.one_block_max_atoms}: "
+                         "one_block_max_pairs, one_block_max_atoms) "
                          "run as one mirage::schnet_energy op (two kernels) instead (molecules whose capacity holds "
                          "every pair: mirage::schnet_energy_all_pairs, the pair search inside its kernel), and "
                          "larger ones each "
@@ -140,7 +142,9 @@ class FFOptimizeReport:
             lines.append("  in eval mode on CUDA (float32 positions and parameters, under autocast too; at most 8 "
                          f"interactions, U and V without bias), systems of up to {PaiNN.whole_model_max_pairs} pairs "
                          f"of neighbor capacity and {PaiNN.whole_model_max_atoms} atoms "
-                         "(PaiNN.whole_model_max_pairs, whole_model_max_atoms) "
+                         "(PaiNN.whole_model_max_pairs, whole_model_max_atoms; before sm_90, where the op runs "
+                         f"as one block, {PaiNN.one_block_max_pairs} and {PaiNN.one_block_max_atoms}: "
+                         "one_block_max_pairs, one_block_max_atoms) "
                          "run as one mirage::painn_energy op (two kernels) instead")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
