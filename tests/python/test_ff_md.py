@@ -194,6 +194,33 @@ def test_langevin_temperature_counts_the_free_degrees_of_freedom(fix_com):
     assert last["temperature"] == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_thermostat_or_timestep_set_between_runs_takes_effect(graphed):
+    # An annealing schedule: the noise of the thermostat set at construction once stayed in the
+    # state (and the friction in captured graphs), so that a new Langevin(1000 K) ran at ~480 K.
+    # friction * dt = 0.5: near-independent records (test above); 5% is five standard errors.
+    run = springs_run("cpu", False, springs_atoms(), friction=1.0 / units.fs)
+    if graphed:
+        graphed_on_cpu(run, run._advance, 10)
+    run.run(200, write_every=2)
+    run.thermostat = md.Langevin(1000.0, 2.0 / units.fs, fix_com=True)
+    run.timestep = 0.25 * units.fs  # friction * dt stays 0.5
+    records = run.run(4100, write_every=2)
+    temperatures = np.array([r["temperature"] for r in records[50:]])
+    assert abs(temperatures.mean() / 1000.0 - 1) < 0.05, temperatures.mean()
+    assert records[-1]["time_fs"] == pytest.approx(200 * 0.5 + 4100 * 0.25)
+    if graphed:
+        assert run.graph_stats().misses >= 2  # captured again after the change
+    run.thermostat = None  # NVE from here: the total energy stays
+    records = run.run(400, write_every=100)
+    totals = [r["total"] for r in records]
+    assert max(totals) - min(totals) < 1e-3 * abs(records[0]["kinetic"])
+    with pytest.raises(ValueError, match="thermostat must be None or a mirage.ff.md.Langevin"):
+        run.thermostat = 300.0
+    with pytest.raises(ValueError, match="timestep"):
+        run.timestep = -1.0
+
+
 def test_trajectory_and_log(tmp_path):
     atoms = thermalized(benzene_atoms())
     run = md.VelocityVerlet(small(SchNet), atoms, DT, steps_per_replay=3, progress_every=None)
@@ -302,6 +329,23 @@ def test_graph_path_on_cpu(monkeypatch):
     stats = graphed.graph_stats()
     assert stats.misses >= 3 and stats.hits >= 1  # K = 4 and 2 (6 = 4 + 2), then recaptures after growing
     assert len(signatures) == stats.misses
+
+
+def test_graphs_are_captured_again_when_what_they_read_of_the_model_changes():
+    # A graph reads the model's tensors at their addresses and took its path for its mode (and
+    # SchNet's prepared tables, made again into new memory after a .to()): replays after a .to()
+    # that moved the weights, or after a change of mode, would read freed memory or the old path.
+    model = CapacityModel(max_pairs=10_000).double()
+    run = md.VelocityVerlet(model, thermalized(periodic_atoms(n=12), 300.0), DT, steps_per_replay=4,
+                            progress_every=None)
+    graphed_on_cpu(run, run._advance, 4)
+    misses = []
+    for change in (None, None, lambda: model.float().double(), model.eval):  # it starts in training mode
+        if change is not None:
+            change()
+        run.run(8, write_every=8)
+        misses.append(run.graph_stats().misses)
+    assert misses[1] == misses[0] and misses[2] == misses[1] + 1 and misses[3] == misses[2] + 1, misses
 
 
 class CrowdingModel(CapacityModel):

@@ -119,6 +119,15 @@ class _CountReadback:
         return self._host
 
 
+def _check_thermostat(thermostat: Any, atoms: int) -> None:
+    if thermostat is not None and not isinstance(thermostat, Langevin):
+        raise ValueError(f"{_WHO}: thermostat must be None or a mirage.ff.md.Langevin, got {thermostat!r}")
+    # The centre-of-mass motion is outside the thermostat's reach with fix_com: one atom has no other.
+    if thermostat is not None and thermostat.fix_com and atoms == 1:
+        raise ValueError(f"{_WHO}: Langevin(fix_com=True) leaves a single atom nothing to thermostat "
+                         "(its only motion is the centre of mass's); use Langevin(..., fix_com=False)")
+
+
 class VelocityVerlet:
     """Velocity-Verlet molecular dynamics on the model's device, many steps per CUDA-graph replay.
 
@@ -165,21 +174,16 @@ class VelocityVerlet:
         if atoms.constraints:
             raise ValueError(f"{_WHO}: atoms has constraints ({atoms.constraints}), which this integrator "
                              "does not apply; remove them (del atoms.constraints) or use ASE's integrators")
-        self.timestep = _positive(timestep, "timestep", _WHO)
-        if thermostat is not None and not isinstance(thermostat, Langevin):
-            raise ValueError(f"{_WHO}: thermostat must be None or a mirage.ff.md.Langevin, got {thermostat!r}")
+        self._timestep = _positive(timestep, "timestep", _WHO)
+        _check_thermostat(thermostat, len(atoms))
         steps_per_replay = count(steps_per_replay, f"{_WHO}: steps_per_replay")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"{_WHO}: cuda_graph must be a bool, got {cuda_graph!r}")
         if progress_every is not None:
             _positive(progress_every, "progress_every", _WHO)
-        # The centre-of-mass motion is outside the thermostat's reach with fix_com: one atom has no other.
         self._fix_com = thermostat is not None and thermostat.fix_com
-        if self._fix_com and len(atoms) == 1:
-            raise ValueError(f"{_WHO}: Langevin(fix_com=True) leaves a single atom nothing to thermostat "
-                             "(its only motion is the centre of mass's); use Langevin(..., fix_com=False)")
         self.model = model
-        self.thermostat = thermostat
+        self._thermostat = thermostat
         self.steps_per_replay = steps_per_replay
         self.progress_every = progress_every
         self.device, self.dtype = model_device_dtype(model, device, _WHO)
@@ -187,9 +191,10 @@ class VelocityVerlet:
             raise ValueError(f"{_WHO}: the model's parameters are {self.dtype}; it runs float32 or float64 models "
                              "(positions need float32's precision at least): convert it with model.float() and "
                              "pass precision='bf16-mixed' for bfloat16 products")
-        self.precision = check_precision(precision, _WHO, self.dtype)
+        self._precision = check_precision(precision, _WHO, self.dtype)
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.step = 0
+        self._clock = (0, 0.0)  # (step, time) when the timestep was last set: the time of a step (_time)
         self.records: List[Dict[str, float]] = []
         self.steps_per_second: Optional[float] = None
         self._template = atoms.copy()
@@ -225,6 +230,7 @@ class VelocityVerlet:
         # Three graph sizes at most in practice: K, and the shorter chunks before a write or the end.
         self._graphs = graphs.GraphCache(self._advance, 4, copy_outputs=False) if self.cuda_graph else None
         self._prepared: Dict[int, Any] = {}  # steps -> the cache's (key, graph) for them (_replay_graph)
+        self._model_seen: Any = None  # what the graphs read of the model (_drop_graphs_if_the_model_changed)
         self._watch = CapacityWatch(self._counted, self._graphs) if self.cuda_graph else None
         self._compute_initial_forces()
 
@@ -243,19 +249,90 @@ class VelocityVerlet:
             "energy": torch.zeros((), dtype=STATE_DTYPE, device=self.device),
             "inverse_masses": 1.0 / masses,
         }
-        if self.thermostat is not None:
-            # BAOAB's O step: v <- c1 v + sqrt((1 - c1^2) kT / m) R, over a full timestep.
-            c1 = math.exp(-self.thermostat.friction * self.timestep)
-            kT = units.kB * self.thermostat.temperature_K
-            state["noise_scales"] = torch.sqrt((1.0 - c1 * c1) * kT / masses)
-            if self._fix_com:
-                state["mass_fractions"] = masses / masses.sum()
+        self._thermostat_state(state)
         if self._periodic:
             state["cell"] = self._tensor(atoms.cell[:], self.dtype)
             state["pbc"] = self._tensor(np.asarray(atoms.pbc, dtype=bool), torch.bool)
         if self._counting:
             state["pair_counts"] = torch.zeros(2, dtype=torch.int64, device=self.device)  # [max, min] of a replay
         return state
+
+    def _thermostat_state(self, state: Dict[str, Tensor]) -> None:
+        """The thermostat's entries of ``state``, set for the thermostat and timestep (removed
+        without a thermostat). BAOAB's O step: v <- c1 v + sqrt((1 - c1^2) kT / m) R, over a full
+        timestep."""
+        state.pop("noise_scales", None)
+        state.pop("mass_fractions", None)
+        if self._thermostat is None:
+            return
+        masses = self._tensor(self._masses)[:, None]
+        c1 = math.exp(-self._thermostat.friction * self._timestep)
+        kT = units.kB * self._thermostat.temperature_K
+        state["noise_scales"] = torch.sqrt((1.0 - c1 * c1) * kT / masses)
+        if self._fix_com:
+            state["mass_fractions"] = masses / masses.sum()
+
+    # The thermostat, the timestep and the precision are in the captured graphs (noise scales and
+    # friction, the steps' lengths, autocast and TF32): setting one drops the graphs, which the
+    # next run() captures again, so that a temperature ramp or a new timestep takes effect.
+    @property
+    def thermostat(self) -> Optional["Langevin"]:
+        """None (NVE) or the :class:`Langevin` thermostat; may be set between runs (an annealing
+        schedule, say): the next :meth:`run` captures its graphs again."""
+        return self._thermostat
+
+    @thermostat.setter
+    def thermostat(self, thermostat: Optional["Langevin"]) -> None:
+        _check_thermostat(thermostat, len(self._masses))
+        self._thermostat = thermostat
+        self._fix_com = thermostat is not None and thermostat.fix_com
+        self._thermostat_state(self._state)
+        self._drop_graphs()
+
+    @property
+    def timestep(self) -> float:
+        """In ASE time units; may be set between runs, as :attr:`thermostat`."""
+        return self._timestep
+
+    @timestep.setter
+    def timestep(self, timestep: float) -> None:
+        timestep = _positive(timestep, "timestep", _WHO)
+        self._clock = (self.step, self._time())
+        self._timestep = timestep
+        self._thermostat_state(self._state)
+        self._drop_graphs()
+
+    @property
+    def precision(self) -> str:
+        """``"fp32"``, ``"tf32"`` or ``"bf16-mixed"``; may be set between runs, as :attr:`thermostat`."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: str) -> None:
+        self._precision = check_precision(precision, _WHO, self.dtype)
+        self._drop_graphs()
+
+    def _time(self) -> float:
+        """The simulated time at the current step, in ASE units (the timestep may have changed)."""
+        step, time = self._clock
+        return time + (self.step - step) * self._timestep
+
+    def _drop_graphs(self) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()
+        self._prepared.clear()
+
+    def _drop_graphs_if_the_model_changed(self) -> None:
+        """Drops the graphs if what they read of the model moved since the last run: its tensors
+        (a .to() or load_state_dict(assign=True)), its mode (train() and back: another path), or
+        SchNet's prepared tables, made again into new memory after .to() or train(). Replays
+        would read freed memory or take the old path."""
+        prepared = getattr(self.model, "_prepared_weights", None)
+        now = (self.model.training, prepared.data_ptr() if prepared is not None else None,
+               tuple((t.data_ptr(), t.dtype, t.device) for t in (*self.model.parameters(), *self.model.buffers())))
+        if now != self._model_seen:
+            self._drop_graphs()
+            self._model_seen = now
 
     def _evaluate(self, state: Dict[str, Tensor], model_positions: Tensor) -> Tuple[Tensor, Tensor]:
         """The model's (energy, gradient) at ``model_positions``, for a verlet op to take in."""
@@ -443,7 +520,7 @@ class VelocityVerlet:
     def _make_atoms(self, positions, velocities, forces, energy) -> "ase.Atoms":
         atoms = self._template.copy()
         # The frame's place in the run (ASE's trajectories keep info): frames need not be evenly spaced.
-        atoms.info.update(step=self.step, time_fs=self.step * self.timestep / units.fs)
+        atoms.info.update(step=self.step, time_fs=self._time() / units.fs)
         atoms.positions = positions
         atoms.set_momenta(velocities * self._masses[:, None])
         atoms.calc = SinglePointCalculator(atoms, energy=energy, free_energy=energy, forces=forces)
@@ -463,7 +540,7 @@ class VelocityVerlet:
             momentum = (self._masses[:, None] * velocities).sum(0)
             thermal -= 0.5 * float(momentum @ momentum) / self._masses.sum()
             degrees -= 3
-        record = dict(step=self.step, time_fs=self.step * self.timestep / units.fs, potential=potential,
+        record = dict(step=self.step, time_fs=self._time() / units.fs, potential=potential,
                       kinetic=kinetic, total=potential + kinetic,
                       temperature=float(2.0 * thermal / (degrees * units.kB)))
         if keep:
@@ -520,6 +597,7 @@ class VelocityVerlet:
                              log if not recorded or own_log else None, keep=not recorded)
             # SchNet's whole-model op reads its filter tables and transposed weights made once a run.
             with self._weights_prepared():
+                self._drop_graphs_if_the_model_changed()
                 start = last_progress = time.perf_counter()
                 end = self.step + steps
                 # Steps between looks at the clock, whole replays: about half a progress interval once
