@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ase = pytest.importorskip("ase")
-from ase.calculators.calculator import PropertyNotImplementedError  # noqa: E402
+import ase.calculators.calculator  # noqa: E402
+from ase.calculators.calculator import PropertyNotImplementedError, all_changes  # noqa: E402
 from ase.calculators.fd import calculate_numerical_forces, calculate_numerical_stress  # noqa: E402
 
 import mirage  # noqa: E402
@@ -721,6 +722,28 @@ def test_graph_path_on_cpu():
     calc.calculate(open_atoms, ["forces"])
     assert "stress" not in calc.results
     np.testing.assert_allclose(calc.results["forces"], direct(big, open_atoms)[1], rtol=1e-10, atol=1e-14)
+
+
+def test_an_ase_that_resets_on_every_step_keeps_the_graphs(monkeypatch):
+    # ASE's get_property up to 3.23 or so called reset() whenever the atoms changed (every MD step),
+    # which dropped the calculator's graphs: a capture at every step. An explicit reset() still does.
+    def old_get_property(self, name, atoms=None, allow_calculation=True):
+        if atoms is not None and self.check_state(atoms):
+            self.reset()
+        if name not in self.results:
+            self.calculate(atoms, [name], all_changes)
+        return self.results[name]
+
+    monkeypatch.setattr(ase.calculators.calculator.Calculator, "get_property", old_get_property)
+    calc = graphed_capacity_calculator()
+    atoms = periodic_atoms(n=12)
+    atoms.calc = calc
+    for _ in range(5):
+        atoms.positions += np.random.default_rng().normal(scale=0.01, size=atoms.positions.shape)
+        np.testing.assert_allclose(atoms.get_forces(), direct(calc.model, atoms)[1], rtol=1e-10, atol=1e-14)
+    assert calc.graph_stats().misses == 1 and calc.graph_stats().hits == 4
+    calc.reset()
+    assert calc.graph_stats().entries == 0
 
 
 def test_graph_path_follows_numbers_cell_and_pbc_at_one_atom_count():

@@ -353,6 +353,7 @@ class Calculator(_AseCalculator):
         self._checked_cell: Optional[np.ndarray] = None  # the last periodic cell found valid
         self._checked_numbers: Optional[np.ndarray] = None  # the last atomic numbers found valid
         self._snapshot = None  # what self.atoms holds after a calculation (_remember)
+        self._in_get_property = False  # inside ASE's get_property, whose reset() is ASE's alone
         self._calculated: Dict[str, Tuple] = {}  # _note_calculated
         self._made_directory: Optional[str] = None  # the directory calculate last made sure of
 
@@ -363,7 +364,10 @@ class Calculator(_AseCalculator):
         The model's dtype is read again (after ``model.double()``, say); a model moved to another
         kind of device needs a new calculator."""
         super().reset()
-        if getattr(self, "model", None) is None:  # ASE's __init__ resets before ours has run
+        # ASE's __init__ resets before ours has run; ASE's get_property up to 3.23 or so resets on
+        # every change of the atoms (an MD step), where only the results are stale: dropping the
+        # graphs there would capture them again at every step.
+        if getattr(self, "model", None) is None or self._in_get_property:
             return
         # Dropped first, so that a reset that raises below leaves nothing of the former model.
         if self._graphs is not None:
@@ -396,7 +400,11 @@ class Calculator(_AseCalculator):
         target = atoms if atoms is not None else self.atoms
         if name == "stress" and target is not None and not target.pbc.any():
             raise PropertyNotImplementedError(f"{self.who}: no stress without a periodic axis (atoms.pbc is all False)")
-        return super().get_property(name, atoms, allow_calculation)
+        self._in_get_property = True
+        try:
+            return super().get_property(name, atoms, allow_calculation)
+        finally:
+            self._in_get_property = False
 
     def graph_stats(self) -> Optional[graphs.GraphCacheStats]:
         """The graph cache's counters (captures, replays, evictions), or None when graphs are off."""
