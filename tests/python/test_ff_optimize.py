@@ -746,6 +746,24 @@ def test_a_model_without_parameters_is_left_alone():
     assert "it has no parameters" in str(mirage.ff.report(model))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("name", ["SchNet", "PaiNN"])
+def test_a_system_without_atoms_has_no_energy(device, name):
+    # As the reference models: their sum over no atoms. The neighbor list's padding pair (0, 0)
+    # once raised "pairs[0, 0] = 0 is out of range for N=0 rows".
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = make_reference(name, dtype, device=device).eval()
+    fused = swapped(model)
+    z = torch.zeros(0, dtype=torch.int64, device=device)
+    for m in (model, fused):
+        positions = torch.zeros(0, 3, dtype=dtype, device=device, requires_grad=True)
+        energy = m(z, positions)
+        (grad,) = torch.autograd.grad(energy, positions)
+        assert energy.item() == 0.0 and energy.dtype == dtype and grad.shape == (0, 3)
+    got = fused.energy_and_gradient(z, torch.zeros(0, 3, dtype=dtype, device=device))
+    assert got is None or (got[0].item() == 0.0 and got[1].shape == (0, 3))
+
+
 def test_bad_arguments():
     model = make_reference("SchNet")
     with pytest.raises(TypeError, match="mirage.ff.optimize: model must be an nn.Module"):

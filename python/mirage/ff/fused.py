@@ -262,10 +262,13 @@ class _FusedModel(nn.Module):
         self.max_pairs = needed
         return True
 
-    def _checked(self, compute: Callable[[], Any], atomic_numbers: Tensor, positions: Tensor) -> Any:
+    def _checked(self, compute: Callable[[], Any], atomic_numbers: Tensor, positions: Tensor,
+                 empty: Callable[[], Any]) -> Any:
         """``compute()`` (a forward; None when it ran no neighbor search) on checked inputs,
         computed again with a grown capacity for as long as its neighbor list overflows
-        (:meth:`_grown`). The atomic numbers' range is read (a host sync) where the count is."""
+        (:meth:`_grown`); ``empty()`` for a system without atoms (no pairs to search: the
+        reference models' energy is their sum over no atoms, 0). The atomic numbers' range is
+        read (a host sync) where the count is."""
         name = self._who
         if positions.dim() != 2 or positions.shape[-1] != 3:
             raise ValueError(f"{name}: positions must be [N, 3], got {list(positions.shape)}")
@@ -276,6 +279,8 @@ class _FusedModel(nn.Module):
         if atomic_numbers.shape != positions.shape[:1]:
             raise ValueError(f"{name}: atomic_numbers must be [N] for positions [N, 3] (N = {positions.shape[0]}), "
                              f"got {list(atomic_numbers.shape)}")
+        if positions.shape[0] == 0:
+            return empty()
         if self._may_sync(positions) and atomic_numbers.numel():
             # Before the embedding reads them: on CUDA an index past its rows is a device-side assert.
             low, high = torch.stack(torch.aminmax(atomic_numbers)).tolist()
@@ -457,7 +462,7 @@ class _FusedModel(nn.Module):
         if not self._eval_kernels(positions) or not self._forward_is_plain():
             return None
         return self._checked(lambda: self._whole_model_energy_and_gradient(atomic_numbers, positions, cell, pbc),
-                             atomic_numbers, positions)
+                             atomic_numbers, positions, lambda: (positions.new_zeros(()), torch.zeros_like(positions)))
 
     def _whole_model_energy_and_gradient(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                                          pbc: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
@@ -760,7 +765,8 @@ class SchNet(_FusedModel):
 
         Outside a CUDA-graph capture, an overflow of the neighbor capacity grows it and the
         energy is computed again (one host sync a call; see the module's docstring)."""
-        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions)
+        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions,
+                             lambda: positions.sum())
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
@@ -1137,7 +1143,8 @@ class PaiNN(_FusedModel):
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both. Neighbor capacity: as :meth:`SchNet.forward`."""
-        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions)
+        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions,
+                             lambda: positions.sum())
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
