@@ -238,10 +238,15 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
     const double scale = ctx->saved_data["scale"].toDouble();
     const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
       at::Tensor v = in[0];
-      if (in[1].defined()) v = v + ops::broadcastable_bias(*in_dtype_of(in[1], v), v);
+      if (in[1].defined()) {
+        // A float32 bias joins 16-bit x in float32, as in the kernel, so that its gradient (a sum
+        // over the image) is summed in float32: in float16 a 512x512 image of ones overflowed.
+        if (in[1].scalar_type() == at::kFloat) v = v.to(at::kFloat);
+        v = v + ops::broadcastable_bias(*in_dtype_of(in[1], v), v);
+      }
       v = ops::apply_activation(v, activation);
       if (in[2].defined()) v = v + in[2];
-      return variable_list{v * scale};
+      return variable_list{(v * scale).to(in[0].scalar_type())};
     });
     return {grads[0], grads[1], grads[2], at::Tensor(), at::Tensor()};
   }

@@ -36,7 +36,8 @@ void check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                 residual->scalar_type());
   }
   check_bias_activation(kBiasAct, "activation", activation);
-  MIRAGE_CHECK(std::isfinite(scale), kBiasAct, ": scale must be finite, got ", scale);
+  // Finite as the float32 the kernels multiply by (1e39 is a finite double but float's inf).
+  MIRAGE_CHECK(std::isfinite(static_cast<float>(scale)), kBiasAct, ": scale must be finite as a float32, got ", scale);
 }
 
 int bias_activation_index(std::string_view activation) {

@@ -33,7 +33,12 @@ at::Tensor subpixel_shuffle_composite(const at::Tensor& x, const at::Tensor& bia
     rows.push_back(at::stack(columns, -1));  // [N, C, H, W, 2]
   }
   at::Tensor out = at::stack(rows, 3).reshape_symint({x.sym_size(0), channels, 2 * height, 2 * width});
-  if (bias.defined()) out = out + bias.to(out.scalar_type()).view_symint({channels, 1, 1});
+  if (bias.defined()) {
+    // A float32 bias is added to 16-bit values in float32, as the kernel does, so that its gradient
+    // (a sum over the image, in the backward's recompute) is summed in float32, not float16.
+    const at::ScalarType sum = at::promote_types(out.scalar_type(), bias.scalar_type());
+    out = (out.to(sum) + bias.to(sum).view_symint({channels, 1, 1})).to(x.scalar_type());
+  }
   return out.contiguous(at::MemoryFormat::ChannelsLast);
 }
 

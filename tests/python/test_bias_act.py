@@ -142,7 +142,9 @@ def test_empty_and_nan(device):
         (lambda d: mirage.ops.bias_act(torch.randn(2, 4, 3, device=d), None, None, "tanh"),
          "mirage::bias_act: activation must be one of \"none\", \"silu\", \"gelu\", \"gelu_tanh\", \"relu\", got \"tanh\""),
         (lambda d: mirage.ops.bias_act(torch.randn(2, 4, 3, device=d), None, None, "none", math.inf),
-         "mirage::bias_act: scale must be finite, got inf"),
+         "mirage::bias_act: scale must be finite as a float32, got inf"),
+        (lambda d: mirage.ops.bias_act(torch.randn(2, 4, 3, device=d), None, None, "none", 1e39),
+         "mirage::bias_act: scale must be finite as a float32, got 1e+39"),
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)
@@ -195,6 +197,19 @@ def test_float32_bias_gets_float32_grads(device):
     reference_bias = bias.detach().clone().requires_grad_()
     composite(x.detach(), reference_bias, None, "silu", 1.0).sum().backward()
     torch.testing.assert_close(bias.grad, reference_bias.grad, atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_float32_bias_gradient_is_summed_in_float32(device, dtype):
+    # The sum over a 512 x 512 image: 131,072, past float16's largest value (65,504): inf when the
+    # op summed a float32 bias's gradient in x's dtype.
+    x = torch.zeros(1, 1, 512, 512, dtype=dtype, device=device, requires_grad=True)
+    bias = torch.zeros(1, device=device, requires_grad=True)
+    residual = torch.zeros_like(x, requires_grad=True)
+    mirage.ops.bias_act(x, bias, residual, "none", 0.5).sum().backward()
+    assert bias.grad.dtype == torch.float32 and bias.grad.item() == 0.5 * 512 * 512
+    assert x.grad.dtype == residual.grad.dtype == dtype and bool((x.grad == 0.5).all())
 
 
 def test_autocast_runs_in_the_autocast_dtype():

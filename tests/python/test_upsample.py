@@ -161,6 +161,16 @@ def test_subpixel_weight_bad_shape():
         mirage.ops.subpixel_weight(torch.ones(4, 2, 3, 3, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_subpixel_shuffle_sums_a_float32_bias_gradient_in_float32(device):
+    # 4 x 256 x 256 outputs of one channel: 262,144 ones, past float16's largest value.
+    x = torch.zeros(1, 4, 257, 257, dtype=torch.float16, device=device, requires_grad=True)
+    bias = torch.zeros(1, device=device, requires_grad=True)
+    mirage.ops.subpixel_shuffle(x, bias).sum().backward()
+    assert bias.grad.dtype == torch.float32 and bias.grad.item() == 4 * 256 * 256
+    assert x.grad.dtype == torch.float16
+
+
 def test_subpixel_weight_sums_in_float32_under_autocast():
     weight = randn(6, 5, 3, 3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
