@@ -746,6 +746,15 @@ def test_a_model_without_parameters_is_left_alone():
     assert "it has no parameters" in str(mirage.ff.report(model))
 
 
+def test_torch_compile_takes_the_whole_model_choice_as_a_constant():
+    # The device query behind the choice is C++: traced into through its cache, it broke
+    # fullgraph compiles of the fused models on CUDA (H200, 2026-11-30).
+    def choose(x):
+        return x + 1 if mirage.ff.fused._whole_model_clusters("cpu") else x - 1
+
+    torch.testing.assert_close(torch.compile(choose, fullgraph=True)(torch.ones(2)), choose(torch.ones(2)))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", ["SchNet", "PaiNN"])
 def test_a_system_without_atoms_has_no_energy(device, name):

@@ -183,10 +183,16 @@ class _Neighbors(NamedTuple):
 
 
 @torch.compiler.assume_constant_result  # a property of the device, fixed per process
-@functools.lru_cache(maxsize=None)  # asked on every forward
 def _whole_model_clusters(device: str) -> bool:
     """Whether the whole-model ops run as a thread-block cluster on ``device`` (a tensor's device,
-    with its index): sm_90 on, unless MIRAGE_CLUSTER_LIMIT=1; else as one block (docs/ops.md)."""
+    with its index): sm_90 on, unless MIRAGE_CLUSTER_LIMIT=1; else as one block (docs/ops.md).
+    The cache is a function of its own: torch.compile traces into an lru_cache wrapper, and
+    from there into the C++ query, which it cannot."""
+    return _whole_model_clusters_on(device)
+
+
+@functools.lru_cache(maxsize=None)  # asked on every forward
+def _whole_model_clusters_on(device: str) -> bool:
     from .. import _C
 
     return bool(_C.whole_model_clusters(device))
