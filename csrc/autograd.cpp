@@ -256,7 +256,12 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
-    save_inputs(ctx, {x, weight, value_or_undefined(bias), value_or_undefined(residual)});
+    // The bias and the residual enter linearly: their gradients read no value of theirs, so only
+    // their presence is kept (saved, they stayed alive until the backward, and an in-place change
+    // of them, which F.linear(x, w) + r allows, made it fail).
+    save_inputs(ctx, {x, weight});
+    ctx->saved_data["has_bias"] = present(bias);
+    ctx->saved_data["has_residual"] = present(residual);
     ctx->saved_data["input_activation"] = std::string(input_activation);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::linear().call(x, weight, bias, residual, input_activation);
@@ -275,8 +280,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const variable_list saved = ctx->get_saved_variables();
     // What this backward pass asks for (forces want x's gradient only, not the parameters' that
     // require grad too). Absent optional inputs have no edge: the edges number the given tensors.
+    const bool given[4] = {true, true, ctx->saved_data["has_bias"].toBool(), ctx->saved_data["has_residual"].toBool()};
     bool needs[4];
-    for (size_t i = 0, edge = 0; i < 4; ++i) needs[i] = saved[i].defined() && ctx->needs_input_grad(edge++);
+    for (size_t i = 0, edge = 0; i < 4; ++i) needs[i] = given[i] && ctx->needs_input_grad(edge++);
     const std::string activation = ctx->saved_data["input_activation"].toStringRef();
     const bool create_graph = at::GradMode::is_enabled();
     // [*, F] as [rows, F], without reading sizes (symbolic under torch.compile's dynamic shapes).

@@ -242,6 +242,22 @@ def test_gradcheck():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bias_and_residual_changed_in_place_after_the_forward(device):
+    # Their gradients read no value of theirs: the backward keeps neither (it kept both, and failed
+    # with "modified by an inplace operation" where F.linear(x, w) + r goes through).
+    x, weight, bias, residual = (t.requires_grad_() for t in operands((4, 6), 5, torch.float32, device))
+    y = mirage.ops.linear(x, weight, bias, residual)
+    with torch.no_grad():
+        bias.add_(1.0)
+        residual.mul_(2.0)
+    grad = randn(4, 5, device=device)
+    y.backward(grad)
+    torch.testing.assert_close(bias.grad, grad.sum(0))
+    torch.testing.assert_close(residual.grad, grad)
+    torch.testing.assert_close(x.grad, grad @ weight.detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["none", "silu"])
 # 6 rows: the few-rows kernel forward on CUDA; 12: cuBLASLt (a molecule's atoms, the shapes
