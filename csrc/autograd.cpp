@@ -241,7 +241,7 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
       if (in[1].defined()) {
         // A float32 bias joins 16-bit x in float32, as in the kernel, so that its gradient (a sum
         // over the image) is summed in float32: in float16 a 512x512 image of ones overflowed.
-        if (in[1].scalar_type() == at::kFloat) v = v.to(at::kFloat);
+        v = v.to(at::promote_types(v.scalar_type(), in[1].scalar_type()));
         v = v + ops::broadcastable_bias(*in_dtype_of(in[1], v), v);
       }
       v = ops::apply_activation(v, activation);

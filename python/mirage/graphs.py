@@ -209,8 +209,10 @@ class _StreamOrder:
 
     def join(self, leaves: Sequence[Any]) -> None:
         device = next((leaf.device for leaf in leaves if isinstance(leaf, Tensor) and leaf.is_cuda), None)
-        if device is None:  # no CUDA input (the tests' stand-in for a graph): nothing to order
-            return
+        if device is None:  # no CUDA input: the graph is on the current device (_capture_device)
+            if not torch.cuda.is_initialized():  # no graph at all (the tests' CPU stand-in)
+                return
+            device = torch.device("cuda", torch.cuda.current_device())
         stream = torch.cuda.current_stream(device)
         if self._last is not None and self._last != stream:
             stream.wait_stream(self._last)

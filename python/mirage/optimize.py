@@ -583,7 +583,10 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         settings, result = state.pop("_graph_settings"), state.pop("_report")
+        state.setdefault("_keyed", None)  # pickled before graph_key: found below
         super().__setstate__(state)
+        if self._keyed is None:
+            self._keyed = [m for m in self.module.modules() if hasattr(m, "graph_key")]
         self._weights_at = _addresses(self.module)
         self.graphs = _graph_cache(self, *settings) if settings else None
         # torch.load's map_location may have moved the tensors.

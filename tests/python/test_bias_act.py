@@ -212,6 +212,16 @@ def test_a_float32_bias_gradient_is_summed_in_float32(device, dtype):
     assert x.grad.dtype == residual.grad.dtype == dtype and bool((x.grad == 0.5).all())
 
 
+def test_float64_x_with_a_float32_bias_keeps_float64_gradients():
+    # The backward's recompute joins the two in the wider dtype (it once cast x to float32).
+    x = randn(1, 2, 3, 3, dtype=torch.float64).requires_grad_()
+    bias = randn(2).requires_grad_()
+    mirage.ops.bias_act(x, bias, None, "silu").sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    F.silu(reference + bias.detach().double()[:, None, None]).sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad, rtol=1e-12, atol=1e-14)
+
+
 def test_autocast_runs_in_the_autocast_dtype():
     x, residual, bias = randn(2, 8, 4, 4), randn(2, 8, 4, 4), randn(8)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -331,6 +331,15 @@ def test_graph_path_on_cpu(monkeypatch):
     assert len(signatures) == stats.misses
 
 
+def test_a_model_given_as_a_function_runs():
+    # A function has no parameters or mode to watch between runs (looking for them once raised).
+    springs = Springs().double()
+    run = md.VelocityVerlet(lambda z, pos, cell=None, pbc=None: springs(z, pos, cell, pbc), springs_atoms(), DT,
+                            progress_every=None)
+    assert [r["step"] for r in run.run(20, write_every=10)] == [0, 10, 20]
+    assert [r["step"] for r in run.run(10, write_every=10)] == [30]
+
+
 def test_graphs_are_captured_again_when_what_they_read_of_the_model_changes():
     # A graph reads the model's tensors at their addresses and took its path for its mode (and
     # SchNet's prepared tables, made again into new memory after a .to()): replays after a .to()

@@ -840,6 +840,15 @@ def test_the_model_passed_in_is_converted_whole_when_its_forward_is_traced():
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4)
 
 
+def test_a_model_pickled_before_graph_keys_finds_its_keyed_modules():
+    optimized, _ = optimized_and_original(tiny_unet2d_condition())
+    state = optimized.__getstate__()
+    del state["_keyed"]  # as pickled before the FreeU factors joined the graphs' signature
+    restored = mirage.OptimizedModule.__new__(mirage.OptimizedModule)
+    restored.__setstate__(state)
+    assert [type(m) for m in restored._keyed] == [type(m) for m in optimized._keyed] and restored._keyed
+
+
 def test_optimized_module_is_for_inference_and_copies_whole():
     optimized, original = optimized_and_original(PlainNet())
     assert not optimized.training

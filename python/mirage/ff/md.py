@@ -327,6 +327,8 @@ class VelocityVerlet:
         (a .to() or load_state_dict(assign=True)), its mode (train() and back: another path), or
         SchNet's prepared tables, made again into new memory after .to() or train(). Replays
         would read freed memory or take the old path."""
+        if not isinstance(self.model, torch.nn.Module):  # a function: nothing of it to see
+            return
         prepared = getattr(self.model, "_prepared_weights", None)
         now = (self.model.training, prepared.data_ptr() if prepared is not None else None,
                tuple((t.data_ptr(), t.dtype, t.device) for t in (*self.model.parameters(), *self.model.buffers())))
