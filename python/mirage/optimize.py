@@ -418,7 +418,7 @@ class OptimizedModule(nn.Module):
         # Modules whose forward branches on Python settings a user may change after a graph was
         # captured (mirage.nn.UpBlock2D's FreeU factors, set by diffusers' enable_freeu): their
         # graph_key() joins each call's graph signature, so a change captures a new graph.
-        self._keyed = [m for m in module.modules() if hasattr(m, "graph_key")]
+        self._keyed = _keyed_modules(module)
         self.register_load_state_dict_post_hook(_release_graphs_of_replaced_weights)
         self._weights_at = _addresses(module)  # where the graphs read the weights (see _apply)
 
@@ -583,10 +583,8 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         settings, result = state.pop("_graph_settings"), state.pop("_report")
-        state.setdefault("_keyed", None)  # pickled before graph_key: found below
         super().__setstate__(state)
-        if self._keyed is None:
-            self._keyed = [m for m in self.module.modules() if hasattr(m, "graph_key")]
+        self._keyed = _keyed_modules(self.module)  # derived: also for models pickled before it existed
         self._weights_at = _addresses(self.module)
         self.graphs = _graph_cache(self, *settings) if settings else None
         # torch.load's map_location may have moved the tensors.
@@ -633,6 +631,11 @@ def _devices(model: nn.Module) -> set:
 def _on_one_cuda_device(model: nn.Module) -> bool:
     devices = _devices(model)
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+def _keyed_modules(model: nn.Module) -> List[nn.Module]:
+    """The modules whose graph_key() joins each call's graph signature (OptimizedModule._call)."""
+    return [m for m in model.modules() if hasattr(m, "graph_key")]
 
 
 # The keyword under which OptimizedModule._call passes its modules' graph_key() values to the graphs.
