@@ -55,11 +55,24 @@ at::Tensor to_compute_dtype(const at::Tensor& t) {
 }
 
 // Saves the tensor inputs (undefined for absent optional ones) and which of them need gradients.
-void save_inputs(AutogradContext* ctx, const variable_list& inputs) {
-  ctx->save_for_backward(inputs);
-  c10::List<bool> needs;
-  for (const auto& t : inputs) needs.push_back(t.defined() && t.requires_grad());
+// Where `read` is given and read[i] is false, the backward reads input i's shape, dtype and device
+// but no value of it (the op is linear in it: its gradient is the same at any value), so a stand-in
+// of one element expanded to its sizes is saved instead. Kept, the input (an activation, often)
+// held its memory until the backward, and an in-place change of it, which PyTorch's composite
+// allows, made the backward fail.
+void save_inputs(AutogradContext* ctx, const variable_list& inputs, const std::vector<bool>& read = {}) {
+  variable_list saved = inputs;
+  c10::List<bool> needs, stand_in;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    const bool shape_only = t.defined() && i < read.size() && !read[i];
+    if (shape_only) saved[i] = at::zeros({}, t.options()).expand_symint(t.sym_sizes());
+    needs.push_back(t.defined() && t.requires_grad());
+    stand_in.push_back(shape_only);
+  }
+  ctx->save_for_backward(saved);
   ctx->saved_data["needs_grad"] = needs;
+  ctx->saved_data["stand_in"] = stand_in;
 }
 
 using Composite = std::function<variable_list(const variable_list&)>;
@@ -70,13 +83,15 @@ variable_list composite_backward(AutogradContext* ctx, const variable_list& grad
   const bool create_graph = at::GradMode::is_enabled();
   const variable_list saved = ctx->get_saved_variables();
   const c10::List<bool> needs = ctx->saved_data["needs_grad"].toBoolList();
+  const c10::List<bool> stand_in = ctx->saved_data["stand_in"].toBoolList();
   const at::AutoGradMode enable_grad(true);
   variable_list inputs(saved.size()), wrt;
   std::vector<size_t> wrt_index;
   for (size_t i = 0; i < saved.size(); ++i) {
     if (!saved[i].defined()) continue;
-    // For double backward, differentiate through the saved (graph-connected) inputs themselves.
-    inputs[i] = create_graph ? saved[i] : saved[i].detach().requires_grad_(needs[i]);
+    // For double backward, differentiate through the saved (graph-connected) inputs themselves;
+    // a stand-in has no graph, and the gradients do not depend on its value.
+    inputs[i] = create_graph && !stand_in[i] ? saved[i] : saved[i].detach().requires_grad_(needs[i]);
     if (needs[i]) {
       wrt.push_back(inputs[i]);
       wrt_index.push_back(i);
@@ -226,7 +241,9 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
                             const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view activation,
                             double scale) {
-    save_inputs(ctx, {x, value_or_undefined(bias), value_or_undefined(residual)});
+    // Linear in the residual, and without an activation in x and the bias too.
+    const bool activated = activation != "none";
+    save_inputs(ctx, {x, value_or_undefined(bias), value_or_undefined(residual)}, {activated, activated, false});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["scale"] = scale;
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -309,7 +326,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
 struct SubpixelShuffleFunction : torch::autograd::Function<SubpixelShuffleFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-    save_inputs(ctx, {x, value_or_undefined(bias)});
+    save_inputs(ctx, {x, value_or_undefined(bias)}, {false, false});  // linear in both
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::subpixel_shuffle().call(x, bias);
   }

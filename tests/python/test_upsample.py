@@ -440,3 +440,28 @@ def test_upsample2d_compiles_fullgraph():
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), block(x), **tolerance(torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shuffle_backward_keeps_neither_input(device):
+    # Linear in both: the backward reads their shapes only (it kept both, x an image).
+    x, bias = randn(2, 12, 4, 5, device=device), randn(3, device=device)
+    leaves = [t.clone().requires_grad_() for t in (x, bias)]
+    saved = []
+
+    def pack(t):
+        saved.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = mirage.ops.subpixel_shuffle(*leaves)
+    assert not {t.data_ptr() for t in leaves} & set(saved)
+    with torch.no_grad():
+        for t in leaves:
+            t.mul_(3.0)
+    grad = randn(*y.shape, device=device)
+    y.backward(grad)
+    reference = [t.clone().requires_grad_() for t in (x, bias)]
+    composite(*reference).backward(grad)
+    for ours, theirs in zip(leaves, reference):
+        torch.testing.assert_close(ours.grad, theirs.grad)
