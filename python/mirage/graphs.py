@@ -24,6 +24,7 @@ import contextlib
 import enum
 import gc
 import sys
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,11 +38,18 @@ from ._arguments import count, flag, function
 
 __all__ = ["CaptureError", "CapturedGraph", "GraphCache", "GraphCacheStats", "capture", "signature"]
 
-# Output leaves that are plain values: a graph returns them as they were at capture.
-_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
-# Non-tensor input leaves a graph is keyed on by value. Any other object could hold tensors that
-# the graph would read at their captured addresses, with no static buffer of their own.
-_VALUE_TYPES = _CONSTANT_TYPES + (enum.Enum, torch.memory_format, torch.layout)
+# Non-tensor leaves a graph takes: immutable plain values (and NumPy scalars, _numpy_scalar). It is
+# keyed on input ones by value and returns output ones as they were at capture. Any other object
+# could hold tensors that the graph reads or writes at their captured addresses, with no static
+# buffer of their own.
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size, enum.Enum,
+                torch.memory_format, torch.layout)
+# Held by every capture and every call of a CapturedGraph or GraphCache in the process: a call's
+# input copies, replay and output clones are not interleaved with another thread's (graphs share
+# static buffers and pools), and one capture runs at a time (PyTorch captures in its global mode,
+# and a capture turns the garbage collector off for the process). Reentrant: a captured function
+# may call another graph's cache (which replays, or raises if it would capture inside a capture).
+_LOCK = threading.RLock()
 
 
 def progress(message: str) -> None:
@@ -362,7 +370,7 @@ class CapturedGraph:
         self._static_arguments = (static_args, static_kwargs)
 
         start = time.perf_counter()
-        with torch.cuda.device(device), torch.no_grad(), _uncached_autocast():
+        with _LOCK, torch.cuda.device(device), torch.no_grad(), _uncached_autocast():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -397,7 +405,7 @@ class CapturedGraph:
 
         self._static_outputs, output_names, self._output_spec = _leaves(outputs, "output")
         for leaf, name in zip(self._static_outputs, output_names):
-            if not isinstance(leaf, (Tensor,) + _CONSTANT_TYPES):
+            if not isinstance(leaf, Tensor) and _key_kind(leaf) != "value":
                 raise ValueError(
                     f"{who}: {self._fn_name} returned a {type(leaf).__name__} at {name}; "
                     "it may hold tensors that every replay overwrites, so only tensors, plain values and "
@@ -414,9 +422,10 @@ class CapturedGraph:
                 "signature (tensor shapes, strides, dtypes, devices and the other arguments' values must match); "
                 "capture a new graph, or use mirage.graphs.GraphCache to do so automatically"
             )
-        self._order.join(leaves)
-        _load(self._static_inputs, leaves)
-        return self.replay()
+        with _LOCK:
+            self._order.join(leaves)
+            _load(self._static_inputs, leaves)
+            return self.replay()
 
     @property
     def static_inputs(self) -> Tuple[Tensor, ...]:
@@ -438,11 +447,12 @@ class CapturedGraph:
         (``copy_`` with ``non_blocking=True`` from pinned memory, say) and so skip the per-call
         signature check and input copies of a call.
         """
-        if self._graph is None:
-            raise RuntimeError("mirage.graphs: this CapturedGraph was reset (evicted) and cannot replay; capture again")
-        self._graph.replay()
-        outputs = [leaf.clone() if self.copy_outputs and isinstance(leaf, Tensor) else leaf
-                   for leaf in self._static_outputs]
+        with _LOCK:
+            if self._graph is None:
+                raise RuntimeError("mirage.graphs: this CapturedGraph was reset (evicted) and cannot replay; capture again")
+            self._graph.replay()
+            outputs = [leaf.clone() if self.copy_outputs and isinstance(leaf, Tensor) else leaf
+                       for leaf in self._static_outputs]
         return pytree.tree_unflatten(outputs, self._output_spec)
 
     def reset(self) -> None:
@@ -563,14 +573,15 @@ class GraphCache:
         # The arguments are flattened once a call: the graph is replayed through the capture
         # protocol (static_inputs, replay), not called, which would flatten them again.
         leaves, key = _keyed(args, kwargs, "mirage.graphs.GraphCache")
-        self._order.join(leaves)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._capture_new(key, args, kwargs)
-        else:
-            self._count_replay(key)
-        _load(entry.static_inputs, leaves)
-        return entry.replay()
+        with _LOCK:
+            self._order.join(leaves)
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._capture_new(key, args, kwargs)
+            else:
+                self._count_replay(key)
+            _load(entry.static_inputs, leaves)
+            return entry.replay()
 
     def prepare(self, *args: Any, **kwargs: Any) -> Tuple[Hashable, Any]:
         """The key and the graph for this call's signature, captured from these arguments if new.
@@ -581,10 +592,11 @@ class GraphCache:
         call, not as a hit), as in a call.
         """
         key = signature(args, kwargs, "mirage.graphs.GraphCache")
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._capture_new(key, args, kwargs)
-            self._fresh.add(key)
+        with _LOCK:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._capture_new(key, args, kwargs)
+                self._fresh.add(key)
         return key, entry
 
     def holds(self, key: Hashable, entry: Any) -> bool:
@@ -597,10 +609,11 @@ class GraphCache:
         Raises:
             RuntimeError: the graph was evicted or cleared since (check :meth:`holds`, prepare again).
         """
-        if self._entries.get(key) is not entry:
-            raise RuntimeError("mirage.graphs.GraphCache.replay: this graph was evicted or cleared; prepare again")
-        self._count_replay(key)
-        return entry.replay()
+        with _LOCK:
+            if self._entries.get(key) is not entry:
+                raise RuntimeError("mirage.graphs.GraphCache.replay: this graph was evicted or cleared; prepare again")
+            self._count_replay(key)
+            return entry.replay()
 
     def _count_replay(self, key: Hashable) -> None:
         """A replay of a held graph: a hit, but for the first one after prepare() captured it."""
@@ -638,11 +651,12 @@ class GraphCache:
 
     def clear(self) -> None:
         """Releases every graph (and the pool); the next calls capture again. Counters stay."""
-        while self._entries:
-            _, entry = self._entries.popitem(last=False)
-            entry.reset()
-        self._pool = None
-        self._fresh.clear()
+        with _LOCK:
+            while self._entries:
+                _, entry = self._entries.popitem(last=False)
+                entry.reset()
+            self._pool = None
+            self._fresh.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -587,3 +589,46 @@ def test_capture_reports_uncapturable_code():
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert re.search("mirage.graphs.capture: capturing .* failed", result.stdout), result.stdout + result.stderr
+
+
+def test_threads_calling_one_cache_get_their_own_results():
+    # A call copies its inputs into the graph's static buffers, then replays: another thread's
+    # copy in between (here while fn sleeps, as a replay leaves the GIL) gave it that thread's
+    # result before the calls took the module's lock.
+    def slow_double(x):
+        time.sleep(0.002)
+        return x * 2
+
+    cache, _ = fake_cache(slow_double, 2)
+    cache(torch.zeros(3))  # captured: the threads replay
+    wrong = []
+
+    def caller(value):
+        for _ in range(10):
+            x = torch.full((3,), float(value))
+            if not torch.equal(cache(x), 2 * x):
+                wrong.append(value)
+
+    threads = [threading.Thread(target=caller, args=(v,)) for v in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong and cache.stats().hits == 40
+
+
+class Colour(enum.Enum):
+    RED = 1
+
+
+@pytest.mark.cuda
+def test_outputs_may_be_any_plain_value_an_input_may_be():
+    def fn(x):
+        return x + 1, Colour.RED, np.float32(0.5), torch.channels_last, torch.strided, None
+
+    x = randn(4, device="cuda")
+    out = graphs.capture(fn, x)(x)
+    torch.testing.assert_close(out[0], x + 1)
+    assert out[1:] == (Colour.RED, np.float32(0.5), torch.channels_last, torch.strided, None)
+    with pytest.raises(ValueError, match=r"returned a Stream at output\[1\]; it may hold tensors"):
+        graphs.capture(lambda x: (x, torch.cuda.Stream()), x)
