@@ -767,8 +767,10 @@ def test_a_system_without_atoms_has_no_energy(device, name):
     for m in (model, fused):
         positions = torch.zeros(0, 3, dtype=dtype, device=device, requires_grad=True)
         energy = m(z, positions)
-        (grad,) = torch.autograd.grad(energy, positions)
+        # Connected to every parameter, as the reference's sum is: no allow_unused needed.
+        grad, *parameter_grads = torch.autograd.grad(energy, [positions, *m.parameters()])
         assert energy.item() == 0.0 and energy.dtype == dtype and grad.shape == (0, 3)
+        assert all(not g.any() for g in parameter_grads)
     got = fused.energy_and_gradient(z, torch.zeros(0, 3, dtype=dtype, device=device))
     assert got is None or (got[0].item() == 0.0 and got[1].shape == (0, 3))
 

@@ -268,6 +268,12 @@ class _FusedModel(nn.Module):
         self.max_pairs = needed
         return True
 
+    def _energy_of_no_atoms(self, positions: Tensor) -> Tensor:
+        """0, the reference models' sum over no atoms, connected as theirs is to the positions and
+        to every parameter (with zero gradients): a training step's ``autograd.grad`` over the
+        parameters then needs no ``allow_unused`` for an empty system in its batch."""
+        return positions.sum() + sum(p.flatten()[:0].sum() for p in self.parameters())
+
     def _checked(self, compute: Callable[[], Any], atomic_numbers: Tensor, positions: Tensor,
                  empty: Callable[[], Any]) -> Any:
         """``compute()`` (a forward; None when it ran no neighbor search) on checked inputs,
@@ -772,7 +778,7 @@ class SchNet(_FusedModel):
         Outside a CUDA-graph capture, an overflow of the neighbor capacity grows it and the
         energy is computed again (one host sync a call; see the module's docstring)."""
         return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions,
-                             lambda: positions.sum())
+                             lambda: self._energy_of_no_atoms(positions))
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
@@ -1150,7 +1156,7 @@ class PaiNN(_FusedModel):
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both. Neighbor capacity: as :meth:`SchNet.forward`."""
         return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions,
-                             lambda: positions.sum())
+                             lambda: self._energy_of_no_atoms(positions))
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
