@@ -15,6 +15,7 @@
 // message_passing and pair_product run in the autocast dtype, like a matmul: x and filter (a and
 // b) are cast to it, and the kernels accumulate in float32 whatever the dtype.
 #include <initializer_list>
+#include <utility>
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -37,6 +38,24 @@ std::optional<at::Tensor> weight_for(at::ScalarType dtype, const std::optional<a
       weight->scalar_type() != at::kFloat)
     return weight->to(at::kFloat);
   return weight;
+}
+
+// Autocast casts floating operands to its dtype but leaves float64 as it is, so float64 beside
+// another floating dtype reaches the op in two dtypes, and the op's dtype check would name one the
+// caller never passed (a float32 residual "got BFloat16" beside a float64 x). This says what
+// autocast did instead. Absent (undefined) and non-floating operands are skipped.
+void check_cast_together(const char* op, at::ScalarType dtype,
+                         std::initializer_list<std::pair<const char*, at::Tensor>> operands) {
+  const std::pair<const char*, at::Tensor>*wide = nullptr, *narrow = nullptr;
+  for (const auto& operand : operands) {
+    if (!operand.second.defined() || !operand.second.is_floating_point()) continue;
+    auto& first = operand.second.scalar_type() == at::kDouble ? wide : narrow;  // the first of each kind
+    if (first == nullptr) first = &operand;
+  }
+  TORCH_CHECK(wide == nullptr || narrow == nullptr, "mirage::", op, ": under autocast, ", wide->first,
+              " is float64, which autocast leaves as it is, but ", narrow->first, " is ",
+              narrow->second.scalar_type(), ", which it casts to ", dtype,
+              "; pass them in one dtype, or call the op outside autocast");
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>
@@ -67,6 +86,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_autocast(
     const std::optional<at::Tensor>& bias, double eps) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  check_cast_together("add_layer_norm", dtype, {{"x", x}, {"residual", residual}});
   const at::Tensor cast_x = cached_cast(dtype, x, Device);
   return handles::add_layer_norm().call(cast_x, cached_cast(dtype, residual, Device),
                                         weight_for(cast_x.scalar_type(), weight),
@@ -86,6 +106,7 @@ at::Tensor bias_act_autocast(const at::Tensor& x, const std::optional<at::Tensor
                              double scale) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  check_cast_together("bias_act", dtype, {{"x", x}, {"residual", residual.value_or(at::Tensor())}});
   const std::optional<at::Tensor> cast_residual =
       present(residual) ? std::optional<at::Tensor>(cached_cast(dtype, *residual, Device))
                            : std::nullopt;
@@ -100,6 +121,8 @@ at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& residual, c10::string_view input_activation) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  check_cast_together("linear", dtype, {{"x", x}, {"weight", weight}, {"bias", bias.value_or(at::Tensor())},
+                                        {"residual", residual.value_or(at::Tensor())}});
   return handles::linear().call(cached_cast(dtype, x, Device), cached_cast(dtype, weight, Device),
                                 cached_cast(dtype, bias, Device), cached_cast(dtype, residual, Device),
                                 input_activation);
@@ -176,6 +199,7 @@ at::Tensor message_passing_autocast(const at::Tensor& x, const at::Tensor& filte
                                     const at::Tensor& pairs) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  check_cast_together("message_passing", dtype, {{"x", x}, {"filter", filter}});
   return handles::message_passing().call(cached_cast(dtype, x, Device),
                                          cached_cast(dtype, filter, Device), pairs);
 }
@@ -184,6 +208,7 @@ template <c10::DeviceType Device, c10::DispatchKey Key>
 at::Tensor pair_product_autocast(const at::Tensor& a, const at::Tensor& b, const at::Tensor& pairs) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  check_cast_together("pair_product", dtype, {{"a", a}, {"b", b}});
   return handles::pair_product().call(cached_cast(dtype, a, Device), cached_cast(dtype, b, Device),
                                       pairs);
 }
@@ -203,6 +228,9 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
                                                                    const std::optional<at::Tensor>& num_pairs) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(Key);
   const auto dtype = at::autocast::get_autocast_dtype(Device);
+  check_cast_together("vector_message_passing", dtype,
+                      {{"x", x}, {"filter", filter}, {"vectors", vectors}, {"directions", directions},
+                       {"filter_weight", filter_weight.value_or(at::Tensor())}});
   std::optional<at::Tensor> weight;
   if (present(filter_weight)) weight = cached_cast(dtype, *filter_weight, Device);
   return handles::vector_message_passing().call(
