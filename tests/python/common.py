@@ -204,6 +204,31 @@ def assert_energy_op_takes_unaligned_weights(op, args, indices, grad_atol):
         torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=grad_atol(want_grad))
 
 
+def assert_backward_reads_no_value_of(op, composite, inputs, unread):
+    """``op(*leaves)``'s backward keeps none of the leaves at the indices ``unread`` (the op is
+    linear in them), and gives ``composite``'s gradients though they change in place after the
+    forward (where keeping them failed with "modified by an inplace operation")."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    saved = set()
+
+    def pack(t):
+        saved.add(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = op(*leaves)
+    assert not {leaves[i].data_ptr() for i in unread} & saved
+    with torch.no_grad():
+        for i in unread:
+            leaves[i].mul_(3.0)
+    grad = randn(*y.shape, device=y.device)
+    y.backward(grad)
+    reference = [t.clone().requires_grad_() for t in inputs]
+    composite(*reference).backward(grad)
+    for ours, theirs in zip(leaves, reference):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+
+
 def cast(value, dtype):
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.detach().to(dtype)
