@@ -27,7 +27,7 @@ from .graphs import GraphCache, GraphCacheStats, _flatten, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
 from .nn.attention import from_diffusers_attention
-from .patterns import fuse, hooked_submodule, qualified_name
+from .patterns import altered_submodule, fuse, qualified_name
 
 __all__ = ["OptimizeReport", "OptimizedModule", "Swap", "optimize", "report"]
 
@@ -176,12 +176,12 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
         left_alone_by: Optional[Swap] = None  # the swap that had to leave the module alone
         if swap is not None and swap.candidate is not None and not swap.candidate(module):
             pass  # not a candidate: nothing to swap, nothing to report
-        elif swap is not None and (hooked := hooked_submodule(module)) is not None:
-            where = qualified_name(name, hooked) or "(model)"
+        elif swap is not None and (altered := altered_submodule(module)) is not None:
+            where = qualified_name(name, altered[0]) or "(model)"
+            what = f"{where} has {altered[1]}"
             # Once: the pattern pass may have said so already.
-            if not any(where == name and "has forward hooks" in why for where, why in result.left_alone):
-                result.left_alone.append((name, f"{swap.kind}: {where} has forward hooks, which the replacement "
-                                                "would not run"))
+            if not any(at == name and what in reason for at, reason in result.left_alone):
+                result.left_alone.append((name, f"{swap.kind}: {what}, which the replacement would not run"))
             left_alone_by = swap
         elif swap is not None:
             try:
@@ -224,8 +224,8 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
     unet = getattr(sys.modules.get("diffusers.models.unets.unet_2d_condition"), "UNet2DConditionModel", None)
     for name, module in model.named_modules():
         if (unet is not None and type(module) is unet and type(module.conv_norm_out) is nn.GroupNorm
-                and type(module.conv_act) is nn.SiLU and hooked_submodule(module.conv_norm_out) is None
-                and hooked_submodule(module.conv_act) is None):
+                and type(module.conv_act) is nn.SiLU and altered_submodule(module.conv_norm_out) is None
+                and altered_submodule(module.conv_act) is None):
             module.conv_norm_out = GroupNorm.from_torch(module.conv_norm_out, activation="silu")
             module.conv_act = nn.Identity()
             result.swaps.append(("group_norm_silu", qualified_name(name, "conv_norm_out")))

@@ -17,8 +17,8 @@ alone are reported with the reason. Modules whose ``forward`` cannot be traced (
 control flow, optional arguments, ``*args``) are not rewritten themselves: their children are
 traced instead, and where those children look like a pattern (a Conv2d beside a BatchNorm2d, a
 GroupNorm beside a SiLU, three Linears of one input width) the module is reported as left alone
-with the reason it could not be traced. Modules with forward hooks are called as modules (their
-hooks run at every call) and are not fused; a module whose forward changes its own state is not
+with the reason it could not be traced. Modules with forward hooks, or with a ``forward`` set on
+the instance, are called as modules (what they add runs at every call) and are not fused; a module whose forward changes its own state is not
 traced (its state is put back). Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
 torch.fx capture does, and batch-norm folding fixes the running statistics: the result is for
 inference.
@@ -63,9 +63,9 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
 
     Args:
         module: any ``nn.Module``. When its ``forward`` cannot be traced (or it has forward
-            hooks, which a graph would not run), its children are fused and replaced in place
-            (``setattr`` on ``module``); so are those of a submodule with forward hooks, which
-            the trace keeps whole.
+            hooks or a forward set on the instance, which a graph of its class's forward would
+            not run), its children are fused and replaced in place (``setattr`` on ``module``);
+            so are those of such a submodule, which the trace keeps whole.
         prefix: ``module``'s qualified name in the enclosing model, prepended to reported names.
         sealed: ids of modules to keep whole and leave untouched inside (``mirage.optimize``'s
             left-alone ``Attention``s, whose code tests the exact types of their children).
@@ -121,15 +121,23 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
     return result
 
 
-def _has_forward_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+def _forward_extras(module: nn.Module) -> Optional[str]:
+    """What a call of ``module`` runs besides its class's forward, or None: forward hooks or
+    pre-hooks, or a ``forward`` set on the instance (LoRA patchers such as kohya-ss's, offloading
+    and caching wrappers replace a module's forward that way, keeping its type)."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return "forward hooks"
+    if "forward" in vars(module):
+        return "a forward set on the instance"
+    return None
 
 
-def hooked_submodule(module: nn.Module) -> Optional[str]:
+def altered_submodule(module: nn.Module) -> Optional[Tuple[str, str]]:
     """The name (relative to ``module``, "" for itself) of the first module in ``module``'s tree
-    with forward hooks or forward pre-hooks, or None. A fused replacement would not run them (and
-    hooks such as weight_norm's compute the weights a fusion reads), so such modules are left alone."""
-    return next((name for name, sub in module.named_modules() if _has_forward_hooks(sub)), None)
+    whose call runs more than its class's forward, and what (:func:`_forward_extras`), or None. A
+    fused replacement would not run it (and hooks such as weight_norm's compute the weights a
+    fusion reads), so such modules are left alone."""
+    return next(((name, extras) for name, sub in module.named_modules() if (extras := _forward_extras(sub))), None)
 
 
 class _Tracer(fx.Tracer):
@@ -142,7 +150,7 @@ class _Tracer(fx.Tracer):
         self.sealed = sealed
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return self.plain_leaf(m, module_qualified_name) or _has_forward_hooks(m)
+        return self.plain_leaf(m, module_qualified_name) or _forward_extras(m) is not None
 
     def plain_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A leaf not fused inside, whatever its hooks: torch.nn's modules, mirage's, the sealed,
@@ -169,8 +177,9 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
             return None, f"the optional argument {parameter.name}=None"
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             return None, f"the variadic argument {parameter}"
-    if _has_forward_hooks(module):
-        return None, "it has forward hooks, which a graph of its forward would not run"
+    extras = _forward_extras(module)
+    if extras is not None:
+        return None, f"it has {extras}, which a graph of its class's forward would not run"
     # The trace runs the real forward on proxies: what it stores on the modules (a cache, a
     # counter) would be proxies afterwards. Their state is put back, and a forward that changes
     # it is not traced (a graph would not repeat the change).
@@ -380,11 +389,14 @@ class _Rewriter:
         return None
 
     def _hooked(self, *nodes: Optional[fx.Node]) -> Optional[str]:
-        """Why the modules ``nodes`` call cannot be fused (one has forward hooks), or None."""
+        """Why the modules ``nodes`` call cannot be fused (one runs more than its class's forward:
+        :func:`altered_submodule`), or None."""
         for node in nodes:
             module = self._module(node) if node is not None else None
-            if module is not None and hooked_submodule(module) is not None:
-                return f"{qualified_name(self.prefix, node.target)} has forward hooks, which the fused module would not run"
+            altered = altered_submodule(module) if module is not None else None
+            if altered is not None:
+                where = qualified_name(qualified_name(self.prefix, node.target), altered[0])
+                return f"{where} has {altered[1]}, which the fused module would not run"
         return None
 
     def _name(self, node: fx.Node) -> str:

@@ -1173,6 +1173,10 @@ def test_whole_model_energy_and_gradient_without_autograd(cls, ops, periodic):
     fast.__class__ = Shifted
     assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
     fast.__class__ = Shifted.__mro__[1]
+    plain_forward = fast.forward
+    fast.forward = lambda *args: plain_forward(*args) + 1.0  # a forward set on the instance
+    assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None
+    del fast.forward
     # Where the op does not run: training mode, a capacity over its limit.
     fast.train()
     assert fast.energy_and_gradient(numbers, positions, cell, pbc) is None

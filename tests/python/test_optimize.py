@@ -807,6 +807,37 @@ def test_modules_with_forward_hooks_are_left_alone_and_their_hooks_run():
     assert len(calls) == 2  # the hook runs in the optimized model too
 
 
+class ScaledForward(nn.Module):
+    """Sets ``module.forward`` on the instance, as kohya-ss's LoRA ``apply_to`` and offloading
+    wrappers do: the module keeps its type and has no hooks."""
+
+    def __init__(self, module, factor):
+        super().__init__()
+        self.factor, self.inner_forward = factor, module.forward
+        module.forward = self.forward
+
+    def forward(self, *args, **kwargs):
+        return self.inner_forward(*args, **kwargs) * self.factor
+
+
+def test_modules_with_a_forward_set_on_the_instance_are_left_alone_and_it_runs():
+    # They were swapped like any module of their type, and the replacement dropped the forward: a
+    # LoRA patched in that way vanished from the output (30% off), with nothing in the report.
+    unet = tiny_unet2d_condition()
+    patched = ["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", "down_blocks.1.resnets.0.conv1",
+               "up_blocks.1.attentions.0.transformer_blocks.0.ff.net.0.proj", "conv_norm_out"]
+    for name in patched:
+        ScaledForward(unet.get_submodule(name), 1.5)
+    optimized, original = optimized_and_original(unet)
+    reasons = dict(mirage.report(optimized).left_alone)
+    for name in patched:
+        assert any(why.endswith(f"{name} has a forward set on the instance, which the replacement would not run")
+                   for why in reasons.values()), (name, reasons)
+    inputs = unet2d_condition_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs).sample, original(*inputs).sample, **MODEL_TOLERANCE)
+
+
 def test_pytorch_encoder_layers_keep_their_norms():
     # Their fused inference op reads the norms' weights: swapped norms were counted but never ran.
     layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)

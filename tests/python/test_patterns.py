@@ -520,11 +520,23 @@ def test_modules_with_forward_hooks_are_not_fused():
     assert ("conv", "conv has forward hooks, which the fused module would not run") in result.skipped
 
 
+def test_modules_with_a_forward_set_on_the_instance_are_not_fused():
+    model = prepared(Stem())
+    inner = model.bn.forward
+    model.bn.forward = lambda x: inner(x) * 0.5  # as LoRA patchers and offloading wrappers do
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        result = fuse(model)
+        torch.testing.assert_close(result.module(x), expected, **tolerance(torch.float64))
+    assert ("conv", "bn has a forward set on the instance, which the fused module would not run") in result.skipped
+
+
 def test_hooks_on_a_container_run_at_every_call_and_its_children_are_fused_in_place():
     calls = []
     result = _hooked_and_checked("block", lambda module, inputs, output: calls.append(1))
     assert ("block", "Sequential's forward is not traceable by torch.fx (it has forward hooks, which a graph of its "
-                     "forward would not run), so a Conv2d and a BatchNorm2d among its children cannot be fused"
+                     "class's forward would not run), so a Conv2d and a BatchNorm2d among its children cannot be fused"
             ) in result.skipped
     assert ("conv_bn", "conv") in result.swaps and ("group_norm_silu", "norm") in result.swaps
     calls.clear()

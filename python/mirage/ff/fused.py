@@ -500,10 +500,12 @@ class _FusedModel(nn.Module):
 
     def _forward_is_plain(self) -> bool:
         """Whether calling the model runs SchNet's or PaiNN's forward as written here: no subclass
-        overriding it, no forward hooks (energy_and_gradient would skip either)."""
+        overriding it or set on the instance, no forward hooks (energy_and_gradient would skip
+        any of them)."""
         hooks = (self._forward_hooks, self._forward_pre_hooks, nn.modules.module._global_forward_hooks,
                  nn.modules.module._global_forward_pre_hooks)
-        return type(self).forward in (SchNet.forward, PaiNN.forward) and not any(hooks)
+        return (type(self).forward in (SchNet.forward, PaiNN.forward) and "forward" not in vars(self)
+                and not any(hooks))
 
     def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
         """Each Linear's weight and bias, the parameters themselves (shared, never copied), an

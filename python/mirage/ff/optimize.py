@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import graphs
-from ..patterns import hooked_submodule
+from ..patterns import altered_submodule
 from .fused import PaiNN, SchNet, _FusedModel
 from .precision import matmul_precision
 
@@ -309,12 +309,13 @@ def optimize(model: nn.Module, *, max_pairs: Optional[int] = None, strict: bool 
                              if name and any(r.matches(sub) for r in RECOGNIZERS)), None)
         return _untouched(model, result, strict, start)
     result.style = recognizer.name
-    hooked = hooked_submodule(model)
-    if hooked is not None:
-        # As mirage.optimize: the fused model would not run them, and weight_norm's compute the
-        # weights it reads (it would read them as the model's last forward left them).
-        result.left_alone.append((hooked or "(model)", "has forward hooks or pre-hooks (weight_norm's among them), "
-                                  "which mirage's model would not run; remove them to optimize it"))
+    altered = altered_submodule(model)
+    if altered is not None:
+        # As mirage.optimize: the fused model would not run them, and weight_norm's hooks compute
+        # the weights it reads (it would read them as the model's last forward left them).
+        where, extras = altered
+        result.left_alone.append((where or "(model)", f"has {extras}, which mirage's model would not run; "
+                                  "remove them to optimize it"))
         return _untouched(model, result, strict, start)
     parameter = next(model.parameters(), None)
     if parameter is None:
