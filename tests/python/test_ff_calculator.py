@@ -342,6 +342,46 @@ def test_property_caching_and_recompute():
     assert not np.array_equal(atoms.get_stress(), stress)
 
 
+def test_a_calculation_of_its_own_atoms_is_what_the_next_check_compares_with():
+    # ASE's calculate() with no atoms calculates calc.atoms, which a caller may have edited: the
+    # results were the edited atoms', but check_state still compared with the atoms calculated
+    # before, and the unedited atoms got the edited ones' energy.
+    model = Counting(small(SchNet))
+    atoms = benzene_atoms()
+    calc = atoms.calc = mirage.ff.Calculator(model, cuda_graph=False)
+    energy = atoms.get_potential_energy()
+    calc.atoms.positions[0] += 0.3
+    calc.calculate()
+    assert calc.results["energy"] != energy and model.calls == 2
+    assert calc.check_state(atoms) == ["positions"]
+    assert atoms.get_potential_energy() == energy and model.calls == 3
+
+
+class WithReferenceEnergies(nn.Module):
+    """A float32 network plus float64 energies per element, as force fields are often set up."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small(SchNet, torch.float32)
+        self.register_buffer("e0", torch.linspace(-1000.0, -10.0, 100, dtype=torch.float64))
+
+    def forward(self, numbers, positions, cell=None, pbc=None):
+        return self.net(numbers, positions, cell, pbc).double() + self.e0[numbers].sum()
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_model_energy_wider_than_its_positions_is_kept(graphed):
+    # It was rounded to the positions' float32: 1.2e-4 eV off at -6,000 eV, where mirage.ff.md
+    # kept it (float32's spacing there is 4.9e-4 eV).
+    model = WithReferenceEnergies()
+    atoms = benzene_atoms()
+    exact = model(torch.from_numpy(atoms.numbers), torch.tensor(atoms.positions, dtype=torch.float32)).item()
+    calc = mirage.ff.Calculator(model, cuda_graph=False)
+    atoms.calc = graphed_on_cpu(calc, calc._packed, 2) if graphed else calc
+    assert atoms.get_potential_energy() == exact
+    assert float(np.float32(exact)) != exact  # the case tests something
+
+
 def test_atom_count_change():
     model = Counting(small(SchNet))
     calc = mirage.ff.Calculator(model)

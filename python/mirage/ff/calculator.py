@@ -105,7 +105,9 @@ def evaluate(
             energy, forces and stress wrong without a word).
 
     Returns:
-        ``(energy [] , forces [N, 3], stress [6] or None)`` in ``positions``' dtype, detached.
+        ``(energy [] , forces [N, 3], stress [6] or None)``, detached: forces and stress in
+        ``positions``' dtype, the energy in the wider of that and the model's own (a float32
+        network with float64 reference energies per element keeps its float64 sum).
 
     Raises:
         ValueError: shapes that do not make one structure (``atomic_numbers`` not ``[N]`` for
@@ -121,7 +123,7 @@ def evaluate(
                          f"pbc {'None' if pbc is None else 'given'}")
     energy, grads = energy_and_gradients(model, atomic_numbers, positions, cell, pbc, stress=stress,
                                          precision=precision, who=who, capacity_checked=capacity_checked)
-    energy = energy.to(positions.dtype)
+    energy = energy.to(torch.promote_types(energy.dtype, positions.dtype))
     forces = grads[0].neg().to(positions.dtype)
     if not stress:
         return energy, forces, None
@@ -431,6 +433,8 @@ class Calculator(_AseCalculator):
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         if atoms is not None:
             self._remember(atoms)
+        elif self.atoms is self._snapshot:
+            self._note_calculated()  # ASE calculates self.atoms, which the caller may have edited
         if self.directory != self._made_directory:  # as ASE's calculate: mirage writes nothing there
             os.makedirs(self.directory, exist_ok=True)
             self._made_directory = self.directory
@@ -551,8 +555,10 @@ class Calculator(_AseCalculator):
                 periodic: bool) -> Tensor:
         """What one graph computes: :meth:`_evaluate`'s results as the bytes of one flat tensor, so
         that one device-to-host copy brings all of them (layout: :meth:`_staging`). The pair count
-        (int64) goes first: every later offset is then a multiple of its element size."""
+        (int64) goes first, then the energy as float64 (the model's own dtype may be wider than its
+        positions'): every later offset is then a multiple of its element size."""
         out = self._evaluate(numbers, positions, cell, pbc, periodic)
+        out["energy"] = out["energy"].to(torch.float64)
         parts = [out[name] for name in ("num_pairs", "energy", "forces", "stress") if name in out]
         return torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
 
@@ -573,15 +579,15 @@ class Calculator(_AseCalculator):
         inputs = {name: t.pin_memory() if pin else t for name, t in inputs.items()}
         size = torch.empty((), dtype=self.dtype).element_size()
         counted = self._counted is not None
-        lengths = dict(num_pairs=8 if counted else 0, energy=size, forces=3 * n * size,
-                       stress=6 * size if periodic else 0)
+        lengths = dict(num_pairs=8 if counted else 0, energy=8, forces=3 * n * size, stress=6 * size if periodic else 0)
         packed = torch.empty(sum(lengths.values()), dtype=torch.uint8)
         packed = packed.pin_memory() if pin else packed
         views, offset, raw = {}, 0, packed.numpy()
         np_dtype = inputs["positions"].numpy().dtype
         for name, length in lengths.items():
             if length:
-                views[name] = raw[offset:offset + length].view(np.int64 if name == "num_pairs" else np_dtype)
+                views[name] = raw[offset:offset + length].view(
+                    {"num_pairs": np.int64, "energy": np.float64}.get(name, np_dtype))
                 offset += length
         views["forces"] = views["forces"].reshape(n, 3)
         stage = dict(inputs=inputs, host={name: t.numpy() for name, t in inputs.items()}, packed=packed,
