@@ -115,26 +115,43 @@ variable_list composite_backward(AutogradContext* ctx, const variable_list& grad
   return grads;
 }
 
-// Parameters stored in float32 beside float16/bfloat16 activations join the composite in x's dtype;
-// their gradient flows back through the cast into float32.
-std::optional<at::Tensor> in_dtype_of(const at::Tensor& p, const at::Tensor& x) {
-  return p.defined() ? std::optional<at::Tensor>(p.to(x.scalar_type())) : std::nullopt;
+// The dtype a composite with parameters computes in: x's, widened by its (defined) parameters'.
+// A float32 weight or bias beside float16/bfloat16 x makes it float32, as the kernels compute, so
+// that the parameters' gradients (sums over every row or pixel) are summed in float32: in x's
+// dtype a float16 bias's over a 256x256 image overflowed, and a bfloat16 one's stopped growing at
+// 512 rows.
+at::ScalarType composite_dtype(const at::Tensor& x, std::initializer_list<at::Tensor> parameters) {
+  at::ScalarType dtype = x.scalar_type();
+  for (const at::Tensor& p : parameters)
+    if (p.defined()) dtype = at::promote_types(dtype, p.scalar_type());
+  return dtype;
+}
+
+// p in `dtype`, or none for an undefined p.
+std::optional<at::Tensor> as(const at::Tensor& p, at::ScalarType dtype) {
+  return p.defined() ? std::optional<at::Tensor>(p.to(dtype)) : std::nullopt;
 }
 
 // group_norm's composite: PyTorch's group_norm, except where the batch is unbacked (torch.compile
-// with mark_unbacked): on CUDA at::group_norm copies channels-last input to contiguous first, a copy
-// that guards on the batch, which an unbacked size forbids (torch 2.11, H200, 2026-11-30). There the
-// statistics are reductions over a grouped view of x (no copy, no guard), in float32 for float16 and
-// bfloat16, rounded once at the end. Backed symbolic sizes keep PyTorch's: its gradients are what
-// eager gives to the last bits, which torch.library.opcheck compares.
+// with mark_unbacked) or x is empty. On CUDA at::group_norm copies channels-last input to contiguous
+// first, a copy that guards on the batch, which an unbacked size forbids (torch 2.11, H200,
+// 2026-11-30); its backward refuses input without channels or pixels ("Expected number of channels
+// to be greater than 0"). There the statistics are reductions over a grouped view of x (no copy, no
+// guard; over nothing, empty or zero gradients), in float32 for float16 and bfloat16, rounded once
+// at the end. Backed symbolic sizes keep PyTorch's: its gradients are what eager gives to the last
+// bits, which torch.library.opcheck compares.
 at::Tensor group_norm_composite(const at::Tensor& x, int64_t num_groups, const at::Tensor& weight,
                                 const at::Tensor& bias, double eps) {
   const c10::SymInt batch = x.sym_size(0);
-  if (!batch.is_symbolic() || batch.has_hint()) {
-    return at::group_norm(x, num_groups, in_dtype_of(weight, x), in_dtype_of(bias, x), eps);
+  const bool unbacked = batch.is_symbolic() && !batch.has_hint();
+  if (!unbacked && !TORCH_GUARD_OR_FALSE(x.sym_numel().sym_eq(0))) {
+    const at::ScalarType dtype = composite_dtype(x, {weight, bias});
+    return at::group_norm(x.to(dtype), num_groups, as(weight, dtype), as(bias, dtype), eps).to(x.scalar_type());
   }
   const at::ScalarType compute = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor grouped = x.to(compute).unflatten_symint(1, {num_groups, x.sym_size(1) / num_groups});
+  // Without channels any num_groups is valid, and 2^62 empty groups would overflow the view's strides.
+  const int64_t groups = TORCH_GUARD_OR_FALSE(x.sym_size(1).sym_eq(0)) ? 1 : num_groups;
+  const at::Tensor grouped = x.to(compute).unflatten_symint(1, {groups, x.sym_size(1) / groups});
   std::vector<int64_t> reduced;
   for (int64_t d = 2; d < grouped.dim(); ++d) reduced.push_back(d);
   const at::Tensor centered = grouped - grouped.mean(reduced, /*keepdim=*/true);
@@ -174,7 +191,9 @@ struct GroupNormFunction : torch::autograd::Function<GroupNormFunction> {
 
 at::Tensor layer_norm_composite(const at::Tensor& x, const at::Tensor& weight,
                                 const at::Tensor& bias, double eps) {
-  return at::layer_norm_symint(x, {x.sym_size(-1)}, in_dtype_of(weight, x), in_dtype_of(bias, x), eps);
+  const at::ScalarType dtype = composite_dtype(x, {weight, bias});
+  return at::layer_norm_symint(x.to(dtype), {x.sym_size(-1)}, as(weight, dtype), as(bias, dtype), eps)
+      .to(x.scalar_type());
 }
 
 struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
@@ -254,13 +273,8 @@ struct BiasActFunction : torch::autograd::Function<BiasActFunction> {
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const double scale = ctx->saved_data["scale"].toDouble();
     const variable_list grads = composite_backward(ctx, grad_outputs, [&](const variable_list& in) {
-      at::Tensor v = in[0];
-      if (in[1].defined()) {
-        // A float32 bias joins 16-bit x in float32, as in the kernel, so that its gradient (a sum
-        // over the image) is summed in float32: in float16 a 512x512 image of ones overflowed.
-        v = v.to(at::promote_types(v.scalar_type(), in[1].scalar_type()));
-        v = v + ops::broadcastable_bias(*in_dtype_of(in[1], v), v);
-      }
+      at::Tensor v = in[0].to(composite_dtype(in[0], {in[1]}));
+      if (in[1].defined()) v = v + ops::broadcastable_bias(in[1].to(v.scalar_type()), v);
       v = ops::apply_activation(v, activation);
       if (in[2].defined()) v = v + in[2];
       return variable_list{(v * scale).to(in[0].scalar_type())};

@@ -170,6 +170,18 @@ def test_empty_and_nan(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,groups", [((0, 8, 4, 4), 4), ((2, 8, 0, 3), 4), ((1, 0, 3), 2), ((1, 0, 3), 2**62)])
+def test_empty_input_backward(device, shape, groups):
+    # PyTorch's group_norm backward, which the op's backward differentiated, refuses empty input
+    # ("Expected number of channels to be greater than 0"): empty and zero gradients instead.
+    x = torch.empty(shape, device=device, requires_grad=True)
+    w, b = (torch.ones(shape[1], device=device, requires_grad=True) for _ in range(2))
+    mirage.ops.group_norm(x, groups, w, b, 1e-5, "silu").sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == b.grad.shape == (shape[1],)
+    assert not w.grad.any() and not b.grad.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", [(2, 64, 8, 8), (2, 1280, 8, 8), (2, 320, 64, 64)])
 @pytest.mark.parametrize("pixel", [(2, 2), (0, 0)])
@@ -263,6 +275,22 @@ def test_float32_params_get_float32_grads(device):
     w = randn(8, device=device).requires_grad_()
     mirage.ops.group_norm(x, 2, w, None, 1e-5, "silu").sum().backward()
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float32_params_gradients_are_summed_in_float32(device, dtype):
+    # Sums over 65,536 pixels: the bias's gradient was inf in float16 (past 65,504) and the
+    # weight's off by the rounding of a bfloat16 sum, when the parameters joined x's dtype.
+    x = randn(1, 4, 256, 256, dtype=dtype, device=device).requires_grad_()
+    w, b = randn(4, device=device).requires_grad_(), randn(4, device=device).requires_grad_()
+    grad = torch.ones(1, 4, 256, 256, dtype=dtype, device=device)
+    mirage.ops.group_norm(x, 2, w, b, 1e-5).backward(grad)
+    reference = [t.detach().float().requires_grad_() for t in (x, w, b)]
+    F.group_norm(reference[0], 2, reference[1], reference[2], 1e-5).backward(grad.float())
+    torch.testing.assert_close(b.grad, reference[2].grad)
+    torch.testing.assert_close(w.grad, reference[1].grad, rtol=1e-3, atol=1.0)  # a sum of +-1s: 0 +- ~300
+    torch.testing.assert_close(x.grad, reference[0].grad.to(dtype))
 
 
 def test_autocast_runs_in_the_autocast_dtype():

@@ -158,6 +158,23 @@ def test_autocast_runs_in_the_autocast_dtype():
     assert_matches(out, add_composite, (expected_total, w, None, 1e-5), torch.bfloat16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_float32_params_gradients_are_summed_in_float32(device, dtype, with_residual):
+    # Sums over 70,000 rows: in float16 the bias's gradient overflowed, in bfloat16 it stopped
+    # growing at 512, when the parameters joined x's dtype.
+    x, residual = (randn(70_000, 8, dtype=dtype, device=device).requires_grad_() for _ in range(2))
+    w, b = randn(8, device=device).requires_grad_(), randn(8, device=device).requires_grad_()
+    out = mirage.ops.layer_norm(x, w, b, 1e-5, residual if with_residual else None)
+    (out[0] if with_residual else out).float().sum().backward()
+    reference = [t.detach().float().requires_grad_() for t in (x, residual, w, b)]
+    summed = reference[0] + reference[1] if with_residual else reference[0]
+    F.layer_norm(summed, (8,), reference[2], reference[3], 1e-5).sum().backward()
+    torch.testing.assert_close(b.grad, reference[3].grad)
+    torch.testing.assert_close(w.grad, reference[2].grad, rtol=1e-3, atol=1.0)
+
+
 def test_autocast_reads_parameters_of_a_third_dtype_in_float32():
     x, r, w, b = randn(4, 10).half(), randn(4, 10).half(), randn(10).half(), randn(10).half()
     with torch.autocast("cpu", dtype=torch.bfloat16):
