@@ -686,7 +686,9 @@ variable_list vector_message_passing_backward_composite(const variable_list& in)
   const at::Tensor i = counted(pairs.select(0, 0)), j = counted(pairs.select(0, 1));
   const int64_t nodes = x.size(0), features = x.size(1) / 3;
   const at::Tensor x_j = to_compute_dtype(x).index_select(0, j);
-  const at::Tensor filter = counted(to_compute_dtype(ops::formed_filter(in[3], defined_or_none(in[7]))));
+  // The padding's basis rows out before the filter is formed: 0 * NaN in its product with the
+  // weight would reach the weight's gradient.
+  const at::Tensor filter = to_compute_dtype(ops::formed_filter(counted(in[3]), defined_or_none(in[7])));
   const at::Tensor grad_scalar_i = counted(to_compute_dtype(in[0]).index_select(0, i));
   const at::Tensor grad_vector_i = counted(to_compute_dtype(in[1]).index_select(0, i));  // [P, 3, F]
   const at::Tensor vectors_j = to_compute_dtype(in[4]).index_select(0, j);
@@ -752,15 +754,20 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
   // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& basis = saved[1];
+    at::Tensor basis = saved[1];
     const at::Tensor& weight = saved[5];
     std::optional<at::Tensor> fused_weight;
     at::Tensor filter = basis;
     if (weight.defined()) {
       // For forces alone the fused op forms the filter and returns the basis' gradient itself (on
       // tensor cores where it can). The weight's gradient needs the formed filter's, and double
-      // backward a differentiable filter: there the filter is a PyTorch product of the two.
+      // backward a differentiable filter: there the filter is a PyTorch product of the two, of a
+      // basis without the padding's rows (past num_pairs, which the op skips whatever they hold:
+      // a NaN there made the weight's whole gradient NaN through 0 * NaN).
       if (at::GradMode::is_enabled() || ctx->needs_input_grad(5)) {
+        if (saved[7].defined())
+          basis = at::where(ops::walked_mask(saved[7], basis.size(0)).unsqueeze(-1), basis,
+                            at::zeros({}, basis.options()));
         filter = ops::formed_filter(basis, weight);
       } else {
         fused_weight = weight;

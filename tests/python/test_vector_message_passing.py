@@ -813,6 +813,30 @@ def test_num_pairs_padding_of_any_content_adds_nothing_to_second_order():
         assert torch.equal(got[k][count:], torch.zeros_like(got[k][count:]))
 
 
+def test_num_pairs_padding_basis_of_any_content_adds_nothing_to_the_weight_gradient():
+    # With filter_weight, NaN in the padding's basis rows made the weight's whole gradient NaN (0 *
+    # NaN in its product with the filter's gradient), in the first order and the second.
+    x, _, vectors, directions, pairs = make_inputs(6, 3, 14, torch.float64, order="sorted")
+    count = 10
+    basis, weight = randn(14, 4, dtype=torch.float64), randn(9, 4, dtype=torch.float64)
+    basis[count:] = float("nan")
+
+    def gradients(basis, directions, pairs, num_pairs, create_graph):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, basis, vectors, directions, weight)]
+        outputs = mirage.ops.vector_message_passing(*leaves[:4], pairs, leaves[4], num_pairs=num_pairs)
+        first = torch.autograd.grad([o.square().sum() for o in outputs], leaves, create_graph=create_graph)
+        return torch.autograd.grad(sum(g.square().sum() for g in first), leaves) if create_graph else first
+
+    for create_graph in (False, True):
+        got = gradients(basis, directions, pairs, torch.tensor([count]), create_graph)
+        want = gradients(basis[:count], directions[:count], pairs[:, :count], None, create_graph)
+        for k in (0, 2, 4):  # x, vectors and the weight
+            torch.testing.assert_close(got[k], want[k])
+        for k in (1, 3):  # the per-pair inputs: the cut list's, then zeros
+            torch.testing.assert_close(got[k][:count], want[k])
+            assert torch.equal(got[k][count:], torch.zeros_like(got[k][count:]))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_num_pairs_opcheck_and_bad_counts(device):
     inputs = make_inputs(6, 4, 20, device=device, order="sorted")
