@@ -34,9 +34,13 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
   check_contiguous(op, arg, t);
 }
 
-// A step's scale: NaN or an infinity would write NaN over the whole state, in place.
-void check_finite(std::string_view op, std::string_view arg, double value) {
-  MIRAGE_CHECK(std::isfinite(value), op, ": ", arg, " must be finite, got ", value);
+// A step's scale, finite in the state's dtype: NaN or an infinity would write NaN over the whole
+// state, in place (a float32 state's kernels and references take the scale as a float32, which
+// 1e39 overflows).
+void check_finite(std::string_view op, std::string_view arg, double value, const at::Tensor& state) {
+  const bool float32 = state.scalar_type() == at::kFloat;
+  MIRAGE_CHECK(float32 ? std::isfinite(static_cast<float>(value)) : std::isfinite(value), op, ": ", arg,
+               " must be finite", float32 ? " as a float32 (the state's dtype)" : "", ", got ", value);
 }
 
 void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,
@@ -135,8 +139,8 @@ void check_verlet_kick_drift(const at::Tensor& positions, const at::Tensor& velo
   check_contiguous(op, "velocities", velocities);
   check_like(op, "forces", forces, "positions'", positions, "[N, 3]", positions.sizes());
   check_inverse_masses(op, inverse_masses, "positions'", positions);
-  check_finite(op, "kick", kick);
-  check_finite(op, "drift", drift);
+  check_finite(op, "kick", kick, positions);
+  check_finite(op, "drift", drift, positions);
   MIRAGE_CHECK(is_float32_or_64(dtype), op, ": dtype must be float32 or float64, got ", dtype);
   check_apart(op, {{"positions", &positions}, {"velocities", &velocities}},
               {{"forces", &forces}, {"inverse_masses", &inverse_masses}});
@@ -164,7 +168,7 @@ void check_verlet_forces_kick(const at::Tensor& velocities, const at::Tensor& fo
   MIRAGE_CHECK(model_energy.numel() == 1, op, ": model_energy must have one element, got shape ",
                model_energy.sizes());
   check_inverse_masses(op, inverse_masses, "velocities'", velocities);
-  check_finite(op, "kick", kick);
+  check_finite(op, "kick", kick, velocities);
   MIRAGE_CHECK(present(pair_count) == present(pair_count_range), op,
                ": pair_count and pair_count_range must both be given or both be None");
   check_apart(op, {{"velocities", &velocities}, {"forces", &forces}, {"energy", &energy}},

@@ -340,6 +340,15 @@ def forces_kick_call(**changes):
     return call
 
 
+# A float32 state, whose kernels and references take a step's scale as a float32.
+FLOAT32 = {name: (lambda d: torch.zeros(4, 3, device=d)) for name in ("positions", "velocities", "forces")}
+FLOAT32.update(inverse_masses=lambda d: torch.ones(4, device=d), energy=lambda d: torch.zeros((), device=d))
+
+
+def float32_state(*names):
+    return {name: FLOAT32[name] for name in names}
+
+
 KICK_DRIFT_ERRORS = [
     (dict(positions=lambda d: torch.zeros(4, 3, dtype=torch.float16, device=d)), "positions must be float32 or float64"),
     (dict(positions=lambda d: torch.zeros(4, 2, dtype=torch.float64, device=d)), "positions must be [N, 3]"),
@@ -356,6 +365,12 @@ KICK_DRIFT_ERRORS = [
     # A step of NaN or an infinity would write NaN over the whole state.
     (dict(kick=float("nan")), "kick must be finite, got nan"),
     (dict(drift=float("-inf")), "drift must be finite, got -inf"),
+    # Finite as a double, but not in the state's float32: the error was PyTorch's "value cannot be
+    # converted to type float without overflow", naming neither the op nor the argument.
+    (dict(float32_state("positions", "velocities", "forces", "inverse_masses"), kick=1e39),
+     "kick must be finite as a float32 (the state's dtype), got 1e+39"),
+    (dict(float32_state("positions", "velocities", "forces", "inverse_masses"), drift=-1e39),
+     "drift must be finite as a float32 (the state's dtype), got -1e+39"),
 ]
 
 FORCES_KICK_ERRORS = [
@@ -374,6 +389,8 @@ FORCES_KICK_ERRORS = [
     (dict(model_energy=lambda d: torch.zeros(2, device=d)), "model_energy must have one element"),
     (dict(model_energy=lambda d: torch.zeros(1, dtype=torch.int64, device=d)), "model_energy must be floating point"),
     (dict(kick=float("inf")), "kick must be finite, got inf"),
+    (dict(float32_state("velocities", "forces", "inverse_masses", "energy"), kick=1e39),
+     "kick must be finite as a float32 (the state's dtype), got 1e+39"),
     (dict(inverse_masses=lambda d: torch.ones(5, 1, dtype=torch.float64, device=d)),
      "inverse_masses must be [N] or [N, 1] with N = 4"),
     (dict(pair_count=lambda d: torch.tensor([3], device=d)),
