@@ -336,8 +336,9 @@ def neighbor_list(
         device and method). Entries from ``num_pairs`` on are padding: ``pairs = (0, 0)``,
         ``shifts = (cutoff, 0, 0)``, ``distances = cutoff``; they index a valid atom (safe for
         ``index_add``/``gather``), ``r_j - r_i + shift`` has length ``cutoff`` (no zero vector to
-        normalize), and every cutoff function gives them weight zero. ``distances < cutoff`` or
-        ``arange(P) < num_pairs`` masks them exactly. ``distances`` (and ``shifts``, when a
+        normalize), and every cutoff function gives them weight zero. ``arange(P) < num_pairs``
+        masks them exactly; ``distances < cutoff`` can also drop a real pair within float32's
+        rounding of the cutoff, whose stored distance equals it. ``distances`` (and ``shifts``, when a
         ``cell`` is given) are differentiable with respect to ``positions`` and ``cell``, to
         any order.
 
