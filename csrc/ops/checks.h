@@ -17,6 +17,10 @@ namespace mirage::ops {
 // Activations: float32/float16/bfloat16 everywhere; float64 too on the CPU (gradcheck).
 void check_activation_dtype(std::string_view op, std::string_view arg, const at::Tensor& t);
 
+// A cutoff: finite, > 0 and within float32's normal range, which the CUDA kernels take it in (the
+// CPU references' tables of its powers then stay finite too: a cutoff of 1e200 gave NaN).
+void check_cutoff(std::string_view op, double cutoff);
+
 // `other` must live on x's device.
 void check_same_device(std::string_view op, std::string_view arg, const at::Tensor& other,
                        const at::Tensor& x);

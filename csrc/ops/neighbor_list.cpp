@@ -38,8 +38,7 @@ NeighborListShape check_neighbor_list(const at::Tensor& positions, double cutoff
   const int64_t n = positions.size(0);
   MIRAGE_CHECK(n <= std::numeric_limits<int32_t>::max(), kNeighborList,
                ": positions must have fewer than 2^31 atoms, got ", n);
-  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, kNeighborList,
-               ": cutoff must be finite and > 0, got ", cutoff);
+  check_cutoff(kNeighborList, cutoff);
   if (present(batch)) {
     check_on_device_of_positions("batch", *batch, positions);
     MIRAGE_CHECK(batch->scalar_type() == at::kLong, kNeighborList, ": batch must be int64, got ",

@@ -21,8 +21,7 @@ std::vector<int64_t> check_radial_basis(const at::Tensor& distances, std::string
   MIRAGE_CHECK(kind == "gaussian" || kind == "bessel" || kind == "none", op,
                ": kind must be \"gaussian\", \"bessel\" or \"none\", got \"", kind, "\"");
   MIRAGE_CHECK(num > 0, op, ": num must be positive, got ", num);
-  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ",
-               cutoff);
+  check_cutoff(op, cutoff);
   MIRAGE_CHECK(cutoff_fn == "cosine" || cutoff_fn == "polynomial" || cutoff_fn == "none", op,
                ": cutoff_fn must be \"cosine\", \"polynomial\" or \"none\", got \"", cutoff_fn,
                "\"");

@@ -65,7 +65,7 @@ void check_embedding_and_cutoff(std::string_view op, const at::Tensor& embedding
                ": embedding must be float32 (or float64 off the GPU), got ", dtype, " on ", embedding.device());
   MIRAGE_CHECK(embedding.dim() == 2 && embedding.size(0) > 0 && embedding.size(1) > 0, op,
                ": embedding must have shape [Z, F] with Z, F >= 1, got ", embedding.sizes());
-  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ", cutoff);
+  check_cutoff(op, cutoff);
 }
 
 }  // namespace
@@ -636,7 +636,7 @@ CfconvShape check_radial_cfconv_backward(const at::Tensor& grad, const at::Tenso
                    table.size(2) == s.width,
                op, ": table must have shape [intervals, 6, M] = [*, 6, ", s.width, "] (radial_cfconv's), got ",
                table.sizes());
-  MIRAGE_CHECK(std::isfinite(cutoff) && cutoff > 0, op, ": cutoff must be finite and > 0, got ", cutoff);
+  check_cutoff(op, cutoff);
   check_sender_order(op, sender_order, pairs);
   return s;
 }

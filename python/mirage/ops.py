@@ -375,7 +375,7 @@ def radial_basis(distances: Tensor, kind: str, num: int, cutoff: float, cutoff_f
         distances: any shape ``(*)``; float32, float16 or bfloat16 (float64 too on the CPU). The
             output has its dtype; arithmetic is float32 (float64 on the CPU). Under autocast it
             runs in float32.
-        kind, num, cutoff, cutoff_fn: as above; ``num > 0``, ``cutoff`` finite and > 0.
+        kind, num, cutoff, cutoff_fn: as above; ``num > 0``, ``cutoff`` finite and > 0, in float32's normal range.
 
     Returns:
         ``(*, num)``. Differentiable in ``distances`` to any order; NaN distances give NaN rows.
@@ -958,7 +958,7 @@ def radial_cfconv(
             nothing, negative or NaN distances give NaN.
         activation: as :func:`cfconv`, less ``"relu"`` (not smooth: a table cannot interpolate it).
         basis: ``"gaussian"`` or ``"bessel"``, :func:`radial_basis`' functions.
-        cutoff: finite and > 0, the basis' and the envelope's.
+        cutoff: finite and > 0, in float32's normal range, the basis' and the envelope's.
         envelope: ``"cosine"`` or ``"polynomial"``, :func:`radial_basis`' cutoff functions (the
             filters must vanish at the cutoff).
 

@@ -28,6 +28,10 @@ FF_ACTIVATIONS = {
 }
 
 
+# What the force-field ops ask of a cutoff (csrc/ops/checks.cpp, check_cutoff).
+CUTOFF_RULE = "cutoff must be finite and > 0, in float32's normal range (1.2e-38 to 3.4e38)"
+
+
 def randn(*shape, dtype=torch.float32, device="cpu", mean=0.3, std=1.7):
     """Random values away from zero mean and unit scale, so offsets and scales are exercised."""
     return (torch.randn(*shape, dtype=torch.float64) * std + mean).to(dtype=dtype, device=device)

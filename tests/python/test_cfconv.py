@@ -817,6 +817,7 @@ RADIAL_BAD = [
     (dict(envelope=lambda a: "smooth"), "cutoff_fn must be \"cosine\", \"polynomial\" or \"none\""),
     (dict(envelope=lambda a: "none"), "envelope must be \"cosine\" or \"polynomial\" (the filters' table covers"),
     (dict(cutoff=lambda c: -1.0), "cutoff must be finite and > 0"),
+    (dict(cutoff=lambda c: 1e200), "cutoff must be finite and > 0, in float32's normal range"),  # NaN tables before
     (dict(x=lambda t: t[:0]), "x has no rows (N=0) for pairs to index"),
     # The table's pieces grow with R (a count past 2^58 once made their doubling loop run for ever).
     (dict(weight1=lambda t: t[:, :1].expand(-1, 2**50)), "weight1 must have at most 1024 columns R"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mirage
-from common import DEVICES, assert_error, capture_graph
+from common import CUTOFF_RULE, DEVICES, assert_error, capture_graph
 
 # Periodic cells (rows are lattice vectors) and the cutoffs tried in them. "small" has a cutoff
 # beyond the whole box along every axis, so an atom meets its own images and pairs meet several.
@@ -494,9 +494,9 @@ def nl(device, n=5, **kwargs):
          "mirage::neighbor_list: positions must be float32 (float64 off the GPU), got Int"),
         (lambda d: nl(d, positions=torch.rand(5, 3, dtype=torch.half, device=d)),
          "mirage::neighbor_list: positions must be float32 (float64 off the GPU), got Half"),
-        (lambda d: nl(d, cutoff=-1.0), "mirage::neighbor_list: cutoff must be finite and > 0, got -1"),
-        (lambda d: nl(d, cutoff=0.0), "mirage::neighbor_list: cutoff must be finite and > 0, got 0"),
-        (lambda d: nl(d, cutoff=float("nan")), "mirage::neighbor_list: cutoff must be finite and > 0, got nan"),
+        (lambda d: nl(d, cutoff=-1.0), f"mirage::neighbor_list: {CUTOFF_RULE}, got -1"),
+        (lambda d: nl(d, cutoff=0.0), f"mirage::neighbor_list: {CUTOFF_RULE}, got 0"),
+        (lambda d: nl(d, cutoff=float("nan")), f"mirage::neighbor_list: {CUTOFF_RULE}, got nan"),
         (lambda d: nl(d, cell=torch.eye(3, device=d)[:2]),
          "mirage::neighbor_list: cell must have shape [3, 3] without batch, got [2, 3]"),
         (lambda d: nl(d, cell=torch.eye(3, dtype=torch.float64, device=d)),
