@@ -19,7 +19,9 @@ void check_layer_norm(std::string_view op, const at::Tensor& x, const std::optio
   check_param(op, "weight", weight, x, dim);
   check_param(op, "bias", bias, x, dim);
   param_dtype(op, weight, bias, x);
-  MIRAGE_CHECK(eps >= 0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
+  // As a float32, which the CUDA kernels add it in: past 3.4e38 it is inf there.
+  MIRAGE_CHECK(eps >= 0 && std::isfinite(static_cast<float>(eps)), op, ": eps must be finite and >= 0 as a float32, got ",
+               eps);
 }
 
 void check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,

@@ -27,18 +27,22 @@ from torch import Tensor
 
 
 def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A wrapper whose None in place of a required tensor argument (annotated ``Tensor``) raises the
-    op's own error (``mirage::<op>: <argument> must be a tensor, got None``, as the raw op does)
-    before the wrapper's Python reads the tensor: a dozen wrappers look at their tensors' dtypes or
-    devices before they call the op, and would fail with an AttributeError."""
+    """A wrapper whose None (or a list, an array: anything but a tensor) in place of a required
+    tensor argument (annotated ``Tensor``) raises the op's own error (``mirage::<op>: <argument>
+    must be a tensor, got None``, as the raw op does for None) before the wrapper's Python reads
+    the tensor: a dozen wrappers look at their tensors' dtypes or devices before they call the op,
+    and would fail with an AttributeError."""
     parameters = list(inspect.signature(fn).parameters.values())
     required = [(index, p.name) for index, p in enumerate(parameters) if p.annotation == "Tensor"]
+    missing = inspect.Parameter.empty  # not passed: Python's own TypeError says so at the call
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         for index, name in required:
-            if (args[index] if index < len(args) else kwargs.get(name, ...)) is None:
-                raise RuntimeError(f"mirage::{fn.__name__}: {name} must be a tensor, got None")
+            value = args[index] if index < len(args) else kwargs.get(name, missing)
+            if value is not missing and not isinstance(value, torch.Tensor):
+                got = "None" if value is None else type(value).__name__
+                raise RuntimeError(f"mirage::{fn.__name__}: {name} must be a tensor, got {got}")
         return fn(*args, **kwargs)
 
     return checked
@@ -72,6 +76,14 @@ def _real(value: Any, where: str) -> Any:
         if isinstance(value, numbers.Real):  # Python's and NumPy's; never a tensor
             return float(value)
     raise TypeError(f"{where} must be a real number, got {type(value).__name__} {value!r}")
+
+
+def _boolean(value: Any, where: str) -> bool:
+    """``value`` as a bool (Python's or NumPy's); anything else raises, naming ``where``, where the
+    operators' schemas would take 0.5 as True (and a string failed in PyTorch's argument parser)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{where} must be True or False, got {type(value).__name__} {value!r}")
 
 
 def _names(names: Union[str, Sequence[str]]) -> str:
@@ -350,7 +362,8 @@ def neighbor_list(
     """
     return NeighborList(*torch.ops.mirage.neighbor_list(
         positions, _real(cutoff, "mirage::neighbor_list: cutoff"), cell, pbc, batch,
-        _integer(max_pairs, "mirage::neighbor_list: max_pairs"), half, method))
+        _integer(max_pairs, "mirage::neighbor_list: max_pairs"), _boolean(half, "mirage::neighbor_list: half"),
+        method))
 
 
 @_tensors_required
@@ -545,10 +558,12 @@ def fused_filter_supported(features: int, basis: int, device: Union[str, torch.d
 
 
 def _device_name(device: Union[str, torch.device]) -> str:
-    """The device as the support checks' caches key it: "cuda" is the current GPU, by its index."""
+    """The device as the support checks' caches key it: "cuda" is the current GPU, by its index
+    (GPU 0 where there is none: the checks then answer False, as for any missing GPU, where
+    asking for the current one raised "Found no NVIDIA driver")."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return str(device)
 
 
@@ -918,8 +933,7 @@ def cfconv(
         float32), as PyTorch's float32-list ops do. Indices outside ``[0, N)``: the CPU raises
         ``RuntimeError``; CUDA returns NaN everywhere (gradients too).
     """
-    if tf32 is None:
-        tf32 = tf32_matmuls()
+    tf32 = tf32_matmuls() if tf32 is None else _boolean(tf32, "mirage::cfconv: tf32")
     return torch.ops.mirage.cfconv(x, basis, envelope, pairs, weight1, bias1, weight2, bias2, activation, tf32,
                                    sender_order, num_pairs)[0]
 

@@ -224,7 +224,9 @@ def test_inf_makes_its_group_nan_as_in_pytorch(device, layout, shape, pixel):
         (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, activation="gelu"),
          "mirage::group_norm: activation must be \"none\" or \"silu\", got \"gelu\""),
         (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, eps=-1.0),
-         "mirage::group_norm: eps must be finite and >= 0, got -1"),
+         "mirage::group_norm: eps must be finite and >= 0 as a float32, got -1"),
+        (lambda d: mirage.ops.group_norm(torch.randn(2, 8, 4, device=d), 2, eps=1e39),  # inf in the kernels' float32
+         "mirage::group_norm: eps must be finite and >= 0 as a float32, got 1e+39"),
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)

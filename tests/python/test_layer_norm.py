@@ -109,7 +109,9 @@ def test_empty_and_nan(device):
                                          residual=torch.randn(2, 8, device=d, dtype=torch.half)),
          "mirage::add_layer_norm: residual must have x's dtype (Float), got Half"),
         (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d), eps=float("inf")),
-         "mirage::layer_norm: eps must be finite and >= 0, got inf"),
+         "mirage::layer_norm: eps must be finite and >= 0 as a float32, got inf"),
+        (lambda d: mirage.ops.layer_norm(torch.randn(2, 8, device=d), eps=1e39),  # inf in the kernels' float32
+         "mirage::layer_norm: eps must be finite and >= 0 as a float32, got 1e+39"),
     ],
 )
 @pytest.mark.parametrize("device", DEVICES)

@@ -144,14 +144,16 @@ def _op_wrappers():
 @pytest.mark.parametrize("name", [name for name, _, _ in _op_wrappers()])
 def test_every_wrapper_names_a_missing_tensor(name):
     # None where a tensor is required: the dispatcher's own message ("tensor does not have a
-    # device") names neither the op nor the argument.
+    # device") names neither the op nor the argument. A list: the wrappers that read a dtype or a
+    # shape first raised AttributeError ("'list' object has no attribute 'dim'").
     # The wrappers check in Python, so under inference mode too (which skips the Autograd kernels
     # that check raw torch.ops calls).
     _, fn, tensors = next(entry for entry in _op_wrappers() if entry[0] == name)
     for missing in tensors:
         for mode in (torch.enable_grad, torch.inference_mode):
-            with mode(), pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got None$"):
-                fn(**{tensor: None if tensor == missing else torch.zeros(1) for tensor in tensors})
+            for wrong, got in ((None, "None"), ([[1.0]], "list")):
+                with mode(), pytest.raises(RuntimeError, match=rf"^mirage::{name}: {missing} must be a tensor, got {got}$"):
+                    fn(**{tensor: wrong if tensor == missing else torch.zeros(1) for tensor in tensors})
 
 
 # The ops with no Autograd kernel of mirage's own (no gradient formula), called with None for a
@@ -211,6 +213,17 @@ def test_wrappers_refuse_a_bool_for_a_count(call, where):
     for flag in (True, torch.tensor(True)):
         with pytest.raises(TypeError, match=f"^{where} must be an int, got"):
             call(flag)
+
+
+@pytest.mark.parametrize("call, where", [
+    (lambda flag: mirage.ops.neighbor_list(torch.randn(5, 3), 2.0, max_pairs=8, half=flag), "mirage::neighbor_list: half"),
+    (lambda flag: mirage.ops.cfconv(*[torch.zeros(1)] * 5, None, torch.zeros(1), None, tf32=flag), "mirage::cfconv: tf32"),
+])
+def test_wrappers_take_only_a_bool_for_a_flag(call, where):
+    # PyTorch's schemas read 0.5 as True, and a string failed in its argument parser, unnamed.
+    for wrong, got in ((0.5, "float 0.5"), ("no", "str 'no'")):
+        with pytest.raises(TypeError, match=f"^{where} must be True or False, got {got}$"):
+            call(wrong)
 
 
 _T = torch.zeros(1)

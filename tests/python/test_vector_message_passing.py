@@ -641,6 +641,9 @@ def test_formed_filter_bad_input(device):
 
 def test_fused_filter_supported_is_false_off_cuda():
     assert not mirage.ops.fused_filter_supported(128, 21, "cpu")
+    if not torch.cuda.is_available():  # "cuda" is the current GPU: it raised "Found no NVIDIA driver"
+        assert not mirage.ops.fused_filter_supported(128, 21, "cuda")
+        assert not mirage.ops.cfconv_supported(20, 64, 64, "cuda")
 
 
 @pytest.mark.cuda
