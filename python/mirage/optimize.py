@@ -270,6 +270,8 @@ class OptimizeReport:
         max_graphs: graphs held at most.
         graphs: graph-cache counters at the time :func:`report` was called (None without graphs).
         seconds: time optimize took.
+        swapped_before: mirage modules in the model passed in, swapped in place by an earlier
+            ``optimize`` (this one then converts and wraps the model, with or without new swaps).
     """
 
     model: str
@@ -285,6 +287,7 @@ class OptimizeReport:
     max_graphs: int = 0
     graphs: Optional[GraphCacheStats] = None
     seconds: float = 0.0
+    swapped_before: int = 0
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -293,8 +296,9 @@ class OptimizeReport:
 
     @property
     def untouched(self) -> bool:
-        """Nothing recognisable: no swap and no candidate; the model was returned as it was."""
-        return not self.swaps and not self.left_alone
+        """Nothing recognisable: no swap, no candidate, nothing swapped before; the model was
+        returned as it was."""
+        return not self.swaps and not self.left_alone and not self.swapped_before
 
     def __str__(self) -> str:
         head = f"mirage.optimize({self.model})"
@@ -302,6 +306,9 @@ class OptimizeReport:
             return (f"{head}: nothing recognised (no module or pattern mirage can swap); the model was returned "
                     "untouched: no mode, precision, layout or CUDA-graph change")
         lines = [f"{head}: {len(self.swaps)} swapped, {len(self.left_alone)} left alone, {self.seconds:.1f} s"]
+        if self.swapped_before:
+            lines.append(f"  swapped before: {self.swapped_before} mirage modules, in place by an earlier "
+                         "mirage.optimize (they stay; the settings below are this call's)")
         if self.swaps:
             lines.append("  swapped:")
             lines += [f"    {count:5d}  {kind} -> {_replacement(kind)}"
@@ -385,6 +392,11 @@ def report(model: nn.Module) -> OptimizeReport:
 _VIEW_ERROR = "view size is not compatible with input tensor's size and stride"
 
 
+def _is_mirage(module: nn.Module) -> bool:
+    """One of mirage's modules (mirage.nn's, a swap's replacement)."""
+    return type(module).__module__.startswith("mirage.")
+
+
 def _channels_last_4d(tensor: Tensor) -> Tensor:
     return tensor.contiguous(memory_format=torch.channels_last) if tensor.dim() == 4 else tensor
 
@@ -409,6 +421,7 @@ class OptimizedModule(nn.Module):
         self.module = module
         self.autocast_dtype = autocast_dtype
         self.channels_last = channels_last
+        self.verbose = verbose
         self._layout_proven = False  # whether a call has gone through with channels-last tensors
         self.graphs: Optional[GraphCache] = _graph_cache(self, max_graphs, verbose) if max_graphs else None
         self._graphs_paused = False  # while the model is moved off one CUDA device (cpu()): eager calls
@@ -523,9 +536,13 @@ class OptimizedModule(nn.Module):
         result = _REPORTS.get(self)
         if result is not None:
             result.channels_last, result.channels_last_note = False, note
-        progress(f"optimize: channels_last {note}")
+        if self.__dict__.get("verbose", True):  # (a model pickled before it kept no setting)
+            progress(f"optimize: channels_last {note}")
         return out
 
+    # Not under the caller's torch.inference_mode: the weights converted there would be inference
+    # tensors, which every later call with grad mode on refuses to save for backward.
+    @torch.inference_mode(False)
     def _set_channels_last(self, on: bool) -> None:
         _conv_weights_to(self.module, torch.channels_last if on else torch.contiguous_format)
         self.refresh_derived_weights(force=True)
@@ -712,13 +729,15 @@ def optimize(
             (:class:`mirage.graphs.GraphCache`); only for a model on a CUDA device.
         strict: raise if any candidate had to be left alone.
         max_graphs: graphs held at most (least recently used evicted beyond).
-        verbose: print progress lines on stderr (start, end, each graph capture).
+        verbose: print progress lines on stderr (start, end, each graph capture, channels_last
+            turned off at the first call).
 
     Returns:
         An :class:`OptimizedModule` wrapping the swapped model, or ``model`` itself, untouched
         (training mode included), when nothing in it is recognised. :func:`report` tells what was done.
         An :class:`OptimizedModule` passed in comes back as it is, whatever the options (its swaps
-        are made; to change dtype, layout or graphs, optimize the original model again).
+        are made; to change dtype, layout or graphs, optimize the model it wraps again, ``.module``:
+        it keeps its swaps and gets the new settings).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -743,7 +762,9 @@ def optimize(
     if verbose:
         progress(f"optimize {name}: swapping modules")
 
-    result = OptimizeReport(model=name)
+    # An earlier optimize swapped modules of this model in place (diffusers' models, whose forward
+    # is not traced whole): optimizing it again sets new precision, layout and graphs around them.
+    result = OptimizeReport(model=name, swapped_before=sum(_is_mirage(m) for m in model.modules()))
     original = model
     # The swaps read eval-mode state (BatchNorm folds its running statistics), so the search runs
     # in eval mode; a model with nothing to swap gets its own modes back.

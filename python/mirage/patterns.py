@@ -30,7 +30,7 @@ import inspect
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Container, List, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -77,6 +77,9 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
     """
     result = PatternResult(module)
     tracer = _Tracer(sealed)
+    if isinstance(module, _CONTAINERS) and id(module) not in sealed:
+        _fuse_children(module, prefix, sealed, result)
+        return result
     if tracer.plain_leaf(module, prefix):
         return result
     graph_module, untraced = _trace(tracer, module)
@@ -86,12 +89,7 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
             result.skipped.append((prefix, f"{type(module).__name__}'s forward is not traceable by torch.fx "
                                            f"({untraced}), so {' and '.join(hidden)} among its children cannot be "
                                            "fused"))
-        for name, child in list(module.named_children()):
-            child_result = fuse(child, qualified_name(prefix, name), sealed)
-            result.swaps += child_result.swaps
-            result.skipped += child_result.skipped
-            if child_result.module is not child:
-                setattr(module, name, child_result.module)
+        _fuse_children(module, prefix, sealed, result)
         return result
 
     # Modules kept whole for their hooks: fused inside, as an untraceable module is.
@@ -119,6 +117,22 @@ def fuse(module: nn.Module, prefix: str = "", sealed: Container[int] = ()) -> Pa
         graph_module.training = module.training
         result.module = graph_module
     return result
+
+
+# torch.nn's containers, never called themselves, and its data-parallel wrappers: leaves to torch.fx
+# (torch.nn's modules all are), but what they hold is the user's, fused in place as the children
+# of a module that cannot be traced are.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+def _fuse_children(module: nn.Module, prefix: str, sealed: Container[int], result: PatternResult) -> None:
+    """:func:`fuse` on each child of ``module``, put back in place (``setattr``) where rewritten."""
+    for name, child in list(module.named_children()):
+        child_result = fuse(child, qualified_name(prefix, name), sealed)
+        result.swaps += child_result.swaps
+        result.skipped += child_result.skipped
+        if child_result.module is not child:
+            setattr(module, name, child_result.module)
 
 
 def _forward_extras(module: nn.Module) -> Optional[str]:
@@ -339,11 +353,11 @@ class _Rewriter:
         module = self._module(node)
         return module if type(module) is cls else None
 
-    def _install(self, path: str, module: nn.Module, node: fx.Node) -> str:
-        """Put ``module`` at ``path`` when only ``node`` uses what is there, else at a free name
-        beside it; returns where it went."""
+    def _install(self, path: str, module: nn.Module, nodes: Sequence[fx.Node]) -> str:
+        """Put ``module`` at ``path`` when only ``nodes`` use what is there (every call of a module
+        called more than once, say), else at a free name beside it; returns where it went."""
         used_elsewhere = any(
-            other is not node
+            other not in nodes
             and (other.op == "call_module" and other.target == path
                  or other.op == "get_attr" and str(other.target).startswith(path + "."))
             for other in self.graph.nodes
@@ -408,6 +422,9 @@ class _Rewriter:
     # --- Conv2d -> BatchNorm2d [-> activation] ---
 
     def fuse_conv_bn(self) -> None:
+        # The call sites of each (conv, batch norm, activation), fused into one module: a block
+        # called twice keeps one module under its name, as it has one state-dict entry.
+        sites: Dict[Tuple[str, str, Optional[str]], List[Tuple[fx.Node, fx.Node, Optional[fx.Node]]]] = {}
         for conv_node in list(self.graph.nodes):
             conv = self._module_of_type(conv_node, nn.Conv2d)
             if conv is None:
@@ -430,22 +447,29 @@ class _Rewriter:
             if hooked:
                 self.skipped.append((name, hooked))
                 continue
+            key = (conv_node.target, bn_node.target, activation)
+            sites.setdefault(key, []).append((conv_node, bn_node, act_node if activation else None))
+        for (conv_path, bn_path, activation), calls in sites.items():
+            name = qualified_name(self.prefix, conv_path)
             try:
-                fused = Conv2dAct.from_conv_bn(conv, self._module(bn_node), activation or "none")
+                fused = Conv2dAct.from_conv_bn(self.gm.get_submodule(conv_path), self.gm.get_submodule(bn_path),
+                                               activation or "none")
             except ValueError as error:
                 self.skipped.append((name, str(error)))
                 continue
-            conv_node.target = self._install(conv_node.target, fused, conv_node)
-            last = act_node if activation else bn_node
-            last.replace_all_uses_with(conv_node)
-            if activation:
-                self.graph.erase_node(act_node)
-            self.graph.erase_node(bn_node)
+            path = self._install(conv_path, fused, [conv_node for conv_node, _, _ in calls])
+            for conv_node, bn_node, act_node in calls:
+                conv_node.target = path
+                (act_node or bn_node).replace_all_uses_with(conv_node)
+                if act_node is not None:
+                    self.graph.erase_node(act_node)
+                self.graph.erase_node(bn_node)
             self.swaps.append((f"conv_bn_{activation}" if activation else "conv_bn", name))
 
     # --- GroupNorm -> SiLU ---
 
     def fuse_group_norm_silu(self) -> None:
+        sites: Dict[str, List[Tuple[fx.Node, fx.Node]]] = {}  # each norm's (norm, SiLU) calls: one module
         for norm_node in list(self.graph.nodes):
             norm = self._module_of_type(norm_node, nn.GroupNorm)
             if norm is None:
@@ -461,11 +485,15 @@ class _Rewriter:
             if hooked:
                 self.skipped.append((name, hooked))
                 continue
-            fused = MirageGroupNorm.from_torch(norm, activation="silu")
-            norm_node.target = self._install(norm_node.target, fused, norm_node)
-            silu_nodes[0].replace_all_uses_with(norm_node)
-            self.graph.erase_node(silu_nodes[0])
-            self.swaps.append(("group_norm_silu", name))
+            sites.setdefault(norm_node.target, []).append((norm_node, silu_nodes[0]))
+        for norm_path, calls in sites.items():
+            fused = MirageGroupNorm.from_torch(self.gm.get_submodule(norm_path), activation="silu")
+            path = self._install(norm_path, fused, [norm_node for norm_node, _ in calls])
+            for norm_node, silu_node in calls:
+                norm_node.target = path
+                silu_node.replace_all_uses_with(norm_node)
+                self.graph.erase_node(silu_node)
+            self.swaps.append(("group_norm_silu", qualified_name(self.prefix, norm_path)))
 
     # --- attention ---
 

@@ -689,6 +689,19 @@ def test_channels_last_is_turned_off_when_the_forward_views_an_activation(device
     assert "mirage: optimize: channels_last turned off at the first call" in err and "Traceback" not in err
 
 
+def test_the_channels_last_fallback_under_inference_mode_leaves_normal_weights(capfd):
+    # Converted under the first call's inference mode, the weights were inference tensors, which
+    # every later call with grad mode on refused ("Inference tensors cannot be saved for backward").
+    model = FlattensByView().eval()
+    x = randn(2, 3, 8, 8)
+    optimized = mirage.optimize(copy.deepcopy(model), dtype=torch.float32, cuda_graph=False, verbose=False)
+    with torch.inference_mode():
+        optimized(x)
+    assert not any(p.is_inference() for p in optimized.parameters())
+    torch.testing.assert_close(optimized(x), model(x), **MODEL_TOLERANCE)
+    assert "channels_last turned off" not in capfd.readouterr().err  # verbose=False: the report says it
+
+
 class ViewsABlocksOutput(nn.Module):
     """A diffusers block, then a .view of its output (which diffusers returns NCHW-contiguous)."""
 
@@ -807,6 +820,24 @@ def test_modules_with_forward_hooks_are_left_alone_and_their_hooks_run():
     assert len(calls) == 2  # the hook runs in the optimized model too
 
 
+def test_optimizing_the_model_passed_in_again_sets_new_settings_around_its_swaps():
+    # A diffusers model is swapped in place: optimized again (as the docs advise, for another
+    # dtype), it came back bare, unconverted and reported as "nothing recognised".
+    unet = tiny_unet2d_condition().eval()
+    original = copy.deepcopy(unet)
+    first = mirage.optimize(unet, dtype=torch.float32, cuda_graph=False, verbose=False)
+    swaps = len(mirage.report(first).swaps)
+    second = mirage.optimize(unet, dtype=torch.bfloat16, cuda_graph=False, verbose=False)
+    assert isinstance(second, mirage.OptimizedModule) and next(second.parameters()).dtype == torch.bfloat16
+    report = mirage.report(second)
+    assert report.swaps == [] and report.swapped_before >= swaps and not report.untouched
+    assert f"swapped before: {report.swapped_before} mirage modules" in str(report)
+    fresh = mirage.optimize(original, dtype=torch.bfloat16, cuda_graph=False, verbose=False)
+    inputs = [t.bfloat16() for t in unet2d_condition_inputs()]
+    with torch.no_grad():  # as optimizing an untouched copy in bfloat16 at once
+        torch.testing.assert_close(second(*inputs).sample, fresh(*inputs).sample, rtol=0, atol=0)
+
+
 class ScaledForward(nn.Module):
     """Sets ``module.forward`` on the instance, as kohya-ss's LoRA ``apply_to`` and offloading
     wrappers do: the module keeps its type and has no hooks."""
@@ -829,10 +860,10 @@ def test_modules_with_a_forward_set_on_the_instance_are_left_alone_and_it_runs()
     for name in patched:
         ScaledForward(unet.get_submodule(name), 1.5)
     optimized, original = optimized_and_original(unet)
-    reasons = dict(mirage.report(optimized).left_alone)
+    reasons = [why for _, why in mirage.report(optimized).left_alone]
     for name in patched:
         assert any(why.endswith(f"{name} has a forward set on the instance, which the replacement would not run")
-                   for why in reasons.values()), (name, reasons)
+                   for why in reasons), (name, reasons)
     inputs = unet2d_condition_inputs()
     with torch.no_grad():
         torch.testing.assert_close(optimized(*inputs).sample, original(*inputs).sample, **MODEL_TOLERANCE)

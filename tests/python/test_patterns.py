@@ -520,6 +520,64 @@ def test_modules_with_forward_hooks_are_not_fused():
     assert ("conv", "conv has forward hooks, which the fused module would not run") in result.skipped
 
 
+class TwiceCalled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.GroupNorm(2, 4),
+                                   nn.SiLU())
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+def test_a_module_called_twice_is_fused_once_under_its_name():
+    # Each call got a fused copy of its own ("block.3_fused" beside "block.3"): the state dict
+    # gained keys, the original checkpoint no longer loaded, and the report counted two swaps.
+    model = prepared(TwiceCalled())
+    keys = set(model.state_dict())
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        result = fuse(model)
+        torch.testing.assert_close(result.module(x), expected, **tolerance(torch.float64))
+    assert sorted(result.swaps) == [("conv_bn_relu", "block.0"), ("group_norm_silu", "block.3")]
+    assert {key for key in result.module.state_dict() if not key.startswith("block.1.")} == \
+        {key for key in keys if not key.startswith("block.1.")}  # the folded batch norm's keys go, as documented
+
+
+class InContainers(nn.Module):
+    """Blocks in an nn.ModuleList, called by a forward torch.fx cannot trace (an optional argument)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([TwiceCalled().block, TwiceCalled().block])
+        self.heads = nn.ModuleDict({"out": nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU())})
+
+    def forward(self, x, scale=None):
+        for block in self.blocks:
+            x = block(x)
+        x = self.heads["out"](x)
+        return x if scale is None else x * scale
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_modules_in_containers_and_data_parallel_are_fused(wrap):
+    # nn.ModuleList, nn.ModuleDict and nn.DataParallel are torch.nn modules, which the pass took
+    # as leaves: nothing inside them was fused, and nothing was reported.
+    model = prepared(InContainers())
+    model = nn.DataParallel(model) if wrap else model
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        result = fuse(model)
+        torch.testing.assert_close(result.module(x), expected, **tolerance(torch.float64))
+    prefix = "module." if wrap else ""
+    assert sorted(result.swaps) == sorted([("conv_bn_relu", f"{prefix}blocks.0.0"), ("conv_bn_relu", f"{prefix}blocks.1.0"),
+                                           ("group_norm_silu", f"{prefix}blocks.0.3"),
+                                           ("group_norm_silu", f"{prefix}blocks.1.3"),
+                                           ("group_norm_silu", f"{prefix}heads.out.0")])
+
+
 def test_modules_with_a_forward_set_on_the_instance_are_not_fused():
     model = prepared(Stem())
     inner = model.bn.forward
