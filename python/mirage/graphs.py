@@ -167,10 +167,10 @@ def _signature_of(leaves: Sequence[Any], spec: pytree.TreeSpec, args: Sequence[A
                              "(.to_dense(), or the nested tensor's components)") from None
         raise ValueError(
             f"{who}: argument {name} is a {type(leaf).__name__}, which is neither a tensor nor a plain value "
-            "(a number, a string, a bool, None, a dtype, a device, an enum); a graph is chosen by its inputs' "
-            "shapes and by the values of its other arguments, and would read tensors held inside an object at "
-            "their captured addresses, so pass tensors as arguments (or in tuples, lists, dicts) and settings "
-            "as plain values"
+            "(a number, a string, a bool, None, a dtype, a device, an enum, a memory format, a layout); a graph is "
+            "chosen by its inputs' shapes and by the values of its other arguments, and would read tensors held "
+            "inside an object at their captured addresses, so pass tensors as arguments (or in tuples, lists, "
+            "dicts) and settings as plain values"
         ) from None
     raise failure
 
@@ -191,7 +191,7 @@ def signature(args: Sequence[Any], kwargs: Dict[str, Any], who: str = "mirage.gr
 
     Raises:
         ValueError: an argument is neither a dense tensor nor a plain value (a number, NumPy's
-            included, a string, a bool, None, a dtype, a device, an enum).
+            included, a string, a bool, None, a dtype, a device, an enum, a memory format, a layout).
     """
     return _signature_of(*_tree(args, kwargs), args, kwargs, who)
 
@@ -492,6 +492,7 @@ def capture(
         A :class:`CapturedGraph`; call it with new inputs of the same signature.
 
     Raises:
+        TypeError: ``fn`` is not callable.
         ValueError: a CPU input, inputs on several GPUs, an input that requires grad under grad
             mode, an argument that is neither a dense tensor nor a plain value, ``warmup`` not an
             int >= 1, or an output that is not a tensor, a plain value or a container of them.
