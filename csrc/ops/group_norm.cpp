@@ -2,6 +2,7 @@
 #include "group_norm.h"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -26,7 +27,7 @@ void check_group_norm(const at::Tensor& x, int64_t num_groups, const std::option
   check_param(kGroupNorm, "bias", bias, x, channels);
   param_dtype(kGroupNorm, weight, bias, x);
   // As a float32, which the CUDA kernels add it in: past 3.4e38 it is inf there.
-  MIRAGE_CHECK(eps >= 0 && std::isfinite(static_cast<float>(eps)), kGroupNorm,
+  MIRAGE_CHECK(eps >= 0 && eps <= std::numeric_limits<float>::max(), kGroupNorm,
                ": eps must be finite and >= 0 as a float32, got ", eps);
   MIRAGE_CHECK(activation == "none" || activation == "silu", kGroupNorm,
               ": activation must be \"none\" or \"silu\", got \"", activation, "\"");

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <initializer_list>
 #include <utility>
 
@@ -39,7 +40,8 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
 // 1e39 overflows).
 void check_finite(std::string_view op, std::string_view arg, double value, const at::Tensor& state) {
   const bool float32 = state.scalar_type() == at::kFloat;
-  MIRAGE_CHECK(float32 ? std::isfinite(static_cast<float>(value)) : std::isfinite(value), op, ": ", arg,
+  // A comparison, not a cast: a double past float's range cast to float is undefined behaviour.
+  MIRAGE_CHECK(float32 ? std::abs(value) <= std::numeric_limits<float>::max() : std::isfinite(value), op, ": ", arg,
                " must be finite", float32 ? " as a float32 (the state's dtype)" : "", ", got ", value);
 }
 

@@ -40,7 +40,8 @@ def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
     def checked(*args: Any, **kwargs: Any) -> Any:
         for index, name in required:
             value = args[index] if index < len(args) else kwargs.get(name, missing)
-            if value is not missing and not isinstance(value, torch.Tensor):
+            # Tensor-like: torch.fx's proxies trace through (a model calling mirage's ops is traced).
+            if value is not missing and not torch.overrides.is_tensor_like(value):
                 got = "None" if value is None else type(value).__name__
                 raise RuntimeError(f"mirage::{fn.__name__}: {name} must be a tensor, got {got}")
         return fn(*args, **kwargs)

@@ -270,8 +270,8 @@ class OptimizeReport:
         max_graphs: graphs held at most.
         graphs: graph-cache counters at the time :func:`report` was called (None without graphs).
         seconds: time optimize took.
-        swapped_before: mirage modules in the model passed in, swapped in place by an earlier
-            ``optimize`` (this one then converts and wraps the model, with or without new swaps).
+        swapped_before: the swaps an earlier ``optimize`` made in place in the model passed in
+            (this one then converts and wraps the model, with or without new swaps).
     """
 
     model: str
@@ -307,8 +307,8 @@ class OptimizeReport:
                     "untouched: no mode, precision, layout or CUDA-graph change")
         lines = [f"{head}: {len(self.swaps)} swapped, {len(self.left_alone)} left alone, {self.seconds:.1f} s"]
         if self.swapped_before:
-            lines.append(f"  swapped before: {self.swapped_before} mirage modules, in place by an earlier "
-                         "mirage.optimize (they stay; the settings below are this call's)")
+            lines.append(f"  swapped before: {self.swapped_before}, in place by an earlier mirage.optimize (they "
+                         "stay; the settings below are this call's)")
         if self.swaps:
             lines.append("  swapped:")
             lines += [f"    {count:5d}  {kind} -> {_replacement(kind)}"
@@ -392,9 +392,11 @@ def report(model: nn.Module) -> OptimizeReport:
 _VIEW_ERROR = "view size is not compatible with input tensor's size and stride"
 
 
-def _is_mirage(module: nn.Module) -> bool:
-    """One of mirage's modules (mirage.nn's, a swap's replacement)."""
-    return type(module).__module__.startswith("mirage.")
+# The models an optimize swapped modules of in place (the model passed in, and the one its wrapper
+# holds), with the swaps they hold: optimized again, nothing is left to swap in them, yet they are
+# not unknown models (mirage modules a user built a model from are not swaps, and such a model
+# with nothing to swap still comes back untouched).
+_SWAPPED_IN_PLACE: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def _channels_last_4d(tensor: Tensor) -> Tensor:
@@ -764,7 +766,7 @@ def optimize(
 
     # An earlier optimize swapped modules of this model in place (diffusers' models, whose forward
     # is not traced whole): optimizing it again sets new precision, layout and graphs around them.
-    result = OptimizeReport(model=name, swapped_before=sum(_is_mirage(m) for m in model.modules()))
+    result = OptimizeReport(model=name, swapped_before=_SWAPPED_IN_PLACE.get(model, 0))
     original = model
     # The swaps read eval-mode state (BatchNorm folds its running statistics), so the search runs
     # in eval mode; a model with nothing to swap gets its own modes back.
@@ -831,6 +833,8 @@ def optimize(
 
     wrapper = OptimizedModule(model, autocast_dtype=result.autocast_dtype, channels_last=channels_last,
                               max_graphs=max_graphs if result.cuda_graph else 0, verbose=verbose).eval()
+    for target in converted:
+        _SWAPPED_IN_PLACE[target] = len(result.swaps) + result.swapped_before
     result.seconds = time.perf_counter() - start
     _REPORTS[wrapper] = result
     if verbose:

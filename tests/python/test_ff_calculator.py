@@ -355,6 +355,8 @@ def test_a_calculation_of_its_own_atoms_is_what_the_next_check_compares_with():
     assert calc.results["energy"] != energy and model.calls == 2
     assert calc.check_state(atoms) == ["positions"]
     assert atoms.get_potential_energy() == energy and model.calls == 3
+    with pytest.raises(ValueError, match="mirage.ff.Calculator: no atoms to calculate: pass them"):
+        mirage.ff.Calculator(model, cuda_graph=False).calculate()  # never given any (AttributeError before)
 
 
 class WithReferenceEnergies(nn.Module):

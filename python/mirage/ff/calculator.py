@@ -433,6 +433,9 @@ class Calculator(_AseCalculator):
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         if atoms is not None:
             self._remember(atoms)
+        elif self.atoms is None:
+            raise ValueError(f"{self.who}: no atoms to calculate: pass them (calculate(atoms)) or attach the "
+                             "calculator to them (atoms.calc = calculator)")
         elif self.atoms is self._snapshot:
             self._note_calculated()  # ASE calculates self.atoms, which the caller may have edited
         if self.directory != self._made_directory:  # as ASE's calculate: mirage writes nothing there
