@@ -3,7 +3,6 @@
 
 #include <cmath>
 #include <iterator>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -37,9 +36,7 @@ void check_bias_act(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                 residual->scalar_type());
   }
   check_bias_activation(kBiasAct, "activation", activation);
-  // Finite as the float32 the kernels multiply by (1e39 is a finite double but float's inf).
-  MIRAGE_CHECK(std::abs(scale) <= std::numeric_limits<float>::max(), kBiasAct, ": scale must be finite as a float32, got ",
-               scale);  // a comparison: a double past float's range cast to float is undefined behaviour
+  MIRAGE_CHECK(finite_as_float32(scale), kBiasAct, ": scale must be finite as a float32, got ", scale);
 }
 
 int bias_activation_index(std::string_view activation) {

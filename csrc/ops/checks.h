@@ -2,7 +2,9 @@
 // the argument, what was expected and what was given (ARCHITECTURE.md rule 4).
 #pragma once
 
+#include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -16,6 +18,11 @@ namespace mirage::ops {
 
 // Activations: float32/float16/bfloat16 everywhere; float64 too on the CPU (gradcheck).
 void check_activation_dtype(std::string_view op, std::string_view arg, const at::Tensor& t);
+
+// Whether a scalar argument is finite as a float32, the type the CUDA kernels take it in (1e39 is a
+// finite double but float's inf): compared with float's largest, not cast, since casting a double
+// past float's range is undefined behaviour. False for NaN.
+inline bool finite_as_float32(double value) { return std::abs(value) <= std::numeric_limits<float>::max(); }
 
 // A cutoff: finite, > 0 and within float32's normal range, which the CUDA kernels take it in (the
 // CPU references' tables of its powers then stay finite too: a cutoff of 1e200 gave NaN).

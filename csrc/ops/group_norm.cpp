@@ -2,7 +2,6 @@
 #include "group_norm.h"
 
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -26,9 +25,8 @@ void check_group_norm(const at::Tensor& x, int64_t num_groups, const std::option
   check_param(kGroupNorm, "weight", weight, x, channels);
   check_param(kGroupNorm, "bias", bias, x, channels);
   param_dtype(kGroupNorm, weight, bias, x);
-  // As a float32, which the CUDA kernels add it in: past 3.4e38 it is inf there.
-  MIRAGE_CHECK(eps >= 0 && eps <= std::numeric_limits<float>::max(), kGroupNorm,
-               ": eps must be finite and >= 0 as a float32, got ", eps);
+  MIRAGE_CHECK(eps >= 0 && finite_as_float32(eps), kGroupNorm, ": eps must be finite and >= 0 as a float32, got ",
+               eps);
   MIRAGE_CHECK(activation == "none" || activation == "silu", kGroupNorm,
               ": activation must be \"none\" or \"silu\", got \"", activation, "\"");
 }

@@ -2,7 +2,6 @@
 #include "layer_norm.h"
 
 #include <cmath>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -20,9 +19,7 @@ void check_layer_norm(std::string_view op, const at::Tensor& x, const std::optio
   check_param(op, "weight", weight, x, dim);
   check_param(op, "bias", bias, x, dim);
   param_dtype(op, weight, bias, x);
-  // As a float32, which the CUDA kernels add it in: past 3.4e38 it is inf there.
-  MIRAGE_CHECK(eps >= 0 && eps <= std::numeric_limits<float>::max(), op, ": eps must be finite and >= 0 as a float32, got ",
-               eps);
+  MIRAGE_CHECK(eps >= 0 && finite_as_float32(eps), op, ": eps must be finite and >= 0 as a float32, got ", eps);
 }
 
 void check_add_layer_norm(const at::Tensor& x, const at::Tensor& residual,

@@ -26,7 +26,7 @@ PainnUpdateShape check_first(std::string_view op, std::string_view arg, const at
 
 // CUDA computes in float32: eps must survive the rounding (0 or a normal float32).
 void check_eps(std::string_view op, double eps) {
-  MIRAGE_CHECK(eps == 0 || (eps >= std::numeric_limits<float>::min() && eps <= std::numeric_limits<float>::max()),
+  MIRAGE_CHECK(eps == 0 || (eps >= std::numeric_limits<float>::min() && finite_as_float32(eps)),
                op, ": eps must be 0 or a normal float32 in [1.2e-38, 3.4e+38] (finite, >= 0), got ", eps);
 }
 

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <initializer_list>
 #include <utility>
 
@@ -40,9 +39,8 @@ void check_state(std::string_view op, std::string_view arg, const at::Tensor& t)
 // 1e39 overflows).
 void check_finite(std::string_view op, std::string_view arg, double value, const at::Tensor& state) {
   const bool float32 = state.scalar_type() == at::kFloat;
-  // A comparison, not a cast: a double past float's range cast to float is undefined behaviour.
-  MIRAGE_CHECK(float32 ? std::abs(value) <= std::numeric_limits<float>::max() : std::isfinite(value), op, ": ", arg,
-               " must be finite", float32 ? " as a float32 (the state's dtype)" : "", ", got ", value);
+  MIRAGE_CHECK(float32 ? finite_as_float32(value) : std::isfinite(value), op, ": ", arg, " must be finite",
+               float32 ? " as a float32 (the state's dtype)" : "", ", got ", value);
 }
 
 void check_inverse_masses(std::string_view op, const at::Tensor& inverse_masses, std::string_view owner,
