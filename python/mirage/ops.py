@@ -49,10 +49,14 @@ def _tensors_required(fn: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
+def _plain_bool(value: Any) -> bool:
+    """A Python or NumPy bool."""
+    return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
 def _is_bool(value: Any) -> bool:
     """A Python, NumPy or tensor bool, which PyTorch's schemas would take as 1 or 1.0."""
-    return (isinstance(value, bool) or type(value).__name__ == "bool_"
-            or (isinstance(value, torch.Tensor) and value.dtype == torch.bool))
+    return _plain_bool(value) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
 
 
 def _integer(value: Any, where: str) -> int:
@@ -82,7 +86,7 @@ def _real(value: Any, where: str) -> Any:
 def _boolean(value: Any, where: str) -> bool:
     """``value`` as a bool (Python's or NumPy's); anything else raises, naming ``where``, where the
     operators' schemas would take 0.5 as True (and a string failed in PyTorch's argument parser)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _plain_bool(value):
         return bool(value)
     raise TypeError(f"{where} must be True or False, got {type(value).__name__} {value!r}")
 

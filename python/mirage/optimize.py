@@ -538,7 +538,7 @@ class OptimizedModule(nn.Module):
         result = _REPORTS.get(self)
         if result is not None:
             result.channels_last, result.channels_last_note = False, note
-        if self.__dict__.get("verbose", True):  # (a model pickled before it kept no setting)
+        if self.verbose:
             progress(f"optimize: channels_last {note}")
         return out
 
@@ -602,6 +602,8 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         settings, result = state.pop("_graph_settings"), state.pop("_report")
+        # A model pickled before it kept verbose: its graphs' setting, or the default.
+        state.setdefault("verbose", settings[1] if settings else True)
         super().__setstate__(state)
         self._keyed = _keyed_modules(self.module)  # derived: also for models pickled before it existed
         self._weights_at = _addresses(self.module)

@@ -18,8 +18,8 @@ control flow, optional arguments, ``*args``) are not rewritten themselves: their
 traced instead, and where those children look like a pattern (a Conv2d beside a BatchNorm2d, a
 GroupNorm beside a SiLU, three Linears of one input width) the module is reported as left alone
 with the reason it could not be traced. Modules with forward hooks, or with a ``forward`` set on
-the instance, are called as modules (what they add runs at every call) and are not fused; a module whose forward changes its own state is not
-traced (its state is put back). Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
+the instance, are called as modules (what they add runs at every call) and are not fused; a module
+whose forward changes its own state is not traced (its state is put back). Tracing fixes Python-level decisions (``if self.flag:``) at fuse time, as any
 torch.fx capture does, and batch-norm folding fixes the running statistics: the result is for
 inference.
 """
@@ -135,7 +135,7 @@ def _fuse_children(module: nn.Module, prefix: str, sealed: Container[int], resul
             setattr(module, name, child_result.module)
 
 
-def _forward_extras(module: nn.Module) -> Optional[str]:
+def forward_extras(module: nn.Module) -> Optional[str]:
     """What a call of ``module`` runs besides its class's forward, or None: forward hooks or
     pre-hooks, or a ``forward`` set on the instance (LoRA patchers such as kohya-ss's, offloading
     and caching wrappers replace a module's forward that way, keeping its type)."""
@@ -148,10 +148,10 @@ def _forward_extras(module: nn.Module) -> Optional[str]:
 
 def altered_submodule(module: nn.Module) -> Optional[Tuple[str, str]]:
     """The name (relative to ``module``, "" for itself) of the first module in ``module``'s tree
-    whose call runs more than its class's forward, and what (:func:`_forward_extras`), or None. A
+    whose call runs more than its class's forward, and what (:func:`forward_extras`), or None. A
     fused replacement would not run it (and hooks such as weight_norm's compute the weights a
     fusion reads), so such modules are left alone."""
-    return next(((name, extras) for name, sub in module.named_modules() if (extras := _forward_extras(sub))), None)
+    return next(((name, extras) for name, sub in module.named_modules() if (extras := forward_extras(sub))), None)
 
 
 class _Tracer(fx.Tracer):
@@ -164,7 +164,7 @@ class _Tracer(fx.Tracer):
         self.sealed = sealed
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return self.plain_leaf(m, module_qualified_name) or _forward_extras(m) is not None
+        return self.plain_leaf(m, module_qualified_name) or forward_extras(m) is not None
 
     def plain_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
         """A leaf not fused inside, whatever its hooks: torch.nn's modules, mirage's, the sealed,
@@ -191,7 +191,7 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
             return None, f"the optional argument {parameter.name}=None"
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             return None, f"the variadic argument {parameter}"
-    extras = _forward_extras(module)
+    extras = forward_extras(module)
     if extras is not None:
         return None, f"it has {extras}, which a graph of its class's forward would not run"
     # The trace runs the real forward on proxies: what it stores on the modules (a cache, a
@@ -367,6 +367,17 @@ class _Rewriter:
         self.gm.add_submodule(path, module)
         return path
 
+    def _replace_calls(self, path: str, module: nn.Module, calls: Sequence[Sequence[fx.Node]]) -> None:
+        """Installs ``module`` for the calls of the module at ``path`` (:meth:`_install`): each call
+        is its node, then the nodes ``module`` absorbs, in order; the node calls ``module`` and
+        takes the last absorbed node's users, and the absorbed nodes go."""
+        target = self._install(path, module, [node for node, *_ in calls])
+        for node, *absorbed in calls:
+            node.target = target
+            absorbed[-1].replace_all_uses_with(node)
+            for gone in reversed(absorbed):
+                self.graph.erase_node(gone)
+
     def _free_path(self, path: str) -> str:
         candidate, index = path, 1
         while self._path_exists(candidate):
@@ -424,7 +435,7 @@ class _Rewriter:
     def fuse_conv_bn(self) -> None:
         # The call sites of each (conv, batch norm, activation), fused into one module: a block
         # called twice keeps one module under its name, as it has one state-dict entry.
-        sites: Dict[Tuple[str, str, Optional[str]], List[Tuple[fx.Node, fx.Node, Optional[fx.Node]]]] = {}
+        sites: Dict[Tuple[str, str, Optional[str]], List[Tuple[fx.Node, ...]]] = {}
         for conv_node in list(self.graph.nodes):
             conv = self._module_of_type(conv_node, nn.Conv2d)
             if conv is None:
@@ -448,7 +459,7 @@ class _Rewriter:
                 self.skipped.append((name, hooked))
                 continue
             key = (conv_node.target, bn_node.target, activation)
-            sites.setdefault(key, []).append((conv_node, bn_node, act_node if activation else None))
+            sites.setdefault(key, []).append((conv_node, bn_node, act_node) if activation else (conv_node, bn_node))
         for (conv_path, bn_path, activation), calls in sites.items():
             name = qualified_name(self.prefix, conv_path)
             try:
@@ -457,13 +468,7 @@ class _Rewriter:
             except ValueError as error:
                 self.skipped.append((name, str(error)))
                 continue
-            path = self._install(conv_path, fused, [conv_node for conv_node, _, _ in calls])
-            for conv_node, bn_node, act_node in calls:
-                conv_node.target = path
-                (act_node or bn_node).replace_all_uses_with(conv_node)
-                if act_node is not None:
-                    self.graph.erase_node(act_node)
-                self.graph.erase_node(bn_node)
+            self._replace_calls(conv_path, fused, calls)
             self.swaps.append((f"conv_bn_{activation}" if activation else "conv_bn", name))
 
     # --- GroupNorm -> SiLU ---
@@ -488,11 +493,7 @@ class _Rewriter:
             sites.setdefault(norm_node.target, []).append((norm_node, silu_nodes[0]))
         for norm_path, calls in sites.items():
             fused = MirageGroupNorm.from_torch(self.gm.get_submodule(norm_path), activation="silu")
-            path = self._install(norm_path, fused, [norm_node for norm_node, _ in calls])
-            for norm_node, silu_node in calls:
-                norm_node.target = path
-                silu_node.replace_all_uses_with(norm_node)
-                self.graph.erase_node(silu_node)
+            self._replace_calls(norm_path, fused, calls)
             self.swaps.append(("group_norm_silu", qualified_name(self.prefix, norm_path)))
 
     # --- attention ---

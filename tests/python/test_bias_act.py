@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import mirage
-from common import DEVICES, DTYPES, assert_error, assert_matches, capture_graph, opcheck, randn, assert_backward_reads_no_value_of, strided
+from common import (DEVICES, DTYPES, assert_backward_reads_no_value_of, assert_error, assert_matches, capture_graph,
+                    opcheck, randn, strided)
 
 ACTIVATIONS = {
     "none": lambda v: v,

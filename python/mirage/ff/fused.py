@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import graphs, ops
+from ..patterns import forward_extras
 from . import capacity
 
 __all__ = ["ACTIVATIONS", "Activation", "PaiNN", "SchNet", "identify_activation"]
@@ -500,12 +501,12 @@ class _FusedModel(nn.Module):
 
     def _forward_is_plain(self) -> bool:
         """Whether calling the model runs SchNet's or PaiNN's forward as written here: no subclass
-        overriding it or set on the instance, no forward hooks (energy_and_gradient would skip
-        any of them)."""
-        hooks = (self._forward_hooks, self._forward_pre_hooks, nn.modules.module._global_forward_hooks,
-                 nn.modules.module._global_forward_pre_hooks)
-        return (type(self).forward in (SchNet.forward, PaiNN.forward) and "forward" not in vars(self)
-                and not any(hooks))
+        overriding it, nothing a call adds (:func:`mirage.patterns.forward_extras`: hooks, a
+        forward set on the instance), no global forward hooks (energy_and_gradient would skip any
+        of them)."""
+        global_hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+        return (type(self).forward in (SchNet.forward, PaiNN.forward) and forward_extras(self) is None
+                and not any(global_hooks))
 
     def _with_biases(self, linears: Sequence[nn.Linear]) -> List[Tensor]:
         """Each Linear's weight and bias, the parameters themselves (shared, never copied), an
