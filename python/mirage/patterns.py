@@ -213,35 +213,64 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
     return traced, ""
 
 
+# Where a forward's in-place changes are reported as the module's own (Linear.weight, not
+# Linear._parameters.weight).
 _STATE_DICTS = ("_parameters", "_buffers", "_modules")
 
 
-def _module_state(module: nn.Module) -> List[Tuple[nn.Module, dict, dict]]:
-    """Shallow copies of every module's attributes, and of its parameter, buffer and child dicts."""
-    return [(sub, dict(vars(sub)), {key: dict(vars(sub)[key]) for key in _STATE_DICTS}) for sub in module.modules()]
+def _module_state(module: nn.Module) -> List[Tuple[Any, Any, str]]:
+    """Every module's attribute dict and the dicts, lists and sets reachable from it (nested in
+    one another or in tuples; its parameter, buffer and child dicts among them), each with a
+    shallow copy of its contents and where it is held: what a forward could change in place
+    (``self.cache[key] = x``, ``self.seen.append(x)``, ``self.state["calls"] += 1``)."""
+    saved: List[Tuple[Any, Any, str]] = []
+    seen = set()
+    for sub in module.modules():
+        pending = [(vars(sub), type(sub).__name__)]
+        while pending:
+            value, where = pending.pop()
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, tuple):  # unchanging itself; what it holds may not be
+                pending.extend((item, where) for item in value)
+            elif isinstance(value, dict):
+                saved.append((value, dict(value), where))
+                attributes = value is vars(sub)
+                for key, item in value.items():  # an attribute is named, but for the parameters' dict and the like
+                    pending.append((item, f"{where}.{key}" if attributes and key not in _STATE_DICTS else where))
+            elif isinstance(value, (list, set)):
+                saved.append((value, list(value), where))
+                pending.extend((item, where) for item in value)
+    return saved
 
 
 def _restore_module_state(module: nn.Module, saved, ignored: Container[str] = ()) -> str:
-    """Puts back what :func:`_module_state` saved; returns the first attribute that had changed
-    ("" when none), as ``Class.attribute``, but for the root's attributes named in ``ignored``
-    (the tracer's own constants), which are removed all the same."""
+    """Puts back what :func:`_module_state` saved; returns where the first change was found ("" when
+    none), as ``Class.attribute``, but for the root's attributes named in ``ignored`` (the
+    tracer's own constants), which are removed all the same."""
     changed = ""
-    for sub, attributes, dicts in saved:
-        current = vars(sub)
-        for key in set(current) | set(attributes):
-            if sub is module and key in ignored and key not in attributes:
-                continue
-            if key in _STATE_DICTS:
-                inner = attributes[key]
-                for inner_key in set(inner) | set(dicts[key]):
-                    if inner.get(inner_key, _MISSING) is not dicts[key].get(inner_key, _MISSING):
-                        changed = changed or f"{type(sub).__name__}.{inner_key}"
-                inner.clear()
-                inner.update(dicts[key])
-            if current.get(key, _MISSING) is not attributes.get(key, _MISSING):
-                changed = changed or f"{type(sub).__name__}.{key}"
-        current.clear()
-        current.update(attributes)
+    root = vars(module)
+    for container, contents, where in saved:
+        if container is root:
+            for key in ignored:
+                if key not in contents:
+                    root.pop(key, None)
+        if isinstance(container, dict):
+            keys = [key for key in set(container) | set(contents)
+                    if container.get(key, _MISSING) is not contents.get(key, _MISSING)]
+            if keys:
+                changed = changed or f"{where}.{sorted(map(str, keys))[0]}"
+                container.clear()
+                container.update(contents)
+        else:
+            now = list(container)
+            if isinstance(container, set):  # no order to compare
+                now, contents = sorted(now, key=id), sorted(contents, key=id)
+            if len(now) != len(contents) or any(a is not b for a, b in zip(now, contents)):
+                changed = changed or where
+                container.clear()
+                (container.extend if isinstance(container, list) else container.update)(contents)
     return changed
 
 

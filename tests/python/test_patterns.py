@@ -479,6 +479,53 @@ def test_forward_that_changes_module_state_is_not_traced_and_keeps_its_state():
     torch.testing.assert_close(got, expected, **tolerance(torch.float64))
 
 
+class ChangesContainersInPlace(nn.Module):
+    """Changes what its attributes hold without rebinding them: a call counter in a dict, a
+    feature cache, a list of seen shapes (nested in a tuple)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU())
+        self.state = {"calls": 0}
+        self.features = {}
+        self.log = ([],)
+
+    def forward(self, x):
+        self.state["calls"] += 1
+        h = self.block(x)
+        self.features["block"] = h
+        self.log[0].append(tuple(h.shape))
+        return h * self.state["calls"]
+
+
+def test_forward_that_changes_containers_in_place_is_not_traced_and_keeps_its_state():
+    model = prepared(ChangesContainersInPlace())
+    reference = copy.deepcopy(model)
+    x = randn(2, 4, 5, 5, dtype=torch.float64)
+    result = fuse(model)
+    # Traced, the counter would be frozen into the graph at 1 and the cache would hold a Proxy.
+    assert model.state == {"calls": 0} and model.features == {} and model.log == ([],)
+    assert result.module is model and result.swaps == [("conv_bn_silu", "block.0")]
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), reference(x), **tolerance(torch.float64))
+    assert model.state == {"calls": 3} and model.features["block"].shape == x.shape and len(model.log[0]) == 3
+
+
+@pytest.mark.parametrize("change", ["dict", "list", "set", "nested"])
+def test_module_state_names_what_changed_in_place(change):
+    from mirage.patterns import _module_state, _restore_module_state
+    module = nn.Linear(2, 2)
+    module.table, module.items, module.tags, module.nested = {"a": 1}, [1, 2], {"x"}, ({"deep": [0]},)
+    saved = _module_state(module)
+    {"dict": lambda: module.table.update(b=2), "list": lambda: module.items.append(3),
+     "set": lambda: module.tags.add("y"), "nested": lambda: module.nested[0]["deep"].append(1)}[change]()
+    where = {"dict": "Linear.table.b", "list": "Linear.items", "set": "Linear.tags", "nested": "Linear.nested"}
+    assert _restore_module_state(module, saved) == where[change]
+    assert (module.table, module.items, module.tags, module.nested) == ({"a": 1}, [1, 2], {"x"}, ({"deep": [0]},))
+    assert _restore_module_state(module, _module_state(module)) == ""
+
+
 class Stem(nn.Module):
     def __init__(self):
         super().__init__()
