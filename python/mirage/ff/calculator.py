@@ -244,10 +244,21 @@ def check_model(model, who: str) -> None:
 
 def model_device_dtype(model, device: Any, who: str) -> Tuple[torch.device, torch.dtype]:
     """The device to run on (``device``, else the model's, else the CPU; the model is moved there)
-    and the dtype of positions (the model's floating-point parameters', else float32)."""
-    tensors = list(model.parameters()) + list(model.buffers()) if isinstance(model, torch.nn.Module) else []
-    floating = [t for t in tensors if t.is_floating_point()]
-    dtype = floating[0].dtype if floating else torch.float32
+    and the dtype of positions: that of most of the model's floating-point parameters (counted by
+    element: a float64 table of energies per element beside a float32 network leaves float32),
+    else of its buffers, else float32."""
+    parameters, buffers = (list(model.parameters()), list(model.buffers())) if isinstance(model, torch.nn.Module) \
+        else ([], [])
+    tensors = parameters + buffers
+    dtype = torch.float32
+    for group in (parameters, buffers):
+        elements: Dict[torch.dtype, int] = {}
+        for t in group:
+            if t.is_floating_point():
+                elements[t.dtype] = elements.get(t.dtype, 0) + t.numel()
+        if elements:
+            dtype = max(elements, key=elements.get)
+            break
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
     try:
