@@ -634,7 +634,10 @@ def radial_cfconv_of(*args):
 
 # The table's interpolation error against the network in float64, relative to the largest
 # filter (derivative): the tests' weights are larger than trained ones (W1 ~ 2 randn / sqrt(R)).
-RADIAL_TABLE_ERROR = 1e-8
+# It peaks at the shortest distances drawn (0.3 A, where the Bessel basis of 23 functions is
+# steepest): up to 2.3e-8 over 240 seeds of hopper_widest_basis (1e-8 failed about one run in a
+# hundred); elsewhere under 1e-9. Still 200 times below the float32 tolerances.
+RADIAL_TABLE_ERROR = 1e-7
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float64), ("cpu", torch.float32),

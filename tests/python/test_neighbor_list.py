@@ -579,8 +579,9 @@ def assert_cuda_matches_cpu(pos, cutoff, cell=None, pbc=None, batch=None, half=F
     gpu = mirage.ops.neighbor_list(pos.cuda(), cutoff, to(cell), to(pbc), to(batch), max_pairs, half, method)
     cpu = mirage.ops.neighbor_list(pos, cutoff, cell, pbc, batch, max_pairs, half)
     count = int(gpu.num_pairs)
-    assert abs(count - int(cpu.num_pairs)) <= 2  # pairs at the cutoff may go either way
-    assert count <= max_pairs
+    # Both lists whole, so that the counts may differ only by the pairs at the cutoff, which go
+    # either way (about one a call in a 3,000-atom box): assert_same_pairs checks those by distance.
+    assert count <= max_pairs and int(cpu.num_pairs) <= max_pairs
     assert (gpu.pairs[0, :count].diff() >= 0).all()  # grouped by center atom (no pair at all: nothing to check)
     check_padding(gpu, torch.tensor(cutoff, dtype=torch.float32).item())
     assert_same_pairs(listed(gpu, cell, batch), listed(cpu, cell, batch), cutoff, 1e-4, 5e-5)
