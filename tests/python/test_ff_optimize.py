@@ -722,6 +722,32 @@ def test_model_that_fails_on_the_probe_is_left_alone():
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_an_energy_of_shape_one_keeps_its_shape(name):
+    class ShapeOne(MODELS[name]):  # as `readout(x).sum(0)` of [N, 1] atomic energies returns it
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            return super().forward(atomic_numbers, positions, cell, pbc).reshape(1)
+
+    model = make_reference(name)
+    model.__class__ = ShapeOne
+    fused = swapped(model)
+    z, pos, cell, pbc = system("triclinic")
+    energy, forces = energy_and_forces(model, z, pos, cell, pbc)
+    fused_energy, fused_forces = energy_and_forces(fused, z, pos, cell, pbc)
+    assert energy.shape == fused_energy.shape == (1,)
+    assert_same(fused_energy, energy, pos.dtype, scale=float(energy.abs()))
+    assert_same(fused_forces, forces, pos.dtype, scale=float(forces.abs().max()))
+    assert fused(z[:0], pos[:0]).shape == (1,)  # no atoms: the same shape
+
+    class PerAtom(MODELS[name]):
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            return super().forward(atomic_numbers, positions, cell, pbc).expand(positions.shape[0])
+
+    model.__class__ = PerAtom
+    assert mirage.ff.optimize(model) is model
+    assert "its energy has shape [12], where mirage's models return one energy" in str(mirage.ff.report(model))
+
+
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_models_are_left_alone_with_the_way_out(name, dtype):
     model = make_reference(name, dtype)

@@ -203,6 +203,9 @@ class _FusedModel(nn.Module):
     """The neighbor search and the capacity protocol, shared by SchNet and PaiNN."""
 
     num_pairs: Tensor
+    # The shape of the energy forward returns: (), or (1,) where the model this one was built
+    # from returns that (mirage.ff.optimize's probe reads it), so that callers see no difference.
+    energy_shape: Tuple[int, ...] = ()
 
     def __init__(self, cutoff: float, max_pairs: Optional[int]) -> None:
         super().__init__()
@@ -268,6 +271,9 @@ class _FusedModel(nn.Module):
                         f"{self._max_pairs} (max_pairs); growing it to {needed} and computing again")
         self.max_pairs = needed
         return True
+
+    def _shaped(self, energy: Tensor) -> Tensor:
+        return energy.reshape(self.energy_shape) if self.energy_shape else energy
 
     def _energy_of_no_atoms(self, positions: Tensor) -> Tensor:
         """0, the reference models' sum over no atoms, connected as theirs is to the positions and
@@ -763,7 +769,7 @@ class SchNet(_FusedModel):
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
-        """Energy (0-dim) of atoms ``atomic_numbers`` [N] at ``positions`` [N, 3] (Å), in an
+        """Energy (0-dim, or :attr:`energy_shape`) of atoms ``atomic_numbers`` [N] at ``positions`` [N, 3] (Å), in an
         optional ``cell`` [3, 3] (rows the lattice vectors) with ``pbc`` [3] bools (no pbc: open
         boundaries, as in the reference models).
 
@@ -780,8 +786,8 @@ class SchNet(_FusedModel):
 
         Outside a CUDA-graph capture, an overflow of the neighbor capacity grows it and the
         energy is computed again (one host sync a call; see the module's docstring)."""
-        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions,
-                             lambda: self._energy_of_no_atoms(positions))
+        return self._shaped(self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers,
+                                          positions, lambda: self._energy_of_no_atoms(positions)))
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
@@ -1150,7 +1156,7 @@ class PaiNN(_FusedModel):
 
     def forward(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor] = None,
                 pbc: Optional[Tensor] = None) -> Tensor:
-        """Energy (0-dim); arguments as :meth:`SchNet.forward`.
+        """Energy (0-dim, or :attr:`energy_shape`); arguments as :meth:`SchNet.forward`.
 
         In eval mode, on CUDA in float32 (under autocast too, where the op runs in float32),
         systems of at most :attr:`whole_model_max_pairs` pairs (the neighbor-list capacity) and
@@ -1158,8 +1164,8 @@ class PaiNN(_FusedModel):
         ``mirage::painn_energy``: energy and forces (and stress), but no gradient in the
         parameters and no double backward. Training mode takes the layer-by-layer path, which has
         both. Neighbor capacity: as :meth:`SchNet.forward`."""
-        return self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers, positions,
-                             lambda: self._energy_of_no_atoms(positions))
+        return self._shaped(self._checked(lambda: self._energy(atomic_numbers, positions, cell, pbc), atomic_numbers,
+                                          positions, lambda: self._energy_of_no_atoms(positions)))
 
     def _energy(self, atomic_numbers: Tensor, positions: Tensor, cell: Optional[Tensor],
                 pbc: Optional[Tensor]) -> Tensor:
