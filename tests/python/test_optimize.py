@@ -566,9 +566,20 @@ def test_attention_processors_set_after_optimize_are_refused():
     # attention must refuse, not keep computing the default attention without a word.
     from diffusers.models.attention_processor import AttnProcessor
 
-    optimized, _ = optimized_and_original(tiny_unet2d_condition())
+    optimized, original = optimized_and_original(tiny_unet2d_condition())
     with pytest.raises(ValueError, match="mirage's fused attention .* cannot take the processor AttnProcessor"):
         optimized.set_attn_processor(AttnProcessor())
+    # What attn_processors lists (every attention module, as the original's does) is taken back:
+    # diffusers' save-and-restore of processors.
+    processors = optimized.attn_processors
+    assert processors.keys() == original.attn_processors.keys()
+    assert set(processors.values()) == {mirage.nn.FUSED_ATTENTION}
+    optimized.set_attn_processor(processors)
+    with pytest.raises(ValueError, match="Cannot call `set_default_attn_processor` when attention processors are "
+                                         r"of type mirage.nn.FUSED_ATTENTION \(mirage.optimize's fused attention"):
+        optimized.set_default_attn_processor()
+    with pytest.raises(TypeError, match="not a processor for diffusers' Attention"):
+        mirage.nn.FUSED_ATTENTION()
 
 
 def test_checkpoints_keep_diffusers_keys(tmp_path):

@@ -47,6 +47,21 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> nn.Linear:
     return fused
 
 
+class FusedAttentionProcessor:
+    """Stands for mirage's fused attention where diffusers lists attention processors
+    (``model.attn_processors``): no processor of diffusers' ``Attention`` itself."""
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("mirage.nn.FUSED_ATTENTION stands for the fused attention of mirage.optimize in "
+                        "attn_processors; it is not a processor for diffusers' Attention")
+
+    def __repr__(self) -> str:
+        return "mirage.nn.FUSED_ATTENTION (mirage.optimize's fused attention; processors cannot change after optimize)"
+
+
+FUSED_ATTENTION = FusedAttentionProcessor()
+
+
 def _fused_projections(module: "FusedAttention") -> Tuple[str, Tuple[str, ...]]:
     """The fused projection's name and diffusers' names of its parts, in order (equal widths)."""
     return ("to_kv", ("to_k", "to_v")) if module.is_cross_attention else ("to_qkv", ("to_q", "to_k", "to_v"))
@@ -158,10 +173,18 @@ class FusedAttention(nn.Module):
         self.register_state_dict_post_hook(_split_projections)
         self.register_load_state_dict_pre_hook(_join_projections)
 
+    def get_processor(self, return_deprecated_lora: bool = False) -> "FusedAttentionProcessor":
+        """What diffusers' ``attn_processors`` lists for this module: :data:`FUSED_ATTENTION`, which
+        :meth:`set_processor` takes back (diffusers' save-and-restore of processors)."""
+        return FUSED_ATTENTION
+
     def set_processor(self, processor: object) -> None:
-        """Refuses an attention processor: diffusers' ``set_attn_processor`` (and
-        ``set_default_attn_processor``) call this on every attention module, and keeping the fused
-        computation in place of the processor asked for would change the results without a word."""
+        """Refuses an attention processor but :data:`FUSED_ATTENTION`: diffusers'
+        ``set_attn_processor`` (and ``set_default_attn_processor``) call this on every attention
+        module, and keeping the fused computation in place of the processor asked for would change
+        the results without a word."""
+        if processor is FUSED_ATTENTION:
+            return
         raise ValueError(
             f"mirage's fused attention (from mirage.optimize) cannot take the processor {type(processor).__name__}: "
             "it computes diffusers' default attention; set processors on the model before mirage.optimize "
