@@ -409,7 +409,8 @@ class OptimizedModule(nn.Module):
 
     Attributes it does not have itself are read from the inner model, so code that reads
     ``unet.config``, ``unet.dtype`` or calls ``vae.decode`` keeps working (such methods run the
-    swapped modules eagerly: only ``forward`` goes through the graphs). Its state dict has the
+    swapped modules eagerly: only ``forward`` goes through the graphs), and written there where
+    the inner model has them (``vae.use_tiling = True`` reaches the model). Its state dict has the
     inner model's keys under ``module.``.
 
     Attributes:
@@ -620,6 +621,21 @@ class OptimizedModule(nn.Module):
             raise RuntimeError("mirage.optimize: the optimized model is for inference only (batch norms are folded "
                                "and attention dropout is dropped); train the original model and optimize it again")
         return super().train(False)
+
+    # Set in __init__ (and __setstate__): the wrapper's own, even where the inner model has an
+    # attribute of that name.
+    _OWN_ATTRIBUTES = frozenset({"module", "autocast_dtype", "channels_last", "verbose", "_layout_proven", "graphs",
+                                 "_graphs_paused", "_derived", "_keyed", "_weights_at"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting of the inner model (vae.use_tiling, vae.tile_sample_min_size) is written where
+        # its methods read it, as reading it through the wrapper (__getattr__) reads it there.
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (inner is not None and name not in self._OWN_ATTRIBUTES and name not in self.__dict__
+                and not hasattr(type(self), name) and hasattr(inner, name)):
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:

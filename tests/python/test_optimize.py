@@ -319,6 +319,23 @@ def test_autoencoder_kl(tiny_vae):
     assert optimized.config.latent_channels == 4 and optimized.dtype == torch.float32
 
 
+def test_settings_written_through_the_wrapper_reach_the_model(tiny_vae):
+    optimized, original = optimized_and_original(tiny_vae)
+    for model in (optimized, original):  # tiling of 12x12 latents in 8x8 tiles: the settings decide
+        model.use_tiling = True
+        model.tile_sample_min_size, model.tile_latent_min_size = 16, 8
+    assert optimized.module.use_tiling and optimized.module.tile_latent_min_size == 8
+    assert "use_tiling" not in vars(optimized)
+    latents = randn(1, 4, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized.decode(latents).sample, original.decode(latents).sample,
+                                   **MODEL_TOLERANCE)
+    optimized.note = "mine"  # the model has no such attribute: the wrapper keeps it
+    assert vars(optimized)["note"] == "mine" and not hasattr(optimized.module, "note")
+    optimized.verbose = True  # the wrapper's own setting, whatever the model has
+    assert vars(optimized)["verbose"] is True
+
+
 @pytest.mark.parametrize("part", ["encoder", "decoder"])
 def test_autoencoder_kl_encoder_and_decoder(tiny_vae, part):
     optimized, original = optimized_and_original(getattr(tiny_vae, part))
