@@ -27,7 +27,7 @@ from .graphs import GraphCache, GraphCacheStats, _flatten, progress
 from .nn import (GEGLU, BasicTransformerBlock, CrossAttnUpBlock2D, GroupNorm, LayerNorm, ResnetBlock2D,
                  Transformer2DModel, UpBlock2D, Upsample2D)
 from .nn.attention import from_diffusers_attention
-from .patterns import altered_submodule, fuse, qualified_name
+from .patterns import altered_submodule, fuse, qualified_name, swapped_in, swaps_made
 
 __all__ = ["OptimizeReport", "OptimizedModule", "Swap", "optimize", "report"]
 
@@ -185,7 +185,7 @@ def _apply_swaps(root: nn.Module, swaps: Sequence[Swap], result: "OptimizeReport
             left_alone_by = swap
         elif swap is not None:
             try:
-                replacement = swap.build(module)
+                replacement = swapped_in(swap.build(module))
                 result.swaps.append((swap.kind, name))
             except ValueError as reason:
                 result.left_alone.append((name, f"{swap.kind}: {reason}"))
@@ -226,7 +226,7 @@ def _fuse_output_norm(model: nn.Module, result: "OptimizeReport") -> None:
         if (unet is not None and type(module) is unet and type(module.conv_norm_out) is nn.GroupNorm
                 and type(module.conv_act) is nn.SiLU and altered_submodule(module.conv_norm_out) is None
                 and altered_submodule(module.conv_act) is None):
-            module.conv_norm_out = GroupNorm.from_torch(module.conv_norm_out, activation="silu")
+            module.conv_norm_out = swapped_in(GroupNorm.from_torch(module.conv_norm_out, activation="silu"))
             module.conv_act = nn.Identity()
             result.swaps.append(("group_norm_silu", qualified_name(name, "conv_norm_out")))
 
@@ -270,8 +270,9 @@ class OptimizeReport:
         max_graphs: graphs held at most.
         graphs: graph-cache counters at the time :func:`report` was called (None without graphs).
         seconds: time optimize took.
-        swapped_before: the swaps an earlier ``optimize`` made in place in the model passed in
-            (this one then converts and wraps the model, with or without new swaps).
+        swapped_before: the modules an earlier ``optimize`` swapped in that the model passed in
+            holds (in place, or a model it returned, or a copy of either): this one then converts
+            and wraps the model, with or without new swaps.
     """
 
     model: str
@@ -390,13 +391,6 @@ def report(model: nn.Module) -> OptimizeReport:
 
 # The message of a .view that the tensor's strides do not allow (torch's, since at least 1.x).
 _VIEW_ERROR = "view size is not compatible with input tensor's size and stride"
-
-
-# The models an optimize swapped modules of in place (the model passed in, and the one its wrapper
-# holds), with the swaps they hold: optimized again, nothing is left to swap in them, yet they are
-# not unknown models (mirage modules a user built a model from are not swaps, and such a model
-# with nothing to swap still comes back untouched).
-_SWAPPED_IN_PLACE: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def _channels_last_4d(tensor: Tensor) -> Tensor:
@@ -783,8 +777,9 @@ def optimize(
         progress(f"optimize {name}: swapping modules")
 
     # An earlier optimize swapped modules of this model in place (diffusers' models, whose forward
-    # is not traced whole): optimizing it again sets new precision, layout and graphs around them.
-    result = OptimizeReport(model=name, swapped_before=_SWAPPED_IN_PLACE.get(model, 0))
+    # is not traced whole), or this is a model it returned (.module), or a copy of one: nothing is
+    # left to swap, yet it is no unknown model; new precision, layout and graphs are set around them.
+    result = OptimizeReport(model=name, swapped_before=swaps_made(model))
     original = model
     # The swaps read eval-mode state (BatchNorm folds its running statistics), so the search runs
     # in eval mode; a model with nothing to swap gets its own modes back.
@@ -851,8 +846,6 @@ def optimize(
 
     wrapper = OptimizedModule(model, autocast_dtype=result.autocast_dtype, channels_last=channels_last,
                               max_graphs=max_graphs if result.cuda_graph else 0, verbose=verbose).eval()
-    for target in converted:
-        _SWAPPED_IN_PLACE[target] = len(result.swaps) + result.swapped_before
     result.seconds = time.perf_counter() - start
     _REPORTS[wrapper] = result
     if verbose:

@@ -293,6 +293,22 @@ def _hidden_patterns(module: nn.Module) -> List[str]:
     return found
 
 
+# Marks each module a swap put in (an instance attribute, so deep copies and pickles keep it):
+# optimizing the model again counts its earlier swaps from the marks (OptimizeReport.swapped_before).
+_SWAPPED_IN = "_mirage_swapped_in"
+
+
+def swapped_in(module: nn.Module) -> nn.Module:
+    """``module``, marked as put in by a swap; see :func:`swaps_made`."""
+    vars(module)[_SWAPPED_IN] = True
+    return module
+
+
+def swaps_made(model: nn.Module) -> int:
+    """The modules under ``model`` that swaps put in (mirage modules a user built a model from are not)."""
+    return sum(1 for module in model.modules() if vars(module).get(_SWAPPED_IN, False))
+
+
 def qualified_name(prefix: str, name: str) -> str:
     """``prefix.name``, or whichever of the two is not empty (module names in reports)."""
     return f"{prefix}.{name}" if prefix and name else prefix or name
@@ -393,7 +409,7 @@ class _Rewriter:
         )
         if used_elsewhere:
             path = self._free_path(path + "_fused")
-        self.gm.add_submodule(path, module)
+        self.gm.add_submodule(path, swapped_in(module))
         return path
 
     def _replace_calls(self, path: str, module: nn.Module, calls: Sequence[Sequence[fx.Node]]) -> None:
@@ -899,7 +915,7 @@ class _AttentionMatch:
         rewriter, graph = self.rewriter, self.graph
         fused = fuse_linears([rewriter._module(node) for node in self.linears])
         path = rewriter._free_path(qualified_name(str(self.linears[0].target).rpartition(".")[0], "qkv"))
-        rewriter.gm.add_submodule(path, fused)
+        rewriter.gm.add_submodule(path, swapped_in(fused))
         first = min(self.linears, key=_position)
         offset = 0
         with graph.inserting_before(first):

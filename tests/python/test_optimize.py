@@ -893,6 +893,33 @@ def test_optimizing_the_model_passed_in_again_sets_new_settings_around_its_swaps
         torch.testing.assert_close(second(*inputs).sample, fresh(*inputs).sample, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("copy_by", ["deepcopy", "pickle"])
+def test_a_copy_of_a_model_swapped_in_place_is_optimized_again(copy_by, tmp_path):
+    # The earlier swaps were recorded by the model's identity: a copy came back as "nothing recognised".
+    unet = tiny_unet2d_condition().eval()
+    swaps = len(mirage.report(mirage.optimize(unet, dtype=torch.float32, cuda_graph=False, verbose=False)).swaps)
+    if copy_by == "deepcopy":
+        copied = copy.deepcopy(unet)
+    else:
+        torch.save(unet, tmp_path / "unet.pt")
+        copied = torch.load(tmp_path / "unet.pt", weights_only=False)
+    again = mirage.optimize(copied, dtype=torch.bfloat16, cuda_graph=False, verbose=False)
+    assert isinstance(again, mirage.OptimizedModule) and next(again.parameters()).dtype == torch.bfloat16
+    assert mirage.report(again).swapped_before == swaps
+    # The model a first optimize returned, optimized again through .module, counts the same.
+    assert mirage.report(mirage.optimize(again.module, verbose=False)).swapped_before == swaps
+
+
+def test_a_model_whose_forward_was_traced_whole_claims_no_earlier_swaps():
+    # Traced whole, the model passed in keeps its own modules (the returned one runs a new graph
+    # module): optimized again it was said to hold the first call's swaps.
+    model = PlainNet().eval()
+    first = mirage.optimize(model, dtype=torch.float32, verbose=False)
+    assert first.module is not model and mirage.report(first).swaps
+    again = mirage.report(mirage.optimize(model, dtype=torch.float32, verbose=False))
+    assert again.swapped_before == 0 and again.counts == mirage.report(first).counts
+
+
 class ScaledForward(nn.Module):
     """Sets ``module.forward`` on the instance, as kohya-ss's LoRA ``apply_to`` and offloading
     wrappers do: the module keeps its type and has no hooks."""
