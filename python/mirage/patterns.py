@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .nn.attention import fuse_linears
+from .nn.calls import forward_extras
 from .nn.conv import Conv2dAct
 from .nn.group_norm import GroupNorm as MirageGroupNorm
 
@@ -133,17 +134,6 @@ def _fuse_children(module: nn.Module, prefix: str, sealed: Container[int], resul
         result.skipped += child_result.skipped
         if child_result.module is not child:
             setattr(module, name, child_result.module)
-
-
-def forward_extras(module: nn.Module) -> Optional[str]:
-    """What a call of ``module`` runs besides its class's forward, or None: forward hooks or
-    pre-hooks, or a ``forward`` set on the instance (LoRA patchers such as kohya-ss's, offloading
-    and caching wrappers replace a module's forward that way, keeping its type)."""
-    if module._forward_hooks or module._forward_pre_hooks:
-        return "forward hooks"
-    if "forward" in vars(module):
-        return "a forward set on the instance"
-    return None
 
 
 def altered_submodule(module: nn.Module) -> Optional[Tuple[str, str]]:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import graphs, ops
-from ..patterns import forward_extras
+from ..nn.calls import forward_extras
 from . import capacity
 
 __all__ = ["ACTIVATIONS", "Activation", "PaiNN", "SchNet", "identify_activation"]
@@ -507,7 +507,7 @@ class _FusedModel(nn.Module):
 
     def _forward_is_plain(self) -> bool:
         """Whether calling the model runs SchNet's or PaiNN's forward as written here: no subclass
-        overriding it, nothing a call adds (:func:`mirage.patterns.forward_extras`: hooks, a
+        overriding it, nothing a call adds (:func:`mirage.nn.calls.forward_extras`: hooks, a
         forward set on the instance), no global forward hooks (energy_and_gradient would skip any
         of them)."""
         global_hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)

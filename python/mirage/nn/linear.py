@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .calls import runs_plain
 from .conv import ACTIVATIONS
 
 
@@ -19,7 +20,8 @@ def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None, inpu
     ``input_activation`` is one of :data:`mirage.nn.conv.ACTIVATIONS`.
 
     Where the op cannot take the operands as they are, the module runs as it is and PyTorch adds
-    the residual (exactly the unfused code): a module other than a plain ``nn.Linear``, operands of
+    the residual (exactly the unfused code): a module other than a plain ``nn.Linear`` (or one with
+    hooks or a patched forward, :func:`~mirage.nn.calls.runs_plain`), operands of
     different dtypes or devices, a residual of another shape (a broadcast), or, under an autocast
     that would cast, a residual (PyTorch's add would then promote; the fused op would not) or an
     input activation (the op would cast x before activating it, PyTorch after).
@@ -27,7 +29,7 @@ def linear(module: nn.Module, x: Tensor, residual: Optional[Tensor] = None, inpu
     if input_activation not in ACTIVATIONS:
         raise ValueError(f"mirage.nn.linear: input_activation must be one of {', '.join(ACTIVATIONS)}, "
                          f"got {input_activation!r}")
-    if type(module) is nn.Linear and fusable(module.weight, module.bias, x, residual, input_activation):
+    if runs_plain(module, nn.Linear) and fusable(module.weight, module.bias, x, residual, input_activation):
         return ops.linear(x, module.weight, module.bias, residual, input_activation)
     y = module(ACTIVATIONS[input_activation](x))
     return y if residual is None else y + residual

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ._diffusers import require_diffusers
+from .calls import runs_plain
 from .conv import conv_bias_act
 from .group_norm import GroupNorm
 from .linear import linear
@@ -100,7 +101,7 @@ class ResnetBlock2D(nn.Module):
         # diffusers adds a given temb as it is, broadcast from the right: that stays unfused.)
         projected = self.time_emb_proj is not None
         add_temb = self.time_embedding_norm == "default" and temb is not None
-        fused_conv1 = type(self.conv1) is nn.Conv2d and (projected or not add_temb)
+        fused_conv1 = runs_plain(self.conv1, nn.Conv2d) and (projected or not add_temb)
         conv1_bias_in_temb = False
         if projected:
             if temb is None:  # diffusers fails on it too, deep inside; say what is missing
@@ -142,7 +143,7 @@ class ResnetBlock2D(nn.Module):
         # As diffusers: contiguous only in training, where DDP wants matching gradient strides.
         if shortcut is not None and self.training:
             input_tensor = input_tensor.contiguous()
-        if type(self.conv2) is not nn.Conv2d or not (shortcut is None or type(shortcut) is nn.Conv2d):
+        if not runs_plain(self.conv2, nn.Conv2d) or not (shortcut is None or runs_plain(shortcut, nn.Conv2d)):
             if shortcut is not None:
                 input_tensor = shortcut(input_tensor)
             output = input_tensor + self.conv2(hidden_states)

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from ._diffusers import require_diffusers
 from .. import ops
+from .calls import forward_extras, runs_plain
 from .conv import conv_bias_act
 from .layer_norm import LayerNorm
 from .linear import autocast_casts, fusable, linear
@@ -173,7 +174,7 @@ def _feed_forward(ff: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     """``ff(x) + residual``; for diffusers' ``FeedForward`` (its ``net`` modules run in order, as
     its forward runs them) ending in an ``nn.Linear``, the add goes into that Linear's epilogue."""
     net = getattr(ff, "net", None)
-    if (type(ff).__name__ != "FeedForward" or not type(ff).__module__.startswith("diffusers.")
+    if (type(ff).__name__ != "FeedForward" or not type(ff).__module__.startswith("diffusers.") or forward_extras(ff)
             or not isinstance(net, nn.ModuleList) or len(net) == 0 or type(net[-1]) is not nn.Linear):
         return ff(x) + residual
     for module in net[:-1]:
@@ -281,7 +282,7 @@ class Transformer2DModel(nn.Module):
 def _conv(conv: nn.Module, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
     """``conv(x) (+ residual)``: for a plain ``nn.Conv2d``, its bias and the residual add in one
     ``bias_act`` pass after the convolution (PyTorch spends a pass on each)."""
-    if type(conv) is nn.Conv2d:
+    if runs_plain(conv, nn.Conv2d):
         return conv_bias_act(conv, x, residual=residual)
     return conv(x) if residual is None else conv(x) + residual
 
@@ -300,7 +301,7 @@ def _image(tokens: Tensor, height: int, width: int) -> Tensor:
 def _pointwise(conv: nn.Module) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """``(weight as (C_out, C_in), bias)`` of a plain 1x1 ``nn.Conv2d`` (a matmul over the
     channels), else None."""
-    if (type(conv) is nn.Conv2d and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
+    if (runs_plain(conv, nn.Conv2d) and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
             and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding in ((0, 0), "valid")):
         return conv.weight.flatten(1), conv.bias
     return None

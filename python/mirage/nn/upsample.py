@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ._diffusers import require_diffusers
 from .. import ops
+from .calls import runs_plain
 
 
 def _conv_attribute(name: str) -> str:
@@ -163,7 +164,8 @@ class Upsample2D(nn.Module):
             hidden_states = self.norm(hidden_states.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         conv = self._conv
         height, width = hidden_states.shape[-2:]
-        replaced = type(conv) is not nn.Conv2d  # e.g. a LoRA wrapper: its weight is not what it computes
+        # A LoRA wrapper, say (its weight is not what it computes), or hooks: the module is called.
+        replaced = not runs_plain(conv, nn.Conv2d)
         if replaced or (output_size is not None and tuple(output_size) != (2 * height, 2 * width)):
             # diffusers' interpolation (and its workarounds for PyTorch's NHWC kernel).
             output_size = (2 * height, 2 * width) if output_size is None else output_size
