@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -13,9 +15,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def fresh_seed():
-    # Fresh random inputs every run; the seed is printed on failure for reproduction.
-    seed = torch.seed()
-    print(f"torch seed: {seed}")
+    # Fresh random inputs every run; the seed is printed on failure, and MIRAGE_TEST_SEED=<seed>
+    # runs the tests with it again (pytest -k <the test>) to reproduce a failure.
+    fixed = os.environ.get("MIRAGE_TEST_SEED")
+    if fixed:
+        torch.manual_seed(int(fixed))
+        seed = int(fixed)
+    else:
+        seed = torch.seed()
+    print(f"torch seed: {seed} (MIRAGE_TEST_SEED={seed} repeats it)")
     yield
 
 
