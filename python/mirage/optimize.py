@@ -502,7 +502,10 @@ class OptimizedModule(nn.Module):
         return out
 
     def _call(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        if self.graphs is not None and not self._graphs_paused:
+        # Under torch.jit.trace a replay would be recorded as its static outputs, constants of the
+        # trace (a traced module returning the example's result for any input): the model's own
+        # ops, mirage's among them, are what a trace can record.
+        if self.graphs is not None and not self._graphs_paused and not torch.jit.is_tracing():
             if self._keyed:
                 kwargs = {**kwargs, _SETTINGS_KEY: tuple(m.graph_key() for m in self._keyed)}
             try:

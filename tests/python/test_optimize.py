@@ -1184,6 +1184,23 @@ def test_a_to_that_changes_nothing_keeps_the_graphs_and_a_move_off_cuda_pauses_t
         assert optimized.graphs.stats().misses == 1
 
 
+def test_a_traced_optimized_model_records_its_ops_not_a_graph_replay(tmp_path):
+    # A trace through the graphs recorded a replay's static outputs as constants: the traced module
+    # returned the example's result for any input. LibTorch programs load such traced modules.
+    optimized, original = optimized_and_original(PlainNet(), cuda_graph=False)
+    optimized.graphs = graphs.GraphCache(optimized._run, 2, capture=GraphStandIn, new_pool=object, verbose=False)
+    with torch.no_grad():
+        # (Its check_trace would call the module once more, untraced, through the graphs.)
+        traced = torch.jit.trace(optimized, (randn(2, 3, 8, 8),), check_trace=False)
+    assert len(optimized.graphs) == 0 and optimized.graphs.stats().misses == 0
+    assert "mirage::" in str(traced.inlined_graph)  # mirage's ops are in the trace
+    traced.save(str(tmp_path / "optimized.pt"))
+    loaded = torch.jit.load(str(tmp_path / "optimized.pt"))
+    image = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(image), original(image), **MODEL_TOLERANCE)
+
+
 def test_freeu_switched_after_optimize_captures_a_graph_of_its_own():
     # diffusers' enable_freeu / disable_freeu on an optimized model set the up-blocks' factors,
     # which their forward reads in Python: a graph captured before once kept its setting.
