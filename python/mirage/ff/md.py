@@ -9,8 +9,8 @@ not wait for it. Units are ASE's: eV, Å, amu, ASE time (``0.5 * ase.units.fs``)
 
 Example::
 
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
-    MaxwellBoltzmannDistribution(atoms, temperature_K=300)
+    from ase.md.velocitydistribution import thermalize_momenta  # ASE >= 3.29 (before: MaxwellBoltzmannDistribution)
+    thermalize_momenta(atoms, temperature_K=300)
     md = mirage.ff.md.VelocityVerlet(fast_model, atoms, 0.5 * ase.units.fs, steps_per_replay=50)
     md.run(100_000, trajectory="benzene.traj", write_every=1000, log="benzene.log")
     final = md.atoms
@@ -140,7 +140,8 @@ class VelocityVerlet:
     Args:
         model: ``energy = model(atomic_numbers, positions, cell, pbc)``.
         atoms: the initial ``ase.Atoms``: numbers, positions, masses, momenta (zero unless set,
-            e.g. by ``ase.md.velocitydistribution.MaxwellBoltzmannDistribution``), cell and pbc.
+            e.g. by ``ase.md.velocitydistribution.thermalize_momenta``; ASE before 3.29:
+            ``MaxwellBoltzmannDistribution``), cell and pbc.
             It is not modified; :attr:`atoms` gives the current state. Constraints are not supported.
         timestep: in ASE time units (``0.5 * ase.units.fs``).
         thermostat: None (NVE) or a :class:`Langevin`.
