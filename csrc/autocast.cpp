@@ -15,6 +15,7 @@
 // message_passing and pair_product run in the autocast dtype, like a matmul: x and filter (a and
 // b) are cast to it, and the kernels accumulate in float32 whatever the dtype.
 #include <initializer_list>
+#include <optional>
 #include <utility>
 
 #include <ATen/autocast_mode.h>
@@ -241,11 +242,13 @@ std::tuple<at::Tensor, at::Tensor> vector_message_passing_autocast(const at::Ten
 
 // mirage::painn_update(_input) are elementwise: like PyTorch's own elementwise ops under autocast
 // they run in the widest dtype of their inputs (s and v usually float32, what the Linears give
-// in the autocast dtype), every input cast to it.
+// in the autocast dtype), every input cast to it. An absent (undefined) input, a None passed for
+// a tensor, is skipped: the op's own check names it after this kernel.
 at::ScalarType widest_dtype(std::initializer_list<const at::Tensor*> tensors) {
-  at::ScalarType dtype = (*tensors.begin())->scalar_type();
-  for (const at::Tensor* t : tensors) dtype = at::promote_types(dtype, t->scalar_type());
-  return dtype;
+  std::optional<at::ScalarType> dtype;
+  for (const at::Tensor* t : tensors)
+    if (t->defined()) dtype = dtype ? at::promote_types(*dtype, t->scalar_type()) : t->scalar_type();
+  return dtype.value_or(at::kFloat);
 }
 
 template <c10::DeviceType Device, c10::DispatchKey Key>

@@ -59,7 +59,9 @@ at::Tensor to_compute_dtype(const at::Tensor& t) {
 // but no value of it (the op is linear in it: its gradient is the same at any value), so a stand-in
 // of one element expanded to its sizes is saved instead. Kept, the input (an activation, often)
 // held its memory until the backward, and an in-place change of it, which PyTorch's composite
-// allows, made the backward fail.
+// allows, made the backward fail. An inference tensor (made under torch.inference_mode: frozen
+// features feeding a trainable head) cannot be saved, and is copied: PyTorch's composite saves
+// its own intermediate there (the activation of x, the sum x + residual), not the input.
 void save_inputs(AutogradContext* ctx, const variable_list& inputs, const std::vector<bool>& read = {}) {
   variable_list saved = inputs;
   c10::List<bool> needs, stand_in;
@@ -67,6 +69,7 @@ void save_inputs(AutogradContext* ctx, const variable_list& inputs, const std::v
     const at::Tensor& t = inputs[i];
     const bool shape_only = t.defined() && i < read.size() && !read[i];
     if (shape_only) saved[i] = at::zeros({}, t.options()).expand_symint(t.sym_sizes());
+    else if (t.defined() && t.is_inference()) saved[i] = t.clone();
     needs.push_back(t.defined() && t.requires_grad());
     stand_in.push_back(shape_only);
   }

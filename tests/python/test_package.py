@@ -167,17 +167,19 @@ def _placeholder(argument):
             "ScalarType": torch.float32, "List[Tensor]": []}[kind]
 
 
-@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "autocast"])
 @pytest.mark.parametrize("name", [n.split("::")[1] for n in registered_ops()])
 def test_every_raw_op_names_a_missing_tensor(name, mode):
     """torch.ops.mirage.<op> with None for a `Tensor` argument names the op and the argument in
     every mode: under grad mode each Autograd kernel checks (before torch::autograd::Function
     rejects the undefined tensor with "tensor does not have a device"), and each op's BackendSelect
     kernel checks in every mode, inference mode (which skips Autograd) and ops without a gradient
-    formula included. With every tensor None, the call has no backend at all."""
+    formula included; under autocast, whose kernels run first, too (painn_update's once asked
+    PyTorch for the dtype of the None). With every tensor None, the call has no backend at all."""
     op = getattr(torch.ops.mirage, name)
     arguments = op.default._schema.arguments
-    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
     tensors = [index for index, argument in enumerate(arguments) if str(argument.type) == "Tensor"]
     assert tensors, name
     with context():
@@ -292,3 +294,28 @@ def test_counts_take_numpy_integers_and_refuse_bools():
         mirage.nn.GroupNorm(True, 4)
     with pytest.raises(ValueError, match=r"^mirage.optimize: max_graphs must be an int >= 1, got True$"):
         mirage.optimize(torch.nn.Linear(2, 2), max_graphs=True, verbose=False)
+
+
+# Inference tensors (frozen features made under torch.inference_mode) beside trainable parameters:
+# PyTorch's composite saves its own intermediate for the backward (the activation, the sum with
+# the residual), mirage's ops save their inputs, which autograd refused for inference tensors.
+_FEEDS_TRAINABLE = {
+    "linear": (lambda x, p: mirage.ops.linear(x, p, input_activation="silu"),
+               lambda x, p: torch.nn.functional.linear(torch.nn.functional.silu(x), p), (8, 16)),
+    "bias_act": (lambda x, p: mirage.ops.bias_act(x, p, activation="silu"),
+                 lambda x, p: torch.nn.functional.silu(x + p[:, None, None]), (16,)),
+    "layer_norm": (lambda x, p: mirage.ops.layer_norm(x, p, residual=x)[0],
+                   lambda x, p: torch.nn.functional.layer_norm(x + x, (16,), p), (16,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FEEDS_TRAINABLE))
+def test_inference_tensors_feed_trainable_parameters(name):
+    fused, composite, shape = _FEEDS_TRAINABLE[name]
+    with torch.inference_mode():
+        x = torch.randn(3, 16, 4, 16, dtype=torch.float64)
+    parameter = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    got, expected = fused(x, parameter), composite(x, parameter)
+    torch.testing.assert_close(got, expected)
+    grad = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, parameter, grad), torch.autograd.grad(expected, parameter, grad))
