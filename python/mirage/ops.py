@@ -79,7 +79,11 @@ def _real(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
             return value
         if isinstance(value, numbers.Real):  # Python's and NumPy's; never a tensor
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int past float's range (10**400)
+                raise TypeError(f"{where} must be a real number within float's range, got an int of "
+                                f"{int(value).bit_length()} bits") from None
     raise TypeError(f"{where} must be a real number, got {type(value).__name__} {value!r}")
 
 

@@ -271,6 +271,10 @@ def test_wrappers_refuse_a_bool_or_a_string_for_a_real(wrapper, arguments, name,
     for value in (True, torch.tensor(True), "5.0", torch.ones(2)):
         with pytest.raises(TypeError, match=f"^mirage::{op}: {name} must be a real number, got"):
             wrapper(**arguments, **{name: value})
+    # An int past float's range: Python's OverflowError named neither.
+    with pytest.raises(TypeError, match=f"^mirage::{op}: {name} must be a real number within float's range, "
+                                        "got an int of 1329 bits"):
+        wrapper(**arguments, **{name: 10**400})
 
 
 def test_real_arguments_take_numpy_floats_ints_and_0_dim_tensors():
