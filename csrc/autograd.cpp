@@ -54,14 +54,22 @@ at::Tensor to_compute_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
 }
 
+// ctx->save_for_backward, but an inference tensor (made under torch.inference_mode: frozen
+// features feeding trainable parameters), which autograd cannot save, is saved as a copy:
+// PyTorch's composites take such inputs, saving intermediates of their own (the activation of x,
+// the sum x + residual, the gathered x[j]) rather than the input.
+void save_for_backward(AutogradContext* ctx, variable_list tensors) {
+  for (at::Tensor& t : tensors)
+    if (t.defined() && t.is_inference()) t = t.clone();
+  ctx->save_for_backward(tensors);
+}
+
 // Saves the tensor inputs (undefined for absent optional ones) and which of them need gradients.
 // Where `read` is given and read[i] is false, the backward reads input i's shape, dtype and device
 // but no value of it (the op is linear in it: its gradient is the same at any value), so a stand-in
 // of one element expanded to its sizes is saved instead. Kept, the input (an activation, often)
 // held its memory until the backward, and an in-place change of it, which PyTorch's composite
-// allows, made the backward fail. An inference tensor (made under torch.inference_mode: frozen
-// features feeding a trainable head) cannot be saved, and is copied: PyTorch's composite saves
-// its own intermediate there (the activation of x, the sum x + residual), not the input.
+// allows, made the backward fail.
 void save_inputs(AutogradContext* ctx, const variable_list& inputs, const std::vector<bool>& read = {}) {
   variable_list saved = inputs;
   c10::List<bool> needs, stand_in;
@@ -69,11 +77,10 @@ void save_inputs(AutogradContext* ctx, const variable_list& inputs, const std::v
     const at::Tensor& t = inputs[i];
     const bool shape_only = t.defined() && i < read.size() && !read[i];
     if (shape_only) saved[i] = at::zeros({}, t.options()).expand_symint(t.sym_sizes());
-    else if (t.defined() && t.is_inference()) saved[i] = t.clone();
     needs.push_back(t.defined() && t.requires_grad());
     stand_in.push_back(shape_only);
   }
-  ctx->save_for_backward(saved);
+  save_for_backward(ctx, saved);
   ctx->saved_data["needs_grad"] = needs;
   ctx->saved_data["stand_in"] = stand_in;
 }
@@ -507,7 +514,7 @@ struct RadialBasisBackwardFunction : torch::autograd::Function<RadialBasisBackwa
 struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& distances, c10::string_view kind,
                             int64_t num, double cutoff, c10::string_view cutoff_fn) {
-    ctx->save_for_backward({distances});
+    save_for_backward(ctx, {distances});
     save_radial_basis_parameters(ctx, kind, num, cutoff, cutoff_fn);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::radial_basis().call(distances, kind, num, cutoff, cutoff_fn);
@@ -532,7 +539,7 @@ at::Tensor swapped(const at::Tensor& pairs) { return pairs.flip(0); }
 struct MessagePassingFunction : torch::autograd::Function<MessagePassingFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& filter,
                             const at::Tensor& pairs) {
-    ctx->save_for_backward({x, filter, pairs});
+    save_for_backward(ctx, {x, filter, pairs});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::message_passing().call(x, filter, pairs);
   }
@@ -554,7 +561,7 @@ struct MessagePassingFunction : torch::autograd::Function<MessagePassingFunction
 struct PairProductFunction : torch::autograd::Function<PairProductFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& pairs) {
-    ctx->save_for_backward({a, b, pairs});
+    save_for_backward(ctx, {a, b, pairs});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::pair_product().call(a, b, pairs);
   }
@@ -746,7 +753,7 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
                                const at::Tensor& pairs, const std::optional<at::Tensor>& filter_weight,
                                const std::optional<at::Tensor>& sender_order,
                                const std::optional<at::Tensor>& num_pairs) {
-    ctx->save_for_backward({x, filter, vectors, directions, pairs, value_or_undefined(filter_weight),
+    save_for_backward(ctx, {x, filter, vectors, directions, pairs, value_or_undefined(filter_weight),
                             value_or_undefined(sender_order), value_or_undefined(num_pairs)});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [scalar, vector] = handles::vector_message_passing().call(x, filter, vectors, directions, pairs,
@@ -878,7 +885,7 @@ struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& positions, const at::Tensor& pairs,
                                const std::optional<at::Tensor>& shifts,
                                const std::optional<at::Tensor>& sender_order) {
-    ctx->save_for_backward({positions, pairs, value_or_undefined(shifts), value_or_undefined(sender_order)});
+    save_for_backward(ctx, {positions, pairs, value_or_undefined(shifts), value_or_undefined(sender_order)});
     // An output the energy does not use (the distances, for a model that reads only the vectors)
     // has an undefined gradient, which the fused op takes as zero: no tensor of zeros is filled.
     ctx->set_materialize_grads(false);
@@ -963,7 +970,7 @@ struct PainnUpdateInputBackwardFunction : torch::autograd::Function<PainnUpdateI
 
 struct PainnUpdateInputFunction : torch::autograd::Function<PainnUpdateInputFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& s, const at::Tensor& vv, double eps) {
-    ctx->save_for_backward({vv});
+    save_for_backward(ctx, {vv});
     ctx->saved_data["eps"] = eps;
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return handles::painn_update_input().call(s, vv, eps);
@@ -1009,7 +1016,7 @@ struct PainnUpdateBackwardFunction : torch::autograd::Function<PainnUpdateBackwa
 struct PainnUpdateFunction : torch::autograd::Function<PainnUpdateFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& s, const at::Tensor& v,
                                const at::Tensor& uv, const at::Tensor& vv, const at::Tensor& a) {
-    ctx->save_for_backward({uv, vv, a});
+    save_for_backward(ctx, {uv, vv, a});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [s_out, v_out] = handles::painn_update().call(s, v, uv, vv, a);
     return {s_out, v_out};
@@ -1077,7 +1084,7 @@ struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       out = energy_call();
     }
-    ctx->save_for_backward({out[1]});
+    save_for_backward(ctx, {out[1]});
     ctx->saved_data["parameters"] = static_cast<int64_t>(1 + weights.size());
     ctx->saved_data["op"] = std::string(op);
     ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
@@ -1193,7 +1200,7 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
       std::tie(out, filters) = handles::cfconv().call(x, basis, envelope, pairs, weight1, optional(bias1), weight2,
                                                       optional(bias2), activation, tf32, sender_order, num_pairs);
     }
-    ctx->save_for_backward({x, basis, envelope, pairs, filters, weight1, bias1, weight2,
+    save_for_backward(ctx, {x, basis, envelope, pairs, filters, weight1, bias1, weight2,
                             value_or_undefined(sender_order), value_or_undefined(num_pairs)});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["tf32"] = tf32;
@@ -1254,7 +1261,7 @@ struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
                                                            optional(bias2), activation, basis, cutoff, envelope,
                                                            sender_order);
     }
-    ctx->save_for_backward({x, distances, pairs, table, value_or_undefined(sender_order)});
+    save_for_backward(ctx, {x, distances, pairs, table, value_or_undefined(sender_order)});
     ctx->saved_data["cutoff"] = cutoff;
     ctx->mark_non_differentiable({table});
     ctx->set_materialize_grads(false);  // as cfconv's: no zero gradient for the table

@@ -302,7 +302,8 @@ def test_counts_take_numpy_integers_and_refuse_bools():
 
 # Inference tensors (frozen features made under torch.inference_mode) beside trainable parameters:
 # PyTorch's composite saves its own intermediate for the backward (the activation, the sum with
-# the residual), mirage's ops save their inputs, which autograd refused for inference tensors.
+# the residual, the gathered rows), mirage's ops save their inputs, which autograd refused for
+# inference tensors.
 _FEEDS_TRAINABLE = {
     "linear": (lambda x, p: mirage.ops.linear(x, p, input_activation="silu"),
                lambda x, p: torch.nn.functional.linear(torch.nn.functional.silu(x), p), (8, 16)),
@@ -310,7 +311,12 @@ _FEEDS_TRAINABLE = {
                  lambda x, p: torch.nn.functional.silu(x + p[:, None, None]), (16,)),
     "layer_norm": (lambda x, p: mirage.ops.layer_norm(x, p, residual=x)[0],
                    lambda x, p: torch.nn.functional.layer_norm(x + x, (16,), p), (16,)),
+    # Messages of frozen features x (node i of 3 gets x[j] * filter over the pairs (i, j)).
+    "message_passing": (lambda x, p: mirage.ops.message_passing(x[:, 0, 0], p, _RING),
+                        lambda x, p: torch.zeros_like(x[:, 0, 0]).index_add(0, _RING[0], x[_RING[1], 0, 0] * p),
+                        (3, 16)),
 }
+_RING = torch.tensor([[0, 1, 2], [1, 2, 0]])
 
 
 @pytest.mark.parametrize("name", sorted(_FEEDS_TRAINABLE))
