@@ -54,14 +54,37 @@ at::Tensor to_compute_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
 }
 
-// ctx->save_for_backward, but an inference tensor (made under torch.inference_mode: frozen
-// features feeding trainable parameters), which autograd cannot save, is saved as a copy:
-// PyTorch's composites take such inputs, saving intermediates of their own (the activation of x,
-// the sum x + residual, the gathered x[j]) rather than the input.
+// ctx->save_for_backward, but inference tensors (made under torch.inference_mode: frozen features
+// feeding trainable parameters), which autograd refuses to save where PyTorch's composites save
+// intermediates of their own (the activation of x, the sum x + residual, the gathered x[j]), are
+// held in saved_data and put back by saved_tensors. Nothing is copied (a call that records no
+// backward, under no_grad, pays nothing), and no version check is lost: outside inference mode
+// an inference tensor cannot be changed in place.
 void save_for_backward(AutogradContext* ctx, variable_list tensors) {
-  for (at::Tensor& t : tensors)
-    if (t.defined() && t.is_inference()) t = t.clone();
+  c10::List<int64_t> where;
+  c10::List<at::Tensor> held;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined() || !tensors[i].is_inference()) continue;
+    where.push_back(static_cast<int64_t>(i));
+    held.push_back(std::exchange(tensors[i], at::Tensor()));
+  }
+  if (!where.empty()) {
+    ctx->saved_data["inference_at"] = where;
+    ctx->saved_data["inference"] = held;
+  }
   ctx->save_for_backward(tensors);
+}
+
+// What save_for_backward saved, in its order.
+variable_list saved_tensors(AutogradContext* ctx) {
+  variable_list saved = ctx->get_saved_variables();
+  const auto where = ctx->saved_data.find("inference_at");
+  if (where != ctx->saved_data.end()) {
+    const c10::List<int64_t> indices = where->second.toIntList();
+    const c10::List<at::Tensor> held = ctx->saved_data.at("inference").toTensorList();
+    for (size_t k = 0; k < indices.size(); ++k) saved[indices[k]] = held[k];
+  }
+  return saved;
 }
 
 // Saves the tensor inputs (undefined for absent optional ones) and which of them need gradients.
@@ -91,7 +114,7 @@ using Composite = std::function<variable_list(const variable_list&)>;
 variable_list composite_backward(AutogradContext* ctx, const variable_list& grad_outputs,
                                  const Composite& composite) {
   const bool create_graph = at::GradMode::is_enabled();
-  const variable_list saved = ctx->get_saved_variables();
+  const variable_list saved = saved_tensors(ctx);
   const c10::List<bool> needs = ctx->saved_data["needs_grad"].toBoolList();
   const c10::List<bool> stand_in = ctx->saved_data["stand_in"].toBoolList();
   const at::AutoGradMode enable_grad(true);
@@ -318,7 +341,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     variable_list grads(5);
     const at::Tensor& grad = grad_outputs[0];
     if (!grad.defined()) return grads;
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_tensors(ctx);
     // What this backward pass asks for (forces want x's gradient only, not the parameters' that
     // require grad too). Absent optional inputs have no edge: the edges number the given tensors.
     const bool given[4] = {true, true, ctx->saved_data["has_bias"].toBool(), ctx->saved_data["has_residual"].toBool()};
@@ -522,7 +545,7 @@ struct RadialBasisFunction : torch::autograd::Function<RadialBasisFunction> {
 
   // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const at::Tensor distances = ctx->get_saved_variables()[0];
+    const at::Tensor distances = saved_tensors(ctx)[0];
     // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
     // backward.
     const at::Tensor grad_distances = handles::radial_basis_backward().call(
@@ -546,7 +569,7 @@ struct MessagePassingFunction : torch::autograd::Function<MessagePassingFunction
 
   // grad_x[n] = sum over p with j_p == n of g[i_p] * filter[p]; grad_filter[p] = g[i_p] * x[j_p].
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_tensors(ctx);
     const at::Tensor& grad = grad_outputs[0];
     at::Tensor grad_x, grad_filter;
     if (grad.defined()) {
@@ -568,7 +591,7 @@ struct PairProductFunction : torch::autograd::Function<PairProductFunction> {
 
   // grad_a[n] = sum over p with i_p == n of g[p] * b[j_p]; grad_b[n] likewise over j_p == n.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_tensors(ctx);
     const at::Tensor& grad = grad_outputs[0];
     at::Tensor grad_a, grad_b;
     if (grad.defined()) {
@@ -763,7 +786,7 @@ struct VectorMessagePassingFunction : torch::autograd::Function<VectorMessagePas
 
   // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_tensors(ctx);
     at::Tensor basis = saved[1];
     const at::Tensor& weight = saved[5];
     std::optional<at::Tensor> fused_weight;
@@ -896,7 +919,7 @@ struct PairVectorsFunction : torch::autograd::Function<PairVectorsFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     if (!grad_outputs[0].defined() && !grad_outputs[1].defined()) return variable_list(4);
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_tensors(ctx);
     const at::Tensor &positions = saved[0], &pairs = saved[1], &shifts = saved[2];
     at::Tensor grad_positions, grad_shifts;
     if (ctx->needs_input_grad(0)) {
@@ -978,7 +1001,7 @@ struct PainnUpdateInputFunction : torch::autograd::Function<PainnUpdateInputFunc
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const at::Tensor& grad = grad_outputs[0];
-    const at::Tensor vv = ctx->get_saved_variables()[0];
+    const at::Tensor vv = saved_tensors(ctx)[0];
     // Through the dispatcher's Autograd key: with create_graph the call is recorded for double
     // backward. s's gradient is the first half of grad, a view (chunk: no sizes read, so the
     // formula stays symbolic under torch.compile).
@@ -1024,7 +1047,7 @@ struct PainnUpdateFunction : torch::autograd::Function<PainnUpdateFunction> {
 
   // Undefined output gradients arrive as zeros (materialized), so the fused op always runs.
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
+    const variable_list saved = saved_tensors(ctx);
     auto [grad_uv, grad_vv, grad_a] = handles::painn_update_backward().call(
         grad_outputs[0], grad_outputs[1], saved[0], saved[1], saved[2]);
     return {grad_outputs[0], grad_outputs[1], grad_uv, grad_vv, grad_a};
@@ -1103,7 +1126,7 @@ struct EnergyFunction : torch::autograd::Function<EnergyFunction> {
                    ": no gradient in the model's parameters (embedding, weights); put the model in training "
                    "mode (model.train()) to take the layer-by-layer path");
     variable_list grads(parameters + 3);  // the input, the parameters, two non-tensors
-    if (grad_outputs[0].defined()) grads[0] = grad_outputs[0] * ctx->get_saved_variables()[0];
+    if (grad_outputs[0].defined()) grads[0] = grad_outputs[0] * saved_tensors(ctx)[0];
     return grads;
   }
 };
@@ -1216,7 +1239,7 @@ struct CfconvFunction : torch::autograd::Function<CfconvFunction> {
     // x, basis, envelope, four parameters, pairs, activation, tf32, sender_order, num_pairs
     variable_list grads(12);
     if (!grad_outputs[0].defined()) return grads;
-    const variable_list s = ctx->get_saved_variables();
+    const variable_list s = saved_tensors(ctx);
     std::tie(grads[0], grads[1], grads[2]) = handles::cfconv_backward().call(
         grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5], optional(s[6]), s[7],
         ctx->saved_data["activation"].toStringRef(), ctx->saved_data["tf32"].toBool(), defined_or_none(s[8]),
@@ -1273,7 +1296,7 @@ struct RadialCfconvFunction : torch::autograd::Function<RadialCfconvFunction> {
     // x, distances, four parameters, pairs, activation, basis, cutoff, envelope, sender_order
     variable_list grads(12);
     if (!grad_outputs[0].defined()) return grads;
-    const variable_list s = ctx->get_saved_variables();
+    const variable_list s = saved_tensors(ctx);
     std::tie(grads[0], grads[1]) = handles::radial_cfconv_backward().call(
         grad_outputs[0], s[0], s[1], s[2], s[3], ctx->saved_data["cutoff"].toDouble(), defined_or_none(s[4]));
     return grads;

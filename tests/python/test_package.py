@@ -329,3 +329,11 @@ def test_inference_tensors_feed_trainable_parameters(name):
     torch.testing.assert_close(got, expected)
     grad = torch.randn_like(got)
     torch.testing.assert_close(torch.autograd.grad(got, parameter, grad), torch.autograd.grad(expected, parameter, grad))
+    # Held as they are, not copied: a call that records no backward (no_grad) runs the same ops
+    # on an inference tensor as on another.
+    ops_run = []
+    for features in (x, x.clone()):
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            fused(features, parameter)
+        ops_run.append(sorted(event.name for event in profile.events()))
+    assert ops_run[0] == ops_run[1]
