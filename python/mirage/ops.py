@@ -81,9 +81,9 @@ def _real(value: Any, where: str) -> Any:
         if isinstance(value, numbers.Real):  # Python's and NumPy's; never a tensor
             try:
                 return float(value)
-            except OverflowError:  # an int past float's range (10**400)
-                raise TypeError(f"{where} must be a real number within float's range, got an int of "
-                                f"{int(value).bit_length()} bits") from None
+            except OverflowError:  # an int (or Fraction) past float's range: 10**400
+                raise TypeError(f"{where} must be a real number within float's range, got {type(value).__name__} "
+                                f"2**{int(abs(value)).bit_length() - 1} or more") from None
     raise TypeError(f"{where} must be a real number, got {type(value).__name__} {value!r}")
 
 

@@ -627,9 +627,11 @@ class OptimizedModule(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         # A setting of the inner model (vae.use_tiling, vae.tile_sample_min_size) is written where
         # its methods read it, as reading it through the wrapper (__getattr__) reads it there.
+        # Only public attributes the model holds itself, or properties it can set: not
+        # nn.Module's internals (a pickle's hook dicts) nor what diffusers reads from its config.
         inner = self.__dict__.get("_modules", {}).get("module")
-        if (inner is not None and name not in self._OWN_ATTRIBUTES and name not in self.__dict__
-                and not hasattr(type(self), name) and hasattr(inner, name)):
+        if (inner is not None and not name.startswith("_") and name not in self._OWN_ATTRIBUTES
+                and name not in self.__dict__ and not hasattr(type(self), name) and _settable(inner, name)):
             setattr(inner, name, value)
         else:
             super().__setattr__(name, value)
@@ -644,6 +646,16 @@ class OptimizedModule(nn.Module):
             if inner is None or name.startswith("__") and name.endswith("__"):
                 raise
             return getattr(inner, name)
+
+
+def _settable(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` holds ``name`` itself (an attribute, parameter, buffer or child) or its
+    class has a property of that name with a setter."""
+    held = vars(model)
+    if name in held or any(name in held[key] for key in ("_parameters", "_buffers", "_modules")):
+        return True
+    attribute = getattr(type(model), name, None)
+    return isinstance(attribute, property) and attribute.fset is not None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -379,6 +379,13 @@ def assert_the_model_runs_with_tf32_as(precision, callers, drive):
     assert probe.allowed_tf32 and set(probe.allowed_tf32) == {precision == "tf32"}
 
 
+def numpy_rng():
+    """A NumPy generator seeded from torch's, so that the test's seed (MIRAGE_TEST_SEED) repeats its draws."""
+    import numpy as np
+
+    return np.random.default_rng(int(torch.randint(2**62, ()).item()))
+
+
 class GraphStandIn:
     """A CPU stand-in for mirage.graphs.CapturedGraph, for GraphCache's ``capture`` argument: the
     inputs copied into static buffers, ``fn`` run on them ``warmup`` times at capture (changing

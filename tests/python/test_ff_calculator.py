@@ -28,7 +28,7 @@ EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 sys.path.insert(0, EXAMPLES)
 
 from common import (ZERO_FILLS, GraphStandIn, OpCounter, WrappedForceField,  # noqa: E402
-                    assert_the_model_runs_with_tf32_as)
+                    assert_the_model_runs_with_tf32_as, numpy_rng)
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
 
@@ -761,7 +761,7 @@ def test_graph_path_on_cpu():
     graphed_on_cpu(calc, calc._packed, 2)
     for n in (12, 12, 7, 12):
         atoms = periodic_atoms(n=n)
-        atoms.positions += np.random.default_rng().normal(scale=0.05, size=atoms.positions.shape)
+        atoms.positions += numpy_rng().normal(scale=0.05, size=atoms.positions.shape)
         calc.calculate(atoms, ["energy", "forces", "stress"])
         reference = mirage.ff.Calculator(big)
         reference.calculate(atoms, ["energy", "forces", "stress"])
@@ -791,7 +791,7 @@ def test_an_ase_that_resets_on_every_step_keeps_the_graphs(monkeypatch):
     atoms = periodic_atoms(n=12)
     atoms.calc = calc
     for _ in range(5):
-        atoms.positions += np.random.default_rng().normal(scale=0.01, size=atoms.positions.shape)
+        atoms.positions += numpy_rng().normal(scale=0.01, size=atoms.positions.shape)
         np.testing.assert_allclose(atoms.get_forces(), direct(calc.model, atoms)[1], rtol=1e-10, atol=1e-14)
     assert calc.graph_stats().misses == 1 and calc.graph_stats().hits == 4
     calc.reset()
@@ -808,7 +808,7 @@ def test_graph_path_follows_numbers_cell_and_pbc_at_one_atom_count():
                lambda a: a.numbers.__setitem__(3, 6)]
     for change in changes:
         change(atoms)
-        atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
+        atoms.positions += numpy_rng().normal(scale=0.02, size=atoms.positions.shape)
         calc.calculate(atoms, ["energy", "forces", "stress"])
         reference = mirage.ff.Calculator(calc.model, cuda_graph=False)
         reference.calculate(atoms, ["energy", "forces", "stress"])
@@ -1023,7 +1023,7 @@ def test_graph_replay_matches_eager(periodic):
     atoms = periodic_atoms(n=12) if periodic else benzene_atoms()
     staged = []
     for _ in range(4):  # new positions each call: replays must read them
-        atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
+        atoms.positions += numpy_rng().normal(scale=0.02, size=atoms.positions.shape)
         graphed.calculate(atoms, ["forces"])
         eager.calculate(atoms, ["forces"])
         (stage,) = graphed._buffers.values()  # the host side: pinned, and the same buffers every call
@@ -1052,7 +1052,7 @@ def test_graph_follows_numbers_cell_and_pbc_at_one_atom_count():
                lambda a: a.set_cell(a.cell[:] * 1.05, scale_atoms=False), lambda a: a.set_pbc((True, True, False))]
     for change in changes:
         change(atoms)
-        atoms.positions += np.random.default_rng().normal(scale=0.02, size=atoms.positions.shape)
+        atoms.positions += numpy_rng().normal(scale=0.02, size=atoms.positions.shape)
         graphed.calculate(atoms, ["energy", "forces", "stress"])
         eager.calculate(atoms, ["energy", "forces", "stress"])
         assert graphed.results["energy"] == pytest.approx(eager.results["energy"], rel=1e-5, abs=1e-5)
@@ -1169,7 +1169,7 @@ def test_fused_model_graph_matches_reference(periodic):
     assert graphed.cuda_graph
     for n in (12, 12, 12, 9):  # new positions each call, then a new atom count (a second graph)
         atoms = periodic_atoms(n=n) if periodic else benzene_atoms()[:n]
-        atoms.positions += np.random.default_rng().normal(scale=0.05, size=atoms.positions.shape)
+        atoms.positions += numpy_rng().normal(scale=0.05, size=atoms.positions.shape)
         graphed.calculate(atoms, ["forces"])
         reference.calculate(atoms, ["forces"])
         scale = np.abs(reference.results["forces"]).max()

@@ -721,11 +721,12 @@ def test_model_that_fails_on_the_probe_is_left_alone():
     assert "hydrogen only" in str(mirage.ff.report(model))
 
 
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])  # `readout(x).sum(0)` of [N, 1]; a batch of one's [B, 1]
 @pytest.mark.parametrize("name", MODELS)
-def test_an_energy_of_shape_one_keeps_its_shape(name):
-    class ShapeOne(MODELS[name]):  # as `readout(x).sum(0)` of [N, 1] atomic energies returns it
+def test_an_energy_of_one_element_keeps_its_shape(name, shape):
+    class ShapeOne(MODELS[name]):
         def forward(self, atomic_numbers, positions, cell=None, pbc=None):
-            return super().forward(atomic_numbers, positions, cell, pbc).reshape(1)
+            return super().forward(atomic_numbers, positions, cell, pbc).reshape(shape)
 
     model = make_reference(name)
     model.__class__ = ShapeOne
@@ -733,10 +734,10 @@ def test_an_energy_of_shape_one_keeps_its_shape(name):
     z, pos, cell, pbc = system("triclinic")
     energy, forces = energy_and_forces(model, z, pos, cell, pbc)
     fused_energy, fused_forces = energy_and_forces(fused, z, pos, cell, pbc)
-    assert energy.shape == fused_energy.shape == (1,)
+    assert energy.shape == fused_energy.shape == shape
     assert_same(fused_energy, energy, pos.dtype, scale=float(energy.abs()))
     assert_same(fused_forces, forces, pos.dtype, scale=float(forces.abs().max()))
-    assert fused(z[:0], pos[:0]).shape == (1,)  # no atoms: the same shape
+    assert fused(z[:0], pos[:0]).shape == shape  # no atoms: the same shape
 
     class PerAtom(MODELS[name]):
         def forward(self, atomic_numbers, positions, cell=None, pbc=None):
@@ -745,6 +746,16 @@ def test_an_energy_of_shape_one_keeps_its_shape(name):
     model.__class__ = PerAtom
     assert mirage.ff.optimize(model) is model
     assert "its energy has shape [12], where mirage's models return one energy" in str(mirage.ff.report(model))
+
+    class Changing(MODELS[name]):  # one shape for open systems, another for periodic ones
+        def forward(self, atomic_numbers, positions, cell=None, pbc=None):
+            energy = super().forward(atomic_numbers, positions, cell, pbc)
+            return energy.reshape(shape) if cell is None else energy
+
+    model.__class__ = Changing
+    assert mirage.ff.optimize(model) is model
+    assert f"its energy's shape changes with the system: {list(shape)}, then [] for the probe triclinic" in \
+        str(mirage.ff.report(model))
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -5,6 +5,7 @@ import gc
 import pickle
 import subprocess
 import sys
+import warnings
 from collections import Counter
 
 import pytest
@@ -334,6 +335,14 @@ def test_settings_written_through_the_wrapper_reach_the_model(tiny_vae):
     assert vars(optimized)["note"] == "mine" and not hasattr(optimized.module, "note")
     optimized.verbose = True  # the wrapper's own setting, whatever the model has
     assert vars(optimized)["verbose"] is True
+    # Not what the model reads from its config (diffusers warns, and the attribute would shadow
+    # the config), nor private names (nn.Module's own, accelerate's hooks).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized.sample_size = 64
+    assert vars(optimized)["sample_size"] == 64 and "sample_size" not in vars(optimized.module)
+    optimized._hf_hook = "hook"
+    assert vars(optimized)["_hf_hook"] == "hook" and "_hf_hook" not in vars(optimized.module)
 
 
 @pytest.mark.parametrize("part", ["encoder", "decoder"])
@@ -592,6 +601,10 @@ def test_attention_processors_set_after_optimize_are_refused():
     assert processors.keys() == original.attn_processors.keys()
     assert set(processors.values()) == {mirage.nn.FUSED_ATTENTION}
     optimized.set_attn_processor(processors)
+    # diffusers rebuilds processors as type(processor)() (unloading an IP-Adapter); copies are the one instance.
+    optimized.set_attn_processor(type(mirage.nn.FUSED_ATTENTION)())
+    assert copy.deepcopy(mirage.nn.FUSED_ATTENTION) is mirage.nn.FUSED_ATTENTION
+    assert pickle.loads(pickle.dumps(processors)) == processors
     with pytest.raises(ValueError, match="Cannot call `set_default_attn_processor` when attention processors are "
                                          r"of type mirage.nn.FUSED_ATTENTION \(mirage.optimize's fused attention"):
         optimized.set_default_attn_processor()

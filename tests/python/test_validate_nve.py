@@ -14,6 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
 
+from common import numpy_rng  # noqa: E402
 from forcefield import train_student  # noqa: E402
 from forcefield.benzene import benzene  # noqa: E402
 from forcefield.models import PaiNN, SchNet  # noqa: E402
@@ -273,7 +274,7 @@ def test_drift_statistics_leave_out_the_start_and_give_the_slopes_error():
 
 
 def test_drift_statistics_of_noise_is_small():
-    rng = np.random.default_rng()
+    rng = numpy_rng()
     t = np.linspace(0.0, 10.0, 5000)
     total = 1.0 + 1e-4 * rng.standard_normal(t.shape)
     stats = validate_nve.drift_statistics(t, total, np.full_like(t, 0.2))

@@ -203,8 +203,9 @@ class _FusedModel(nn.Module):
     """The neighbor search and the capacity protocol, shared by SchNet and PaiNN."""
 
     num_pairs: Tensor
-    # The shape of the energy forward returns: (), or (1,) where the model this one was built
-    # from returns that (mirage.ff.optimize's probe reads it), so that callers see no difference.
+    # The shape of the energy forward returns: (), or the one-element shape of the model this one
+    # was built from ((1,), (1, 1): mirage.ff.optimize's probe reads it), so that callers see no
+    # difference.
     energy_shape: Tuple[int, ...] = ()
 
     def __init__(self, cutoff: float, max_pairs: Optional[int]) -> None:

@@ -227,9 +227,9 @@ def _probe_systems(cutoff: float, num_species: int, dtype: torch.dtype, device: 
 def _energy_forces(model: nn.Module, z: Tensor, positions: Tensor, cell, pbc) -> Tuple[Tensor, Tensor]:
     positions = positions.detach().clone().requires_grad_(True)
     energy = model(z, positions, cell, pbc)
-    if energy.shape not in ((), (1,)):
+    if energy.numel() != 1:
         raise ValueError(f"its energy has shape {list(energy.shape)}, where mirage's models return one energy "
-                         "(shape [] or [1]): sum it first")
+                         "(of any shape of one element): sum it first")
     (gradient,) = torch.autograd.grad(energy, positions)
     return energy.detach().double(), -gradient.detach().double()
 
@@ -247,6 +247,9 @@ def _verify(original: nn.Module, fused: nn.Module) -> List[str]:
             energy, forces = _energy_forces(original, z, positions, cell, pbc)
         except Exception as error:  # user code: whatever it raises is the reason to leave it alone
             raise ValueError(f"the model itself failed on the probe {name}: {type(error).__name__}: {error}") from None
+        if lines and tuple(energy.shape) != fused.energy_shape:
+            raise ValueError(f"its energy's shape changes with the system: {list(fused.energy_shape)}, then "
+                             f"{list(energy.shape)} for the probe {name}")
         fused.energy_shape = tuple(energy.shape)
         fused.max_pairs = None  # each probe system chooses its own capacity
         try:

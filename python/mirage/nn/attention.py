@@ -58,6 +58,9 @@ class FusedAttentionProcessor:
     def __repr__(self) -> str:
         return "mirage.nn.FUSED_ATTENTION (mirage.optimize's fused attention; processors cannot change after optimize)"
 
+    def __reduce__(self) -> str:
+        return "FUSED_ATTENTION"  # pickles and copies are the one instance
+
 
 FUSED_ATTENTION = FusedAttentionProcessor()
 
@@ -179,11 +182,12 @@ class FusedAttention(nn.Module):
         return FUSED_ATTENTION
 
     def set_processor(self, processor: object) -> None:
-        """Refuses an attention processor but :data:`FUSED_ATTENTION`: diffusers'
-        ``set_attn_processor`` (and ``set_default_attn_processor``) call this on every attention
-        module, and keeping the fused computation in place of the processor asked for would change
-        the results without a word."""
-        if processor is FUSED_ATTENTION:
+        """Refuses an attention processor but :data:`FUSED_ATTENTION` (or another instance of its
+        class: diffusers rebuilds processors as ``type(processor)()`` when it unloads an
+        IP-Adapter): diffusers' ``set_attn_processor`` (and ``set_default_attn_processor``) call
+        this on every attention module, and keeping the fused computation in place of the
+        processor asked for would change the results without a word."""
+        if isinstance(processor, FusedAttentionProcessor):
             return
         raise ValueError(
             f"mirage's fused attention (from mirage.optimize) cannot take the processor {type(processor).__name__}: "
