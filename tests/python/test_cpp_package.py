@@ -2,9 +2,10 @@
 
 Configures, builds and runs a small CMake project outside the repository: one program calls the
 C++ API (mirage::group_norm on CPU tensors, checked against ATen's composite), another only loads
-a TorchScript module that calls torch.ops.mirage.group_norm (it uses no mirage symbol, so it
-needs the --no-as-needed link that mirage::mirage carries), linked with --as-needed and again
-behind what TorchConfig's targets put on the line. Also: a torch beside mirage other than
+TorchScript modules that call mirage's ops (a scripted group norm, and a model mirage.optimize
+returned, traced), and it uses no mirage symbol, so it needs the --no-as-needed link that
+mirage::mirage carries; it is linked with --as-needed and again behind what TorchConfig's
+targets put on the line. Also: a torch beside mirage other than
 the one it was built against is refused at configure time.
 """
 
@@ -63,15 +64,23 @@ LOAD_SCRIPT = r"""
 #include <cstdio>
 #include <torch/script.h>
 
-// Calls no mirage function: only the linked libmirage registers the op the module calls.
+// Calls no mirage function: only the linked libmirage registers the ops the module calls. The
+// module is the scripted group norm, or a traced model holding an example input and its output.
 int main(int argc, char** argv) {
   if (argc != 2) return 2;
   torch::jit::Module module = torch::jit::load(argv[1]);
-  const at::Tensor weight = module.attr("weight").toTensor(), bias = module.attr("bias").toTensor();
-  const at::Tensor x = at::randn({2, weight.size(0), 4, 3});
+  at::Tensor x, expected;
+  if (module.hasattr("expected")) {
+    x = module.attr("example").toTensor();
+    expected = module.attr("expected").toTensor();
+  } else {
+    const at::Tensor weight = module.attr("weight").toTensor(), bias = module.attr("bias").toTensor();
+    x = at::randn({2, weight.size(0), 4, 3});
+    expected = at::silu(at::group_norm(x, 4, weight, bias, 1e-5));
+  }
   const at::Tensor y = module.forward({x}).toTensor();
-  const double error = (y - at::silu(at::group_norm(x, 4, weight, bias, 1e-5))).abs().max().item<double>();
-  std::printf("scripted module, max error %.3g\n", error);
+  const double error = (y - expected).abs().max().item<double>();
+  std::printf("loaded module, max error %.3g\n", error);
   return error < 1e-5 ? 0 : 1;
 }
 """
@@ -85,6 +94,33 @@ class GroupNormSiLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mirage.group_norm(x, 4, self.weight, self.bias, 1e-5, "silu")
+
+
+class TracedWithExample(nn.Module):
+    """A model to trace, with an example input and the model's output for it as buffers, which
+    the C++ program reads back to check the traced module."""
+
+    def __init__(self, model: nn.Module, example: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("example", example)
+        with torch.no_grad():
+            self.register_buffer("expected", model(example))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def _optimized_and_traced(path: Path) -> None:
+    """mirage.optimize of a small Conv-BN-SiLU + GroupNorm-SiLU net, traced with torch.jit.trace and saved."""
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.GroupNorm(2, 8), nn.SiLU())
+    optimized = mirage.optimize(net.eval(), dtype=torch.float32, verbose=False)
+    assert mirage.report(optimized).counts == {"conv_bn_silu": 1, "group_norm_silu": 1}
+    example = TracedWithExample(optimized, randn(2, 3, 6, 5))
+    with torch.no_grad():
+        traced = torch.jit.trace(example, (example.example,))
+    assert "mirage::group_norm" in str(traced.inlined_graph)
+    traced.save(str(path))
 
 
 def _cmake(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -128,11 +164,13 @@ def test_find_package_builds_and_runs_a_libtorch_program(tmp_path):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert f"mirage {mirage.__version__}" in ran.stdout
 
-    module = tmp_path / "group_norm_silu.pt"
-    torch.jit.script(GroupNormSiLU()).save(str(module))
+    scripted, traced = tmp_path / "group_norm_silu.pt", tmp_path / "optimized_traced.pt"
+    torch.jit.script(GroupNormSiLU()).save(str(scripted))
+    _optimized_and_traced(traced)  # what optimize returns, traced for LibTorch (docs/optimize.md)
     for program in ("load_script", "load_script_after_torch"):
-        ran = subprocess.run([str(build / program), str(module)], capture_output=True, text=True, timeout=120)
-        assert ran.returncode == 0, program + ": " + ran.stdout + ran.stderr
+        for module in (scripted, traced):
+            ran = subprocess.run([str(build / program), str(module)], capture_output=True, text=True, timeout=120)
+            assert ran.returncode == 0, f"{program} {module.name}: {ran.stdout}{ran.stderr}"
 
 
 def test_find_package_refuses_another_torch(tmp_path):
