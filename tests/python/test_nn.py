@@ -94,6 +94,14 @@ def test_from_torch_refuses_what_it_cannot_replace():
     for groups in (0, -2, 2.0):
         with pytest.raises(ValueError, match=r"mirage.nn.GroupNorm: num_groups must be an int >= 1"):
             mirage.nn.GroupNorm(groups, 4)
+    # torch's tensor-creation errors named neither (and -4 channels without affine was accepted).
+    for channels in (-4, 16.0, "16"):
+        with pytest.raises(ValueError, match=r"mirage.nn.GroupNorm: num_channels must be an int >= 0"):
+            mirage.nn.GroupNorm(4, channels, affine=False)
+    for width in (-1, 8.0, "8", (torch.tensor(8.0),)):
+        with pytest.raises(ValueError, match=r"mirage.nn.LayerNorm: normalized_shape must be an int >= 0"):
+            mirage.nn.LayerNorm(width)
+    assert mirage.nn.LayerNorm((8,)).normalized_shape == 8 and mirage.nn.LayerNorm(torch.Size([0])).weight.shape == (0,)
 
 
 def test_layer_norm_without_weights_checks_the_width():

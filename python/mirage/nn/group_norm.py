@@ -29,6 +29,7 @@ class GroupNorm(nn.Module):
     ) -> None:
         super().__init__()
         num_groups = count(num_groups, "mirage.nn.GroupNorm: num_groups")
+        num_channels = count(num_channels, "mirage.nn.GroupNorm: num_channels", minimum=0)  # 0, as nn.GroupNorm
         if num_channels % num_groups != 0:
             raise ValueError(
                 f"mirage.nn.GroupNorm: num_channels ({num_channels}) must be divisible by "

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .._arguments import count
 
 
 class LayerNorm(nn.Module):
@@ -26,8 +27,9 @@ class LayerNorm(nn.Module):
             if len(normalized_shape) != 1:
                 raise ValueError("mirage.nn.LayerNorm: only normalization over the last dimension is fused, got "
                                  f"normalized_shape={tuple(normalized_shape)}")
-            normalized_shape = int(normalized_shape[0])
-        self.normalized_shape = normalized_shape
+            normalized_shape = normalized_shape[0]
+        # 0 is nn.LayerNorm's too (an empty last dimension).
+        self.normalized_shape = count(normalized_shape, "mirage.nn.LayerNorm: normalized_shape", minimum=0)
         self.eps = eps
         factory = dict(device=device, dtype=dtype)
         self.weight: Optional[nn.Parameter] = (
