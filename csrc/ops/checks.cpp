@@ -12,7 +12,8 @@
 namespace mirage::ops {
 
 void check_cutoff(std::string_view op, double cutoff) {
-  MIRAGE_CHECK(cutoff >= std::numeric_limits<float>::min() && finite_as_float32(cutoff), op, ": cutoff must be finite and > 0, in float32's normal range (1.2e-38 to 3.4e38), got ", cutoff);
+  MIRAGE_CHECK(cutoff >= std::numeric_limits<float>::min() && finite_as_float32(cutoff), op,
+               ": cutoff must be finite and > 0, in float32's normal range (1.2e-38 to 3.4e38), got ", cutoff);
 }
 
 void check_activation_dtype(std::string_view op, std::string_view arg, const at::Tensor& t) {

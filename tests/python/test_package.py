@@ -304,6 +304,7 @@ def test_counts_take_numpy_integers_and_refuse_bools():
 # PyTorch's composite saves its own intermediate for the backward (the activation, the sum with
 # the residual, the gathered rows), mirage's ops save their inputs, which autograd refused for
 # inference tensors.
+_RING = torch.tensor([[0, 1, 2], [1, 2, 0]])  # three nodes, pairs (i, j) in a ring
 _FEEDS_TRAINABLE = {
     "linear": (lambda x, p: mirage.ops.linear(x, p, input_activation="silu"),
                lambda x, p: torch.nn.functional.linear(torch.nn.functional.silu(x), p), (8, 16)),
@@ -316,7 +317,6 @@ _FEEDS_TRAINABLE = {
                         lambda x, p: torch.zeros_like(x[:, 0, 0]).index_add(0, _RING[0], x[_RING[1], 0, 0] * p),
                         (3, 16)),
 }
-_RING = torch.tensor([[0, 1, 2], [1, 2, 0]])
 
 
 @pytest.mark.parametrize("name", sorted(_FEEDS_TRAINABLE))

@@ -1,5 +1,5 @@
-"""What calling a module runs: the swapped modules call their kept children's weights directly
-(a fused epilogue in place of the child's forward) only where that is all the call would run."""
+"""What calling a module runs: the swapped modules read their kept children's weights directly
+(a fused epilogue in place of the child's forward) only where that forward is all a call would run."""
 
 from __future__ import annotations
 
