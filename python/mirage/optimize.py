@@ -270,6 +270,8 @@ class OptimizeReport:
         max_graphs: graphs held at most.
         graphs: graph-cache counters at the time :func:`report` was called (None without graphs).
         seconds: time optimize took.
+        inference_tensors: the parameters and buffers made under ``torch.inference_mode`` (a
+            model built or loaded there) that optimize replaced by normal copies of them.
         swapped_before: the modules an earlier ``optimize`` swapped in that the model passed in
             holds (in place, or a model it returned, or a copy of either): this one then converts
             and wraps the model, with or without new swaps.
@@ -288,6 +290,7 @@ class OptimizeReport:
     max_graphs: int = 0
     graphs: Optional[GraphCacheStats] = None
     seconds: float = 0.0
+    inference_tensors: int = 0
     swapped_before: int = 0
 
     @property
@@ -323,6 +326,9 @@ class OptimizeReport:
             precision = f"weights kept, forward under torch.autocast({_dtype_name(self.autocast_dtype)})"
         lines.append(f"  precision: {precision} (mirage norms keep float32 statistics)"
                      + (f"; {self.precision_note}" if self.precision_note else ""))
+        if self.inference_tensors:
+            lines.append(f"  {self.inference_tensors} parameters and buffers made under torch.inference_mode replaced "
+                         "by normal copies (converted there, they would fail every call)")
         layout = "4-D weights and 4-D inputs" if self.channels_last else "off"
         lines.append(f"  channels_last: {layout}" + (f" ({self.channels_last_note})" if self.channels_last_note else ""))
         if self.cuda_graph:
@@ -725,6 +731,36 @@ def _conv_weights_to(model: nn.Module, memory_format: torch.memory_format) -> No
             tensor.data = tensor.data.contiguous(memory_format=memory_format)
 
 
+def _replace_inference_tensors(model: nn.Module) -> Dict[int, Tuple[Tensor, Tensor]]:
+    """Replaces every parameter and buffer made under torch.inference_mode (a model built or
+    loaded there) by a normal copy, a tensor shared between modules by one copy. Converted in place
+    outside inference mode (``.half()``, channels_last), such a tensor keeps its missing version
+    counter and fails every later call, as in plain PyTorch. Returns {id: (original, copy)}."""
+    copies: Dict[int, Tuple[Tensor, Tensor]] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is None or not tensor.is_inference():
+                    continue
+                if id(tensor) not in copies:
+                    normal = tensor.clone()
+                    if isinstance(tensor, nn.Parameter):
+                        normal = nn.Parameter(normal, requires_grad=tensor.requires_grad)
+                    copies[id(tensor)] = (tensor, normal)
+                store[key] = copies[id(tensor)][1]
+    return copies
+
+
+def _restore_inference_tensors(model: nn.Module, copies: Dict[int, Tuple[Tensor, Tensor]]) -> None:
+    """Undoes _replace_inference_tensors (a model returned untouched)."""
+    originals = {id(normal): original for original, normal in copies.values()}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is not None and id(tensor) in originals:
+                    store[key] = originals[id(tensor)]
+
+
 # Called under torch.inference_mode, the converted and fused weights would be inference tensors,
 # which fail later in any call made outside it; optimize's own work is never inference-mode.
 @torch.inference_mode(False)
@@ -800,6 +836,8 @@ def optimize(
     # in eval mode; a model with nothing to swap gets its own modes back.
     training = {module: module.training for module in model.modules()}
     model.eval()
+    inference_copies = _replace_inference_tensors(model)
+    result.inference_tensors = len(inference_copies)
     # Modules left alone whole (an Attention's processor tests the exact types of its norms):
     # no later stage swaps or fuses inside them either. Held here, so their ids stay theirs.
     sealed: Dict[int, nn.Module] = {}
@@ -819,6 +857,7 @@ def optimize(
     if result.untouched:
         for module, mode in training.items():
             module.training = mode
+        _restore_inference_tensors(model, inference_copies)
         result.cuda_graph_note = "nothing recognised"
         result.seconds = time.perf_counter() - start
         _REPORTS[model] = result

@@ -863,6 +863,48 @@ def test_model_optimized_under_inference_mode_runs_outside_it():
     optimized(*unet2d_condition_inputs())  # with grad mode on: no inference tensor may be saved
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 3e-3), (None, 3e-3)])
+def test_a_model_built_under_inference_mode_is_optimized_and_runs(dtype, bound, device):
+    # Its parameters are inference tensors; converted in place outside inference mode (dtype,
+    # channels_last) they kept no version counter and every call failed, as in plain PyTorch (on
+    # the GPU: the graph's first warm-up call).
+    # optimize replaces them by normal copies, a tied one by one copy.
+    reference = tiny_unet2d_condition().eval().to(device)
+    with torch.inference_mode():
+        model = copy.deepcopy(reference)
+        model.tied = nn.Linear(2, 2)
+        model.tied.bias = model.conv_in.bias  # a parameter of two modules (the forward never calls this one)
+
+    def tensors():
+        return [t for _, t in [*model.named_parameters(remove_duplicate=False),
+                               *model.named_buffers(remove_duplicate=False)]]
+
+    made_there = len({id(t) for t in tensors()})
+    assert made_there == sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    assert all(t.is_inference() for t in tensors())
+    optimized = mirage.optimize(model, dtype=dtype, verbose=False)
+    assert not any(t.is_inference() for t in tensors())
+    assert model.tied.bias is model.conv_in.bias and isinstance(model.tied.bias, nn.Parameter)
+    assert mirage.report(optimized).inference_tensors == made_there
+    assert "made under torch.inference_mode replaced by normal copies" in str(mirage.report(optimized))
+    inputs = unet2d_condition_inputs(device=device)
+    with torch.no_grad():
+        expected = reference(*inputs).sample
+    inputs = tuple(x.to(dtype or torch.float32) for x in inputs)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            assert relative_l2(optimized(*inputs).sample.float(), expected) < bound
+
+
+def test_a_model_built_under_inference_mode_left_untouched_keeps_its_tensors():
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    weights = [p for p in model.parameters()]
+    assert mirage.optimize(model, verbose=False) is model
+    assert all(a is b for a, b in zip(model.parameters(), weights)) and mirage.report(model).untouched
+
+
 def test_optimized_module_reads_missing_attributes_from_the_model():
     optimized, original = optimized_and_original(tiny_unet2d_condition())
     assert optimized.config.cross_attention_dim == 8
