@@ -888,6 +888,8 @@ def test_a_model_built_under_inference_mode_is_optimized_and_runs(dtype, bound, 
     assert model.tied.bias is model.conv_in.bias and isinstance(model.tied.bias, nn.Parameter)
     assert mirage.report(optimized).inference_tensors == made_there
     assert "made under torch.inference_mode replaced by normal copies" in str(mirage.report(optimized))
+    if device == "cuda":
+        bound = max(bound, 3e-3)  # cuDNN's float32 convolutions run in TF32 (PyTorch's default)
     inputs = unet2d_condition_inputs(device=device)
     with torch.no_grad():
         expected = reference(*inputs).sample
