@@ -427,6 +427,42 @@ def test_unsupported_resnet_blocks_are_left_alone_with_the_reason():
                                    original(sample, timestep, context).sample, **MODEL_TOLERANCE)
 
 
+class LowRankAdapter(nn.Module):
+    """A LoRA-style wrapper as peft and hand-written injectors make them: the layer as
+    ``base_layer`` (no kernel_size or out_features of its own) plus a low-rank update."""
+
+    def __init__(self, base, features_in, features_out, conv=False):
+        super().__init__()
+        self.base_layer = base
+        layer = nn.Conv2d if conv else nn.Linear
+        self.down = layer(features_in, 2, 1, bias=False) if conv else layer(features_in, 2, bias=False)
+        self.up = layer(2, features_out, 1, bias=False) if conv else layer(2, features_out, bias=False)
+
+    def forward(self, x, *args, **kwargs):
+        return self.base_layer(x) + self.up(self.down(x))
+
+
+def test_wrapped_upsampler_convolutions_and_cross_attention_queries():
+    # The upsampler's geometry was read from the wrapper before its type was checked, and the
+    # cross-attention's width from the wrapped to_q: AttributeErrors that stopped optimize with
+    # the model half swapped. The upsampler is left alone; the wrapped query runs as it is.
+    model = tiny_unet2d_condition()
+    upsampler = model.up_blocks[0].upsamplers[0]
+    upsampler.conv = LowRankAdapter(upsampler.conv, 16, 16, conv=True)
+    attention = model.down_blocks[0].attentions[0].transformer_blocks[0].attn2
+    attention.to_q = LowRankAdapter(attention.to_q, 8, 8)
+    optimized, original = optimized_and_original(model)
+    result = mirage.report(optimized)
+    assert ("up_blocks.0.upsamplers.0", "Upsample2D: its convolution is a LowRankAdapter, not a plain nn.Conv2d") \
+        in result.left_alone
+    assert ("Attention", "down_blocks.0.attentions.0.transformer_blocks.0.attn2") in result.swaps
+    assert isinstance(optimized.module.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_q, LowRankAdapter)
+    sample, timestep, context = unet2d_condition_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(sample, timestep, context).sample,
+                                   original(sample, timestep, context).sample, **MODEL_TOLERANCE)
+
+
 def test_an_attention_left_alone_keeps_its_norms():
     # DeepFloyd-IF-like: the mid block's Attention has an added-KV processor (left alone) and a
     # norm_cross, whose exact type the processor tests; swapping it, as the norm pass once did,

@@ -160,7 +160,8 @@ class FusedAttention(nn.Module):
         self.heads = heads
         self.scale = scale
         self.is_cross_attention = to_qkv is None
-        self.inner_dim = (to_qkv.out_features // 3) if to_qkv is not None else to_q.out_features
+        # From the fused projections (plain nn.Linear): to_q may be any module (a LoRA adapter), run as it is.
+        self.inner_dim = (to_qkv.out_features // 3) if to_qkv is not None else to_kv.out_features // 2
         self.to_qkv, self.to_q, self.to_kv = to_qkv, to_q, to_kv
         self.to_out = to_out
         self.group_norm = group_norm

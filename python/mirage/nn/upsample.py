@@ -84,10 +84,12 @@ class Upsample2D(nn.Module):
         if not block.interpolate:
             raise ValueError("interpolate=False: the block does not upsample")
         conv = getattr(block, _conv_attribute(block.name))
+        if type(conv) is not nn.Conv2d:  # a wrapper (a LoRA adapter) may have no geometry to read
+            raise ValueError(f"its convolution is a {type(conv).__name__}, not a plain nn.Conv2d")
         geometry = (conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode)
-        if type(conv) is not nn.Conv2d or geometry != ((3, 3), (1, 1), (1, 1), (1, 1), 1, "zeros"):
+        if geometry != ((3, 3), (1, 1), (1, 1), (1, 1), 1, "zeros"):
             raise ValueError("its convolution is not a plain 3x3 nn.Conv2d with stride 1, padding 1, dilation 1, "
-                             f"one group and zero padding (got {type(conv).__name__} {geometry})")
+                             f"one group and zero padding (got {geometry})")
         fused = cls()
         for attribute in ("channels", "out_channels", "use_conv", "use_conv_transpose", "name", "interpolate"):
             setattr(fused, attribute, getattr(block, attribute))
