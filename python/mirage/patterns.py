@@ -149,6 +149,11 @@ class _Tracer(fx.Tracer):
     and every module with forward hooks: called as a module in the graph, it runs its hooks at
     every call (traced through, they would run once, at trace time)."""
 
+    # Buffers as get_attr nodes, like parameters: torch.fx's default evaluates expressions of them
+    # at trace time (`self.mean.view(1, 3, 1, 1)`) into constants, which drop the buffers' keys
+    # from the state dict and ignore later changes to them.
+    proxy_buffer_attributes = True
+
     def __init__(self, sealed: Container[int] = ()) -> None:
         super().__init__()
         self.sealed = sealed

@@ -751,6 +751,46 @@ def test_constants_the_tracer_keeps_are_not_module_state():
     assert set(vars(model)) == attributes  # the model passed in keeps no constant of the tracer's
 
 
+class NormalizesByBuffers(nn.Module):
+    """An input normalization by the model's own buffers (as image front ends write it), then a
+    GroupNorm -> SiLU to fuse; ``flip`` a buffer read by Python control flow."""
+
+    def __init__(self, flip=False):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]))
+        self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]))
+        if flip:
+            self.register_buffer("flip", torch.tensor(True))
+        self.conv, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        x = (x - self.mean.view(1, 3, 1, 1)) / self.std.view(1, 3, 1, 1)
+        if hasattr(self, "flip") and self.flip:
+            x = x.flip(-1)
+        return F.silu(self.norm(self.conv(x)))
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_expressions_of_buffers_stay_expressions_of_the_buffers(flip):
+    # torch.fx's default tracer evaluated `self.mean.view(...)` at trace time into constants: the
+    # buffers left the state dict (a reference checkpoint no longer loaded) and later changes to
+    # them were ignored; a buffer read by an `if` was baked in, then dropped.
+    model, reference = NormalizesByBuffers(flip), NormalizesByBuffers(flip)
+    reference.load_state_dict(model.state_dict())
+    result = fuse(model)
+    assert Counter(kind for kind, _ in result.swaps) == Counter({} if flip else {"group_norm_silu": 1})
+    fused = result.module
+    assert list(fused.state_dict()) == list(reference.state_dict())
+    fused.load_state_dict(reference.state_dict())
+    x = randn(2, 3, 6, 6)
+    with torch.no_grad():
+        for changed in (fused, reference):  # the same change to both
+            changed.mean.mul_(2.0)
+            if flip:
+                changed.flip.fill_(False)
+        torch.testing.assert_close(fused(x), reference(x), **tolerance(torch.float32))
+
+
 class SubclassedLayers(nn.Module):
     """User subclasses of the layers mirage fuses, beside a plain Conv-BN-SiLU that is fused."""
 
