@@ -453,8 +453,8 @@ def test_wrapped_upsampler_convolutions_and_cross_attention_queries():
     attention.to_q = LowRankAdapter(attention.to_q, 8, 8)
     optimized, original = optimized_and_original(model)
     result = mirage.report(optimized)
-    assert ("up_blocks.0.upsamplers.0", "Upsample2D: its convolution is a LowRankAdapter, not a plain nn.Conv2d") \
-        in result.left_alone
+    reason = "Upsample2D: its convolution is a LowRankAdapter, not a plain nn.Conv2d"
+    assert ("up_blocks.0.upsamplers.0", reason) in result.left_alone
     assert ("Attention", "down_blocks.0.attentions.0.transformer_blocks.0.attn2") in result.swaps
     assert isinstance(optimized.module.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_q, LowRankAdapter)
     sample, timestep, context = unet2d_condition_inputs()
