@@ -971,6 +971,24 @@ def test_model_not_depending_on_positions():
         atoms.get_forces()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_coincident_atoms_raise_instead_of_returning_nan(fused):
+    # PaiNN divides the pair vector by its length: two atoms at one position give NaN, which was
+    # handed to ASE (an optimizer then moved every atom to NaN and failed later on the positions).
+    model = small(PaiNN)
+    model = mirage.ff.optimize(model) if fused else model
+    atoms = benzene_atoms()
+    atoms.positions[7] = atoms.positions[2]
+    atoms.calc = mirage.ff.Calculator(model)
+    with pytest.raises(RuntimeError, match=r"mirage.ff.Calculator: the model's energy \(nan\) or forces for "
+                                           r"these atoms are not finite; the closest atoms, 2 and 7, are 0 Å apart"):
+        atoms.get_forces()
+    with pytest.raises(RuntimeError, match="the closest atoms, 2 and 7"):
+        atoms.get_potential_energy()  # no result was kept
+    atoms.positions[7] += 0.5
+    assert np.isfinite(atoms.get_forces()).all()
+
+
 def test_empty_atoms():
     atoms = ase.Atoms()
     atoms.calc = mirage.ff.Calculator(small(SchNet))

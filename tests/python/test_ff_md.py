@@ -501,6 +501,15 @@ def test_bad_arguments(kwargs, message):
         md.VelocityVerlet(small(SchNet), benzene_atoms(), timestep, **arguments)
 
 
+def test_coincident_atoms_are_refused_at_the_start():
+    # The initial forces were NaN, and the first record blamed the timestep.
+    atoms = thermalized(benzene_atoms())
+    atoms.positions[7] = atoms.positions[2]
+    with pytest.raises(RuntimeError, match=r"mirage.ff.md.VelocityVerlet: the model's energy \(nan\) or forces "
+                                           r"at the initial positions are not finite; the closest atoms, 2 and 7, are 0 Å apart"):
+        md.VelocityVerlet(small(PaiNN), atoms, DT)
+
+
 def test_bad_atoms():
     with pytest.raises(ValueError, match="mirage.ff.md.VelocityVerlet: atoms must be an ase.Atoms, got a list"):
         md.VelocityVerlet(small(SchNet), [1, 2], DT)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import os
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -144,6 +145,26 @@ def check_structure(atomic_numbers: Tensor, positions: Tensor, cell: Optional[Te
         raise ValueError(f"{who}: cell must be [3, 3] (the lattice vectors as rows), got {list(cell.shape)}")
     if pbc is not None and pbc.shape != (3,):
         raise ValueError(f"{who}: pbc must be [3], got {list(pbc.shape)}")
+
+
+def check_finite_results(energy: float, forces: np.ndarray, positions: np.ndarray, who: str, where: str) -> None:
+    """RuntimeError unless the model's energy and forces are finite: a NaN handed on would move
+    the atoms to NaN (an optimizer, an MD step) and be reported later, far from its cause. Models
+    divide by distances, so the message names the closest two atoms (up to 2,000 atoms)."""
+    if math.isfinite(energy) and np.isfinite(forces).all():
+        return
+    closest = ""
+    if 2 <= len(positions) <= 2000:
+        best = (math.inf, 0, 0)
+        for first in range(0, len(positions), 128):  # rows in chunks: a few MB at a time
+            d = np.linalg.norm(positions[first:first + 128, None] - positions[None], axis=-1)
+            d[np.arange(len(d)), np.arange(first, first + len(d))] = math.inf
+            i, j = np.unravel_index(np.argmin(d), d.shape)
+            best = min(best, (float(d[i, j]), first + int(i), int(j)))
+        distance, i, j = best
+        closest = f"; the closest atoms, {min(i, j)} and {max(i, j)}, are {distance:.3g} Å apart (periodic images aside)"
+    raise RuntimeError(f"{who}: the model's energy ({energy}) or forces {where} are not finite{closest}; check the "
+                       "structure and the model")
 
 
 def check_atomic_numbers(model, numbers: np.ndarray, who: str) -> None:
@@ -479,6 +500,7 @@ class Calculator(_AseCalculator):
             energy, forces, stress = self._run_graph(atoms, periodic)
         else:
             energy, forces, stress = self._run_eager(atoms, periodic)
+        check_finite_results(energy, forces, positions, who, "for these atoms")
         self.results = {"energy": energy, "free_energy": energy, "forces": forces}
         if stress is not None:
             self.results["stress"] = stress

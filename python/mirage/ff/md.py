@@ -38,8 +38,8 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from .. import graphs, ops
 from .._arguments import count
 from . import capacity
-from .calculator import (CapacityWatch, check_atomic_numbers, check_model, energy_and_gradients, model_device_dtype,
-                         on_device, synchronize, uncapturable)
+from .calculator import (CapacityWatch, check_atomic_numbers, check_finite_results, check_model, energy_and_gradients,
+                         model_device_dtype, on_device, synchronize, uncapturable)
 from .fused import SchNet
 from .precision import check_precision, matmul_precision
 
@@ -234,6 +234,8 @@ class VelocityVerlet:
         self._model_seen: Any = None  # what the graphs read of the model (_drop_graphs_if_the_model_changed)
         self._watch = CapacityWatch(self._counted, self._graphs) if self.cuda_graph else None
         self._compute_initial_forces()
+        positions, _, forces, potential = self._host_state()
+        check_finite_results(potential, forces, positions, _WHO, "at the initial positions")
 
     # --------------------------------------------------------------------------------- state
     def _tensor(self, array, dtype=STATE_DTYPE) -> Tensor:
