@@ -273,6 +273,26 @@ def test_drift_statistics_leave_out_the_start_and_give_the_slopes_error():
                                                                            rel=0.3)
 
 
+def test_drift_statistics_error_covers_correlated_wander():
+    # The total energy wandering on a picosecond scale (correlated residuals): the residuals'
+    # least-squares error of the slope is several times too small; the block means' covers it.
+    rng = numpy_rng()
+    t = np.linspace(0.0, 100.0, 20001)
+    step = t[1] - t[0]
+    correlation_ps, sigma = 0.5, 1e-4
+    keep = math.exp(-step / correlation_ps)
+    kicks = sigma * math.sqrt(1 - keep**2) * rng.standard_normal(t.shape)
+    wander = np.empty_like(t)
+    wander[0] = sigma * rng.standard_normal()
+    for i in range(1, len(t)):
+        wander[i] = keep * wander[i - 1] + kicks[i]
+    kinetic = 0.2
+    stats = validate_nve.drift_statistics(t, 0.4 + wander, np.full_like(t, kinetic))
+    residual_only = validate_nve._slope_error(t[1:], wander[1:]) * 100.0 / kinetic
+    assert stats["drift_standard_error_relative_kinetic"] > 3 * residual_only  # about 14x (200 seeds: 4.7x at least)
+    assert stats["drift_relative_kinetic"] < 5 * stats["drift_standard_error_relative_kinetic"]  # no trend
+
+
 def test_drift_statistics_of_noise_is_small():
     rng = numpy_rng()
     t = np.linspace(0.0, 10.0, 5000)
