@@ -328,7 +328,7 @@ class OptimizeReport:
                      + (f"; {self.precision_note}" if self.precision_note else ""))
         if self.inference_tensors:
             lines.append(f"  {self.inference_tensors} parameters and buffers made under torch.inference_mode replaced "
-                         "by normal copies (converted there, they would fail every call)")
+                         "by normal copies (converted in place outside it, they would fail every call)")
         layout = "4-D weights and 4-D inputs" if self.channels_last else "off"
         lines.append(f"  channels_last: {layout}" + (f" ({self.channels_last_note})" if self.channels_last_note else ""))
         if self.cuda_graph:
@@ -731,34 +731,27 @@ def _conv_weights_to(model: nn.Module, memory_format: torch.memory_format) -> No
             tensor.data = tensor.data.contiguous(memory_format=memory_format)
 
 
-def _replace_inference_tensors(model: nn.Module) -> Dict[int, Tuple[Tensor, Tensor]]:
-    """Replaces every parameter and buffer made under torch.inference_mode (a model built or
-    loaded there) by a normal copy, a tensor shared between modules by one copy. Converted in place
-    outside inference mode (``.half()``, channels_last), such a tensor keeps its missing version
-    counter and fails every later call, as in plain PyTorch. Returns {id: (original, copy)}."""
-    copies: Dict[int, Tuple[Tensor, Tensor]] = {}
-    for module in model.modules():
+def _replace_inference_tensors(models: Sequence[nn.Module]) -> int:
+    """Replaces every parameter and buffer of ``models`` made under torch.inference_mode (a model
+    built or loaded there) by a normal copy of the same class and attributes, a tensor shared
+    between modules by one copy. Converted in place outside inference mode (``.half()``,
+    channels_last), such a tensor keeps its missing version counter and fails every later call,
+    as in plain PyTorch. Returns how many were replaced. An original no longer registered is freed
+    as the walk goes (so the lookup below only ever meets live inference tensors' ids)."""
+    copies: Dict[int, Tensor] = {}
+    for module in (m for model in models for m in model.modules()):
         for store in (module._parameters, module._buffers):
             for key, tensor in store.items():
                 if tensor is None or not tensor.is_inference():
                     continue
                 if id(tensor) not in copies:
-                    normal = tensor.clone()
-                    if isinstance(tensor, nn.Parameter):
-                        normal = nn.Parameter(normal, requires_grad=tensor.requires_grad)
-                    copies[id(tensor)] = (tensor, normal)
-                store[key] = copies[id(tensor)][1]
-    return copies
-
-
-def _restore_inference_tensors(model: nn.Module, copies: Dict[int, Tuple[Tensor, Tensor]]) -> None:
-    """Undoes _replace_inference_tensors (a model returned untouched)."""
-    originals = {id(normal): original for original, normal in copies.values()}
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for key, tensor in store.items():
-                if tensor is not None and id(tensor) in originals:
-                    store[key] = originals[id(tensor)]
+                    normal = tensor.detach().clone()
+                    if isinstance(tensor, nn.Parameter):  # its subclass too (sharding, quantization)
+                        normal = torch.Tensor._make_subclass(type(tensor), normal, tensor.requires_grad)
+                    vars(normal).update(vars(tensor))  # attributes set on the tensor
+                    copies[id(tensor)] = normal
+                store[key] = copies[id(tensor)]
+    return len(copies)
 
 
 # Called under torch.inference_mode, the converted and fused weights would be inference tensors,
@@ -817,6 +810,9 @@ def optimize(
     for option, value in (("channels_last", channels_last), ("cuda_graph", cuda_graph), ("strict", strict),
                           ("verbose", verbose)):
         flag(value, f"mirage.optimize: {option}")
+    if any(isinstance(t, nn.parameter.UninitializedTensorMixin) for t in _tensors(model)):
+        raise ValueError("mirage.optimize: the model has uninitialized parameters or buffers (lazy modules such as "
+                         "nn.LazyLinear): run one forward first, which gives them their shapes")
     if isinstance(model, OptimizedModule):
         # Its swaps are made: searching again finds nothing, and would replace its report.
         if verbose:
@@ -836,8 +832,6 @@ def optimize(
     # in eval mode; a model with nothing to swap gets its own modes back.
     training = {module: module.training for module in model.modules()}
     model.eval()
-    inference_copies = _replace_inference_tensors(model)
-    result.inference_tensors = len(inference_copies)
     # Modules left alone whole (an Attention's processor tests the exact types of its norms):
     # no later stage swaps or fuses inside them either. Held here, so their ids stay theirs.
     sealed: Dict[int, nn.Module] = {}
@@ -857,7 +851,6 @@ def optimize(
     if result.untouched:
         for module, mode in training.items():
             module.training = mode
-        _restore_inference_tensors(model, inference_copies)
         result.cuda_graph_note = "nothing recognised"
         result.seconds = time.perf_counter() - start
         _REPORTS[model] = result
@@ -869,6 +862,7 @@ def optimize(
     # forward): its own modules, which the new root no longer calls, would otherwise keep the old
     # dtype beside the converted ones they share with it.
     converted = (model,) if model is original else (model, original)
+    result.inference_tensors = _replace_inference_tensors(converted)
     if dtype is not None:
         # half()/bfloat16()/float() convert floating parameters and buffers like to(dtype), without
         # diffusers' to() override warning about float32 modules that UNets and VAEs do not have.
