@@ -287,10 +287,22 @@ def test_drift_statistics_error_covers_correlated_wander():
     for i in range(1, len(t)):
         wander[i] = keep * wander[i - 1] + kicks[i]
     kinetic = 0.2
-    stats = validate_nve.drift_statistics(t, 0.4 + wander, np.full_like(t, kinetic))
-    residual_only = validate_nve._slope_error(t[1:], wander[1:]) * 100.0 / kinetic
-    assert stats["drift_standard_error_relative_kinetic"] > 3 * residual_only  # about 14x (200 seeds: 4.7x at least)
-    assert stats["drift_relative_kinetic"] < 5 * stats["drift_standard_error_relative_kinetic"]  # no trend
+    # Evenly sampled, and with no samples from 40 to 60 ps (the blocks hold equal sample counts).
+    for kept in (np.ones_like(t, dtype=bool), (t < 40.0) | (t > 60.0)):
+        stats = validate_nve.drift_statistics(t[kept], 0.4 + wander[kept], np.full(kept.sum(), kinetic))
+        residual_only = validate_nve._line(t[kept][1:], wander[kept][1:])[3] * 100.0 / kinetic
+        assert stats["drift_standard_error_from_blocks"]
+        assert stats["drift_standard_error_relative_kinetic"] > 3 * residual_only  # about 14x (200 seeds: 4.7x at least)
+        assert stats["drift_relative_kinetic"] < 5 * stats["drift_standard_error_relative_kinetic"]  # no trend
+
+
+def test_drift_statistics_of_short_series_use_fewer_blocks_or_none():
+    t = np.linspace(0.0, 1.0, 11)
+    total = 0.4 + 1e-4 * np.cos(7.0 * t)
+    assert validate_nve.drift_statistics(t, total, np.full_like(t, 0.2))["drift_standard_error_from_blocks"]  # 5 blocks
+    stats = validate_nve.drift_statistics(t[:6], total[:6], np.full(6, 0.2))  # 5 fitted samples: 2 blocks
+    assert not stats["drift_standard_error_from_blocks"]
+    assert stats["drift_standard_error_relative_kinetic"] > 0
 
 
 def test_drift_statistics_of_noise_is_small():
