@@ -195,9 +195,9 @@ def _trace(tracer: _Tracer, module: nn.Module) -> Tuple[Optional[fx.GraphModule]
     saved = _module_state(module)
     try:
         graph = tracer.trace(module)
-        # Built before the state is put back: the tracer stores the tensors the forward makes or
-        # reads outside the parameters and buffers (a constant mask, a child's running_var) on
-        # the root as _tensor_constant<i>, which the graph module copies and the root then loses.
+        # Built before the state is put back: the tracer stores the tensors the forward makes
+        # outside the parameters and buffers (a constant mask) on the root as _tensor_constant<i>,
+        # which the graph module copies and the root then loses.
         traced = fx.GraphModule(tracer.root, graph, type(module).__name__)
     except Exception as error:  # noqa: BLE001 - any failure means "not traceable": fall back to the children
         return None, f"tracing failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
