@@ -480,7 +480,7 @@ class OptimizedModule(nn.Module):
                 f"does not cast inputs: pass them in {_dtype_name(weights)} ({other[0][0]}.to({weights})){instead}")
 
     def _forward(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        if not torch.compiler.is_compiling():  # compiled, the modules fold inside the graph
+        if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # else the modules fold in the graph
             self.refresh_derived_weights()
         if not self.channels_last:
             return self._call(args, kwargs)

@@ -1325,6 +1325,26 @@ def test_a_traced_optimized_model_records_its_ops_not_a_graph_replay(tmp_path):
         torch.testing.assert_close(loaded(image), original(image), **MODEL_TOLERANCE)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_traced_optimized_unet_folds_its_upsamplers_from_their_weights(grad, tmp_path):
+    # The swapped Upsample2D folded its 2x2 kernels at the first call and then read the cache: a
+    # trace recorded the fold, jit.trace's check (rerun under no_grad) the cached kernels, and the
+    # two graphs differed; traced after a call, the kernels were a constant of the trace, which
+    # ignored later weight changes (and .to() of the loaded module).
+    optimized, original = optimized_and_original(tiny_unet2d_condition(), cuda_graph=False)
+    inputs = unet2d_condition_inputs()
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(optimized.module, inputs, strict=False)  # checked against a rerun
+    traced.save(str(tmp_path / "unet.pt"))
+    loaded = torch.jit.load(str(tmp_path / "unet.pt"))
+    with torch.no_grad():
+        for model in (loaded, original):  # the same change to the upsamplers' weights of both
+            for key, value in model.state_dict().items():
+                if "upsamplers" in key:
+                    value.mul_(0.5)
+        torch.testing.assert_close(loaded(*inputs)["sample"], original(*inputs).sample, **MODEL_TOLERANCE)
+
+
 def test_freeu_switched_after_optimize_captures_a_graph_of_its_own():
     # diffusers' enable_freeu / disable_freeu on an optimized model set the up-blocks' factors,
     # which their forward reads in Python: a graph captured before once kept its setting.

@@ -152,7 +152,11 @@ class Upsample2D(nn.Module):
 
     def _subpixel_weight(self) -> Tensor:
         weight = self._conv.weight
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
+        # Compiled or traced, the fold is recorded from the weight: a cached fold would be baked
+        # into the graph (ignoring later weight changes and .to() of the loaded trace), and
+        # jit.trace's check, which reruns the forward under no_grad, saw another graph.
+        if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or (torch.is_grad_enabled() and weight.requires_grad)):
             return ops.subpixel_weight(weight)
         self.refresh_derived_weights()
         return self._folded
