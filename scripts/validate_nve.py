@@ -19,9 +19,10 @@ Definitions (all energies in eV, times in ps; t_0 and t_end the first and last r
   least squares from the residuals (right for independent scatter) and least squares through the
   means of DRIFT_BLOCKS consecutive blocks of samples (right when the total energy wanders on
   time scales shorter than a block: the residuals are then correlated, and the first estimate far
-  too small; fewer blocks for short series, none below 6 samples: then the first alone, and
-  drift_standard_error_from_blocks says so; 2026-12-01, H200: a 100 ps run whose fitted drift was 0.176% of <E_kin> with a
-  residual-based error of 0.005% had quarters drifting -0.56% to +0.08%). A run whose drift lies
+  too small; 2026-12-01, H200: a 100 ps run whose fitted drift was 0.176% of <E_kin> with a
+  residual-based error of 0.005% had quarters drifting -0.56% to +0.08%). Short series get fewer
+  blocks, and none below 7 samples (6 fitted): then the first estimate alone, which
+  drift_standard_error_from_blocks says. A run whose drift lies
   within two standard errors of --max-drift gets no verdict ("inconclusive", exit 1: run
   longer), since its pass or fail would be noise. The criterion itself is the issue's,
   drift < --max-drift;
@@ -86,7 +87,7 @@ class RunAborted(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------- analysis
-DRIFT_BLOCKS = 10  # spans whose mean energies give the slope's error under correlated residuals
+DRIFT_BLOCKS = 10  # blocks whose mean energies give the slope's error under correlated residuals
 
 
 def _line(t, e):
@@ -116,7 +117,7 @@ def drift_statistics(times_ps, total, kinetic):
         times_ps: [S] sample times (ps), increasing.
         total: [S] total energy (eV).
         kinetic: [S] kinetic energy (eV), positive on average.
-    Returns a dict of floats.
+    Returns a dict of floats (and drift_standard_error_from_blocks, a bool).
     """
     t = np.asarray(times_ps, dtype=np.float64)
     e = np.asarray(total, dtype=np.float64)

@@ -746,9 +746,14 @@ def _replace_inference_tensors(models: Sequence[nn.Module]) -> int:
                     continue
                 if id(tensor) not in copies:
                     normal = tensor.detach().clone()
-                    if isinstance(tensor, nn.Parameter):  # its subclass too (sharding, quantization)
+                    if issubclass(type(tensor), nn.Parameter):  # its subclass too (sharding, quantization)
                         normal = torch.Tensor._make_subclass(type(tensor), normal, tensor.requires_grad)
-                    vars(normal).update(vars(tensor))  # attributes set on the tensor
+                    elif isinstance(tensor, nn.Parameter):  # a tensor subclass made a Parameter
+                        normal = nn.Parameter(normal, requires_grad=tensor.requires_grad)
+                    # Attributes set on the tensor, but not over the clone's own (a wrapper
+                    # subclass keeps its data there: the originals would come back).
+                    for name, value in vars(tensor).items():
+                        vars(normal).setdefault(name, value)
                     copies[id(tensor)] = normal
                 store[key] = copies[id(tensor)]
     return len(copies)

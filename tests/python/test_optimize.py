@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirage
@@ -946,7 +947,12 @@ def test_a_plain_net_built_under_inference_mode_keeps_parameter_classes_and_fuse
         model = copy.deepcopy(reference)
         model.head.weight = TaggedParameter(model.head.weight)
         model.head.weight.shard = "rows"
+        # A wrapper subclass keeps its data in attributes: copied over the clone's, they came back.
+        model.head.register_buffer("pair", TwoTensor(torch.ones(3), torch.zeros(3)))
+    old_pair = model.head.pair
     optimized = mirage.optimize(model, dtype=torch.float32, verbose=False)
+    pair = optimized.module.head.pair
+    assert type(pair) is TwoTensor and not pair.a.is_inference() and pair.a.data_ptr() != old_pair.a.data_ptr()
     result = mirage.report(optimized)
     assert result.counts["conv_bn_silu"] == 2 and result.inference_tensors > 0
     head = optimized.module.head.weight
@@ -1325,16 +1331,22 @@ def test_a_traced_optimized_model_records_its_ops_not_a_graph_replay(tmp_path):
         torch.testing.assert_close(loaded(image), original(image), **MODEL_TOLERANCE)
 
 
+@pytest.mark.parametrize("called_first", [False, True])
+@pytest.mark.parametrize("traced", ["wrapper", "module"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_a_traced_optimized_unet_folds_its_upsamplers_from_their_weights(grad, tmp_path):
+def test_a_traced_optimized_unet_folds_its_upsamplers_from_their_weights(grad, traced, called_first, tmp_path):
     # The swapped Upsample2D folded its 2x2 kernels at the first call and then read the cache: a
     # trace recorded the fold, jit.trace's check (rerun under no_grad) the cached kernels, and the
     # two graphs differed; traced after a call, the kernels were a constant of the trace, which
     # ignored later weight changes (and .to() of the loaded module).
     optimized, original = optimized_and_original(tiny_unet2d_condition(), cuda_graph=False)
     inputs = unet2d_condition_inputs()
+    if called_first:
+        with torch.no_grad():
+            optimized(*inputs)  # folds and caches the kernels
     with torch.set_grad_enabled(grad):
-        traced = torch.jit.trace(optimized.module, inputs, strict=False)  # checked against a rerun
+        # Checked against a rerun (check_trace).
+        traced = torch.jit.trace(optimized if traced == "wrapper" else optimized.module, inputs, strict=False)
     traced.save(str(tmp_path / "unet.pt"))
     loaded = torch.jit.load(str(tmp_path / "unet.pt"))
     with torch.no_grad():
