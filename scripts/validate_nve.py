@@ -105,9 +105,8 @@ def _block_slope_error(t, e):
     blocks = min(DRIFT_BLOCKS, len(t) // 2)
     if blocks < 3:
         return None
-    means = [(part_t.mean(), part_e.mean()) for part_t, part_e in zip(np.array_split(t, blocks),
-                                                                       np.array_split(e, blocks))]
-    return _line(*map(np.array, zip(*means)))[3]
+    parts = np.array_split(np.arange(len(t)), blocks)
+    return _line(np.array([t[p].mean() for p in parts]), np.array([e[p].mean() for p in parts]))[3]
 
 
 def drift_statistics(times_ps, total, kinetic):
