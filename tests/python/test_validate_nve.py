@@ -559,3 +559,145 @@ def test_script_on_cuda_matches_the_cpu(tmp_path, backend, name):
     assert gpu_series.shape == cpu_series.shape == (11, 6)
     np.testing.assert_allclose(gpu_series[:, 2:5], cpu_series[:, 2:5], atol=5e-4)
     check_plot(tmp_path / "gpu", summary)
+
+
+def test_pooled_statistics_mean_and_standard_error():
+    drifts = [0.0004, -0.0002, 0.0001, -0.0007]
+    pooled = validate_nve.pooled_statistics(drifts, [1e-5] * 4)
+    mean = sum(drifts) / 4
+    spread = math.sqrt(sum((d - mean) ** 2 for d in drifts) / 3)
+    assert pooled["runs"] == 4 and pooled["mean_drift_relative_kinetic"] == pytest.approx(mean)
+    assert pooled["spread_relative_kinetic"] == pytest.approx(spread)
+    assert pooled["standard_error_relative_kinetic"] == pytest.approx(spread / 2)
+
+
+def test_pooled_error_is_no_smaller_than_the_runs_own():
+    # three runs that happen to agree closely, each with a large error of its own
+    pooled = validate_nve.pooled_statistics([9e-4, 9.1e-4, 9.05e-4], [5e-4, 4e-4, 3e-4])
+    assert pooled["standard_error_relative_kinetic"] == pytest.approx(math.sqrt(25e-8 + 16e-8 + 9e-8) / 3)
+    assert validate_nve.verdict(abs(pooled["mean_drift_relative_kinetic"]),
+                                pooled["standard_error_relative_kinetic"], 1e-3) == "inconclusive"
+
+
+@pytest.mark.parametrize("drifts, errors, match", [([0.001, 0.002], [0.0, 0.0], "at least 3 runs"),
+                                                   ([[0.1, 0.2, 0.3]], [[0, 0, 0]], "at least 3 runs"),
+                                                   ([0.1, 0.2, 0.3], [0.0, 0.0], "of one length"),
+                                                   ([0.001, math.nan, 0.0], [0.0] * 3, "non-finite"),
+                                                   ([0.001, 0.0, 0.0], [0.0, math.inf, 0.0], "non-finite")])
+def test_pooled_statistics_bad_input(drifts, errors, match):
+    with pytest.raises(ValueError, match=match):
+        validate_nve.pooled_statistics(drifts, errors)
+
+
+@pytest.mark.parametrize("text, seeds", [("0-3", [0, 1, 2, 3]), ("0,2,5", [0, 2, 5]), ("7,1-2", [7, 1, 2])])
+def test_seed_lists(text, seeds):
+    assert validate_nve.parse_args(["--seeds", text]).seeds == seeds
+
+
+def test_one_seed_by_default():
+    assert validate_nve.parse_args([]).seed == 0 and validate_nve.parse_args([]).seeds is None
+
+
+@pytest.mark.parametrize("argv, match", [(["--seeds", "3"], "at least 3 seeds"),
+                                         (["--seeds", "0,1"], "at least 3 seeds"),
+                                         (["--seed", "0", "--seeds", "0-3"], "not allowed with argument"),
+                                         (["--seeds", "0,1,1"], "each once"),
+                                         (["--seeds", "5-2"], "not a list of seeds"),
+                                         (["--seeds", "a-b"], "not a list of seeds"),
+                                         (["--seeds=-1,2"], "not a list of seeds"),
+                                         (["--seed", "1", "--seeds", "0-3"], "not allowed with argument")])
+def test_seed_lists_refused(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        validate_nve.parse_args(argv)
+    assert match in capsys.readouterr().err
+
+
+@needs_student("schnet")
+def test_script_pools_several_seeds(tmp_path, capfd):
+    out = tmp_path / "nve"
+    code = validate_nve.main(["--time-ps", "0.02", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                              "--seeds", "0-2", "--out", str(out)])
+    pooled = json.loads((out / "nve_pooled.json").read_text())
+    runs = [read_outputs(out / f"seed{seed}") for seed in range(3)]
+    # each run is the single run of its seed
+    single = validate_nve.main(["--time-ps", "0.02", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                                "--seed", "1", "--out", str(tmp_path / "one")])
+    np.testing.assert_array_equal(runs[1][1], read_outputs(tmp_path / "one")[1])
+    assert [s["md"]["seed"] for s, _ in runs] == [0, 1, 2] and single in (0, 1)
+    assert len({float(series[1, 4]) for _, series in runs}) == 3  # three starts, three trajectories
+    signed = [s["results"]["drift_eV"] / s["results"]["mean_kinetic_eV"] for s, _ in runs]
+    assert [r["signed_drift_relative_kinetic"] for r in pooled["runs"]] == pytest.approx(signed)
+    errors = [s["results"]["drift_standard_error_relative_kinetic"] for s, _ in runs]
+    assert pooled["pooled"] == pytest.approx(validate_nve.pooled_statistics(signed, errors))
+    assert pooled["complete"] is True and pooled["seeds_planned"] == [0, 1, 2]
+    outcome = validate_nve.verdict(abs(np.mean(signed)), pooled["pooled"]["standard_error_relative_kinetic"], 1e-3)
+    assert pooled["criterion"]["passed"] == (outcome == "pass") and (code == 0) == (outcome == "pass")
+    assert pooled["criterion"]["inconclusive"] == (outcome == "inconclusive")
+    assert "the mean signed drift of 3 runs" in capfd.readouterr().err
+
+
+@needs_student("schnet")
+@pytest.mark.parametrize("drifts, verdict", [([2e-4, -1e-4, 1e-4, 0.0], "pass"),
+                                             ([9e-4, -4e-4, 1.5e-3, 1e-3], "inconclusive"),
+                                             ([3e-3, 2.9e-3, 3.1e-3, 3e-3], "fail"),
+                                             ([3e-4, -3e-4, 2e-4, -2e-4], "pass")])  # signed: they cancel
+def test_the_pooled_verdict(drifts, verdict, monkeypatch, tmp_path):
+    measured, given = validate_nve.drift_statistics, iter(drifts)
+
+    def drift_statistics(*args):
+        stats = measured(*args)
+        return {**stats, "drift_eV": next(given) * stats["mean_kinetic_eV"],
+                "drift_standard_error_relative_kinetic": 1e-5}  # each run as if measured exactly
+
+    monkeypatch.setattr(validate_nve, "drift_statistics", drift_statistics)
+    code = validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                              "--seeds", "0-3", "--out", str(tmp_path)])
+    pooled = json.loads((tmp_path / "nve_pooled.json").read_text())
+    criterion = pooled["criterion"]
+    assert pooled["pooled"]["mean_drift_relative_kinetic"] == pytest.approx(np.mean(drifts), abs=1e-12)
+    assert (code == 0) == (verdict == "pass") and criterion["passed"] == (verdict == "pass")
+    assert criterion["inconclusive"] == (verdict == "inconclusive")
+
+
+@needs_student("schnet")
+def test_a_broken_run_fails_the_pooled_verdict(tmp_path, capfd):
+    code = validate_nve.main(["--time-ps", "1", "--timestep-fs", "10", "--device", "cpu", "--no-optimize",
+                              "--record-every", "1", "--seeds", "0-2", "--out", str(tmp_path)])
+    pooled = json.loads((tmp_path / "nve_pooled.json").read_text())
+    assert code == 1 and not pooled["criterion"]["passed"] and pooled["pooled"] is None
+    assert "the molecule broke" in pooled["criterion"]["aborted"]["0"]
+    assert "FAIL: seed 0: the molecule broke" in capfd.readouterr().err
+
+
+@needs_student("schnet")
+def test_a_job_cut_short_keeps_its_pooled_runs(monkeypatch, tmp_path, capfd):
+    run_seed, runs = validate_nve.run_seed, []
+
+    def cut_at_the_fourth(*args):
+        if len(runs) == 3:
+            raise KeyboardInterrupt  # as a job's time limit or Ctrl-C
+        runs.append(run_seed(*args))
+        return runs[-1]
+
+    monkeypatch.setattr(validate_nve, "run_seed", cut_at_the_fourth)
+    (tmp_path / "nve_pooled.json").write_text("{}")  # an earlier job's, which must not pass for this one's
+    with pytest.raises(KeyboardInterrupt):
+        validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                           "--seeds", "0-4", "--out", str(tmp_path)])
+    pooled = json.loads((tmp_path / "nve_pooled.json").read_text())
+    assert pooled["complete"] is False and pooled["seeds_planned"] == [0, 1, 2, 3, 4]
+    assert [r["seed"] for r in pooled["runs"]] == [0, 1, 2] and pooled["pooled"]["runs"] == 3
+    assert "after 3 of 5 seeds: " in capfd.readouterr().err
+
+
+@needs_student("schnet")
+def test_an_earlier_jobs_pooled_verdict_is_removed(monkeypatch, tmp_path):
+    def cut_at_once(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate_nve, "run_seed", cut_at_once)
+    (tmp_path / "nve_pooled.json").write_text("{}")
+    with pytest.raises(KeyboardInterrupt):
+        validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2", "--seeds", "0-3",
+                           "--out", str(tmp_path)])
+    assert not (tmp_path / "nve_pooled.json").exists()
