@@ -29,8 +29,8 @@ Definitions (all energies in eV, times in ps; t_0 and t_end the first and last r
 - several starts (--seeds 0-7): one run from each seed's velocities, then the mean of their signed
   drifts (each over its run's <E_kin>) with its standard error (the larger of their sample
   standard deviation over sqrt(runs) and their own errors combined), judged by the same rule; at
-  least three seeds. A single run's drift is the method's systematic drift
-  plus a random part of its own start (2026-12-01, H200: 16 SchNet runs of 100 ps spread with a
+  least three seeds. A single run's drift is the method's systematic drift plus a random part of
+  its own start (2026-12-01, H200: 16 SchNet runs of 100 ps spread with a
   standard deviation of 0.066% of <E_kin> about a mean of -0.024%); the mean averages the random
   part out, which a longer single run does only slowly;
 - drift relative to the mean kinetic energy, |drift| / <E_kin>: the pass criterion
@@ -97,6 +97,7 @@ class RunAborted(RuntimeError):
 
 # ------------------------------------------------------------------------------------- analysis
 DRIFT_BLOCKS = 10  # blocks whose mean energies give the slope's error under correlated residuals
+MIN_SEEDS = 3  # --seeds: the spread of fewer runs says too little about their mean's error
 
 
 def _line(t, e):
@@ -438,9 +439,6 @@ def verdict(drift, error, max_drift):
     return "pass" if drift < max_drift else "fail"
 
 
-MIN_SEEDS = 3  # the spread of fewer runs says too little about the mean's error
-
-
 def pooled_statistics(signed_drifts, standard_errors):
     """The mean of several runs' signed drifts (each relative to its <E_kin>) and its standard
     error: the drift the method makes on average over starts, whose single runs also wander by a
@@ -574,12 +572,13 @@ def pool_seeds(args, argv, summaries):
         list(signed.values()), [s["results"]["drift_standard_error_relative_kinetic"] for s in summaries])
     outcome = "fail" if aborted else verdict(abs(pooled["mean_drift_relative_kinetic"]),
                                              pooled["standard_error_relative_kinetic"], args.max_drift)
+    complete = len(summaries) == len(args.seeds)
     result = {
         "what": "NVE validation of benzene MD over several starts (scripts/validate_nve.py --seeds)",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python scripts/validate_nve.py " + " ".join(argv),
         "seeds_planned": args.seeds,
-        "complete": len(summaries) == len(args.seeds),
+        "complete": complete,
         "runs": [{"seed": s["md"]["seed"], "folder": f"seed{s['md']['seed']}",
                   "signed_drift_relative_kinetic": signed[s["md"]["seed"]],
                   **{k: s["criterion"][k] for k in ("passed", "inconclusive", "aborted")}} for s in summaries],
@@ -600,7 +599,7 @@ def pool_seeds(args, argv, summaries):
                 f"{', within two standard errors: run more seeds' if outcome == 'inconclusive' else ''}); "
                 f"single runs spread by {100 * pooled['spread_relative_kinetic']:.4f}%, {over} of them at or "
                 "over the threshold")
-    done = "" if len(summaries) == len(args.seeds) else f"after {len(summaries)} of {len(args.seeds)} seeds: "
+    done = "" if complete else f"after {len(summaries)} of {len(args.seeds)} seeds: "
     message(f"{done}{line}; results in {args.out}")
     return outcome == "pass"
 

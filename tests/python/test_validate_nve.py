@@ -698,6 +698,6 @@ def test_an_earlier_jobs_pooled_verdict_is_removed(monkeypatch, tmp_path):
     monkeypatch.setattr(validate_nve, "run_seed", cut_at_once)
     (tmp_path / "nve_pooled.json").write_text("{}")
     with pytest.raises(KeyboardInterrupt):
-        validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2", "--seeds", "0-3",
-                           "--out", str(tmp_path)])
+        validate_nve.main(["--time-ps", "0.01", "--device", "cpu", "--no-optimize", "--record-every", "2",
+                           "--seeds", "0-3", "--out", str(tmp_path)])
     assert not (tmp_path / "nve_pooled.json").exists()
