@@ -540,4 +540,24 @@ cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream
   return cudaLaunchKernelEx(&config, kKernel, params);
 }
 
+// PaiNN's gated update, v' = v + a_vv (U v) and s' = s + a_sv <U v, V v> + a_ss, backward at one
+// atom and feature: from g = d s' and gv = d v' (3 rows `gv_stride` apart) to d (U v) and the part
+// of d (V v) that does not pass through |V v| (into guv: 3 rows `uv_stride` apart as uv's, V v
+// `width` after U v), and d a = (sum_xyz gv U v, g <U v, V v>, g) (into grad_a, `width` apart).
+__device__ __forceinline__ void gated_update_backward(float g, float a_vv, float a_sv, const float* uv,
+                                                      int64_t uv_stride, int width, const float* gv,
+                                                      int64_t gv_stride, float* guv, float* grad_a) {
+  float dot = 0.0f, grad_a_vv = 0.0f;
+  for (int c = 0; c < 3; ++c) {
+    const float u = uv[c * uv_stride], v = uv[c * uv_stride + width], grad_v = gv[c * gv_stride];
+    dot = fmaf(u, v, dot);
+    grad_a_vv = fmaf(grad_v, u, grad_a_vv);
+    guv[c * uv_stride] = fmaf(g * a_sv, v, grad_v * a_vv);
+    guv[c * uv_stride + width] = g * a_sv * u;
+  }
+  grad_a[0] = grad_a_vv;
+  grad_a[width] = g * dot;
+  grad_a[2 * width] = g;
+}
+
 }  // namespace mirage::cuda::atomwise

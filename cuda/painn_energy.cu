@@ -28,6 +28,9 @@
 // (H200, 2026-11-30 02:33-02:45 UTC). Its clock64 marks: a cluster barrier 1.3-1.9k cycles, a
 // product 6-14k (its weights and its input rows from L2, a round trip or more a 128-input pass),
 // so the barriers were the lesser part; what a block stores, then loads, comes back from L2.
+// That split with every weight in shared memory is painn_split.cu's kernel, which
+// launch_painn_energy runs instead where it applies (sm_90, widths divisible by 16, a molecule of
+// benzene's size): 150 us against this kernel's 172 (H200, 2026-12-01).
 #include "atom_products.cuh"
 #include "painn_energy.cuh"
 #include "radial_functions.cuh"
@@ -366,19 +369,9 @@ __global__ void __launch_bounds__(kThreads) painn_energy_kernel(const __grid_con
     for (int e = tid; e < na * F; e += threads) {
       const int64_t a = a0 + e / F;
       const int f = e % F;
-      const float g = gs[a * F4 + f], a_vv = gates[a * M4 + f], a_sv = gates[a * M4 + F + f];
-      float dot = 0.0f, grad_a_vv = 0.0f;
-      for (int c = 0; c < 3; ++c) {
-        const int64_t row = (3 * a + c) * F4 + f, uv_at = (3 * a + c) * Z4 + f;
-        const float uv = uvt[uv_at], vv = uvt[uv_at + F];
-        dot = fmaf(uv, vv, dot);
-        grad_a_vv = fmaf(gv[row], uv, grad_a_vv);
-        guvv[uv_at] = fmaf(g * a_sv, vv, gv[row] * a_vv);
-        guvv[uv_at + F] = g * a_sv * uv;
-      }
-      ga[a * M4 + f] = grad_a_vv;
-      ga[a * M4 + F + f] = g * dot;
-      ga[a * M4 + 2 * F + f] = g;
+      const int64_t uv_at = 3 * a * Z4 + f;
+      gated_update_backward(gs[a * F4 + f], gates[a * M4 + f], gates[a * M4 + F + f], uvt + uv_at, Z4, F,
+                            gv + 3 * a * F4 + f, F4, guvv + uv_at, ga + a * M4 + f);
     }
     __syncthreads();
     AtomStore to_grad_pre2 = to(h2, K4);
@@ -486,6 +479,7 @@ constexpr int64_t kMaxBasisFloats = 2 * kPainnMaxRbf;
 cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t stream) {
   const int64_t row = 2 * pad4(params.num_rbf);  // a pair's two rows
   if (row > kMaxBasisFloats) return cudaErrorInvalidValue;  // the op refuses num_rbf > kPainnMaxRbf first
+  if (painn_split_applies(params)) return launch_painn_split(params, stream);
   const int64_t floats = std::max(row, std::min(params.num_pairs * row, kMaxBasisFloats / row * row));
   const size_t shared_bytes = static_cast<size_t>(floats) * sizeof(float);
   // The kernel's limit is one size for every call, the most any call takes: set to each call's own

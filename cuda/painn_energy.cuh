@@ -51,4 +51,10 @@ size_t painn_energy_workspace_bytes(const PainnEnergyParams& params);
 // Needs num_atoms >= 1. Out-of-range atomic numbers or pair indices give NaN outputs.
 cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t stream);
 
+// painn_split.cu: the same model with its features split over one cluster of 16 blocks, every
+// weight in shared memory (small molecules on sm_90; sizes divisible by 16). launch_painn_energy
+// takes it where it applies; it needs no workspace.
+bool painn_split_applies(const PainnEnergyParams& params);
+cudaError_t launch_painn_split(const PainnEnergyParams& params, cudaStream_t stream);
+
 }  // namespace mirage::cuda

@@ -1,4 +1,5 @@
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,11 @@ CONFIGS = {
     "lonely": (1, 0, 16, 4, 8, 8, 4, ["silu"] * 3, True),
     "wide": (30, 300, 133, 5, 131, 129, 130, ["silu", "tanh", "silu", "gelu", "silu"], True),
     "many_pairs": (3, 600, 4, 64, 5, 6, 3, ["silu"] * 3, True),
+    # Widths divisible by 16: on sm_90 these (and benzene) take painn_split.cu's kernel, the
+    # features split over a cluster of 16 blocks; the rest take painn_energy.cu's.
+    "split": (14, 150, 32, 7, 48, 16, 16, ["silu", "tanh", "gelu", "softplus", "shifted_softplus"], False),
+    "split_lonely": (1, 0, 16, 4, 16, 16, 16, ["silu"] * 3, True),
+    "split_many_atoms": (40, 600, 16, 8, 16, 32, 16, ["silu", "relu", "tanh"], True),
 }
 CUTOFF = 4.0
 NORM_EPS = 1e-8
@@ -135,14 +141,15 @@ def test_painn_energy_cuda_graph_replays_new_vectors():
 
 
 @pytest.mark.cuda
-def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace():
+@pytest.mark.parametrize("config", ["many_atoms", "benzene"])  # painn_energy.cu's kernel; on sm_90 the split's
+def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace(config):
     """Two PaiNNs in one graph: the second call's workspace is the first's freed memory, so at each
     replay the first call finds the second's weights there until its transposes kernel, which runs
     beside the cluster's start, rewrites them. A cluster that read them before waiting for that
     kernel could take the other model's weights. (The forward once read [U; V] before its wait;
     this test passed against that kernel on an H200, whose transposes finished first: it guards
-    the arrangement, it did not catch that race.)"""
-    args = list(make_inputs("benzene", "cuda", torch.float32))
+    the arrangement, it did not catch that race.) painn_split.cu's kernel takes no workspace."""
+    args = list(make_inputs(config, "cuda", torch.float32))
     # 10% larger weights: 1.5 times took the energy to 1e24-1e27, near float32's range, where an
     # overflow in one order of the sums gave NaN (one block on an H200, 2026-11-30).
     other = [1.1 * w for w in args[6]]
@@ -158,6 +165,23 @@ def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace():
         # (H200, 2026-11-29).
         torch.testing.assert_close(energy, want_energy, rtol=5e-6, atol=1e-5)
         torch.testing.assert_close(grad, want_grad, rtol=5e-6, atol=1e-5 * want_grad.abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config, kernel", [("benzene", "painn_split_kernel"), ("split", "painn_split_kernel"),
+                                            ("odd", "painn_energy_kernel"), ("wide", "painn_energy_kernel")])
+def test_painn_energy_cuda_kernel_choice(config, kernel):
+    """On sm_90 the widths divisible by 16 take painn_split.cu's kernel (where its cluster of 16
+    fits), the rest painn_energy.cu's: so that the configurations above test the kernel meant."""
+    skip_unless_whole_model_clusters()
+    if os.environ.get("MIRAGE_CLUSTER_LIMIT"):
+        pytest.skip("MIRAGE_CLUSTER_LIMIT keeps the split kernel off")
+    args = make_inputs(config, "cuda", torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        mirage.ops.painn_energy(*args)
+        torch.cuda.synchronize()
+    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    assert any(kernel + "(" in name for name in kernels), kernels
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,11 +221,11 @@ def test_painn_energy_refuses_parameter_gradients(device):
 
 # ---- bad input --------------------------------------------------------------------------------
 
-def _call(device, **changes):
+def _call(device, config="odd", **changes):
     dtype = torch.float32 if device == "cuda" else torch.float64
     names = ["atomic_numbers", "embedding", "pairs", "vectors", "cutoff", "num_rbf", "weights", "activations",
              "norm_eps"]
-    args = dict(zip(names, make_inputs("odd", device, dtype)))
+    args = dict(zip(names, make_inputs(config, device, dtype)))
     for key, change in changes.items():
         args[key] = change(args[key])
     return mirage.ops.painn_energy(**args)
@@ -251,8 +275,9 @@ def test_painn_energy_cpu_checks_indices():
 
 
 @pytest.mark.cuda
-def test_painn_energy_cuda_bad_indices_give_nan():
-    assert_energy_op_cuda_index_nans(_call)
+@pytest.mark.parametrize("config", ["odd", "split"])  # either CUDA kernel
+def test_painn_energy_cuda_bad_indices_give_nan(config):
+    assert_energy_op_cuda_index_nans(lambda device, **changes: _call(device, config, **changes))
 
 
 # ---- the fused PaiNN takes it in eval mode ----------------------------------------------------
