@@ -145,7 +145,8 @@ class FFOptimizeReport:
                          "(PaiNN.whole_model_max_pairs, whole_model_max_atoms; before sm_90, where the op runs "
                          f"as one block, {PaiNN.one_block_max_pairs} and {PaiNN.one_block_max_atoms}: "
                          "one_block_max_pairs, one_block_max_atoms) "
-                         "run as one mirage::painn_energy op (two kernels) instead")
+                         "run as one mirage::painn_energy op (two kernels; on sm_90 one, its features split over "
+                         "a cluster, for a molecule of benzene's size: docs/ops.md) instead")
         lines += [f"  verified: {line}" for line in self.verification]
         return "\n".join(lines)
 
