@@ -158,7 +158,8 @@ __device__ void stage_rows(float* out, int rows, int ins, int stride, bool align
   const int lanes = min(per_row, static_cast<int>(blockDim.x)), passes = blockDim.x / lanes;
   if (threadIdx.x < lanes * passes)
     for (int k = threadIdx.x % lanes * step; k < ins; k += lanes * step)
-      for (int l = threadIdx.x / lanes; l < rows; l += passes) copy_async(out + l * stride + k, row_at(l) + k, 4 * step);
+      for (int l = threadIdx.x / lanes; l < rows; l += passes)
+        copy_async(out + l * stride + k, row_at(l) + k, 4 * step);
 }
 
 __device__ __forceinline__ bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
