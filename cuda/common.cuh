@@ -46,8 +46,9 @@ inline bool overlapped_launches() {
 
 // MIRAGE_CLUSTER_LIMIT=n in the environment (read once a process) caps the clusters of the
 // whole-model kernels (schnet_energy, painn_energy) at n blocks; 1 runs them as one block with a
-// plain launch, as below sm_90, so that that path can be tested and timed on Hopper. 0 when unset
-// or not a positive number (no cap).
+// plain launch, as below sm_90, so that that path can be tested and timed on Hopper. Any cap
+// also keeps painn_energy's feature-split kernel (painn_split.cu, 16 blocks) off. 0 when unset or
+// not a positive number (no cap).
 inline int cluster_limit_from_env() {
   static const int limit = [] {
     const char* env = std::getenv("MIRAGE_CLUSTER_LIMIT");
