@@ -497,11 +497,9 @@ int cluster_limit() {
   if (whole_model_clusters()) {
     limit = 8;  // portable
     if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(kMaxCluster);
-      config.blockDim = dim3(kThreads);
+      LaunchConfig config(dim3(kMaxCluster), dim3(kThreads), 0, nullptr);
       int most = 0;
-      if (cudaOccupancyMaxPotentialClusterSize(&most, kKernel, &config) == cudaSuccess && most > 0)
+      if (cudaOccupancyMaxPotentialClusterSize(&most, kKernel, config.get()) == cudaSuccess && most > 0)
         limit = std::min(most, kMaxCluster);
     }
     cudaGetLastError();  // a refused query leaves the portable size; clear its error
@@ -518,26 +516,12 @@ int cluster_limit() {
 template <auto kKernel, class Params>
 cudaError_t launch_cluster(int blocks, const Params& params, cudaStream_t stream, bool overlap = false,
                            size_t shared_bytes = 0) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2]{};
+  LaunchConfig config(dim3(blocks), dim3(kThreads), shared_bytes, stream);
   if (cluster_limit<kKernel>() > 1) {
-    attrs[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[config.numAttrs].val.clusterDim.x = blocks;
-    attrs[config.numAttrs].val.clusterDim.y = 1;
-    attrs[config.numAttrs].val.clusterDim.z = 1;
-    ++config.numAttrs;
-    if (overlap) {
-      attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attrs[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-      ++config.numAttrs;
-    }
+    config.one_cluster();
+    if (overlap) config.overlapped();
   }
-  config.attrs = attrs;
-  return cudaLaunchKernelEx(&config, kKernel, params);
+  return config.launch(kKernel, params);
 }
 
 // PaiNN's gated update, v' = v + a_vv (U v) and s' = s + a_sv <U v, V v> + a_ss, backward at one

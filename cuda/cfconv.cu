@@ -306,19 +306,16 @@ struct TileFetch {
       const int64_t k = base + e / l.rbf8;
       const bool value = r < num_rbf && k < walked;
       const float* source = value ? p.basis + pair_at(order, k) * num_rbf + r : p.basis;
-      // Four bytes from global memory, or (source size 0) four zero bytes.
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(static_cast<uint32_t>(
-                       __cvta_generic_to_shared(smem + l.basis + e / l.rbf8 * l.ld_basis + r))),
-                   "l"(source), "r"(value ? 4 : 0));
+      copy_async(smem + l.basis + e / l.rbf8 * l.ld_basis + r, source, 4, value);  // or four zero bytes
     }
-    asm volatile("cp.async.commit_group;");
+    commit_copies();
   }
 
   template <typename Params>
   __device__ void stash(const Params& p, const Layout<D>& l, float* smem) const {
     pair.stash(p, team_thread(), reinterpret_cast<int*>(smem + l.receivers), reinterpret_cast<int*>(smem + l.senders),
                smem + l.envelope);
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    wait_copies();
   }
 };
 

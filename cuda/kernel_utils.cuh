@@ -184,29 +184,62 @@ inline int sm_count() {
 // what this one writes (the caching allocator hands a freed block straight to the next op) or
 // writing what it reads.
 
+// A cudaLaunchKernelEx configuration with its attributes: a cluster, a cooperative grid, an
+// overlapped start. The one place launch attributes are built (launch_overlapped, the force-field
+// clusters). Copyable: get() points the configuration at this copy's attributes.
+class LaunchConfig {
+ public:
+  LaunchConfig(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream) {
+    config_.gridDim = grid;
+    config_.blockDim = block;
+    config_.dynamicSmemBytes = shared_bytes;
+    config_.stream = stream;
+  }
+  // The whole grid (a 1-D one) as one cluster.
+  LaunchConfig& one_cluster() {
+    cudaLaunchAttribute& a = add(cudaLaunchAttributeClusterDimension);
+    a.val.clusterDim.x = config_.gridDim.x;
+    a.val.clusterDim.y = a.val.clusterDim.z = 1;
+    return *this;
+  }
+  // Every block resident at once, for a grid barrier.
+  LaunchConfig& cooperative() {
+    add(cudaLaunchAttributeCooperative).val.cooperative = 1;
+    return *this;
+  }
+  // Programmatic dependent launch: see start_after_prior_grid.
+  LaunchConfig& overlapped() {
+    add(cudaLaunchAttributeProgrammaticStreamSerialization).val.programmaticStreamSerializationAllowed = 1;
+    return *this;
+  }
+  const cudaLaunchConfig_t* get() {
+    config_.attrs = attrs_;
+    return &config_;
+  }
+  template <typename... Params, typename... Args>
+  cudaError_t launch(void (*kernel)(Params...), Args&&... args) {
+    return cudaLaunchKernelEx(get(), kernel, std::forward<Args>(args)...);
+  }
+
+ private:
+  cudaLaunchAttribute& add(cudaLaunchAttributeID id) {
+    cudaLaunchAttribute& a = attrs_[config_.numAttrs++];
+    a.id = id;
+    return a;
+  }
+  cudaLaunchConfig_t config_{};
+  cudaLaunchAttribute attrs_[3]{};
+};
+
 // Launches kernel<<<grid, block, shared, stream>>>(args...), overlapped with the kernel ahead where
 // the device allows it. `cooperative`: all blocks resident at once, for a grid barrier.
 template <typename... Params, typename... Args>
 cudaError_t launch_overlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared,
                               cudaStream_t stream, bool cooperative, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = shared;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2]{};
-  if (cooperative) {
-    attrs[config.numAttrs].id = cudaLaunchAttributeCooperative;
-    attrs[config.numAttrs].val.cooperative = 1;
-    ++config.numAttrs;
-  }
-  if (overlapped_launches()) {
-    attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-    ++config.numAttrs;
-  }
-  config.attrs = attrs;
-  const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  LaunchConfig config(grid, block, shared, stream);
+  if (cooperative) config.cooperative();
+  if (overlapped_launches()) config.overlapped();
+  const cudaError_t status = config.launch(kernel, std::forward<Args>(args)...);
   // Clear a failed launch's error, as cudaGetLastError did after a <<<>>> launch: the op reports
   // this status, and a pending error would otherwise surface in the next op's launch check.
   if (status != cudaSuccess) cudaGetLastError();
@@ -241,6 +274,23 @@ __device__ __forceinline__ void start_after_prior_grid() {
   wait_for_prior_grid();
   allow_next_grid();
 }
+
+// cp.async (sm_80 and later) of `bytes` (4, or 16 with both addresses 16-byte aligned) from global
+// to shared memory; where !valid, that many zero bytes (the source is not read, but must be a
+// valid address). The data is there after wait_copies (or commit_copies, then cp.async.wait_group),
+// whose "memory" clobber orders the reads after it; the copy itself orders nothing.
+__device__ __forceinline__ void copy_async(float* to, const float* from, int bytes, bool valid = true) {
+  const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  const int read = valid ? bytes : 0;
+  if (bytes == 16)  // .cg: through L2 only (16 bytes only)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(from), "r"(read));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared), "l"(from), "r"(read));
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;"); }
+
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // The shared memory one block of the current device may opt in to, in bytes.
 inline size_t max_shared_bytes_per_block() {

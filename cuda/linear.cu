@@ -248,12 +248,6 @@ struct TiledShape {
   static constexpr size_t kSharedBytes = kTiledStages * 2 * kSliceFloats * sizeof(float);
 };
 
-// 16 bytes from global to shared memory, or (source size 0) 16 zero bytes.
-__device__ __forceinline__ void copy16(float* to, const float* from, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(to))),
-               "l"(from), "r"(valid ? 16 : 0));
-}
-
 // Slice `slice` of k of x's and the weight's tiles into stage buffers xs and ws: 8 kSize 16-byte
 // pieces each.
 template <int kSize, bool kWeightColumns>
@@ -267,19 +261,19 @@ __device__ __forceinline__ void fetch_slice(const TiledLinearParams& p, int64_t 
     const int r = piece / 8, c = 4 * (piece % 8);  // x: row r, columns k0 + c..c+3
     const int64_t row = row0 + r;
     const bool x_valid = row < p.m && k0 + c < p.k;
-    copy16(xs + r * kTiledLd + c, x_valid ? p.x + row * p.ldx + k0 + c : p.x, x_valid);
+    copy_async(xs + r * kTiledLd + c, x_valid ? p.x + row * p.ldx + k0 + c : p.x, 16, x_valid);
     if constexpr (kWeightColumns) {  // a row of kSize outputs for each of the slice's 32 inputs
       const int kk = piece / (kSize / 4), n = 4 * (piece % (kSize / 4));
       const bool valid = k0 + kk < p.k && col0 + n < p.n;
-      copy16(ws + kk * S::kColumnsLd + n,
-             valid ? p.weight + static_cast<int64_t>(k0 + kk) * p.ldw + col0 + n : p.weight, valid);
+      copy_async(ws + kk * S::kColumnsLd + n,
+                 valid ? p.weight + static_cast<int64_t>(k0 + kk) * p.ldw + col0 + n : p.weight, 16, valid);
     } else {  // 32 inputs of each of kSize outputs
       const bool valid = col0 + r < p.n && k0 + c < p.k;
-      copy16(ws + r * kTiledLd + c, valid ? p.weight + static_cast<int64_t>(col0 + r) * p.ldw + k0 + c : p.weight,
-             valid);
+      copy_async(ws + r * kTiledLd + c, valid ? p.weight + static_cast<int64_t>(col0 + r) * p.ldw + k0 + c : p.weight,
+                 16, valid);
     }
   }
-  asm volatile("cp.async.commit_group;");
+  commit_copies();
 }
 
 // acc += the slice's products: four k8 steps of the warp's kM x kN MMA tiles.
@@ -338,7 +332,7 @@ __global__ void __launch_bounds__(kTiledWarps * 32) tiled_linear_kernel(TiledLin
 #pragma unroll
   for (int s = 0; s < kTiledStages - 1; ++s) {
     if (s < slices) fetch_slice<kSize, kWeightColumns>(p, row0, col0, s, stage(s), stage(s) + S::kSliceFloats);
-    else asm volatile("cp.async.commit_group;");  // an empty group keeps the count the wait below expects
+    else commit_copies();  // an empty group keeps the count the wait below expects
   }
   float acc[S::kM][S::kN][4] = {};
 #pragma unroll 1
@@ -349,7 +343,7 @@ __global__ void __launch_bounds__(kTiledWarps * 32) tiled_linear_kernel(TiledLin
     if (next < slices) {
       fetch_slice<kSize, kWeightColumns>(p, row0, col0, next, stage(next), stage(next) + S::kSliceFloats);
     } else {
-      asm volatile("cp.async.commit_group;");
+      commit_copies();
     }
     slice_products<kSize, kWeightColumns, kSplit>(stage(slice), stage(slice) + S::kSliceFloats, warp_row, warp_col,
                                                   acc);

@@ -479,7 +479,7 @@ constexpr int64_t kMaxBasisFloats = 2 * kPainnMaxRbf;
 cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t stream) {
   const int64_t row = 2 * pad4(params.num_rbf);  // a pair's two rows
   if (row > kMaxBasisFloats) return cudaErrorInvalidValue;  // the op refuses num_rbf > kPainnMaxRbf first
-  if (painn_split_applies(params)) return launch_painn_split(params, stream);
+  if (const std::optional<cudaError_t> status = try_launch_painn_split(params, stream)) return *status;
   const int64_t floats = std::max(row, std::min(params.num_pairs * row, kMaxBasisFloats / row * row));
   const size_t shared_bytes = static_cast<size_t>(floats) * sizeof(float);
   // The kernel's limit is one size for every call, the most any call takes: set to each call's own

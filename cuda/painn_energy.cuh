@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "common.cuh"
 
@@ -53,8 +54,8 @@ cudaError_t launch_painn_energy(const PainnEnergyParams& params, cudaStream_t st
 
 // painn_split.cu: the same model with its features split over one cluster of 16 blocks, every
 // weight in shared memory (small molecules on sm_90; sizes divisible by 16). launch_painn_energy
-// takes it where it applies; it needs no workspace.
-bool painn_split_applies(const PainnEnergyParams& params);
-cudaError_t launch_painn_split(const PainnEnergyParams& params, cudaStream_t stream);
+// takes it where it applies; it needs no workspace. Launches it and returns the launch's status
+// where it applies, nothing where it does not.
+std::optional<cudaError_t> try_launch_painn_split(const PainnEnergyParams& params, cudaStream_t stream);
 
 }  // namespace mirage::cuda

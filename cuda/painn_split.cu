@@ -137,18 +137,6 @@ __host__ __device__ inline SplitLayout split_layout_of(const PainnEnergyParams& 
   return l;
 }
 
-// cp.async of `bytes` (4, or 16 with both addresses 16-byte aligned) from global to shared memory.
-__device__ __forceinline__ void copy_async(float* shared, const float* global, int bytes) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  const size_t from = __cvta_generic_to_global(global);
-  if (bytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(from) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(from) : "memory");
-}
-
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // The block's `rows` rows of a weight into `out` (`stride` floats apart), `ins` floats each, row
 // l from row_at(l), without waiting for them; 16 bytes at a time where every row is aligned.
 template <class RowAt>
@@ -623,70 +611,48 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
 
 // A launch of painn_split_kernel as one cluster of kSplit blocks, `bytes` of shared memory each,
 // its start-up overlapped with the kernel ahead where `overlap` (start_after_prior_grid).
-struct SplitLaunch {
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attrs[2]{};
-  SplitLaunch(size_t bytes, cudaStream_t stream, bool overlap) {
-    config.gridDim = dim3(kSplit);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = bytes;
-    config.stream = stream;
-    config.attrs = attrs;
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = kSplit;
-    attrs[0].val.clusterDim.y = attrs[0].val.clusterDim.z = 1;
-    config.numAttrs = 1;
-    if (overlap) {
-      attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attrs[1].val.programmaticStreamSerializationAllowed = 1;
-      config.numAttrs = 2;
-    }
-  }
-  SplitLaunch(const SplitLaunch&) = delete;  // config.attrs points into it
-};
+LaunchConfig split_launch(size_t bytes, cudaStream_t stream, bool overlap) {
+  LaunchConfig config(dim3(kSplit), dim3(kThreads), bytes, stream);
+  config.one_cluster();
+  if (overlap) config.overlapped();
+  return config;
+}
 
-// Whether a cluster of kSplit blocks with `bytes` of shared memory each runs on this device
-// (cached per device: the kernel is opted in to the most any call takes).
-bool split_cluster_fits(size_t bytes) {
-  static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
+// The most shared memory a block of the split kernel may take on the current device (the kernel
+// opted in to it), or 0 where its cluster of kSplit blocks does not run; cached per device.
+size_t split_shared_limit() {
+  static std::atomic<int64_t> cached[64] = {};  // 0 unknown, -1 no cluster, else the bytes
   int device = 0;
   cudaGetDevice(&device);
+  const int64_t known = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known > 0 ? static_cast<size_t>(known) : 0;
   const size_t most = max_shared_bytes_per_block() - sizeof(SplitLayout) - 1024;
-  if (bytes > most) return false;
-  const int known = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
-  if (known != 0) return known == 2;
-  bool fits = false;
+  bool runs = false;
   if (whole_model_clusters() && cluster_limit_from_env() == 0 &&
       cudaFuncSetAttribute(painn_split_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
       cudaFuncSetAttribute(painn_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(most)) == cudaSuccess) {
-    const SplitLaunch launch(most, nullptr, false);
     int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, painn_split_kernel, &launch.config) == cudaSuccess &&
+    runs = cudaOccupancyMaxActiveClusters(&clusters, painn_split_kernel, split_launch(most, nullptr, false).get()) ==
+               cudaSuccess &&
            clusters > 0;
   }
   cudaGetLastError();  // a refused query or attribute: clear its error
-  if (device < 64) cached[device].store(fits ? 2 : 1, std::memory_order_relaxed);
-  return fits;
-}
-
-size_t split_shared_bytes(const PainnEnergyParams& p) {
-  return static_cast<size_t>(split_layout_of(p).total) * sizeof(float);
+  if (device < 64) cached[device].store(runs ? static_cast<int64_t>(most) : -1, std::memory_order_relaxed);
+  return runs ? most : 0;
 }
 
 }  // namespace
 
-bool painn_split_applies(const PainnEnergyParams& p) {
+std::optional<cudaError_t> try_launch_painn_split(const PainnEnergyParams& p, cudaStream_t stream) {
   const bool sizes = p.features % kSplit == 0 && p.phi_hidden % kSplit == 0 && p.update_hidden % kSplit == 0 &&
                      p.readout_hidden % kSplit == 0 && p.features > 0 && p.phi_hidden > 0 &&
                      p.update_hidden > 0 && p.readout_hidden > 0 && p.num_atoms <= (1 << 20) &&
                      p.num_pairs <= (1 << 20);
-  return sizes && split_cluster_fits(split_shared_bytes(p));
-}
-
-cudaError_t launch_painn_split(const PainnEnergyParams& params, cudaStream_t stream) {
-  const SplitLaunch launch(split_shared_bytes(params), stream, overlapped_launches());
-  return cudaLaunchKernelEx(&launch.config, painn_split_kernel, params);
+  if (!sizes) return std::nullopt;
+  const size_t bytes = static_cast<size_t>(split_layout_of(p).total) * sizeof(float);
+  if (bytes > split_shared_limit()) return std::nullopt;
+  return split_launch(bytes, stream, overlapped_launches()).launch(painn_split_kernel, p);
 }
 
 }  // namespace mirage::cuda
