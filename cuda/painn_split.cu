@@ -16,12 +16,16 @@
 //   every input, into a room of its shared memory; after a cluster barrier each block adds the
 //   16 blocks' parts of its own slice of dx (sum_partials).
 // A cluster barrier follows each product whose output another block reads: 10 an interaction.
-// Benzene's sizes just fit (224 KB of the 227 a block may have); 13 atoms or 146 pairs of
+// The messages and their backward walk each atom's run of pairs (group_pairs), summing in
+// registers: where f divides 32 no float atomics, so their sums come in one order every call.
+// Benzene's sizes just fit (225 KB of the 227 a block may have); 13 atoms or 137 pairs of
 // capacity do not, nor widths that 16 does not divide: those take painn_energy.cu's kernel.
-// Measured (H200, 2026-12-01, docs/perf/forcefield.md "PaiNN's features split over a cluster"):
-// 150 us a call against that kernel's 172 on benzene. The first version, with remote float
-// atomics for the backward's sums (each a compare-and-swap loop over distributed shared memory)
-// and an integer division per element in every gather, took 293 us.
+// Measured (H200, docs/perf/forcefield.md "PaiNN's features split over a cluster" and "The
+// split kernel's weights by bulk copies"): 150 us a call against that kernel's 172 on benzene
+// (2026-12-01); 148 us against 162 for the version before the runs and the bulk copies
+// (2026-12-02, a standalone A/B of other inputs). The first version, with remote float atomics
+// for the backward's sums (each a compare-and-swap loop over distributed shared memory) and an
+// integer division per element in every gather, took 293 us.
 #include <cooperative_groups.h>
 
 #include "atom_products.cuh"
@@ -73,6 +77,9 @@ struct SplitLayout {
   // its next product fills.
   int64_t rows[2];
   int64_t pair_ints, geometry, basis, pair_grads;  // [P][3], [P][6], [P][R4], [P][4]
+  // The kept pairs grouped by atom, as ints: [2][N] the ends of each atom's run (receivers', then
+  // senders'), [2][P] the runs' pairs (by receiver, then by sender), each run in pair order.
+  int64_t run_ends, runs;
   int64_t energy_part;
   int64_t total;
 };
@@ -129,6 +136,8 @@ __host__ __device__ inline SplitLayout split_layout_of(const PainnEnergyParams& 
   const int64_t widest = std::max<int64_t>(std::max(3 * F, 2 * F), std::max(H, K));
   for (int64_t& room : l.rows) room = a.take(std::max(N * widest, P * l.R4));
   l.pair_ints = a.take(3 * P);
+  l.run_ends = a.take(2 * N);
+  l.runs = a.take(2 * P);
   l.geometry = a.take(6 * P);
   l.basis = a.take(P * l.R4);
   l.pair_grads = a.take(4 * P);
@@ -137,27 +146,77 @@ __host__ __device__ inline SplitLayout split_layout_of(const PainnEnergyParams& 
   return l;
 }
 
-// The block's `rows` rows of a weight into `out` (`stride` floats apart), `ins` floats each, row
-// l from row_at(l), without waiting for them; 16 bytes at a time where every row is aligned.
-template <class RowAt>
-__device__ void stage_rows(float* out, int rows, int ins, int stride, bool aligned, RowAt row_at) {
-  const int step = aligned && ins % 4 == 0 && stride % 4 == 0 ? 4 : 1, per_row = ins / step;
+__device__ __forceinline__ bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The weights' copies into shared memory, started at the kernel's start and waited for before its
+// first product. Where a block's rows of a weight are whole 16-byte runs, one thread hands them to
+// the copy engine (cp.async.bulk, a few copies of kilobytes each, completing on one mbarrier);
+// the other weights go 4 or 16 bytes a thread (cp.async). Bulk copies were chosen because
+// cp.async from every thread took ~15 us for benzene's ~139 KB a block (H200, 2026-12-02):
+// the block's loads in flight at once, not the bytes, bound it.
+struct WeightCopies {
+  uint64_t* barrier;  // in shared memory; one phase: every bulk copy's bytes, and one arrival
+  __device__ unsigned barrier_address() const { return static_cast<unsigned>(__cvta_generic_to_shared(barrier)); }
+  // Thread 0, before any copy.
+  __device__ void init() const {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier_address()) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+  }
+  // Thread 0: `bytes` (a multiple of 16; both addresses 16-byte aligned) from `from` to `to`.
+  __device__ void bulk(float* to, const float* from, unsigned bytes) const {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(barrier_address()), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     static_cast<unsigned>(__cvta_generic_to_shared(to))),
+                 "l"(from), "r"(bytes), "r"(barrier_address())
+                 : "memory");
+  }
+  // Thread 0, after its last bulk copy.
+  __device__ void all_started() const {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier_address()) : "memory");
+  }
+  // Every thread: the copies have landed.
+  __device__ void wait() const {
+    wait_copies();
+    asm volatile(
+        "{\n\t.reg .pred done;\n\tWAIT_COPIES:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n\t@!done bra WAIT_COPIES;\n\t}" ::"r"(
+            barrier_address())
+        : "memory");
+  }
+};
+
+// The block's rows of a weight [dim.width][ins] (nn.Linear layout) into `out`, `stride` floats
+// apart, without waiting for them: the rows of each of dim's chunks, from chunk_rows(c) on (where
+// chunk c's first row is), are one run in global memory.
+template <class ChunkRows>
+__device__ void stage_rows(float* out, Dim dim, int ins, int stride, int rank, ChunkRows chunk_rows,
+                           const WeightCopies& copies) {
+  const int share = dim.share();
+  bool aligned = ins % 4 == 0 && stride % 4 == 0;
+  for (int c = 0; c < dim.chunks; ++c) aligned = aligned && aligned16(chunk_rows(c));
+  if (aligned && stride == ins) {
+    if (threadIdx.x == 0)
+      for (int c = 0; c < dim.chunks; ++c)
+        copies.bulk(out + c * share * stride, chunk_rows(c) + static_cast<int64_t>(rank) * share * ins,
+                    static_cast<unsigned>(share * ins * sizeof(float)));
+    return;
+  }
+  const int step = aligned ? 4 : 1, per_row = ins / step, rows = dim.slice();
   // A thread keeps one place in the rows (as gathered_product): no division per copy.
   const int lanes = min(per_row, static_cast<int>(blockDim.x)), passes = blockDim.x / lanes;
   if (threadIdx.x < lanes * passes)
     for (int k = threadIdx.x % lanes * step; k < ins; k += lanes * step)
       for (int l = threadIdx.x / lanes; l < rows; l += passes)
-        copy_async(out + l * stride + k, row_at(l) + k, 4 * step);
+        copy_async(out + l * stride + k,
+                   chunk_rows(l / share) + static_cast<int64_t>(rank * share + l % share) * ins + k, 4 * step);
 }
 
-__device__ __forceinline__ bool aligned16(const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// A weight [dim.width][ins] (nn.Linear layout), the block's rows of `dim`, and its bias (0 where
-// absent; loaded now, behind the rows' copies).
+// A weight [dim.width][ins] and its bias (0 where absent; loaded now, behind the rows' copies).
 __device__ void stage_linear(float* out, float* bias_out, const float* w, const float* bias, Dim dim, int ins,
-                             int stride, int rank) {
-  stage_rows(out, dim.slice(), ins, stride, aligned16(w),
-             [&](int l) { return w + static_cast<int64_t>(dim.global(rank, l)) * ins; });
+                             int stride, int rank, const WeightCopies& copies) {
+  stage_rows(out, dim, ins, stride, rank, [&](int c) { return w + static_cast<int64_t>(c) * dim.chunk() * ins; },
+             copies);
   if (bias_out != nullptr)
     for (int l = threadIdx.x; l < dim.slice(); l += blockDim.x) bias_out[l] = bias_at(bias, dim.global(rank, l));
 }
@@ -252,6 +311,41 @@ __device__ void sum_partials(const float* parts, Dim dim, int rows, Store store)
   __syncthreads();
 }
 
+// In place, the exclusive prefix sums of counts[0, n): by one warp, every lane of which calls it.
+__device__ void warp_exclusive_scan(int* counts, int n) {
+  const int lane = threadIdx.x % 32;
+  int carry = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int count = base + lane < n ? counts[base + lane] : 0;
+    int sum = count;
+    for (int d = 1; d < 32; d *= 2) {
+      const int below = __shfl_up_sync(0xffffffffu, sum, d);
+      if (lane >= d) sum += below;
+    }
+    if (base + lane < n) counts[base + lane] = carry + sum - count;
+    carry += __shfl_sync(0xffffffffu, sum, 31);
+  }
+}
+
+// Pairs 0 .. np - 1 grouped by atom_of(q) < atoms, each group in pair order, into `runs`; `ends`
+// holds each atom's count, then (the start of its run, then) the end of its run. By one warp,
+// every lane of which calls it; `ends` must have been counted by the block before.
+template <class AtomOf>
+__device__ void group_pairs(int np, int atoms, AtomOf atom_of, int* ends, int* runs) {
+  const int lane = threadIdx.x % 32;
+  warp_exclusive_scan(ends, atoms);
+  __syncwarp();
+  for (int base = 0; base < np; base += 32) {
+    const int q = base + lane, atom = q < np ? atom_of(q) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, atom);
+    const int rank = __popc(same & ((1u << lane) - 1u));
+    if (atom >= 0) runs[ends[atom] + rank] = q;
+    __syncwarp();
+    if (atom >= 0 && rank == __popc(same) - 1) ends[atom] += __popc(same);  // the group's last lane
+    __syncwarp();
+  }
+}
+
 // The filters of kept pair q at the block's feature fl: for each third c (s, vv, vs) of its 3f
 // outputs, o = c f + fl, the value fcut (W basis + b) and, where `basis_slope` is given, the slope
 // fcut' (W basis + b) + fcut W basis'. The rows of W and the basis are R4 floats, zero past R.
@@ -287,6 +381,8 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   __shared__ SplitLayout L;  // in shared memory: its offsets held in registers would spill
   __shared__ int counters[2 + kThreads / 32];
   __shared__ float scratch[32];
+  __shared__ uint64_t copies_barrier;
+  const WeightCopies copies{&copies_barrier};
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, threads = blockDim.x;
@@ -317,23 +413,22 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   const auto parts_of = [&](int product) { return sm + L.rows[product % 2]; };
 
   // The block's weights, copied while the pairs are listed.
+  if (tid == 0) copies.init();
   for (int t = 0; t < T; ++t) {
     const PainnInteraction& layer = p.interactions[t];
     float* w = weights(t);
-    stage_linear(w + L.w.phi1_w, w + L.w.phi1_b, layer.phi1_w, layer.phi1_b, dH, F, F, rank);
-    stage_linear(w + L.w.phi2_w, w + L.w.phi2_b, layer.phi2_w, layer.phi2_b, dM, H, H, rank);
-    stage_linear(w + L.w.filter_w, w + L.w.filter_b, layer.filter_w, layer.filter_b, dM, R, R4, rank);
+    stage_linear(w + L.w.phi1_w, w + L.w.phi1_b, layer.phi1_w, layer.phi1_b, dH, F, F, rank, copies);
+    stage_linear(w + L.w.phi2_w, w + L.w.phi2_b, layer.phi2_w, layer.phi2_b, dM, H, H, rank, copies);
+    stage_linear(w + L.w.filter_w, w + L.w.filter_b, layer.filter_w, layer.filter_b, dM, R, R4, rank, copies);
     for (int e = tid; e < m * (R4 - R); e += threads) w[L.w.filter_w + e / (R4 - R) * R4 + R + e % (R4 - R)] = 0.0f;
     // [U; V]: the block's rows of U, then of V.
-    stage_rows(w + L.w.uv_w, z, F, F, aligned16(layer.u_w) && aligned16(layer.v_w), [&](int l) {
-      const int g = dZ.global(rank, l);
-      return (g < F ? layer.u_w + static_cast<int64_t>(g) * F : layer.v_w + static_cast<int64_t>(g - F) * F);
-    });
-    stage_linear(w + L.w.mlp1_w, w + L.w.mlp1_b, layer.mlp1_w, layer.mlp1_b, dK, 2 * F, 2 * F, rank);
-    stage_linear(w + L.w.mlp2_w, w + L.w.mlp2_b, layer.mlp2_w, layer.mlp2_b, dM, K, K, rank);
+    stage_rows(w + L.w.uv_w, dZ, F, F, rank, [&](int c) { return c == 0 ? layer.u_w : layer.v_w; }, copies);
+    stage_linear(w + L.w.mlp1_w, w + L.w.mlp1_b, layer.mlp1_w, layer.mlp1_b, dK, 2 * F, 2 * F, rank, copies);
+    stage_linear(w + L.w.mlp2_w, w + L.w.mlp2_b, layer.mlp2_w, layer.mlp2_b, dM, K, K, rank, copies);
   }
-  stage_linear(sm + L.readout1_w, sm + L.readout1_b, p.readout1_w, p.readout1_b, dKr, F, F, rank);
+  stage_linear(sm + L.readout1_w, sm + L.readout1_b, p.readout1_w, p.readout1_b, dKr, F, F, rank, copies);
   for (int l = tid; l < r; l += threads) sm[L.readout2_w + l] = p.readout2_w[dKr.global(rank, l)];
+  if (tid == 0) copies.all_started();
 
   // Every block checks every index, so that all of them leave together on a bad one.
   int &kept = counters[0], &invalid = counters[1];
@@ -356,7 +451,7 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
       for (int c = 0; c < 3; ++c) p.grad_vectors[3 * e + c] = invalid ? nan : 0.0f;
   if (invalid) {
     if (rank == 0 && tid == 0) *p.energy = nan;
-    wait_copies();
+    copies.wait();  // before the block's shared memory goes
     return;
   }
 
@@ -391,12 +486,27 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
     __syncthreads();
   }
   const int np = kept;
-  // The message phases' items (pair, feature), e = u f + fl for u < 4 spread, take pair
-  // u % 4 spread + u / 4 (none past np): a neighbor list comes grouped by receiver, and a warp's
-  // consecutive pairs would add into one atom's features at once, each float add to shared
-  // memory a compare-and-swap loop on sm_90 that retries while another lands.
-  const int spread = (np + 3) / 4, items = 4 * spread * f;
-  const auto pair_of = [&](int e) { return e / f % 4 * spread + e / f / 4; };
+  // Each atom's pairs as receiver and as sender, for the message phases: a lane group walks an
+  // atom's run and sums into registers. Before, each pair and feature added into shared memory
+  // with float atomics, each a compare-and-swap loop on sm_90, retried while another lands (and
+  // a list grouped by receiver gives neighbouring pairs one sender): with the bulk copies, the
+  // runs took the kernel from 166 to 148 us (H200, 2026-12-02, standalone A/B).
+  int *run_ends = reinterpret_cast<int*>(sm + L.run_ends), *runs = reinterpret_cast<int*>(sm + L.runs);
+  int *receiver_ends = run_ends, *sender_ends = run_ends + N, *by_receiver = runs, *by_sender = runs + P;
+  for (int e = tid; e < 2 * N; e += threads) run_ends[e] = 0;
+  __syncthreads();
+  for (int q = tid; q < np; q += threads) {
+    atomicAdd(&receiver_ends[pair_ints[3 * q + 1]], 1);
+    atomicAdd(&sender_ends[pair_ints[3 * q + 2]], 1);
+  }
+  __syncthreads();
+  if (warp == 0) group_pairs(np, N, [&](int q) { return pair_ints[3 * q + 1]; }, receiver_ends, by_receiver);
+  if (warp == 1) group_pairs(np, N, [&](int q) { return pair_ints[3 * q + 2]; }, sender_ends, by_sender);
+  const auto run_begin = [&](const int* ends, int a) { return a > 0 ? ends[a - 1] : 0; };
+  // The lanes of the message phases: an atom's run is walked by a group of lanes, one a feature
+  // times `subs` over the run. Where f divides 32 a group is a warp, and its sums over the run
+  // are added up by shuffles; else it is f lanes, and subs 1.
+  const int group = 32 % f == 0 ? 32 : f, subs = group / f;
   // Each pair's basis sqrt(2 / c) sin(w d) / d, w = n pi / c, into `values` or its derivative in
   // d into `slopes` (the backward's, in a room of rows: recomputed, not kept); zero past R.
   const auto bessel_rows = [&](float* values, float* slopes) {
@@ -416,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   // scalars are the embedding.
   for (int e = tid; e < N * f; e += threads) s[e] = p.embedding[p.atomic_numbers[e / f] * F + dF.global(rank, e % f)];
   for (int e = tid; e < 3 * N * f; e += threads) gv[e] = v_in(0)[e] = 0.0f;
-  wait_copies();
+  copies.wait();
   cluster_sync();  // also: every block has started, so its shared memory may be read
 
   for (int t = 0; t < T; ++t) {
@@ -427,24 +537,32 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
                      SliceStore{h1, h, layer.phi_activation, pre1(t)});
     cluster_sync();  // h1
     gathered_product(h1, dH, N, gathered, w + L.w.phi2_w, w + L.w.phi2_b, m, SliceStore{phi(t), m});
-    // The messages, per pair (i <- j) and feature: x = phi[j] * filter, split into (x_s, x_vv,
-    // x_vs); s_i += x_s, v_i += v_j x_vv + x_vs direction, into copies of s and v.
+    // The messages, per receiver i and feature, over its pairs (i <- j): x = phi[j] * filter,
+    // split into (x_s, x_vv, x_vs); s_i + sum x_s and v_i + sum (v_j x_vv + x_vs direction), into
+    // sm_t and vm.
     float *sm_t = zt(t), *vt = v_in(t);
     const float* phit = phi(t);
-    for (int e = tid; e < N * f; e += threads) sm_t[e / f * z + e % f] = s[e];
-    for (int e = tid; e < 3 * N * f; e += threads) vm[e] = vt[e];
-    __syncthreads();
-    for (int e = tid; e < items; e += threads) {
-      const int q = pair_of(e), fl = e % f;
-      if (q >= np) continue;
-      const int i = pair_ints[3 * q + 1], j = pair_ints[3 * q + 2];
-      const float* phi_j = phit + j * m;
-      float filter[3], unused[3];
-      filters(q, fl, filter, unused);
-      const float x_s = phi_j[fl] * filter[0], x_vv = phi_j[f + fl] * filter[1], x_vs = phi_j[2 * f + fl] * filter[2];
-      atomicAdd(&sm_t[i * z + fl], x_s);
-      for (int c = 0; c < 3; ++c)
-        atomicAdd(&vm[(3 * i + c) * f + fl], fmaf(vt[(3 * j + c) * f + fl], x_vv, x_vs * geometry[6 * q + 3 + c]));
+    for (int first = tid - lane; first < N * group; first += threads) {  // whole warps: the shuffles
+      const int e = first + lane, i = e / group, fl = e % group % f, sub = e % group / f;
+      const bool real = e < N * group;
+      float x_s = 0.0f, x_v[3] = {0.0f, 0.0f, 0.0f};
+      for (int k = real ? run_begin(receiver_ends, i) + sub : 0; real && k < receiver_ends[i]; k += subs) {
+        const int q = by_receiver[k], j = pair_ints[3 * q + 2];
+        const float* phi_j = phit + j * m;
+        float filter[3], unused[3];
+        filters(q, fl, filter, unused);
+        const float x_vv = phi_j[f + fl] * filter[1], x_vs = phi_j[2 * f + fl] * filter[2];
+        x_s = fmaf(phi_j[fl], filter[0], x_s);
+        for (int c = 0; c < 3; ++c) x_v[c] += fmaf(vt[(3 * j + c) * f + fl], x_vv, x_vs * geometry[6 * q + 3 + c]);
+      }
+      for (int other = f; other < group; other *= 2) {  // the sums of the group's subs
+        x_s += __shfl_xor_sync(0xffffffffu, x_s, other);
+        for (int c = 0; c < 3; ++c) x_v[c] += __shfl_xor_sync(0xffffffffu, x_v[c], other);
+      }
+      if (real && sub == 0) {
+        sm_t[i * z + fl] = s[i * f + fl] + x_s;
+        for (int c = 0; c < 3; ++c) vm[(3 * i + c) * f + fl] = vt[(3 * i + c) * f + fl] + x_v[c];
+      }
     }
     cluster_sync();  // vm
     float* uvt = uvv(t);
@@ -539,48 +657,63 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
     bessel_rows(nullptr, basis_slope);
     float* gphi = ga;
     const float *phit = phi(t), *vt = v_in(t);
-    for (int e = tid; e < N * m; e += threads) gphi[e] = 0.0f;
-    for (int e = tid; e < 3 * N * f; e += threads) gvs[e] = 0.0f;
     __syncthreads();
     const Filters filters{w + L.w.filter_w, w + L.w.filter_b, basis, basis_slope, geometry, R4, f};
-    // Where f divides 32, the f lanes of a pair (in one warp: e counts from a multiple of 32) add
-    // their pair gradients up with shuffles, and its first lane adds them in: no float atomics.
+    // A sender's group walks its run: its d phi and d v sums in registers, written once (into
+    // gvs: gv is read meanwhile). Where f divides 32, a step's f lanes of a pair add its
+    // gradients up with shuffles (a group is a warp: the same steps in every lane); else with atomics.
     const bool lanes_of_a_pair = 32 % f == 0;
-    for (int first = tid - tid % 32; first < items; first += threads) {
-      const int e = first + tid % 32, q = pair_of(e), fl = e % f;
-      const bool real = e < items && q < np;
-      float grads[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (real) {
-        const int i = pair_ints[3 * q + 1], j = pair_ints[3 * q + 2];
-        float filter[3], slope[3], g_v[3], grad_x_vv = 0.0f, grad_x_vs = 0.0f;
-        filters(q, fl, filter, slope);
-        const float* direction = geometry + 6 * q + 3;
-        for (int c = 0; c < 3; ++c) {
-          g_v[c] = gv[(3 * i + c) * f + fl];
-          grad_x_vv = fmaf(g_v[c], vt[(3 * j + c) * f + fl], grad_x_vv);
-          grad_x_vs = fmaf(g_v[c], direction[c], grad_x_vs);
+    for (int first = tid - lane; first < N * group; first += threads) {
+      const int e = first + lane, j = e / group, fl = e % group % f, sub = e % group / f;
+      const bool real = e < N * group;
+      const int begin = real ? run_begin(sender_ends, j) : 0, end = real ? sender_ends[j] : 0;
+      const float* phi_j = phit + j * m;
+      float grad_phi[3] = {0.0f, 0.0f, 0.0f}, grad_v[3] = {0.0f, 0.0f, 0.0f};
+      for (int step = begin; step < end; step += subs) {
+        const int k = step + sub;
+        const int q = k < end ? by_sender[k] : -1;
+        float grads[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (q >= 0) {
+          const int i = pair_ints[3 * q + 1];
+          float filter[3], slope[3], g_v[3], grad_x_vv = 0.0f, grad_x_vs = 0.0f;
+          filters(q, fl, filter, slope);
+          const float* direction = geometry + 6 * q + 3;
+          for (int c = 0; c < 3; ++c) {
+            g_v[c] = gv[(3 * i + c) * f + fl];
+            grad_x_vv = fmaf(g_v[c], vt[(3 * j + c) * f + fl], grad_x_vv);
+            grad_x_vs = fmaf(g_v[c], direction[c], grad_x_vs);
+          }
+          const float grad_x_s = gs[i * f + fl];
+          const float phi_s = phi_j[fl], phi_vv = phi_j[f + fl], phi_vs = phi_j[2 * f + fl];
+          grad_phi[0] = fmaf(grad_x_s, filter[0], grad_phi[0]);
+          grad_phi[1] = fmaf(grad_x_vv, filter[1], grad_phi[1]);
+          grad_phi[2] = fmaf(grad_x_vs, filter[2], grad_phi[2]);
+          const float x_vv = phi_vv * filter[1], x_vs = phi_vs * filter[2];
+          for (int c = 0; c < 3; ++c) {
+            grad_v[c] = fmaf(g_v[c], x_vv, grad_v[c]);
+            grads[1 + c] = g_v[c] * x_vs;
+          }
+          grads[0] = grad_x_s * phi_s * slope[0] + grad_x_vv * phi_vv * slope[1] + grad_x_vs * phi_vs * slope[2];
         }
-        const float grad_x_s = gs[i * f + fl];
-        const float* phi_j = phit + j * m;
-        const float phi_s = phi_j[fl], phi_vv = phi_j[f + fl], phi_vs = phi_j[2 * f + fl];
-        atomicAdd(&gphi[j * m + fl], grad_x_s * filter[0]);
-        atomicAdd(&gphi[j * m + f + fl], grad_x_vv * filter[1]);
-        atomicAdd(&gphi[j * m + 2 * f + fl], grad_x_vs * filter[2]);
-        const float x_vv = phi_vv * filter[1], x_vs = phi_vs * filter[2];
-        for (int c = 0; c < 3; ++c) {
-          atomicAdd(&gvs[(3 * j + c) * f + fl], g_v[c] * x_vv);
-          grads[1 + c] = g_v[c] * x_vs;
+        if (lanes_of_a_pair) {
+          for (int other = f / 2; other > 0; other /= 2)
+            for (int c = 0; c < 4; ++c) grads[c] += __shfl_xor_sync(0xffffffffu, grads[c], other);
+          if (q >= 0 && fl == 0)
+            for (int c = 0; c < 4; ++c) pair_grads[4 * q + c] += grads[c];
+        } else if (q >= 0) {
+          for (int c = 0; c < 4; ++c) atomicAdd(&pair_grads[4 * q + c], grads[c]);
         }
-        grads[0] = grad_x_s * phi_s * slope[0] + grad_x_vv * phi_vv * slope[1] + grad_x_vs * phi_vs * slope[2];
       }
-      if (lanes_of_a_pair) {
-        for (int lane = f / 2; lane > 0; lane /= 2)
-          for (int c = 0; c < 4; ++c) grads[c] += __shfl_xor_sync(0xffffffffu, grads[c], lane);
-        if (real && fl == 0)
-          for (int c = 0; c < 4; ++c) pair_grads[4 * q + c] += grads[c];
-      } else if (real) {
-        for (int c = 0; c < 4; ++c) atomicAdd(&pair_grads[4 * q + c], grads[c]);
-      }
+      for (int other = f; other < group; other *= 2)  // the sums of the group's subs
+        for (int c = 0; c < 3; ++c) {
+          grad_phi[c] += __shfl_xor_sync(0xffffffffu, grad_phi[c], other);
+          grad_v[c] += __shfl_xor_sync(0xffffffffu, grad_v[c], other);
+        }
+      if (real && sub == 0)
+        for (int c = 0; c < 3; ++c) {
+          gphi[j * m + c * f + fl] = grad_phi[c];
+          gvs[(3 * j + c) * f + fl] = grad_v[c];
+        }
     }
     __syncthreads();
     for (int e = tid; e < 3 * N * f; e += threads) gv[e] += gvs[e];
