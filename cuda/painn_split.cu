@@ -203,7 +203,8 @@ __device__ void stage_rows(float* out, Dim dim, int ins, int stride, int rank, C
     return;
   }
   const int step = aligned ? 4 : 1, per_row = ins / step, rows = dim.slice();
-  // A thread keeps one place in the rows (as gathered_product): no division per copy.
+  // A thread keeps one place in the rows (as gathered_product). The row's address takes a
+  // division a copy: this path is only for rows the bulk copies cannot take.
   const int lanes = min(per_row, static_cast<int>(blockDim.x)), passes = blockDim.x / lanes;
   if (threadIdx.x < lanes * passes)
     for (int k = threadIdx.x % lanes * step; k < ins; k += lanes * step)

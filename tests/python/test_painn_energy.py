@@ -38,6 +38,9 @@ CONFIGS = {
     "split_many_atoms": (40, 600, 16, 8, 16, 32, 16, ["silu", "relu", "tanh"], True),
     # 3 features a block: 32 lanes hold no whole number of pairs (the pair gradients' atomics).
     "split_three_features": (10, 60, 48, 7, 48, 32, 16, ["tanh", "silu", "gelu", "silu", "silu"], False),
+    # 16 features a block: two lanes along each atom's run of pairs, a pair's gradients summed
+    # over 16 lanes.
+    "split_sixteen_features": (6, 30, 256, 4, 32, 16, 16, ["silu", "tanh", "silu"], True),
 }
 CUTOFF = 4.0
 NORM_EPS = 1e-8
@@ -172,7 +175,7 @@ def test_painn_energy_cuda_graph_with_a_second_model_in_its_workspace(config):
 @pytest.mark.cuda
 @pytest.mark.parametrize("config, kernel", [
     ("benzene", "painn_split_kernel"), ("split", "painn_split_kernel"), ("split_three_features", "painn_split_kernel"),
-    ("odd", "painn_energy_kernel"), ("wide", "painn_energy_kernel")])
+    ("split_sixteen_features", "painn_split_kernel"), ("odd", "painn_energy_kernel"), ("wide", "painn_energy_kernel")])
 def test_painn_energy_cuda_kernel_choice(config, kernel):
     """On sm_90 the widths divisible by 16 take painn_split.cu's kernel (where its cluster of 16
     fits), the rest painn_energy.cu's: so that the configurations above test the kernel meant."""
