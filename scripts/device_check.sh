@@ -6,7 +6,8 @@
 # its own under the device tool's $OUT runs this with OUT set to a folder of this script's own).
 #   usage (device tool): [STEPS="build pytest ..."] bash scripts/device_check.sh [pytest args...]
 # STEPS picks a subset of: build pytest ctest demo bench_norms bench_unet bench_ff profile_ff
-# validate_nve (default: all; together they outlast one 10-minute device call: split them; the
+# validate_nve, and split_phases (the split PaiNN kernel's phases, torch-free; only when named)
+# (default: all but split_phases; together they outlast one 10-minute device call: split them; the
 # pytest step alone takes longer than that since opcheck runs on every sample: pass test files).
 # Wheels the device lacks (diffusers, ase, scikit-build-core >= 1.0) travel in .whl/ with the device
 # tool's `carry` (README: GPU checks).
@@ -93,6 +94,12 @@ if want profile_ff; then
   step "profile_ff"
   (cd benchmarks && python3 profile_forcefield.py --parts) > "$OUT/profile_ff.txt" 2>&1 || status=1
   grep -E "µs|==" "$OUT/profile_ff.txt"
+fi
+
+if want split_phases; then
+  step "split_phases"
+  python3 benchmarks/painn_split_phases.py --phases > "$OUT/split_phases.txt" 2>&1 || status=1
+  tail -4 "$OUT/split_phases.txt"
 fi
 
 if want validate_nve; then
