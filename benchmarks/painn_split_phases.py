@@ -88,6 +88,14 @@ def stamped_copy(source: Path, out: Path) -> list:
     return [pattern for k, pattern in enumerate(MARKS) if k not in marked]
 
 
+def build_command(kernel: Path, binary: Path, phases: bool, nvcc: str = "nvcc") -> list:
+    """nvcc's command that builds the harness into `binary` against `kernel` (a stamped copy where
+    `phases`)."""
+    return [nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+            f"-I{ROOT / 'cuda'}", f'-DKERNEL_SOURCE="{kernel}"', *(["-DMIRAGE_PHASES"] if phases else []), "-o",
+            str(binary), str(HARNESS)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="*", type=Path, default=[ROOT / "cuda" / "painn_split.cu"],
@@ -102,16 +110,12 @@ def main() -> int:
     for index, source in enumerate(args.sources):
         source = source.resolve()
         kernel = source
-        flags = []
         if args.phases:
             kernel = work / f"stamped_{index}.cu"
             for pattern in stamped_copy(source, kernel):
                 print(f"{source}: no statement matches {pattern!r}; no stamp there", file=sys.stderr)
-            flags = ["-DMIRAGE_PHASES"]
         binary = work / f"harness_{index}"
-        command = [args.nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-                   f"-I{ROOT / 'cuda'}", f'-DKERNEL_SOURCE="{kernel}"', *flags, "-o", str(binary), str(HARNESS)]
-        builds.append((source, binary, subprocess.Popen(command)))
+        builds.append((source, binary, subprocess.Popen(build_command(kernel, binary, args.phases, args.nvcc))))
     print(f"building {len(builds)} harness(es) in {work} ...", flush=True)
     if any(process.wait() != 0 for _, _, process in builds):
         print("a build failed (above)", file=sys.stderr)

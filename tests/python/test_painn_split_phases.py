@@ -44,9 +44,7 @@ def test_stamped_harness_builds(tmp_path):
     tool = load_tool()
     stamped = tmp_path / "stamped.cu"
     tool.stamped_copy(ROOT / "cuda" / "painn_split.cu", stamped)
-    subprocess.run(["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-                    f"-I{ROOT / 'cuda'}", f'-DKERNEL_SOURCE="{stamped}"', "-DMIRAGE_PHASES", "-o",
-                    str(tmp_path / "harness"), str(ROOT / "benchmarks" / "painn_split_harness.cu")], check=True)
+    subprocess.run(tool.build_command(stamped, tmp_path / "harness", phases=True), check=True)
 
 
 @pytest.mark.cuda
