@@ -23,9 +23,11 @@
 // Measured (H200, docs/perf/forcefield.md "PaiNN's features split over a cluster" and "The
 // split kernel's weights by bulk copies"): 150 us a call against that kernel's 172 on benzene
 // (2026-12-01); 148 us against 162 for the version before the runs and the bulk copies
-// (2026-12-02, a standalone A/B of other inputs). The first version, with remote float atomics
-// for the backward's sums (each a compare-and-swap loop over distributed shared memory) and an
-// integer division per element in every gather, took 293 us.
+// (2026-12-02, a standalone A/B of other inputs); 142.3 us against 148.2 with the biases spread
+// over the threads and the basis by turns (bessel_rows; 2026-12-02, the same A/B). Not inlining
+// the products (one copy of their code for the instruction cache) made it slower: 157 us. The
+// first version, with remote float atomics for the backward's sums (each a compare-and-swap loop
+// over distributed shared memory) and an integer division per element in every gather, took 293 us.
 #include <cooperative_groups.h>
 
 #include "atom_products.cuh"
@@ -213,14 +215,27 @@ __device__ void stage_rows(float* out, Dim dim, int ins, int stride, int rank, C
                    chunk_rows(l / share) + static_cast<int64_t>(rank * share + l % share) * ins + k, 4 * step);
 }
 
-// A weight [dim.width][ins] and its bias (0 where absent; loaded now, behind the rows' copies).
-__device__ void stage_linear(float* out, float* bias_out, const float* w, const float* bias, Dim dim, int ins,
-                             int stride, int rank, const WeightCopies& copies) {
+// A weight [dim.width][ins] (its bias: BiasLoads).
+__device__ void stage_linear(float* out, const float* w, Dim dim, int ins, int stride, int rank,
+                             const WeightCopies& copies) {
   stage_rows(out, dim, ins, stride, rank, [&](int c) { return w + static_cast<int64_t>(c) * dim.chunk() * ins; },
              copies);
-  if (bias_out != nullptr)
-    for (int l = threadIdx.x; l < dim.slice(); l += blockDim.x) bias_out[l] = bias_at(bias, dim.global(rank, l));
 }
+
+// The block's slices of the biases (0 where absent), loaded after every weight's copy has started,
+// their elements dealt out over the block's threads one after another across the biases: a
+// thread's loads are then one or two, not one of each bias. Loaded a bias at a time, slice
+// element l by thread l, thread 0's loads sat between its bulk copies and came one after another:
+// 148.2 against 146.5 us a call on benzene (H200, 2026-12-02, painn_split_phases.py's A/B).
+struct BiasLoads {
+  int rank, next = 0;  // the thread the next element goes to
+  __device__ void operator()(float* out, const float* bias, Dim dim) {
+    const int n = dim.slice(), threads = blockDim.x;
+    for (int l = (static_cast<int>(threadIdx.x) - next % threads + threads) % threads; l < n; l += threads)
+      out[l] = bias_at(bias, dim.global(rank, l));
+    next += n;
+  }
+};
 
 // Forward product stores: out[r][o] = activate(v + b), v + b kept in `pre` where given. The
 // part of atom_products' AtomStore this kernel uses: AtomStore itself (64-bit index, the gate and
@@ -328,16 +343,15 @@ __device__ void warp_exclusive_scan(int* counts, int n) {
   }
 }
 
-// Pairs 0 .. np - 1 grouped by atom_of(q) < atoms, each group in pair order, into `runs`; `ends`
-// holds each atom's count, then (the start of its run, then) the end of its run. By one warp,
-// every lane of which calls it; `ends` must have been counted by the block before.
-template <class AtomOf>
-__device__ void group_pairs(int np, int atoms, AtomOf atom_of, int* ends, int* runs) {
+// Pairs 0 .. np - 1 grouped by their atom atom_of[3 q] < atoms, each group in pair order, into
+// `runs`; `ends` holds each atom's count, then (the start of its run, then) the end of its run. By
+// one warp, every lane of which calls it; `ends` must have been counted by the block before.
+__device__ void group_pairs(int np, int atoms, const int* atom_of, int* ends, int* runs) {
   const int lane = threadIdx.x % 32;
   warp_exclusive_scan(ends, atoms);
   __syncwarp();
   for (int base = 0; base < np; base += 32) {
-    const int q = base + lane, atom = q < np ? atom_of(q) : -1;
+    const int q = base + lane, atom = q < np ? atom_of[3 * q] : -1;
     const unsigned same = __match_any_sync(0xffffffffu, atom);
     const int rank = __popc(same & ((1u << lane) - 1u));
     if (atom >= 0) runs[ends[atom] + rank] = q;
@@ -418,18 +432,29 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   for (int t = 0; t < T; ++t) {
     const PainnInteraction& layer = p.interactions[t];
     float* w = weights(t);
-    stage_linear(w + L.w.phi1_w, w + L.w.phi1_b, layer.phi1_w, layer.phi1_b, dH, F, F, rank, copies);
-    stage_linear(w + L.w.phi2_w, w + L.w.phi2_b, layer.phi2_w, layer.phi2_b, dM, H, H, rank, copies);
-    stage_linear(w + L.w.filter_w, w + L.w.filter_b, layer.filter_w, layer.filter_b, dM, R, R4, rank, copies);
+    stage_linear(w + L.w.phi1_w, layer.phi1_w, dH, F, F, rank, copies);
+    stage_linear(w + L.w.phi2_w, layer.phi2_w, dM, H, H, rank, copies);
+    stage_linear(w + L.w.filter_w, layer.filter_w, dM, R, R4, rank, copies);
     for (int e = tid; e < m * (R4 - R); e += threads) w[L.w.filter_w + e / (R4 - R) * R4 + R + e % (R4 - R)] = 0.0f;
     // [U; V]: the block's rows of U, then of V.
     stage_rows(w + L.w.uv_w, dZ, F, F, rank, [&](int c) { return c == 0 ? layer.u_w : layer.v_w; }, copies);
-    stage_linear(w + L.w.mlp1_w, w + L.w.mlp1_b, layer.mlp1_w, layer.mlp1_b, dK, 2 * F, 2 * F, rank, copies);
-    stage_linear(w + L.w.mlp2_w, w + L.w.mlp2_b, layer.mlp2_w, layer.mlp2_b, dM, K, K, rank, copies);
+    stage_linear(w + L.w.mlp1_w, layer.mlp1_w, dK, 2 * F, 2 * F, rank, copies);
+    stage_linear(w + L.w.mlp2_w, layer.mlp2_w, dM, K, K, rank, copies);
   }
-  stage_linear(sm + L.readout1_w, sm + L.readout1_b, p.readout1_w, p.readout1_b, dKr, F, F, rank, copies);
-  for (int l = tid; l < r; l += threads) sm[L.readout2_w + l] = p.readout2_w[dKr.global(rank, l)];
+  stage_linear(sm + L.readout1_w, p.readout1_w, dKr, F, F, rank, copies);
   if (tid == 0) copies.all_started();
+  BiasLoads load_bias{rank};
+  for (int t = 0; t < T; ++t) {
+    const PainnInteraction& layer = p.interactions[t];
+    float* w = weights(t);
+    load_bias(w + L.w.phi1_b, layer.phi1_b, dH);
+    load_bias(w + L.w.phi2_b, layer.phi2_b, dM);
+    load_bias(w + L.w.filter_b, layer.filter_b, dM);
+    load_bias(w + L.w.mlp1_b, layer.mlp1_b, dK);
+    load_bias(w + L.w.mlp2_b, layer.mlp2_b, dM);
+  }
+  load_bias(sm + L.readout1_b, p.readout1_b, dKr);
+  load_bias(sm + L.readout2_w, p.readout2_w, dKr);
 
   // Every block checks every index, so that all of them leave together on a bad one.
   int &kept = counters[0], &invalid = counters[1];
@@ -501,24 +526,45 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
     atomicAdd(&sender_ends[pair_ints[3 * q + 2]], 1);
   }
   __syncthreads();
-  if (warp == 0) group_pairs(np, N, [&](int q) { return pair_ints[3 * q + 1]; }, receiver_ends, by_receiver);
-  if (warp == 1) group_pairs(np, N, [&](int q) { return pair_ints[3 * q + 2]; }, sender_ends, by_sender);
+  if (warp < 2)  // warp 0 by receiver, warp 1 by sender
+    group_pairs(np, N, pair_ints + 1 + warp, warp == 0 ? receiver_ends : sender_ends, warp == 0 ? by_receiver : by_sender);
   const auto run_begin = [&](const int* ends, int a) { return a > 0 ? ends[a - 1] : 0; };
   // The lanes of the message phases: an atom's run is walked by a group of lanes, one a feature
   // times `subs` over the run. Where f divides 32 a group is a warp, and its sums over the run
   // are added up by shuffles; else it is f lanes, and subs 1.
   const int group = 32 % f == 0 ? 32 : f, subs = group / f;
   // Each pair's basis sqrt(2 / c) sin(w d) / d, w = n pi / c, into `values` or its derivative in
-  // d into `slopes` (the backward's, in a room of rows: recomputed, not kept); zero past R.
+  // d into `slopes` (the backward's, in a room of rows: recomputed, not kept); zero past R. A
+  // thread takes a pair and turns the sine and cosine of pi d / c to each w d (one sincosf a pair,
+  // not one a value: the slopes, recomputed in each interaction's backward, had ~5% of the
+  // kernel's stall samples, Nsight Compute, H200, 2026-12-02). Each turn adds about an ulp, less
+  // than the rounding of w d itself in a float32 composite. Below x = w d = 0.1, the series of
+  // sinc_and_derivative, as radial_basis (no cancellation in the slope, finite at d = 0).
   const auto bessel_rows = [&](float* values, float* slopes) {
-    const float bessel_scale = sqrtf(2.0f / p.cutoff);
-    for (int e = tid; e < np * R4; e += threads) {
-      const int q = e / R4, n = e % R4;
-      const float frequency = (n + 1) * kPi / p.cutoff;
-      float value = 0.0f, derivative = 0.0f;
-      if (n < R) sinc_and_derivative(frequency * geometry[6 * q], value, derivative);
-      if (values != nullptr) values[e] = bessel_scale * frequency * value;
-      if (slopes != nullptr) slopes[e] = bessel_scale * frequency * frequency * derivative;
+    const float scale = sqrtf(2.0f / p.cutoff), step = kPi / p.cutoff;
+    for (int q = tid; q < np; q += threads) {
+      const float d = geometry[6 * q], inverse = 1.0f / d;
+      float sine_step, cosine_step;
+      sincosf(step * d, &sine_step, &cosine_step);
+      float sine = sine_step, cosine = cosine_step;  // of w d, w = (n + 1) step
+      for (int n = 0; n < R4; ++n) {
+        const float frequency = (n + 1) * step, x = frequency * d;
+        float value = 0.0f, slope = 0.0f;
+        if (n < R && fabsf(x) < kSincSeriesBelow) {
+          float sinc_value, sinc_slope;
+          sinc_and_derivative(x, sinc_value, sinc_slope);
+          value = scale * frequency * sinc_value;
+          slope = scale * frequency * frequency * sinc_slope;
+        } else if (n < R) {
+          value = scale * sine * inverse;
+          slope = scale * inverse * fmaf(frequency, cosine, -sine * inverse);
+        }
+        if (values != nullptr) values[q * R4 + n] = value;
+        if (slopes != nullptr) slopes[q * R4 + n] = slope;
+        const float turned = fmaf(sine, cosine_step, cosine * sine_step);
+        cosine = fmaf(cosine, cosine_step, -sine * sine_step);
+        sine = turned;
+      }
     }
   };
   bessel_rows(basis, nullptr);
