@@ -10,11 +10,13 @@
 // backward stay inside a block (each is per feature), and a block keeps only its own output rows
 // of each weight: ~139 KB of shared memory for benzene's PaiNN student, copied in once a call.
 // A product's inputs are every block's slices:
-// - forward (y = W x + b, the block's rows of W): each block gathers the full input rows from the
-//   blocks' shared memory (distributed shared memory), then forms its own outputs;
+// - forward (y = W x + b, the block's rows of W): each block writes its slices of the input rows
+//   into every block's shared memory (distributed shared memory: push) before the barrier, then
+//   each forms its own outputs from its own copy of the full rows;
 // - backward (dx = W^T dy): each block multiplies its own rows of W by its own slice of dy, over
 //   every input, into a room of its shared memory; after a cluster barrier each block adds the
-//   16 blocks' parts of its own slice of dx (sum_partials).
+//   16 blocks' parts of its own slice of dx (sum_partials). Pushing those parts to their owners
+//   before the barrier instead was slower (137.5 against 135.1 us, H200, 2026-12-02).
 // A cluster barrier follows each product whose output another block reads: 10 an interaction.
 // The messages and their backward walk each atom's run of pairs (group_pairs), summing in
 // registers: where f divides 32 no float atomics, so their sums come in one order every call.
@@ -24,8 +26,9 @@
 // split kernel's weights by bulk copies"): 150 us a call against that kernel's 172 on benzene
 // (2026-12-01); 148 us against 162 for the version before the runs and the bulk copies
 // (2026-12-02, a standalone A/B of other inputs); 142.3 us against 148.2 with the biases spread
-// over the threads and the basis by turns (bessel_rows; 2026-12-02, the same A/B). Not inlining
-// the products (one copy of their code for the instruction cache) made it slower: 157 us. The
+// over the threads and the basis by turns (bessel_rows; 2026-12-02, the same A/B); 135.1 with the
+// forward's inputs pushed (push). Not inlining the products (one copy of their code for the
+// instruction cache) made it slower: 157 us. The
 // first version, with remote float atomics for the backward's sums (each a compare-and-swap loop
 // over distributed shared memory) and an integer division per element in every gather, took 293 us.
 #include <cooperative_groups.h>
@@ -50,9 +53,6 @@ struct Dim {
   __host__ __device__ int chunk() const { return width / chunks; }
   __host__ __device__ int share() const { return chunk() / kSplit; }
   __host__ __device__ int slice() const { return width / kSplit; }
-  // The block holding feature g, and g's place in its slice.
-  __device__ int owner(int g) const { return g % chunk() / share(); }
-  __device__ int local(int g) const { return g / chunk() * share() + g % chunk() % share(); }
   // The feature at place l of block `rank`'s slice.
   __device__ int global(int rank, int l) const { return l / share() * chunk() + rank * share() + l % share(); }
 };
@@ -74,9 +74,9 @@ struct SplitLayout {
   int64_t pre1, phi, v, z, uvv, pre2, gates;  // [T] forward values the backward reads
   int64_t s, vm, h1, h2, readout, gs, gv;     // [N][f] s, [3N][f] vm, ...
   int64_t ga, gh2, gz, guvv, gvs, gh1;        // [N][3f] the forward's gates, then d a and d phi; ...
-  // Two rooms of rows: the forward gathers a product's input rows into the first; the backward's
-  // products leave their parts in each in turn (sum_partials), and the basis' slopes in the one
-  // its next product fills.
+  // Two rooms of rows: the forward's products read their input rows from each in turn (push), the
+  // backward's products leave their parts in each in turn (sum_partials), and the basis' slopes
+  // in the one its next product fills.
   int64_t rows[2];
   int64_t pair_ints, geometry, basis, pair_grads;  // [P][3], [P][6], [P][R4], [P][4]
   // The kept pairs grouped by atom, as ints: [2][N] the ends of each atom's run (receivers', then
@@ -205,8 +205,8 @@ __device__ void stage_rows(float* out, Dim dim, int ins, int stride, int rank, C
     return;
   }
   const int step = aligned ? 4 : 1, per_row = ins / step, rows = dim.slice();
-  // A thread keeps one place in the rows (as gathered_product). The row's address takes a
-  // division a copy: this path is only for rows the bulk copies cannot take.
+  // A thread keeps one place in the rows (its loads of successive rows independent). The row's
+  // address takes a division a copy: this path is only for rows the bulk copies cannot take.
   const int lanes = min(per_row, static_cast<int>(blockDim.x)), passes = blockDim.x / lanes;
   if (threadIdx.x < lanes * passes)
     for (int k = threadIdx.x % lanes * step; k < ins; k += lanes * step)
@@ -245,42 +245,46 @@ struct SliceStore {
   int stride;
   Activation activation = Activation::kNone;
   float* pre = nullptr;
-  __device__ void operator()(int r, int o, float v, float b) const {
-    const int at = r * stride + o;
-    v += b;
-    if (pre != nullptr) pre[at] = v;
-    out[at] = activate(v, activation);
-  }
+  float* next = nullptr;  // where given, the next product's rooms: out also goes there (push), as `dim`
+  Dim dim{};
+  __device__ void operator()(int r, int o, float v, float b) const;
 };
 
-// y = W x + b over the cluster: x's rows are every block's slice of `dim` (at `x` in each block's
-// shared memory); they are gathered into `gathered` ([rows][dim.width]), then the block's `outs`
-// rows of W ([outs][dim.width] at w) form its outputs, stored as store(r, o, v, b). The 8-lane
-// groups of linear_tile take (4 rows, 2 outputs) items in turn. Every thread of the block calls
-// it; it ends with a barrier of the block. The slices read must be complete: a cluster barrier
-// since their last writes.
-template <class Store>
-__device__ void gathered_product(const float* x, Dim dim, int rows, float* gathered, const float* w,
-                                 const float* bias, int outs, Store store) {
+// Element (r, l) of the block's slice of `dim`, v, into every block's copy of the whole rows
+// ([rows][dim.width] at `rows`) that the cluster's next product reads: each block writes its
+// slices' elements to all 16 blocks ahead of the barrier before that product, which then reads
+// its own shared memory only. Pulled after the barrier instead (each block gathering every
+// element from its owner), every product waited for a round trip to the other blocks.
+__device__ __forceinline__ void push(float* rows, Dim dim, int r, int l, float v) {
   cg::cluster_group cluster = cg::this_cluster();
-  const int width = dim.width, slice = dim.slice();
-  // A thread keeps one input feature g (its owner's address found once) over every
-  // `passes`-th row: the loads of its rows are independent, in flight together.
-  const int lanes = min(width, static_cast<int>(blockDim.x)), passes = blockDim.x / lanes;
-  if (threadIdx.x < lanes * passes)
-    for (int g = threadIdx.x % lanes; g < width; g += lanes) {
-      const float* from = cluster.map_shared_rank(x + dim.local(g), dim.owner(g));
-#pragma unroll 4
-      for (int r = threadIdx.x / lanes; r < rows; r += passes) gathered[r * width + g] = from[r * slice];
-    }
-  __syncthreads();
+  float* at = rows + r * dim.width + dim.global(static_cast<int>(cluster.block_rank()), l);
+#pragma unroll
+  for (int b = 0; b < kSplit; ++b) *cluster.map_shared_rank(at, b) = v;
+}
+
+__device__ __forceinline__ void SliceStore::operator()(int r, int o, float v, float b) const {
+  const int at = r * stride + o;
+  v += b;
+  if (pre != nullptr) pre[at] = v;
+  const float y = activate(v, activation);
+  out[at] = y;
+  if (next != nullptr) push(next, dim, r, o, y);
+}
+
+// y = W x + b over the cluster: x's whole rows ([rows][width] at `x`, pushed there by every block
+// before a cluster barrier), times the block's `outs` rows of W ([outs][width] at w), stored as
+// store(r, o, v, b). The 8-lane groups of linear_tile take (4 rows, 2 outputs) items in turn.
+// Every thread of the block calls it; it ends with a barrier of the block.
+template <class Store>
+__device__ void rows_product(const float* x, int width, int rows, const float* w, const float* bias, int outs,
+                             Store store) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int tiles = (rows + 3) / 4, pairs = (outs + 1) / 2, items = tiles * pairs;
   const auto row_of = [](int r) -> int64_t { return r; };
   for (int first = warp * 4; first < items; first += warps * 4) {  // a warp's four items at a time
     const int item = first + lane / 8;
     const bool real = item < items;
-    linear_tile<4, true>(real ? 4 * (item / pairs) : 0, rows, row_of, gathered, width, width, w, bias,
+    linear_tile<4, true>(real ? 4 * (item / pairs) : 0, rows, row_of, x, width, width, w, bias,
                          real ? 2 * (item % pairs) : outs, outs, store);
   }
   __syncthreads();
@@ -406,6 +410,7 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   if (tid == 0) L = split_layout_of(p);
   start_after_prior_grid();  // launched overlapped: the kernel ahead may be writing the weights, the vectors
   __syncthreads();
+  cluster_arrive();  // this block has started (cluster_wait before the first push)
   const int f = L.f, h = L.h, k = L.k, r = L.r, m = 3 * f, z = 2 * f, R4 = L.R4;
   const Dim dF{F, 1}, dH{H, 1}, dK{K, 1}, dKr{p.readout_hidden, 1}, dM{3 * F, 3}, dZ{2 * F, 2};
   const auto at_t = [&](int64_t offset, int t, int64_t size) { return sm + offset + t * size; };
@@ -418,7 +423,7 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   const auto pre2 = [&](int t) { return at_t(L.pre2, t, N * k); };
   const auto gates = [&](int t) { return at_t(L.gates, t, N * z); };
   float *s = sm + L.s, *vm = sm + L.vm, *h1 = sm + L.h1, *h2 = sm + L.h2, *readout = sm + L.readout;
-  float *gs = sm + L.gs, *gv = sm + L.gv, *gathered = sm + L.rows[0];
+  float *gs = sm + L.gs, *gv = sm + L.gv;
   float *ga = sm + L.ga, *gh2 = sm + L.gh2, *gz = sm + L.gz, *guvv = sm + L.guvv, *gvs = sm + L.gvs;
   float* gh1 = sm + L.gh1;
   int* pair_ints = reinterpret_cast<int*>(sm + L.pair_ints);  // [P]: pair, receiver, sender
@@ -478,6 +483,7 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   if (invalid) {
     if (rank == 0 && tid == 0) *p.energy = nan;
     copies.wait();  // before the block's shared memory goes
+    cluster_wait();
     return;
   }
 
@@ -573,17 +579,28 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
   // scalars are the embedding.
   for (int e = tid; e < N * f; e += threads) s[e] = p.embedding[p.atomic_numbers[e / f] * F + dF.global(rank, e % f)];
   for (int e = tid; e < 3 * N * f; e += threads) gv[e] = v_in(0)[e] = 0.0f;
+  // The forward's products read their input rows from two rooms in turn: a phase's product reads
+  // one, the phase pushes the next product's input into the other (read by no block since the
+  // barrier before the phase).
+  float* rooms[2] = {sm + L.rows[0], sm + L.rows[1]};
+  int room = 0;  // the room the next product reads
+  cluster_wait();  // every block has started: its shared memory may be written
+  for (int e = tid; e < N * f; e += threads) push(rooms[room], dF, e / f, e % f, s[e]);
   copies.wait();
-  cluster_sync();  // also: every block has started, so its shared memory may be read
+  cluster_sync();  // s in every block
+  const auto next_phase = [&]() {
+    cluster_sync();
+    room ^= 1;
+  };
 
   for (int t = 0; t < T; ++t) {
     const PainnInteraction& layer = p.interactions[t];
     const float* w = weights(t);
     const Filters filters{w + L.w.filter_w, w + L.w.filter_b, basis, nullptr, geometry, R4, f};
-    gathered_product(s, dF, N, gathered, w + L.w.phi1_w, w + L.w.phi1_b, h,
-                     SliceStore{h1, h, layer.phi_activation, pre1(t)});
-    cluster_sync();  // h1
-    gathered_product(h1, dH, N, gathered, w + L.w.phi2_w, w + L.w.phi2_b, m, SliceStore{phi(t), m});
+    rows_product(rooms[room], F, N, w + L.w.phi1_w, w + L.w.phi1_b, h,
+                 SliceStore{h1, h, layer.phi_activation, pre1(t), rooms[room ^ 1], dH});
+    next_phase();  // h1
+    rows_product(rooms[room], H, N, w + L.w.phi2_w, w + L.w.phi2_b, m, SliceStore{phi(t), m});
     // The messages, per receiver i and feature, over its pairs (i <- j): x = phi[j] * filter,
     // split into (x_s, x_vv, x_vs); s_i + sum x_s and v_i + sum (v_j x_vv + x_vs direction), into
     // sm_t and vm.
@@ -608,12 +625,15 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
       }
       if (real && sub == 0) {
         sm_t[i * z + fl] = s[i * f + fl] + x_s;
-        for (int c = 0; c < 3; ++c) vm[(3 * i + c) * f + fl] = vt[(3 * i + c) * f + fl] + x_v[c];
+        for (int c = 0; c < 3; ++c) {
+          vm[(3 * i + c) * f + fl] = vt[(3 * i + c) * f + fl] + x_v[c];
+          push(rooms[room ^ 1], dF, 3 * i + c, fl, vm[(3 * i + c) * f + fl]);
+        }
       }
     }
-    cluster_sync();  // vm
+    next_phase();  // vm
     float* uvt = uvv(t);
-    gathered_product(vm, dF, 3 * N, gathered, w + L.w.uv_w, nullptr, z, SliceStore{uvt, z});
+    rows_product(rooms[room], F, 3 * N, w + L.w.uv_w, nullptr, z, SliceStore{uvt, z});
     for (int e = tid; e < N * f; e += threads) {
       const int a = e / f, fl = e % f;
       float sum = p.norm_eps;
@@ -622,13 +642,15 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
         sum = fmaf(x, x, sum);
       }
       sm_t[a * z + f + fl] = sqrtf(sum);
+      push(rooms[room ^ 1], dZ, a, fl, sm_t[a * z + fl]);  // the messages' s: its room was being read then
+      push(rooms[room ^ 1], dZ, a, f + fl, sm_t[a * z + f + fl]);
     }
-    cluster_sync();  // z = [s after the messages, |V v|]
-    gathered_product(sm_t, dZ, N, gathered, w + L.w.mlp1_w, w + L.w.mlp1_b, k,
-                     SliceStore{h2, k, layer.update_activation, pre2(t)});
-    cluster_sync();  // h2
+    next_phase();  // z = [s after the messages, |V v|]
+    rows_product(rooms[room], 2 * F, N, w + L.w.mlp1_w, w + L.w.mlp1_b, k,
+                 SliceStore{h2, k, layer.update_activation, pre2(t), rooms[room ^ 1], dK});
+    next_phase();  // h2
     float* a_out = ga;  // the gates (a_vv, a_sv, a_ss), before the backward needs ga
-    gathered_product(h2, dK, N, gathered, w + L.w.mlp2_w, w + L.w.mlp2_b, m, SliceStore{a_out, m});
+    rows_product(rooms[room], K, N, w + L.w.mlp2_w, w + L.w.mlp2_b, m, SliceStore{a_out, m});
     // v = v_m + a_vv U v; s = s_m + a_sv <U v, V v> + a_ss.
     float* gt = gates(t);
     for (int e = tid; e < N * f; e += threads) {
@@ -643,12 +665,13 @@ __global__ void __launch_bounds__(kThreads) painn_split_kernel(const __grid_cons
         if (t + 1 < T) v_in(t + 1)[(3 * a + c) * f + fl] = fmaf(a_vv, uv, vm[(3 * a + c) * f + fl]);
       }
       s[e] = sm_t[a * z + fl] + fmaf(a_sv, dot, a_ss);
+      push(rooms[room ^ 1], dF, a, fl, s[e]);
     }
-    cluster_sync();  // s
+    next_phase();  // s
   }
 
   // The readout and the energy; d energy / d s into gs.
-  gathered_product(s, dF, N, gathered, sm + L.readout1_w, sm + L.readout1_b, r, SliceStore{readout, r});
+  rows_product(rooms[room], F, N, sm + L.readout1_w, sm + L.readout1_b, r, SliceStore{readout, r});
   float energy = 0.0f;
   for (int e = tid; e < N * r; e += threads) {
     const float v = readout[e], w2 = sm[L.readout2_w + e % r];
