@@ -246,7 +246,7 @@ struct SliceStore {
   Activation activation = Activation::kNone;
   float* pre = nullptr;
   float* next = nullptr;  // where given, the next product's rooms: out also goes there (push), as `dim`
-  Dim dim{};
+  Dim dim{};              // the outputs' dimension: given with `next` (its default has no chunks)
   __device__ void operator()(int r, int o, float v, float b) const;
 };
 
