@@ -28,9 +28,9 @@
 // (2026-12-02, a standalone A/B of other inputs); 142.3 us against 148.2 with the biases spread
 // over the threads and the basis by turns (bessel_rows; 2026-12-02, the same A/B); 135.1 with the
 // forward's inputs pushed (push). Not inlining the products (one copy of their code for the
-// instruction cache) made it slower: 157 us. The
-// first version, with remote float atomics for the backward's sums (each a compare-and-swap loop
-// over distributed shared memory) and an integer division per element in every gather, took 293 us.
+// instruction cache) made it slower: 157 us. The first version, with remote float atomics for the
+// backward's sums (each a compare-and-swap loop over distributed shared memory) and an integer
+// division per element in every gather, took 293 us.
 #include <cooperative_groups.h>
 
 #include "atom_products.cuh"
@@ -226,7 +226,7 @@ __device__ void stage_linear(float* out, const float* w, Dim dim, int ins, int s
 // their elements dealt out over the block's threads one after another across the biases: a
 // thread's loads are then one or two, not one of each bias. Loaded a bias at a time, slice
 // element l by thread l, thread 0's loads sat between its bulk copies and came one after another:
-// 148.2 against 146.5 us a call on benzene (H200, 2026-12-02, painn_split_phases.py's A/B).
+// 146.5 us a call on benzene spread, 148.2 before (H200, 2026-12-02, painn_split_phases.py's A/B).
 struct BiasLoads {
   int rank, next = 0;  // the thread the next element goes to
   __device__ void operator()(float* out, const float* bias, Dim dim) {

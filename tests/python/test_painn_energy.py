@@ -127,7 +127,6 @@ def test_painn_energy_matches_composite(device, name):
     assert_energy_op_matches_composite(mirage.ops.painn_energy, painn_composite, args, name)
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_painn_energy_close_pair_matches_composite(device):
     """A pair 0.02 apart (the other tests' pairs are 0.4 cutoff and more): w d of the first six
@@ -137,6 +136,7 @@ def test_painn_energy_close_pair_matches_composite(device):
     args[3] = args[3].clone()
     args[3][0] = torch.tensor([0.0, 0.02, 0.0])
     assert_energy_op_matches_composite(mirage.ops.painn_energy, painn_composite, args, "split close pair")
+
 
 def test_painn_energy_gradcheck():
     args = list(make_inputs("odd"))
